@@ -1,0 +1,31 @@
+"""Errors raised for bad user input. Every one names the offending value and what to change."""
+
+from __future__ import annotations
+
+
+class AutoplanError(ValueError):
+    """Base class of every error autoplan raises for input the user can fix."""
+
+
+class TraceError(AutoplanError):
+    """The model could not be traced into a graph."""
+
+
+class UnsupportedOpError(AutoplanError):
+    """An operator has no sharding rule and cannot be handled."""
+
+
+class ClusterFormatError(AutoplanError):
+    """A cluster file is missing a field or has a bad value."""
+
+
+class MeshShapeError(AutoplanError):
+    """A logical mesh shape does not match the cluster."""
+
+
+class InfeasiblePlanError(AutoplanError):
+    """No plan fits in device memory."""
+
+
+class PlanFormatError(AutoplanError):
+    """A plan document is malformed, of the wrong version, or made for another model or cluster."""

@@ -1,0 +1,1 @@
+"""Capture: models into the graph IR, and repeated layers."""

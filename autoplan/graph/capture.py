@@ -1,0 +1,232 @@
+"""Capture: trace a model (and optionally its loss) into the graph IR with torch.export.
+
+Tracing is non-strict `torch.export.export`, which runs the model on fake tensors: a model
+built under ``torch.device("meta")`` is traced without any parameter memory, and a model with
+real weights is never copied. The ATen graph of the forward (loss included) is kept at the
+level export gives it (``aten.linear``, ``aten.scaled_dot_product_attention`` ...); backward
+costs are derived per op (see `flops`), since the backward of each op mirrors its forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import operator
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autoplan.errors import TraceError
+from autoplan.graph.flops import op_flops
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "model."  # prefix of parameter and module paths inside TrainStep
+
+
+class TrainStep(nn.Module):
+    """``model`` followed by ``loss_fn(output, target)``: the module that gets traced."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> Any:
+        if self.loss_fn is None:
+            return self.model(*args)
+        *inputs, target = args
+        return self.loss_fn(self.model(*inputs), target)
+
+
+def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def step_args(
+    model: nn.Module, example_inputs: Any, example_target: Any, with_loss: bool
+) -> tuple[Any, ...]:
+    """The positional arguments of `TrainStep`, on the meta device if the model is on meta."""
+    args = as_tuple(example_inputs)
+    if with_loss:
+        if example_target is None:
+            raise TraceError(
+                "a loss_fn was given without example_target; pass the target batch too, e.g. "
+                "plan(model, x, cluster, loss_fn=F.mse_loss, example_target=y)"
+            )
+        args = (*args, example_target)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    return args
+
+
+def export_step(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+) -> ExportedProgram:
+    """Export the train step; a failure becomes a `TraceError` that names the user's line."""
+    args = step_args(model, example_inputs, example_target, loss_fn is not None)
+    wrapper = TrainStep(model, loss_fn)
+    try:
+        return torch.export.export(wrapper, args, strict=False)
+    except Exception as e:  # torch raises many types here; all become one clear error
+        raise TraceError(_explain_trace_failure(model, e)) from e
+
+
+def _explain_trace_failure(model: nn.Module, e: Exception) -> str:
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(__file__))
+    user_frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith((torch_dir, here)) and "site-packages" not in f.filename
+    ]
+    first_line = next((ln for ln in str(e).strip().splitlines() if ln.strip()), type(e).__name__)
+    where = ""
+    if user_frames:
+        f = user_frames[-1]
+        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return (
+        f"could not trace {type(model).__name__}{where}: {type(e).__name__}: {first_line}. "
+        "autoplan traces the model with torch.export on fake tensors: replace Python control "
+        "flow that depends on tensor values with tensor ops (torch.where, masks), and avoid "
+        ".item(), .tolist() and printing tensors inside forward."
+    )
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+) -> Graph:
+    """Trace ``model`` (and ``loss_fn`` applied to its output and ``example_target``)."""
+    ep = export_step(model, example_inputs, loss_fn, example_target)
+    return graph_from_export(ep)
+
+
+def graph_from_export(ep: ExportedProgram) -> Graph:
+    kinds: dict[str, tuple[str, str, bool]] = {}
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name  # type: ignore[union-attr]
+        target = (spec.target or name).removeprefix(_WRAPPED)
+        if spec.kind == InputKind.PARAMETER:
+            kinds[name] = (PARAM, target, True)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kinds[name] = (PARAM, target, False)
+        else:
+            kinds[name] = (INPUT, name, False)
+
+    nodes: list[Node] = []
+    grad: dict[str, bool] = {}
+    for fx_node in ep.graph.nodes:
+        if fx_node.op == "call_function" and fx_node.target is operator.getitem:
+            continue  # its users refer to the multi-output op directly (see _to_ir)
+        node = _convert(fx_node, kinds, grad)
+        grad[node.name] = node.needs_grad
+        nodes.append(node)
+    return Graph(nodes=tuple(nodes), fingerprint=_fingerprint(nodes))
+
+
+def _infos(val: Any) -> tuple[TensorInfo, ...]:
+    if isinstance(val, torch.Tensor):
+        return (TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")),)
+    if isinstance(val, list | tuple):
+        return tuple(i for v in val for i in _infos(v))
+    return ()
+
+
+def _to_ir(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        if value.op == "call_function" and value.target is operator.getitem:
+            # getitem of a multi-output op refers to that op's output directly
+            return Ref(value.args[0].name, int(value.args[1]))  # type: ignore[union-attr, arg-type]
+        return Ref(value.name)
+    if isinstance(value, list | tuple):
+        return tuple(_to_ir(v) for v in value)
+    return value
+
+
+def _module_path(fx_node: torch.fx.Node) -> str:
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = path.removeprefix("L['self'].").removeprefix(_WRAPPED)
+    return "" if path in ("model", "L['self']") else path
+
+
+def _convert(
+    fx_node: torch.fx.Node, kinds: dict[str, tuple[str, str, bool]], grad: dict[str, bool]
+) -> Node:
+    outputs = _infos(fx_node.meta.get("val"))
+    if fx_node.op == "placeholder":
+        kind, target, trainable = kinds[fx_node.name]
+        return Node(
+            name=fx_node.name,
+            kind=kind,
+            op=kind,
+            args=(),
+            kwargs=(),
+            outputs=outputs,
+            flops=0.0,
+            bwd_flops=0.0,
+            bytes_moved=0.0,
+            module_path=target.rpartition(".")[0] if kind == PARAM else "",
+            target=target,
+            needs_grad=trainable and all(o.is_float for o in outputs),
+            is_view=False,
+        )
+    args = tuple(_to_ir(a) for a in fx_node.args)
+    kwargs = tuple(sorted((k, _to_ir(v)) for k, v in fx_node.kwargs.items()))
+    if fx_node.op == "output":
+        return Node(fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", False, True)
+    if fx_node.op != "call_function":
+        raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
+
+    probe = Node(fx_node.name, OP, "", args, kwargs, outputs, 0, 0, 0, "", "", False, False)
+    in_names = [r.name for r in probe.refs]
+    needs_grad = any(grad.get(n, False) for n in in_names) and any(o.is_float for o in outputs)
+    op = str(fx_node.target)
+    schema = getattr(fx_node.target, "_schema", None)
+    is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+    in_infos = [i for i in (_infos(a.meta.get("val")) for a in fx_node.all_input_nodes) for i in i]
+    num_grad_inputs = sum(grad.get(n, False) for n in dict.fromkeys(in_names))
+    flops, bwd = (0.0, 0.0) if is_view else op_flops(op, in_infos, outputs, num_grad_inputs)
+    moved = 0.0 if is_view else float(sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in outputs))
+    return Node(
+        name=fx_node.name,
+        kind=OP,
+        op=op,
+        args=args,
+        kwargs=kwargs,
+        outputs=outputs,
+        flops=flops,
+        bwd_flops=bwd if needs_grad or num_grad_inputs else 0.0,
+        bytes_moved=moved,
+        module_path=_module_path(fx_node),
+        target="",
+        needs_grad=needs_grad,
+        is_view=is_view,
+    )
+
+
+def _fingerprint(nodes: Sequence[Node]) -> str:
+    doc = [[n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target] for n in nodes]
+    text = json.dumps(doc, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

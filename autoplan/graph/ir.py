@@ -1,0 +1,149 @@
+"""The graph IR: frozen nodes in graph order, with shapes, FLOPs, bytes and module paths.
+
+The IR is what the planner reads. It is made once by `capture` and never mutated. Tensor
+arguments of a node appear in ``args`` as `Ref` to the producing node (``Ref(name, index)``
+where ``index`` picks one output of a multi-output node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Node kinds.
+PARAM = "param"  # a trainable parameter (or a buffer: ``trainable`` False)
+INPUT = "input"  # a user input or target
+OP = "op"  # an ATen operator
+OUTPUT = "output"  # the graph's result (the loss for a train step)
+
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as torch names it without the prefix ("float32")."""
+    return _ITEMSIZE.get(dtype, 4)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor argument: output ``index`` of node ``name``."""
+
+    name: str
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    kind: str
+    op: str  # "aten.linear.default"; the kind for non-op nodes
+    args: tuple[Any, ...]  # fx args with tensors replaced by Ref
+    kwargs: tuple[tuple[str, Any], ...]
+    outputs: tuple[TensorInfo, ...]  # one per tensor output; empty for OUTPUT
+    flops: float  # forward FLOPs of the whole (unsharded) op
+    bwd_flops: float  # backward FLOPs
+    bytes_moved: float  # forward bytes read + written
+    module_path: str  # "blocks.3.attn.qkv"; "" at the top level
+    target: str  # parameter/buffer FQN for PARAM, user input name for INPUT, else ""
+    needs_grad: bool  # a gradient flows to this node's output in backward
+    is_view: bool  # the output aliases an input (no new memory, no compute)
+
+    @property
+    def output(self) -> TensorInfo:
+        assert len(self.outputs) == 1, f"{self.name} has {len(self.outputs)} outputs"
+        return self.outputs[0]
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        """Tensor arguments in argument order (lists flattened), then tensor kwargs."""
+        found: list[Ref] = []
+        _collect_refs(self.args, found)
+        _collect_refs(tuple(v for _, v in self.kwargs), found)
+        return tuple(found)
+
+
+def _collect_refs(value: Any, found: list[Ref]) -> None:
+    if isinstance(value, Ref):
+        found.append(value)
+    elif isinstance(value, tuple | list):
+        for v in value:
+            _collect_refs(v, found)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A traced train step (or forward), nodes in topological (graph) order."""
+
+    nodes: tuple[Node, ...]
+    fingerprint: str
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def node(self, name: str) -> Node:
+        return self._by_name()[name]
+
+    def _by_name(self) -> dict[str, Node]:
+        cache = self.__dict__.get("_by_name_cache")
+        if cache is None:
+            cache = {n.name: n for n in self.nodes}
+            object.__setattr__(self, "_by_name_cache", cache)
+        return cache
+
+    def users(self, name: str) -> tuple[str, ...]:
+        cache = self.__dict__.get("_users_cache")
+        if cache is None:
+            users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+            for n in self.nodes:
+                for r in dict.fromkeys(r.name for r in n.refs):
+                    users[r].append(n.name)
+            cache = {k: tuple(v) for k, v in users.items()}
+            object.__setattr__(self, "_users_cache", cache)
+        return cache[name]
+
+    @property
+    def params(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.kind == PARAM)
+
+    @property
+    def num_params(self) -> int:
+        return sum(n.output.numel for n in self.params)
+
+    def tensor(self, ref: Ref) -> TensorInfo:
+        return self.node(ref.name).outputs[ref.index]

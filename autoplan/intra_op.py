@@ -1,0 +1,212 @@
+"""Intra-operator planning: turn (graph, strategies, costs) into an ILP, solve it, decode it.
+
+Variables are *groups* of nodes that share one decision:
+* every copy of a repeated layer uses the decision of the first copy (`graph.layers`), with
+  costs multiplied by the number of copies;
+* a *follower* (an op with one tensor input from an op of the same layer: views,
+  element-wise ops) is merged into its producer: for each producer strategy it takes its own
+  cheapest strategy given that producer strategy, as Alpa does.
+The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from autoplan.graph.ir import OP, Graph, Node
+from autoplan.graph.layers import Layers, block_of
+from autoplan.solve.evaluate import evaluate
+from autoplan.solve.ilp import solve_intra_op
+from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+from autoplan.strategies.costs import Phased, StepCosts
+from autoplan.strategies.space import NodeStrategies, Strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Which group decides each (canonical) node, and how: node strategy = pick[node][k]."""
+
+    group_of: dict[str, int]
+    pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy
+    roots: tuple[str, ...]  # group index -> the node whose strategies are the group's
+
+
+@dataclass(frozen=True)
+class IntraOpResult:
+    mesh_shape: tuple[int, ...]
+    assignment: dict[str, Strategy]  # every node of the graph
+    solution: IntraOpSolution
+    problem: IntraOpProblem
+
+
+def _edges(graph: Graph, layers: Layers) -> dict[tuple[str, str, int], int]:
+    """(canonical producer, canonical consumer, input index) -> number of such edges."""
+    counts: dict[tuple[str, str, int], int] = defaultdict(int)
+    for node in graph:
+        for i, ref in enumerate(node.refs):
+            counts[(layers.rep(ref.name), layers.rep(node.name), i)] += 1
+    return counts
+
+
+def _edge_matrix(
+    graph: Graph, space: Mapping[str, NodeStrategies], costs: StepCosts, key: tuple[str, str, int]
+) -> list[list[float]]:
+    u, v, i = key
+    producer, consumer = graph.node(u), graph.node(v)
+    tensor = graph.tensor(consumer.refs[i])
+    return [
+        [costs.edge(producer, tensor, su, consumer, sv, i)[0] for sv in space[v].strategies]
+        for su in space[u].strategies
+    ]
+
+
+def _follower_producer(node: Node, graph: Graph) -> str | None:
+    """The producer a follower merges into, or None if ``node`` is not a follower."""
+    if node.kind != OP or len({r.name for r in node.refs}) != 1 or len(node.refs) != 1:
+        return None
+    producer = graph.node(node.refs[0].name)
+    if producer.kind != OP or block_of(producer) != block_of(node):
+        return None
+    return producer.name
+
+
+def _exact_follow(
+    producer: NodeStrategies, follower: NodeStrategies, producer_pick: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """For each producer strategy, the follower strategy that takes its output as is.
+
+    None unless every producer strategy has one: merging a follower that would need a
+    reshard for some producer strategy could hide a cheaper plan from the ILP.
+    """
+    by_input = {}
+    for j, s in enumerate(follower.strategies):
+        by_input.setdefault(s.inputs[0], j)
+    follow = []
+    for k in producer_pick:
+        j = by_input.get(producer.strategies[k].output)
+        if j is None:
+            return None
+        follow.append(j)
+    return tuple(follow)
+
+
+def build_problem(
+    graph: Graph,
+    layers: Layers,
+    space: Mapping[str, NodeStrategies],
+    costs: StepCosts,
+    memory_limit: float,
+) -> tuple[IntraOpProblem, Grouping]:
+    reps = [n for n in graph if n.name not in layers.canonical]
+    edge_counts = _edges(graph, layers)
+    matrices = {key: _edge_matrix(graph, space, costs, key) for key in edge_counts}
+
+    group_of: dict[str, int] = {}
+    pick: dict[str, tuple[int, ...]] = {}
+    roots: list[str] = []
+    node_costs: list[list[float]] = []
+    node_memory: list[list[float]] = []
+    merged_edges: set[tuple[str, str, int]] = set()
+    for node in reps:
+        strategies = space[node.name].strategies
+        count = layers.count(node.name)
+        own_time = [costs.node_time(node, s) * count for s in strategies]
+        own_mem = [costs.node_memory(node, s) * count for s in strategies]
+        producer = _follower_producer(node, graph)
+        follow = _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
+        if producer is not None and follow is not None:
+            g = group_of[producer]
+            for k, j in enumerate(follow):
+                node_costs[g][k] += own_time[j]
+                node_memory[g][k] += own_mem[j]
+            group_of[node.name] = g
+            pick[node.name] = follow
+            merged_edges.add((producer, node.name, 0))
+            continue
+        group_of[node.name] = len(roots)
+        pick[node.name] = tuple(range(len(strategies)))
+        roots.append(node.name)
+        node_costs.append(own_time)
+        node_memory.append(own_mem)
+
+    grouped: dict[tuple[int, int], list[list[float]]] = {}
+    for key, n_edges in edge_counts.items():
+        if key in merged_edges:
+            continue
+        u, v, _ = key
+        gu, gv = group_of[u], group_of[v]
+        matrix = matrices[key]
+        rows, cols = len(node_costs[gu]), len(node_costs[gv])
+        acc = grouped.setdefault((gu, gv), [[0.0] * cols for _ in range(rows)])
+        for a in range(rows):
+            for b in range(cols):
+                acc[a][b] += matrix[pick[u][a]][pick[v][b]] * n_edges
+
+    problem = IntraOpProblem(
+        names=tuple(roots),
+        node_costs=tuple(tuple(c) for c in node_costs),
+        node_memory=tuple(tuple(m) for m in node_memory),
+        edges=tuple(Edge(gu, gv, tuple(tuple(r) for r in m)) for (gu, gv), m in sorted(grouped.items())),
+        memory_limit=memory_limit,
+    )
+    return problem, Grouping(group_of, pick, tuple(roots))
+
+
+def decode(
+    graph: Graph, layers: Layers, space: Mapping[str, NodeStrategies], grouping: Grouping, choice: tuple[int, ...]
+) -> dict[str, Strategy]:
+    assignment = {}
+    for node in graph:
+        rep = layers.rep(node.name)
+        k = grouping.pick[rep][choice[grouping.group_of[rep]]]
+        assignment[node.name] = space[rep].strategies[k]
+    return assignment
+
+
+def plan_intra_op(
+    graph: Graph,
+    layers: Layers,
+    space: Mapping[str, NodeStrategies],
+    costs: StepCosts,
+    memory_limit: float,
+    time_limit_s: float,
+) -> IntraOpResult:
+    problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
+    log.info(
+        "mesh %s: %d decision groups for %d nodes", costs.mesh_shape, problem.num_groups, len(graph)
+    )
+    solution = solve_intra_op(problem, time_limit_s=time_limit_s)
+    check = evaluate(problem, solution.choice)
+    assert check.feasible, check.violations
+    assignment = decode(graph, layers, space, grouping, solution.choice)
+    return IntraOpResult(costs.mesh_shape, assignment, solution, problem)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Costs recomputed node by node and edge by edge from an assignment (no grouping)."""
+
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+    collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
+
+
+def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts) -> StepCost:
+    compute = memory = comm = 0.0
+    found: list[tuple[str, str, Phased]] = []
+    for node in graph:
+        s = assignment[node.name]
+        compute += costs.node_time(node, s)
+        memory += costs.node_memory(node, s)
+        for i, ref in enumerate(node.refs):
+            producer = graph.node(ref.name)
+            seconds, phased = costs.edge(producer, graph.tensor(ref), assignment[ref.name], node, s, i)
+            comm += seconds
+            found += [(node.name, ref.name, p) for p in phased]
+    return StepCost(compute, comm, memory, tuple(found))

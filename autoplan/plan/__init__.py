@@ -1,0 +1,1 @@
+"""The plan document and its JSON form."""

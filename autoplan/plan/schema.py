@@ -1,0 +1,120 @@
+"""The plan: a versioned, human-readable record of every decision and its predicted cost.
+
+Plans are plain frozen data. Placements are keyed by mesh-axis name and written as "R", "P"
+or "S(d)"; `autoplan.plan.io` turns a plan into canonical JSON and back, validating it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PLAN_VERSION = 1
+
+Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    autoplan: str
+    torch: str
+    graph_fingerprint: str
+    cluster_fingerprint: str
+    cluster: str  # the cluster's name, for people
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # row-major over the mesh, last axis fastest
+
+
+@dataclass(frozen=True)
+class Stage:
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    placements: Placements  # as the first op that reads it needs it
+    storage: Placements  # as it is kept between steps (with its gradient and optimizer state)
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    op: str
+    module: str
+    output: Placements
+    inputs: tuple[Placements, ...]
+    rule: str  # where the strategy came from: ours | dtensor | replicated | storage | data | output
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    bytes: int  # per device: the gathered output for all_gather, else the input
+    axis: str
+    phase: str  # forward | backward | grad_sync
+    node: str  # the op (or output) that needs the redistribution
+    tensor: str  # the node whose output is redistributed
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    peak_memory_bytes: float
+    memory_limit_bytes: float
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    objective: float
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+    num_groups: int
+    meshes_tried: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    provenance: Provenance
+    mesh: Mesh
+    stages: tuple[Stage, ...]
+    params: Mapping[str, ParamPlan]  # by parameter FQN ("layers.0.weight")
+    nodes: Mapping[str, NodePlan]  # by graph node name, in graph order
+    collectives: tuple[CollectivePlan, ...]
+    predicted: Predicted
+    solver: SolverInfo
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> str:
+        from autoplan.plan.io import plan_to_json
+
+        return plan_to_json(self)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def from_json(
+        cls,
+        source: str,
+        *,
+        graph_fingerprint: str | None = None,
+        cluster_fingerprint: str | None = None,
+    ) -> Plan:
+        """Read a plan from JSON text or a file path; refuse a malformed or mismatched one."""
+        from autoplan.plan.io import plan_from_json
+
+        return plan_from_json(
+            source, graph_fingerprint=graph_fingerprint, cluster_fingerprint=cluster_fingerprint
+        )

@@ -1,0 +1,1 @@
+"""Solvers over plain problem data; no torch here."""

@@ -1,0 +1,79 @@
+"""Score a strategy assignment for an :class:`IntraOpProblem`, independently of any solver.
+
+The solver's own objective value is never trusted: a plan's cost is what :func:`evaluate`
+recomputes from the plain problem data, so a mistake in the ILP formulation or its
+preprocessing shows up as a disagreement instead of a silently wrong number.
+
+Costs are seconds per training step; memory is bytes per device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autoplan.solve.problem import IntraOpProblem
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The cost and memory of one assignment, and every way it breaks the problem's rules.
+
+    When ``choice`` has the wrong length or an out-of-range entry the costs and memory cannot be
+    computed and are ``inf``; ``violations`` says why.
+    """
+
+    objective: float  # node_cost + edge_cost, seconds
+    node_cost: float
+    edge_cost: float
+    memory: float  # bytes per device
+    memory_limit: float
+    feasible: bool
+    violations: tuple[str, ...]
+
+
+def min_memory(problem: IntraOpProblem) -> float:
+    """The least memory (bytes per device) that any assignment can use."""
+    return math.fsum(min(mem) for mem in problem.node_memory)
+
+
+def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> Evaluation:
+    """Recompute cost and memory of ``choice`` (one strategy index per group) from scratch."""
+    violations = _structural_violations(problem, choice)
+    if violations:
+        return Evaluation(
+            objective=math.inf,
+            node_cost=math.inf,
+            edge_cost=math.inf,
+            memory=math.inf,
+            memory_limit=problem.memory_limit,
+            feasible=False,
+            violations=violations,
+        )
+    node_cost = math.fsum(costs[k] for costs, k in zip(problem.node_costs, choice, strict=True))
+    # For a self-edge (src == dst) choice[src] == choice[dst], so this picks the diagonal.
+    edge_cost = math.fsum(e.cost[choice[e.src]][choice[e.dst]] for e in problem.edges)
+    memory = math.fsum(mem[k] for mem, k in zip(problem.node_memory, choice, strict=True))
+    if memory > problem.memory_limit:
+        violations = (f"memory {memory:.1e} B exceeds limit {problem.memory_limit:.1e} B",)
+    return Evaluation(
+        objective=node_cost + edge_cost,
+        node_cost=node_cost,
+        edge_cost=edge_cost,
+        memory=memory,
+        memory_limit=problem.memory_limit,
+        feasible=not violations,
+        violations=violations,
+    )
+
+
+def _structural_violations(problem: IntraOpProblem, choice: Sequence[int]) -> tuple[str, ...]:
+    """Reasons ``choice`` is not an assignment at all: wrong length, index out of range."""
+    if len(choice) != problem.num_groups:
+        return (f"choice has {len(choice)} entries for {problem.num_groups} groups",)
+    violations = []
+    for name, costs, k in zip(problem.names, problem.node_costs, choice, strict=True):
+        if not 0 <= k < len(costs):
+            violations.append(f"group {name!r} choice {k} out of range ({len(costs)} strategies)")
+    return tuple(violations)

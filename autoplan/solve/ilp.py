@@ -1,0 +1,352 @@
+"""Intra-operator strategy selection as an integer linear program (Alpa's formulation).
+
+Notation: group ``v`` has strategies ``k`` with node cost ``c[v][k]`` (seconds per step) and
+memory ``m[v][k]`` (bytes per device); edge ``(u, v)`` has resharding costs ``R[u,v][i][j]``;
+``M`` is the memory limit.
+
+Preprocessing (:func:`simplify`) shrinks the problem first. Each step keeps the cost of every
+assignment unchanged, so :func:`~autoplan.solve.evaluate.evaluate` gives the same objective on
+the original and on the simplified problem:
+
+- :func:`fold_self_edges`: an edge with ``u == v`` only ever costs ``R[v,v][k][k]``; that
+  diagonal is added to ``c[v][k]``.
+- :func:`merge_parallel_edges`: edges between the same two groups are summed into one edge
+  ``(u, v)`` with ``u < v`` (an edge ``(v, u)`` is transposed first).
+- :func:`drop_zero_edges`: an edge whose matrix is all zeros is dropped.
+- :func:`fold_single_strategy_edges`: an edge with a one-strategy end is folded into the other
+  end's node costs (``R[u,v][i][0]`` into ``c[u][i]``, or ``R[u,v][0][j]`` into ``c[v][j]``).
+
+Groups with one strategy are then fixed to it and get no variable; what remains goes to the ILP
+built by :func:`build_model`:
+
+Variables
+    ``s[v][k]`` in {0, 1}: group ``v`` takes strategy ``k`` (groups with 2+ strategies only).
+    ``e[u,v][i][j]`` in [0, 1], continuous: edge ``(u, v)`` sees strategies ``(i, j)``.
+
+Objective (minimize, :func:`_set_objective`)
+    ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]``,
+    divided by its largest coefficient so that solver tolerances are relative to the costs
+    (which are seconds, often 1e-6 or smaller).
+
+Constraints
+    ``pick_<v>``: ``sum_k s[v][k] == 1`` (:func:`_add_node_variables`).
+    ``row_<u>__<v>_<i>``: ``sum_j e[u,v][i][j] == s[u][i]`` and
+    ``col_<u>__<v>_<j>``: ``sum_i e[u,v][i][j] == s[v][j]`` (:func:`_add_edge_variables`).
+    With ``s`` integral these force ``e[u,v][i][j] == s[u][i] * s[v][j]``: every row and column
+    but the chosen ones sum to zero. Its LP relaxation is much tighter, and the ILP much faster
+    to solve, than with the three-inequality linearization of a product.
+    ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
+    the largest ``m`` so the coefficients are at most 1 whatever the unit
+    (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
+
+The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
+the solver.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import warnings
+from dataclasses import replace
+
+import pulp
+
+from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.solve.evaluate import evaluate, min_memory
+from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+
+logger = logging.getLogger(__name__)
+
+GIB = float(2**30)
+# HiGHS stops at a 1e-4 relative gap by default; plans should be optimal, not merely close.
+MIP_REL_GAP = 1e-6
+SOLVERS = ("highs", "cbc")
+
+Matrix = tuple[tuple[float, ...], ...]
+NodeVariables = dict[int, list[pulp.LpVariable]]
+
+
+def solve_intra_op(
+    problem: IntraOpProblem, *, time_limit_s: float = 60.0, solver: str = "highs"
+) -> IntraOpSolution:
+    """Choose one strategy per group minimizing node + edge cost within the memory limit.
+
+    Raises :class:`InfeasiblePlanError` when no assignment fits in ``problem.memory_limit``.
+    """
+    if solver not in SOLVERS:
+        raise AutoplanError(f"unknown ILP solver {solver!r}; use one of {', '.join(SOLVERS)}")
+    start = time.perf_counter()
+    if min_memory(problem) > problem.memory_limit:
+        raise _infeasible_error(problem)
+    reduced = simplify(problem)
+    if all(len(costs) == 1 for costs in reduced.node_costs):
+        logger.debug("ILP: every group has a single strategy; no solver needed")
+        return _solution(problem, (0,) * problem.num_groups, "optimal", start, 0, 0)
+
+    model, s = build_model(reduced)
+    num_variables, num_constraints = model.numVariables(), model.numConstraints()
+    logger.debug(
+        "ILP: %d groups (%d free), %d edges (%d after simplify): %d variables, %d constraints",
+        problem.num_groups,
+        len(s),
+        len(problem.edges),
+        len(reduced.edges),
+        num_variables,
+        num_constraints,
+    )
+    model.solve(_make_solver(solver, time_limit_s))
+    status = _status(model, problem, time_limit_s)
+    choice = _extract_choice(reduced, s)
+    return _solution(problem, choice, status, start, num_variables, num_constraints)
+
+
+# ---------------------------------------------------------------- preprocessing
+
+
+def simplify(problem: IntraOpProblem) -> IntraOpProblem:
+    """Apply every preprocessing step; the cost of each assignment is unchanged."""
+    merged = merge_parallel_edges(fold_self_edges(problem))
+    return fold_single_strategy_edges(drop_zero_edges(merged))
+
+
+def fold_self_edges(problem: IntraOpProblem) -> IntraOpProblem:
+    """Add the diagonal of each edge with ``src == dst`` to that group's node costs."""
+    costs = [list(c) for c in problem.node_costs]
+    kept = []
+    for edge in problem.edges:
+        if edge.src == edge.dst:
+            for k, row in enumerate(edge.cost):
+                costs[edge.src][k] += row[k]
+        else:
+            kept.append(edge)
+    return replace(problem, node_costs=_freeze(costs), edges=tuple(kept))
+
+
+def merge_parallel_edges(problem: IntraOpProblem) -> IntraOpProblem:
+    """Sum edges between the same two groups into one edge ``(u, v)`` with ``u <= v``."""
+    merged: dict[tuple[int, int], list[list[float]]] = {}
+    for edge in problem.edges:
+        if edge.src <= edge.dst:
+            key, matrix = (edge.src, edge.dst), edge.cost
+        else:
+            key, matrix = (edge.dst, edge.src), _transpose(edge.cost)
+        if key not in merged:
+            merged[key] = [list(row) for row in matrix]
+            continue
+        total = merged[key]
+        for i, row in enumerate(matrix):
+            for j, x in enumerate(row):
+                total[i][j] += x
+    edges = tuple(Edge(u, v, _freeze(merged[u, v])) for u, v in sorted(merged))
+    return replace(problem, edges=edges)
+
+
+def drop_zero_edges(problem: IntraOpProblem) -> IntraOpProblem:
+    """Drop edges whose cost matrix is all zeros."""
+    edges = tuple(e for e in problem.edges if any(x != 0 for row in e.cost for x in row))
+    return replace(problem, edges=edges)
+
+
+def fold_single_strategy_edges(problem: IntraOpProblem) -> IntraOpProblem:
+    """Fold each edge with a one-strategy end into the other end's node costs."""
+    costs = [list(c) for c in problem.node_costs]
+    kept = []
+    for edge in problem.edges:
+        if len(costs[edge.dst]) == 1:
+            for i, row in enumerate(edge.cost):
+                costs[edge.src][i] += row[0]
+        elif len(costs[edge.src]) == 1:
+            for j, x in enumerate(edge.cost[0]):
+                costs[edge.dst][j] += x
+        else:
+            kept.append(edge)
+    return replace(problem, node_costs=_freeze(costs), edges=tuple(kept))
+
+
+def _freeze(matrix: list[list[float]]) -> Matrix:
+    return tuple(tuple(row) for row in matrix)
+
+
+def _transpose(matrix: Matrix) -> Matrix:
+    return tuple(zip(*matrix, strict=True))
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]:
+    """The ILP of the module docstring for an already simplified problem.
+
+    Returns the model and ``s``: for each group with 2+ strategies, its binary variables.
+    """
+    labels = group_labels(problem.names)
+    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    s = _add_node_variables(model, problem, labels)
+    e = _add_edge_variables(model, problem, s, labels)
+    _add_memory_constraint(model, problem, s)
+    _set_objective(model, problem, s, e)
+    return model, s
+
+
+def group_labels(names: tuple[str, ...]) -> list[str]:
+    """Names usable in pulp: runs of characters other than [A-Za-z0-9] become one "_", and the
+    group index is appended so labels are unique (and never contain "__")."""
+    labels = []
+    for v, name in enumerate(names):
+        clean = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "group"
+        labels.append(f"{clean}_{v}")
+    return labels
+
+
+def _new_variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
+    # PuLP >= 3.3 deprecates constructing LpVariable directly in favour of add_variable.
+    if hasattr(model, "add_variable"):
+        return model.add_variable(name, 0, 1, cat)
+    return pulp.LpVariable(name, 0, 1, cat)
+
+
+def _add_node_variables(
+    model: pulp.LpProblem, problem: IntraOpProblem, labels: list[str]
+) -> NodeVariables:
+    s: NodeVariables = {}
+    for v, costs in enumerate(problem.node_costs):
+        if len(costs) == 1:
+            continue
+        s[v] = [
+            _new_variable(model, f"s_{labels[v]}_{k}", pulp.LpBinary) for k in range(len(costs))
+        ]
+        model += pulp.lpSum(s[v]) == 1, f"pick_{labels[v]}"
+    return s
+
+
+def _add_edge_variables(
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
+) -> list[list[list[pulp.LpVariable]]]:
+    """One matrix of ``e`` variables per edge, in ``problem.edges`` order."""
+    e = []
+    for edge in problem.edges:
+        u, v = edge.src, edge.dst
+        assert u != v and u in s and v in s, "build_model expects a simplified problem"
+        name = f"{labels[u]}__{labels[v]}"
+        rows = range(len(s[u]))
+        cols = range(len(s[v]))
+        ev = [
+            [_new_variable(model, f"e_{name}_{i}_{j}", pulp.LpContinuous) for j in cols]
+            for i in rows
+        ]
+        for i in rows:
+            model += pulp.lpSum(ev[i]) == s[u][i], f"row_{name}_{i}"
+        for j in cols:
+            model += pulp.lpSum(ev[i][j] for i in rows) == s[v][j], f"col_{name}_{j}"
+        e.append(ev)
+    return e
+
+
+def _add_memory_constraint(
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables
+) -> None:
+    if math.isinf(problem.memory_limit):
+        return
+    fixed = sum(mem[0] for v, mem in enumerate(problem.node_memory) if v not in s)
+    terms = [(x, problem.node_memory[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
+    scale = max((abs(m) for _, m in terms), default=0.0) or 1.0
+    used = pulp.LpAffineExpression([(x, m / scale) for x, m in terms])
+    model += used <= (problem.memory_limit - fixed) / scale, "memory"
+
+
+def _set_objective(
+    model: pulp.LpProblem,
+    problem: IntraOpProblem,
+    s: NodeVariables,
+    e: list[list[list[pulp.LpVariable]]],
+) -> None:
+    terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
+    for edge, ev in zip(problem.edges, e, strict=True):
+        terms += [
+            (x, c)
+            for xs, cs in zip(ev, edge.cost, strict=True)
+            for x, c in zip(xs, cs, strict=True)
+        ]
+    scale = max((abs(c) for _, c in terms), default=0.0) or 1.0
+    model += pulp.LpAffineExpression([(x, c / scale) for x, c in terms if c != 0])
+
+
+# ---------------------------------------------------------------- solving
+
+
+def _make_solver(solver: str, time_limit_s: float) -> pulp.LpSolver:
+    if solver == "highs":
+        highs = pulp.HiGHS(msg=False, threads=1, timeLimit=time_limit_s, gapRel=MIP_REL_GAP)
+        if highs.available():
+            return highs
+        logger.warning("HiGHS is not available to pulp; falling back to CBC")
+    # PuLP >= 3.3 deprecates its bundled CBC (PULP_CBC_CMD); it is still the one CBC that ships
+    # with pulp, so keep using it without the warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_REL_GAP)
+
+
+def _status(model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float) -> str:
+    """The solution status: "optimal", or "time_limit" with an incumbent; else raises."""
+    if model.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if model.sol_status == pulp.LpSolutionIntegerFeasible:
+        logger.warning(
+            "ILP stopped at the %.1f s time limit before proving optimality; "
+            "using the best plan found",
+            time_limit_s,
+        )
+        return "time_limit"
+    if model.sol_status == pulp.LpSolutionInfeasible:
+        raise _infeasible_error(problem)
+    raise AutoplanError(
+        f"the ILP solver found no plan within time_limit_s={time_limit_s:g} "
+        f"(status {pulp.LpStatus[model.status]!r}); raise the time limit"
+    )
+
+
+def _extract_choice(problem: IntraOpProblem, s: NodeVariables) -> tuple[int, ...]:
+    choice = [0] * problem.num_groups
+    for v, xs in s.items():
+        values = [x.varValue or 0.0 for x in xs]
+        k = max(range(len(values)), key=values.__getitem__)
+        assert [round(x) for x in values].count(1) == 1 and round(values[k]) == 1, (
+            f"group {v} has no single chosen strategy: {values}"
+        )
+        choice[v] = k
+    return tuple(choice)
+
+
+def _solution(
+    problem: IntraOpProblem,
+    choice: tuple[int, ...],
+    status: str,
+    start: float,
+    num_variables: int,
+    num_constraints: int,
+) -> IntraOpSolution:
+    evaluation = evaluate(problem, choice)
+    if not evaluation.feasible:
+        # Only possible through solver tolerances (a few bytes over a tight limit).
+        logger.warning("ILP plan violates the problem: %s", "; ".join(evaluation.violations))
+    solve_time_s = time.perf_counter() - start
+    logger.debug("ILP %s: objective %.6g s in %.2f s", status, evaluation.objective, solve_time_s)
+    return IntraOpSolution(
+        choice=choice,
+        objective=evaluation.objective,
+        status=status,
+        solve_time_s=solve_time_s,
+        num_variables=num_variables,
+        num_constraints=num_constraints,
+    )
+
+
+def _infeasible_error(problem: IntraOpProblem) -> InfeasiblePlanError:
+    return InfeasiblePlanError(
+        f"no strategy assignment fits in {problem.memory_limit / GIB:.2f} GiB per device; "
+        f"the smallest needs {min_memory(problem) / GIB:.2f} GiB"
+    )

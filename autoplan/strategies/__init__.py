@@ -1,0 +1,1 @@
+"""Placements, sharding rules and the cost of each strategy."""

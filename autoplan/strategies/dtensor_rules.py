@@ -1,0 +1,105 @@
+"""Adapter over DTensor's own per-mesh-axis sharding rules (private API, torch 2.13.0).
+
+torch 2.13 registers most ATen ops with a *single-dim* strategy: for one mesh axis, a list of
+placement lists ``[outputs..., tensor args...]`` built from the args' shapes. This is exactly
+our per-axis rule, so we call it and translate DTensor placements to "R" / "P" / "S(d)".
+This module is the only place that touches DTensor internals; tests pin its behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from autoplan.graph.ir import Ref, TensorInfo
+from autoplan.strategies.placement import P, R, shard
+
+log = logging.getLogger(__name__)
+
+AxisRule = tuple[str, ...]  # (output, tensor input 0, tensor input 1, ...) on one mesh axis
+
+
+def resolve_op(op: str) -> torch._ops.OpOverload | None:
+    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor`` (None if it is not an ATen op)."""
+    parts = op.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return None
+    packet = getattr(torch.ops.aten, parts[1], None)
+    return getattr(packet, parts[2], None) if packet is not None else None
+
+
+def _single_dim_funcs() -> dict[Any, Any]:
+    return DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+
+
+def has_rule(op: str) -> bool:
+    overload = resolve_op(op)
+    return overload is not None and overload in _single_dim_funcs()
+
+
+def _meta(info: TensorInfo) -> TensorMeta:
+    stride = []
+    acc = 1
+    for s in reversed(info.shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return TensorMeta(torch.Size(info.shape), tuple(reversed(stride)), getattr(torch, info.dtype))
+
+
+def _schema_value(value: Any, tensors: dict[Ref, TensorInfo]) -> Any:
+    if isinstance(value, Ref):
+        return _meta(tensors[value])
+    if isinstance(value, tuple):
+        return [_schema_value(v, tensors) for v in value]
+    return value
+
+
+def _placement(p: Any, ndim: int) -> str | None:
+    if isinstance(p, Replicate):
+        return R
+    if isinstance(p, Partial):  # includes the masked partial of a row-split embedding
+        return P
+    if isinstance(p, _ShardingPlaceholder | Shard):
+        return shard(p.dim % ndim) if ndim else None
+    return None
+
+
+def axis_rules(
+    op: str,
+    args: Sequence[Any],
+    kwargs: Sequence[tuple[str, Any]],
+    tensors: dict[Ref, TensorInfo],
+    num_outputs: int,
+    out_ndim: int,
+    in_ndims: Sequence[int],
+) -> list[AxisRule] | None:
+    """DTensor's single-axis strategies as (output, inputs...) tuples, or None if it has none.
+
+    Multi-output ops keep only strategies that place every output alike.
+    """
+    overload = resolve_op(op)
+    info = _single_dim_funcs().get(overload) if overload is not None else None
+    if info is None:
+        return None
+    args_schema = tuple(_schema_value(a, tensors) for a in args)
+    kwargs_schema = {k: _schema_value(v, tensors) for k, v in kwargs}
+    try:
+        raw = info.func(overload, args_schema, kwargs_schema)
+    except Exception as e:  # a rule that cannot handle these args: fall back to ours/replicate
+        log.debug("DTensor rule for %s failed: %s", op, e)
+        return None
+    rules: list[AxisRule] = []
+    for placements in raw:
+        outs = [_placement(p, out_ndim) for p in placements[:num_outputs]]
+        ins = [_placement(p, nd) for p, nd in zip(placements[num_outputs:], in_ndims, strict=False)]
+        if len(ins) != len(in_ndims) or None in outs or None in ins or len(set(outs)) != 1:
+            continue
+        rules.append((outs[0], *ins))  # type: ignore[arg-type]
+    return rules

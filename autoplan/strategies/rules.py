@@ -1,0 +1,194 @@
+"""Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for.
+
+export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention, the losses) that
+DTensor only sees decomposed, and view ops whose DTensor rules need a live mesh. Each rule
+returns, for one mesh axis, tuples ``(output, input 0, input 1, ...)`` over the node's tensor
+inputs (`Node.refs` order). The all-replicated tuple is added by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from autoplan.graph.ir import Node, TensorInfo
+from autoplan.strategies.placement import P, R, shard
+
+AxisRule = tuple[str, ...]
+Rule = Callable[[Node, Sequence[TensorInfo]], list[AxisRule]]
+
+
+def _arg(node: Node, index: int, name: str, default: object) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return dict(node.kwargs).get(name, default)
+
+
+def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    x = ins[0]
+    has_bias = len(ins) == 3
+    last = x.shape and len(x.shape) - 1
+    rules: list[AxisRule] = []
+    for d in range(len(x.shape) - 1):  # batch-like dims: data parallel
+        rules.append((shard(d), shard(d), R, *([R] if has_bias else [])))
+    # column split: weight rows (output features); bias split alike
+    rules.append((shard(int(last)), R, shard(0), *([shard(0)] if has_bias else [])))
+    # row split: contraction dim split, partial sums out; bias added on one rank only
+    rules.append((P, shard(int(last)), shard(1), *([P] if has_bias else [])))
+    return rules
+
+
+def _attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # q, k, v: (..., heads, seq, head_dim); any dim before seq (batch, heads) may be split.
+    q = ins[0]
+    rules: list[AxisRule] = []
+    for d in range(len(q.shape) - 2):
+        rules.append((shard(d), *[shard(d) if len(t.shape) == len(q.shape) else R for t in ins]))
+    return rules
+
+
+def _layer_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    x = ins[0]
+    normalized = _arg(node, 1, "normalized_shape", ())
+    num_norm = len(normalized) if isinstance(normalized, tuple | list) else 1
+    rest = [R] * (len(ins) - 1)  # weight, bias
+    return [(shard(d), shard(d), *rest) for d in range(len(x.shape) - num_norm)]
+
+
+def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # logits (N, C, ...) / target (N, ...): split the batch; class weights stay replicated.
+    # The loss then holds partial sums on that axis (the executor averages by the split).
+    logits, target = ins[0], ins[1]
+    rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
+    for d in range(2, len(logits.shape)):
+        rules.append((P, shard(d), shard(d - 1), *[R] * (len(ins) - 2)))
+    del target
+    return rules
+
+
+def _elementwise_loss(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    x = ins[0]
+    reduction = _arg(node, 2, "reduction", 1)
+    out = P if reduction != 0 else None
+    return [(out or shard(d), *[shard(d)] * len(ins)) for d in range(len(x.shape))]
+
+
+def _view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
+    """Input dim -> output dim where a split of the input dim stays a plain split of the output.
+
+    Dims are grouped where their products match (as a reshape regroups them); the first
+    non-unit dim of an input group maps to the first non-unit dim of the output group.
+    """
+    mapping: dict[int, int] = {}
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                if i >= len(src):
+                    return mapping
+                gi.append(i)
+                pi *= src[i]
+            else:
+                j += 1
+                if j >= len(dst):
+                    return mapping
+                gj.append(j)
+                pj *= dst[j]
+        first_i = next((d for d in gi if src[d] != 1), None)
+        first_j = next((d for d in gj if dst[d] != 1), None)
+        if first_i is not None and first_j is not None:
+            mapping[first_i] = first_j
+        i += 1
+        j += 1
+    return mapping
+
+
+def _from_dim_map(mapping: dict[int, int], extra_inputs: int = 0) -> list[AxisRule]:
+    rules: list[AxisRule] = [(P, P, *[R] * extra_inputs)]
+    rules += [(shard(o), shard(i), *[R] * extra_inputs) for i, o in sorted(mapping.items())]
+    return rules
+
+
+def _reshape(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return _from_dim_map(_view_dim_map(ins[0].shape, node.outputs[0].shape))
+
+
+def _permutation(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    ndim = len(ins[0].shape)
+    order = list(range(ndim))
+    name = node.op.split(".")[1]
+    if name == "permute":
+        order = [int(d) % ndim for d in node.args[1]]
+    elif ndim >= 2:  # transpose / t: swap two dims
+        a, b = (int(node.args[1]) % ndim, int(node.args[2]) % ndim) if name == "transpose" else (0, 1)
+        order[a], order[b] = order[b], order[a]
+    return _from_dim_map({src: dst for dst, src in enumerate(order)})
+
+
+def _identity(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return _from_dim_map({d: d for d in range(len(ins[0].shape))})
+
+
+def _split(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    ndim = len(ins[0].shape)
+    dim = int(_arg(node, 2, "dim", 0)) % ndim  # type: ignore[call-overload]
+    return _from_dim_map({d: d for d in range(ndim) if d != dim})
+
+
+def _broadcast(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # outputs have the broadcast shape; an input dim of size 1 (or missing) stays replicated
+    out = node.outputs[0].shape
+    rules: list[AxisRule] = []
+    for d in range(len(out)):
+        placements = []
+        for t in ins:
+            td = d - (len(out) - len(t.shape))
+            placements.append(shard(td) if td >= 0 and t.shape[td] == out[d] else R)
+        rules.append((shard(d), *placements))
+    return rules
+
+
+def _no_inputs(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return []  # factories (arange, zeros ...): replicated only
+
+
+_RULES: dict[str, Rule] = {
+    "linear": _linear,
+    "scaled_dot_product_attention": _attention,
+    "_scaled_dot_product_flash_attention_for_cpu": _attention,
+    "_scaled_dot_product_flash_attention": _attention,
+    "_scaled_dot_product_efficient_attention": _attention,
+    "layer_norm": _layer_norm,
+    "cross_entropy_loss": _cross_entropy,
+    "mse_loss": _elementwise_loss,
+    "l1_loss": _elementwise_loss,
+    "view": _reshape,
+    "reshape": _reshape,
+    "_unsafe_view": _reshape,
+    "flatten": _reshape,
+    "unflatten": _reshape,
+    "unsqueeze": _reshape,
+    "squeeze": _reshape,
+    "transpose": _permutation,
+    "permute": _permutation,
+    "t": _permutation,
+    "contiguous": _identity,
+    "clone": _identity,
+    "alias": _identity,
+    "detach": _identity,
+    "split": _split,
+    "split_with_sizes": _split,
+    "chunk": _split,
+    "broadcast_tensors": _broadcast,
+    "arange": _no_inputs,
+    "zeros": _no_inputs,
+    "ones": _no_inputs,
+    "full": _no_inputs,
+}
+
+
+def own_rule(op: str) -> Rule | None:
+    parts = op.split(".")
+    return _RULES.get(parts[1]) if len(parts) == 3 and parts[0] == "aten" else None

@@ -1,0 +1,57 @@
+"""A workload: a model with example inputs, loss and target. Examples expose ``workload()``."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.errors import AutoplanError
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: nn.Module
+    example_inputs: tuple[Any, ...]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    example_target: Any = None
+
+
+def load_workload(path: str | Path, **options: Any) -> Workload:
+    """Import a Python file and call its ``workload(**options)``.
+
+    Options are passed only if the function accepts them, so ``--set batch_size=8`` works for
+    examples that take ``batch_size`` and is reported for those that do not.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise AutoplanError(f"workload file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"autoplan_workload_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    make = getattr(module, "workload", None)
+    if make is None:
+        raise AutoplanError(
+            f"{path} has no function `workload()`; define one returning autoplan.Workload "
+            "(see examples/mlp.py)"
+        )
+    accepted = inspect.signature(make).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise AutoplanError(
+            f"{path}: workload() does not take {', '.join(unknown)}; it takes "
+            f"{', '.join(accepted) or 'no options'}"
+        )
+    result = make(**options)
+    if not isinstance(result, Workload):
+        raise AutoplanError(f"{path}: workload() returned {type(result).__name__}, not Workload")
+    return result

@@ -1,0 +1,123 @@
+"""A GPT-2 style decoder, sizes from a toy up to GPT-3 175B.
+
+Large sizes are built on the meta device (no memory) and are meant for planning:
+
+    autoplan plan examples/gpt.py --cluster costmodels/dgx-a100-80gb.json --nodes 8 \
+        --set size=175b --set device=meta
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoplan import Workload
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    num_layers: int
+    dim: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+
+
+# GPT-3 paper sizes (Brown et al. 2020, table 2.1); vocabulary padded to a multiple of 64
+SIZES = {
+    "tiny": GPTConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, seq_len=16),
+    "small": GPTConfig(num_layers=4, dim=256, num_heads=8, vocab_size=1024, seq_len=64),
+    "125m": GPTConfig(num_layers=12, dim=768, num_heads=12, vocab_size=50304, seq_len=2048),
+    "350m": GPTConfig(num_layers=24, dim=1024, num_heads=16, vocab_size=50304, seq_len=2048),
+    "1.3b": GPTConfig(num_layers=24, dim=2048, num_heads=16, vocab_size=50304, seq_len=2048),
+    "2.7b": GPTConfig(num_layers=32, dim=2560, num_heads=32, vocab_size=50304, seq_len=2048),
+    "7b": GPTConfig(num_layers=32, dim=4096, num_heads=32, vocab_size=50304, seq_len=2048),
+    "13b": GPTConfig(num_layers=40, dim=5120, num_heads=40, vocab_size=50304, seq_len=2048),
+    "175b": GPTConfig(num_layers=96, dim=12288, num_heads=96, vocab_size=50304, seq_len=2048),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        # separate projections (as in torchtitan's Llama) so heads split evenly across ranks
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        shape = (b, t, self.num_heads, c // self.num_heads)
+        q, k, v = (f(x).view(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.proj = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+
+
+def workload(
+    size: str = "tiny",
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Workload:
+    if size not in SIZES:
+        raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
+    cfg = SIZES[size]
+    if seq_len is not None:
+        cfg = GPTConfig(cfg.num_layers, cfg.dim, cfg.num_heads, cfg.vocab_size, seq_len)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(cfg).to(getattr(torch, dtype))
+        idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+        target = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+    return Workload(model, (idx,), gpt_loss, target)

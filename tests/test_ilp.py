@@ -1,0 +1,326 @@
+"""ILP strategy selection and evaluation on hand-built problems with hand-computed optima."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import numpy as np
+import pulp
+import pytest
+
+from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.solve import ilp
+from autoplan.solve.evaluate import evaluate, min_memory
+from autoplan.solve.ilp import (
+    build_model,
+    drop_zero_edges,
+    fold_self_edges,
+    fold_single_strategy_edges,
+    group_labels,
+    merge_parallel_edges,
+    simplify,
+    solve_intra_op,
+)
+from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+
+GIB = float(2**30)
+SOLVERS = ["highs", "cbc"]
+
+Costs = Sequence[Sequence[float]]
+
+
+def make_problem(
+    node_costs: Costs,
+    edges: Sequence[tuple[int, int, Costs]] = (),
+    *,
+    memory_gib: Costs | None = None,
+    limit_gib: float = math.inf,
+    names: Sequence[str] | None = None,
+) -> IntraOpProblem:
+    """A problem from plain lists; memory defaults to 0 B for every strategy."""
+    if memory_gib is None:
+        memory_gib = [[0.0] * len(c) for c in node_costs]
+    return IntraOpProblem(
+        names=tuple(names or (f"g{v}" for v in range(len(node_costs)))),
+        node_costs=tuple(tuple(float(x) for x in c) for c in node_costs),
+        node_memory=tuple(tuple(x * GIB for x in m) for m in memory_gib),
+        edges=tuple(
+            Edge(u, v, tuple(tuple(float(x) for x in row) for row in cost)) for u, v, cost in edges
+        ),
+        memory_limit=limit_gib * GIB,
+    )
+
+
+def check_solution(
+    problem: IntraOpProblem, solver: str, choice: tuple[int, ...], objective: float
+) -> IntraOpSolution:
+    """Solve and compare with the hand-computed optimum; evaluate() must agree."""
+    solution = solve_intra_op(problem, solver=solver)
+    assert solution.status == "optimal"
+    assert solution.choice == choice
+    assert solution.objective == pytest.approx(objective)
+    evaluation = evaluate(problem, solution.choice)
+    assert evaluation.feasible, evaluation.violations
+    assert evaluation.objective == pytest.approx(solution.objective)
+    return solution
+
+
+# Strategy 0 mismatching strategy 1 across an edge costs a 10 s reshard.
+RESHARD = [[0, 10], [10, 0]]
+
+
+def chain_problem() -> IntraOpProblem:
+    # Greedy per node: a0 (1) + b0 (1) + c1 (1) = 3, plus the b0->c1 reshard 10 = 13.
+    # All 0: 1 + 1 + 4 = 6.  All 1: 2 + 2 + 1 = 5 (a and b take their locally worse strategy).
+    # Mixed: (0,1,1) 1+2+1+10 = 14; (1,0,0) 2+1+4+10 = 17; every other mix pays >= 10.
+    return make_problem([[1, 2], [1, 2], [4, 1]], [(0, 1, RESHARD), (1, 2, RESHARD)])
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_chain_takes_locally_worse_strategy_to_avoid_reshard(solver: str) -> None:
+    solution = check_solution(chain_problem(), solver, (1, 1, 1), 5.0)
+    # 6 s variables + 2 edges x 4 e variables; 3 pick + 2 edges x (2 rows + 2 cols).
+    assert (solution.num_variables, solution.num_constraints) == (14, 11)
+
+
+def memory_problem(limit_gib: float) -> IntraOpProblem:
+    # Strategy 0 replicates (fast, 4 GiB), strategy 1 shards (slow, 1 GiB); mismatch costs 1.
+    mismatch = [[0, 1], [1, 0]]
+    return make_problem(
+        [[1, 2], [1, 2], [1, 1.5]],
+        [(0, 1, mismatch), (1, 2, mismatch)],
+        memory_gib=[[4, 1]] * 3,
+        limit_gib=limit_gib,
+    )
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_memory_limit_forces_smaller_strategy(solver: str) -> None:
+    # Unlimited: all replicated, 1 + 1 + 1 = 3 (12 GiB).
+    check_solution(memory_problem(math.inf), solver, (0, 0, 0), 3.0)
+    # 10 GiB: one group must shard (4 + 4 + 1 = 9 GiB).
+    # Shard c: 1 + 1 + 1.5 + mismatch 1 = 4.5.  Shard a: 2 + 1 + 1 + 1 = 5.
+    # Shard b: 1 + 2 + 1 + two mismatches 2 = 6.
+    check_solution(memory_problem(10.0), solver, (0, 0, 1), 4.5)
+
+
+def test_infeasible_memory_limit_names_both_numbers() -> None:
+    # The smallest plan shards everything: 3 x 1 GiB = 3 GiB > 2 GiB.
+    problem = memory_problem(2.0)
+    assert min_memory(problem) == 3 * GIB
+    with pytest.raises(InfeasiblePlanError, match=r"2\.00 GiB.*3\.00 GiB"):
+        solve_intra_op(problem)
+
+
+def test_merge_parallel_edges_sums_and_transposes() -> None:
+    problem = make_problem(
+        [[1, 1], [1, 1]],
+        [
+            (0, 1, [[0, 3], [3, 1]]),
+            (0, 1, [[2, 0], [0, 2]]),
+            (1, 0, [[0, 1], [2, 0]]),  # rows are strategies of group 1: transposed onto (0, 1)
+        ],
+    )
+    merged = merge_parallel_edges(problem)
+    # [[0,3],[3,1]] + [[2,0],[0,2]] + [[0,2],[1,0]] = [[2,5],[4,3]]
+    assert merged.edges == (Edge(0, 1, ((2.0, 5.0), (4.0, 3.0))),)
+    # Node costs 1 + 1 = 2 everywhere, so the smallest merged entry wins: (0,0) = 2 + 2 = 4.
+    # (1,1) = 5, (1,0) = 6, (0,1) = 7.
+    for solver in SOLVERS:
+        solution = check_solution(problem, solver, (0, 0), 4.0)
+        # One merged edge: 4 s + 4 e variables.
+        assert solution.num_variables == 8
+
+
+def test_self_edge_adds_its_diagonal() -> None:
+    # A repeated layer "l" feeds itself; only the diagonal 5, 0.5, 0 can occur (not the 100s).
+    self_edge = [[5, 100, 100], [100, 0.5, 100], [100, 100, 0]]
+    problem = make_problem(
+        [[1, 2, 3], [1, 1]], [(0, 0, self_edge), (0, 1, [[0, 0], [0, 2], [0, 0]])]
+    )
+    folded = fold_self_edges(problem)
+    assert folded.node_costs[0] == (6.0, 2.5, 3.0)
+    assert [(e.src, e.dst) for e in folded.edges] == [(0, 1)]
+    assert evaluate(problem, (1, 0)).edge_cost == 0.5
+    # l costs 6, 2.5, 3 with the diagonal; l1 with b0 costs nothing on the edge:
+    # (1,0) = 2.5 + 1 = 3.5; (2,*) = 3 + 1 = 4; (0,*) = 7; (1,1) = 2.5 + 1 + 2 = 5.5.
+    for solver in SOLVERS:
+        check_solution(problem, solver, (1, 0), 3.5)
+
+
+def test_zero_edges_are_dropped() -> None:
+    problem = make_problem([[1, 2], [2, 1]], [(0, 1, [[0, 0], [0, 0]]), (0, 1, RESHARD)])
+    assert drop_zero_edges(problem).edges == (problem.edges[1],)
+    assert simplify(make_problem([[1, 2], [2, 1]], [(0, 1, [[0, 0], [0, 0]])])).edges == ()
+
+
+def single_strategy_problem(limit_gib: float = 11) -> IntraOpProblem:
+    return make_problem(
+        [[2], [1, 1, 2], [0.5]],
+        [(0, 1, [[0, 7, 3]]), (1, 2, [[4], [0], [1]]), (0, 2, [[1]])],
+        memory_gib=[[4], [3, 1, 2], [4]],
+        limit_gib=limit_gib,
+        names=["embed", "fc", "out"],
+    )
+
+
+def test_single_strategy_edges_fold_into_node_costs() -> None:
+    folded = fold_single_strategy_edges(single_strategy_problem())
+    assert folded.edges == ()
+    # fc: (1, 1, 2) + embed row (0, 7, 3) + out column (4, 0, 1) = (5, 8, 6).
+    # embed: 2 + the fixed-fixed edge embed->out 1 = 3 (folded into the source).
+    assert folded.node_costs == ((3.0,), (5.0, 8.0, 6.0), (0.5,))
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_single_strategy_groups_get_no_variables(solver: str) -> None:
+    # fc0: 3 + 5 + 0.5 = 8.5; fc2: 3 + 6 + 0.5 = 9.5; fc1: 3 + 8 + 0.5 = 11.5.
+    solution = check_solution(single_strategy_problem(), solver, (0, 0, 0), 8.5)
+    # Only fc's 3 binaries; constraints pick_fc_1 and memory.
+    assert (solution.num_variables, solution.num_constraints) == (3, 2)
+    # The fixed groups still use 4 + 4 GiB: in 10 GiB fc0 (3 GiB) no longer fits, fc2 (2) does.
+    check_solution(single_strategy_problem(limit_gib=10), solver, (0, 2, 0), 9.5)
+
+
+def test_all_single_strategies_needs_no_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_solve(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the solver must not run")
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", no_solve)
+    problem = make_problem([[2], [3]], [(0, 1, [[4]]), (1, 1, [[1]])], limit_gib=1)
+    solution = solve_intra_op(problem)
+    # 2 + 3 + edge 4 + self-edge 1 = 10.
+    assert solution == IntraOpSolution((0, 0), 10.0, "optimal", solution.solve_time_s, 0, 0)
+
+
+def test_names_are_sanitized_and_unique() -> None:
+    names = ["layers.0.attn", "layers.0.attn", "  "]
+    assert group_labels(tuple(names)) == ["layers_0_attn_0", "layers_0_attn_1", "group_2"]
+    problem = make_problem([[1, 2]] * 3, [(0, 1, RESHARD)], limit_gib=1, names=names)
+    model, s = build_model(simplify(problem))
+    constraint_names = {c.name for c in model.constraints()}
+    assert {"pick_layers_0_attn_0", "pick_group_2", "memory"} <= constraint_names
+    assert "row_layers_0_attn_0__layers_0_attn_1_1" in constraint_names
+    assert [x.name for x in s[2]] == ["s_group_2_0", "s_group_2_1"]
+
+
+def test_solution_is_deterministic() -> None:
+    problem = random_problem(3)
+    first, second = solve_intra_op(problem), solve_intra_op(problem)
+    assert (first.choice, first.objective) == (second.choice, second.objective)
+
+
+def test_status_time_limit_and_no_solution(caplog: pytest.LogCaptureFixture) -> None:
+    problem = chain_problem()
+    incumbent = SimpleNamespace(sol_status=pulp.LpSolutionIntegerFeasible, status=1)
+    with caplog.at_level(logging.WARNING, logger=ilp.__name__):
+        assert ilp._status(incumbent, problem, 5.0) == "time_limit"
+    assert "time limit" in caplog.text
+    nothing = SimpleNamespace(sol_status=pulp.LpSolutionNoSolutionFound, status=0)
+    with pytest.raises(AutoplanError, match="time_limit_s=5"):
+        ilp._status(nothing, problem, 5.0)
+
+
+def test_highs_unavailable_falls_back_to_cbc(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(pulp.HiGHS, "available", lambda self: False)
+    with caplog.at_level(logging.WARNING, logger=ilp.__name__):
+        check_solution(chain_problem(), "highs", (1, 1, 1), 5.0)
+    assert "falling back to CBC" in caplog.text
+
+
+def test_unknown_solver_is_rejected() -> None:
+    with pytest.raises(AutoplanError, match="'gurobi'"):
+        solve_intra_op(chain_problem(), solver="gurobi")
+
+
+# ---------------------------------------------------------------- evaluate
+
+
+def test_evaluate_costs_and_memory() -> None:
+    problem = memory_problem(10.0)
+    evaluation = evaluate(problem, (0, 1, 1))
+    # Nodes 1 + 2 + 1.5; one mismatch (a0-b1) 1; memory 4 + 1 + 1 GiB.
+    assert (evaluation.node_cost, evaluation.edge_cost) == (4.5, 1.0)
+    assert evaluation.objective == 5.5
+    assert evaluation.memory == 6 * GIB
+    assert evaluation.feasible and evaluation.violations == ()
+
+
+def test_evaluate_reports_violations() -> None:
+    problem = make_problem([[1, 2], [1, 2, 3]], names=["fc1", "fc2"])
+    out_of_range = evaluate(problem, (2, -1))
+    assert not out_of_range.feasible
+    assert out_of_range.violations == (
+        "group 'fc1' choice 2 out of range (2 strategies)",
+        "group 'fc2' choice -1 out of range (3 strategies)",
+    )
+    assert math.isinf(out_of_range.objective)
+    assert evaluate(problem, (0,)).violations == ("choice has 1 entries for 2 groups",)
+
+    tight = make_problem([[1, 2]] * 2, memory_gib=[[4, 1]] * 2, limit_gib=5)
+    over = evaluate(tight, (0, 0))
+    assert not over.feasible
+    assert over.violations == ("memory 8.6e+09 B exceeds limit 5.4e+09 B",)
+    assert over.objective == 2.0
+    assert evaluate(tight, (0, 1)).feasible
+
+
+# ---------------------------------------------------------------- brute force
+
+
+def random_problem(seed: int, min_strategies: int = 2) -> IntraOpProblem:
+    """5 groups, 2-4 strategies (1-4 with min_strategies=1); a chain of edges plus random extra
+    ones, which may be parallel, reversed or self edges."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(k) for k in rng.integers(min_strategies, 5, size=5)]
+    pairs = [(v, v + 1) for v in range(4)]  # a chain, plus random extras
+    pairs += [tuple(int(x) for x in rng.integers(0, 5, size=2)) for _ in range(rng.integers(2, 6))]
+    edges = []
+    for u, v in pairs:
+        cost = rng.uniform(0, 10, size=(sizes[u], sizes[v])).round(2)
+        if rng.random() < 0.1:
+            cost[:] = 0
+        edges.append((u, v, cost.tolist()))
+    memory = [rng.uniform(1, 4, size=k).round(2).tolist() for k in sizes]
+    least, most = sum(map(min, memory)), sum(map(max, memory))
+    return make_problem(
+        [rng.uniform(0, 10, size=k).round(2).tolist() for k in sizes],
+        edges,
+        memory_gib=memory,
+        limit_gib=least + 0.4 * (most - least),
+    )
+
+
+def all_choices(problem: IntraOpProblem) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(len(c)) for c in problem.node_costs)))
+
+
+@pytest.mark.parametrize(("seed", "min_strategies"), [(s, 2) for s in range(8)] + [(8, 1), (9, 1)])
+def test_random_problems_match_brute_force(seed: int, min_strategies: int) -> None:
+    problem = random_problem(seed, min_strategies)
+    evaluations = [evaluate(problem, c) for c in all_choices(problem)]
+    best = min(e.objective for e in evaluations if e.feasible)
+    for solver in SOLVERS:
+        solution = solve_intra_op(problem, solver=solver)
+        assert solution.status == "optimal"
+        assert evaluate(problem, solution.choice).feasible
+        assert solution.objective == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_simplify_keeps_every_assignment_cost(seed: int) -> None:
+    problem = random_problem(seed, min_strategies=1)
+    simplified = simplify(problem)
+    for edge in simplified.edges:
+        assert edge.src < edge.dst
+        assert len(problem.node_costs[edge.src]) > 1 and len(problem.node_costs[edge.dst]) > 1
+    for choice in all_choices(problem):
+        before, after = evaluate(problem, choice), evaluate(simplified, choice)
+        assert after.objective == pytest.approx(before.objective)
+        assert after.memory == before.memory
