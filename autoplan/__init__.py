@@ -1,6 +1,9 @@
 """autoplan: automatic parallelization planning for PyTorch."""
 
+from autoplan.api import plan
+from autoplan.cluster import Cluster
+from autoplan.plan.schema import Plan
 from autoplan.workload import Workload
 
-__all__ = ["Workload"]
+__all__ = ["Cluster", "Plan", "Workload", "plan"]
 __version__ = "0.1.0"

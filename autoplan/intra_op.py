@@ -168,23 +168,21 @@ def decode(
     return assignment
 
 
-def plan_intra_op(
+def solve_problem(
     graph: Graph,
     layers: Layers,
     space: Mapping[str, NodeStrategies],
-    costs: StepCosts,
-    memory_limit: float,
+    problem: IntraOpProblem,
+    grouping: Grouping,
+    mesh_shape: tuple[int, ...],
     time_limit_s: float,
 ) -> IntraOpResult:
-    problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
-    log.info(
-        "mesh %s: %d decision groups for %d nodes", costs.mesh_shape, problem.num_groups, len(graph)
-    )
+    log.info("mesh %s: %d decision groups for %d nodes", mesh_shape, problem.num_groups, len(graph))
     solution = solve_intra_op(problem, time_limit_s=time_limit_s)
     check = evaluate(problem, solution.choice)
     assert check.feasible, check.violations
     assignment = decode(graph, layers, space, grouping, solution.choice)
-    return IntraOpResult(costs.mesh_shape, assignment, solution, problem)
+    return IntraOpResult(mesh_shape, assignment, solution, problem)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def workload(
     size: str = "tiny",
     batch_size: int = 8,
     seq_len: int | None = None,
+    num_layers: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     seed: int = 0,
@@ -113,8 +114,13 @@ def workload(
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
     cfg = SIZES[size]
-    if seq_len is not None:
-        cfg = GPTConfig(cfg.num_layers, cfg.dim, cfg.num_heads, cfg.vocab_size, seq_len)
+    cfg = GPTConfig(
+        num_layers=num_layers or cfg.num_layers,
+        dim=cfg.dim,
+        num_heads=cfg.num_heads,
+        vocab_size=cfg.vocab_size,
+        seq_len=seq_len or cfg.seq_len,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = GPT(cfg).to(getattr(torch, dtype))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
@@ -97,9 +97,14 @@ def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> No
     return NodeStrategies(node.name, tuple(strategies), source)
 
 
-def strategy_space(graph: Graph, mesh_shape: tuple[int, ...]) -> dict[str, NodeStrategies]:
-    """Candidates for every node; ops without any rule are listed in one warning."""
-    space = {n.name: node_strategies(n, graph, mesh_shape) for n in graph}
+def strategy_space(
+    graph: Graph, mesh_shape: tuple[int, ...], names: Collection[str] | None = None
+) -> dict[str, NodeStrategies]:
+    """Candidates for every node (or those in ``names``); ops without a rule are listed in
+    one warning."""
+    space = {
+        n.name: node_strategies(n, graph, mesh_shape) for n in graph if names is None or n.name in names
+    }
     fallback = sorted({graph.node(k).op for k, v in space.items() if v.source == "replicated"})
     if fallback:
         log.warning(

@@ -1,0 +1,138 @@
+"""The public entry points. Orchestration only: each step lives in its own module."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.cluster import Cluster
+from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.graph.capture import capture
+from autoplan.graph.ir import PARAM, Graph
+from autoplan.graph.layers import Layers, find_layers
+from autoplan.intra_op import IntraOpResult, build_problem, solve_problem, step_cost
+from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
+from autoplan.plan.assemble import make_plan
+from autoplan.plan.schema import Plan
+from autoplan.solve.evaluate import min_memory
+from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
+from autoplan.strategies.space import strategy_space
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
+    """The logical meshes tried when none is pinned: the flat mesh, and 2-D meshes whose
+    inner axis stays inside a node (Alpa's choice of logical views of a physical mesh)."""
+    n = cluster.num_devices
+    meshes: list[tuple[int, ...]] = [(n,)]
+    for inner in range(2, min(cluster.devices_per_node, n // 2) + 1):
+        if cluster.devices_per_node % inner == 0 and n % inner == 0:
+            meshes.append((n // inner, inner))
+    return meshes
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster | str | Path,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    pin: Mapping[str, Pin] | None = None,
+    optimizer: str = "adamw",
+    memory_fraction: float = 0.9,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Trace ``model`` and choose a sharding for every operator on ``cluster``.
+
+    ``mesh_shape`` pins the logical mesh (else a few are tried and the fastest kept);
+    ``pin`` maps parameter names to placements (see `autoplan.pins`); ``optimizer`` sets the
+    optimizer state kept per parameter; ``memory_fraction`` of each device's memory may be
+    used by the plan.
+    """
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)
+    if optimizer not in OPTIMIZER_STATE:
+        raise AutoplanError(f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}")
+    if not 0 < memory_fraction <= 1:
+        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    meshes = [tuple(mesh_shape)] if mesh_shape is not None else candidate_meshes(cluster)
+    for m in meshes:
+        cluster.check_mesh_shape(m)
+
+    start = time.perf_counter()
+    log.info("tracing %s ...", type(model).__name__)
+    graph = capture(model, example_inputs, loss_fn, example_target)
+    layers = find_layers(graph)
+    log.info(
+        "traced %d nodes, %.3g M parameters, %d repeated-layer nodes share decisions (%.1f s)",
+        len(graph),
+        graph.num_params / 1e6,
+        len(layers.canonical),
+        time.perf_counter() - start,
+    )
+    pins = parse_pins(pin or {}, graph)
+    layers = keep_sharing_consistent(layers, pins)
+    memory_limit = cluster.device.memory_bytes * memory_fraction
+
+    best: IntraOpResult | None = None
+    best_costs: StepCosts | None = None
+    needs: dict[tuple[int, ...], float] = {}
+    rules: dict[str, str] = {}
+    for m in meshes:
+        costs = StepCosts(cluster, m, optimizer)
+        space = apply_pins(strategy_space(graph, m, _reps(graph, layers)), graph, pins)
+        problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
+        needs[m] = min_memory(problem)
+        if needs[m] > memory_limit:
+            log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, needs[m] / GiB)
+            continue
+        log.info("mesh %s: solving ...", m)
+        result = solve_problem(graph, layers, space, problem, grouping, m, time_limit_s)
+        log.info(
+            "mesh %s: predicted %.4g s per step (%s, %.2f s)",
+            m,
+            result.solution.objective,
+            result.solution.status,
+            result.solution.solve_time_s,
+        )
+        if best is None or result.solution.objective < best.solution.objective:
+            best, best_costs = result, costs
+            rules = {n.name: space[layers.rep(n.name)].source for n in graph}
+    if best is None or best_costs is None:
+        raise _infeasible(graph, cluster, needs, memory_limit, memory_fraction)
+    step = step_cost(graph, best.assignment, best_costs)
+    return make_plan(graph, cluster, best, step, rules, tuple(meshes))
+
+
+def _reps(graph: Graph, layers: Layers) -> set[str]:
+    return {n.name for n in graph if n.name not in layers.canonical}
+
+
+def _infeasible(
+    graph: Graph,
+    cluster: Cluster,
+    needs: Mapping[tuple[int, ...], float],
+    limit: float,
+    fraction: float,
+) -> InfeasiblePlanError:
+    mesh, need = min(needs.items(), key=lambda kv: kv[1])
+    param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
+    return InfeasiblePlanError(
+        f"the model does not fit: even sharded as far as mesh {mesh} allows, each device needs "
+        f"{need / GiB:.2f} GiB (parameters alone are {param_bytes / GiB:.2f} GiB unsharded, "
+        f"plus gradients, optimizer state and activations), but a device of cluster "
+        f"{cluster.name!r} offers {limit / GiB:.2f} GiB ({fraction:.0%} of "
+        f"{cluster.device.memory_bytes / GiB:.0f} GiB). Use more devices (--nodes), a smaller "
+        "batch, lower-precision parameters, or a lighter optimizer."
+    )
