@@ -132,15 +132,14 @@ def graph_from_export(ep: ExportedProgram) -> Graph:
         else:
             kinds[name] = (INPUT, name, False)
 
-    nodes: list[Node] = []
-    grad: dict[str, bool] = {}
+    done: dict[str, Node] = {}
     for fx_node in ep.graph.nodes:
         if fx_node.op == "call_function" and fx_node.target is operator.getitem:
             continue  # its users refer to the multi-output op directly (see _to_ir)
-        node = _convert(fx_node, kinds, grad)
-        grad[node.name] = node.needs_grad
-        nodes.append(node)
-    return Graph(nodes=tuple(nodes), fingerprint=_fingerprint(nodes))
+        node = _convert(fx_node, kinds, done)
+        done[node.name] = node
+    nodes = tuple(done.values())
+    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes))
 
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:
@@ -172,7 +171,7 @@ def _module_path(fx_node: torch.fx.Node) -> str:
 
 
 def _convert(
-    fx_node: torch.fx.Node, kinds: dict[str, tuple[str, str, bool]], grad: dict[str, bool]
+    fx_node: torch.fx.Node, kinds: dict[str, tuple[str, str, bool]], done: dict[str, Node]
 ) -> Node:
     outputs = _infos(fx_node.meta.get("val"))
     if fx_node.op == "placeholder":
@@ -199,16 +198,15 @@ def _convert(
     if fx_node.op != "call_function":
         raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
 
-    probe = Node(fx_node.name, OP, "", args, kwargs, outputs, 0, 0, 0, "", "", False, False)
-    in_names = [r.name for r in probe.refs]
-    needs_grad = any(grad.get(n, False) for n in in_names) and any(o.is_float for o in outputs)
+    refs = Node(fx_node.name, OP, "", args, kwargs, (), 0, 0, 0, "", "", False, False).refs
+    ins = [done[r.name].outputs[r.index] for r in refs]
+    grads = [done[r.name].needs_grad for r in refs]
+    needs_grad = any(grads) and any(o.is_float for o in outputs)
     op = str(fx_node.target)
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-    in_infos = [i for i in (_infos(a.meta.get("val")) for a in fx_node.all_input_nodes) for i in i]
-    num_grad_inputs = sum(grad.get(n, False) for n in dict.fromkeys(in_names))
-    flops, bwd = (0.0, 0.0) if is_view else op_flops(op, in_infos, outputs, num_grad_inputs)
-    moved = 0.0 if is_view else float(sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in outputs))
+    flops, bwd = (0.0, 0.0) if is_view else op_flops(op, ins, outputs, grads)
+    moved = 0.0 if is_view else float(sum(i.nbytes for i in ins) + sum(o.nbytes for o in outputs))
     return Node(
         name=fx_node.name,
         kind=OP,
@@ -217,7 +215,7 @@ def _convert(
         kwargs=kwargs,
         outputs=outputs,
         flops=flops,
-        bwd_flops=bwd if needs_grad or num_grad_inputs else 0.0,
+        bwd_flops=bwd,
         bytes_moved=moved,
         module_path=_module_path(fx_node),
         target="",

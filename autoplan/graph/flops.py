@@ -21,27 +21,26 @@ def _prod(xs: Sequence[int]) -> int:
 
 
 def op_flops(
-    op: str, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], num_grad_inputs: int
+    op: str, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], grads: Sequence[bool]
 ) -> tuple[float, float]:
-    """(forward, backward) FLOPs. ``num_grad_inputs`` counts inputs that receive a gradient."""
+    """(forward, backward) FLOPs; ``grads[i]`` says whether input ``i`` receives a gradient."""
     name = op.split(".")[1] if op.startswith("aten.") else op
     out_numel = sum(o.numel for o in outputs)
     if name in ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm"):
-        a, b = (inputs[1], inputs[2]) if name in ("addmm", "baddbmm") else (inputs[0], inputs[1])
-        # contracted size: last dim of the first operand
-        fwd = 2.0 * out_numel * a.shape[-1]
-        del b
-        return fwd, fwd * max(num_grad_inputs, 0)
-    if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
+        # the two matrix operands (addmm's first input is the bias); each needing a gradient
+        # costs one more matmul of the forward's size
+        a = 1 if name in ("addmm", "baddbmm") else 0
+        fwd = 2.0 * out_numel * inputs[a].shape[-1]
+        return fwd, fwd * (grads[a] + grads[a + 1])
+    if name.startswith(("scaled_dot_product", "_scaled_dot_product")):
         q, k = inputs[0], inputs[1]
         batch = _prod(q.shape[:-2])
         tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
         dv = inputs[2].shape[-1]
         fwd = 2.0 * batch * tq * tk * (d + dv)  # Q K^T and (softmax) V
-        return fwd, 2.0 * fwd if num_grad_inputs else 0.0
+        return fwd, 2.0 * fwd if any(grads[:3]) else 0.0
     if name in ("convolution", "conv1d", "conv2d", "conv3d"):
-        weight = inputs[1]
         # per output element: one multiply-add per (in_channels/groups * kernel) weight
-        fwd = 2.0 * out_numel * _prod(weight.shape[1:])
-        return fwd, fwd * max(num_grad_inputs, 0)
-    return float(out_numel), float(out_numel) if num_grad_inputs else 0.0
+        fwd = 2.0 * out_numel * _prod(inputs[1].shape[1:])
+        return fwd, fwd * (grads[0] + grads[1])
+    return float(out_numel), float(out_numel) if any(grads) else 0.0

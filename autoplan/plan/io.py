@@ -28,10 +28,8 @@ from autoplan.strategies.placement import is_placement
 
 
 def plan_to_json(plan: Plan) -> str:
-    doc = asdict(plan)
-    # graph order is more readable than sorted order for nodes; keep it as a list of pairs
-    doc["nodes"] = {name: asdict(node) for name, node in plan.nodes.items()}
-    return json.dumps(_round(doc), indent=1, sort_keys=True) + "\n"
+    """Keys in a fixed order: dataclass field order, parameters and nodes in graph order."""
+    return json.dumps(_round(asdict(plan)), indent=1) + "\n"
 
 
 def _round(value: Any) -> Any:

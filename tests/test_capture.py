@@ -1,0 +1,101 @@
+"""Tracing into the graph IR, layer detection, and trace errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import autoplan
+from autoplan.errors import TraceError
+from autoplan.graph.capture import capture
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM
+from autoplan.graph.layers import block_of, find_layers
+from tests.conftest import example
+
+
+def test_mlp_graph_has_shapes_flops_paths_and_params() -> None:
+    w = example("mlp", batch_size=8, hidden=16, num_layers=3)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    linears = [n for n in graph if n.op == "aten.linear.default"]
+    assert [n.module_path for n in linears] == ["layers.0", "layers.1", "layers.2"]
+    first, second = linears[0], linears[1]
+    assert first.output.shape == (8, 16) and first.output.dtype == "float32"
+    assert first.flops == 2 * 8 * 16 * 16
+    # layer 0's input is data: backward computes only the weight gradient; later layers both
+    assert first.bwd_flops == first.flops and second.bwd_flops == 2 * second.flops
+    weight = graph.node(first.refs[1].name)
+    assert weight.kind == PARAM and weight.target == "layers.0.weight" and weight.needs_grad
+    assert [n.kind for n in graph if n.kind == INPUT] == [INPUT, INPUT]  # input and target
+    assert graph.nodes[-1].kind == OUTPUT and graph.num_params == 3 * (16 * 16 + 16)
+    assert all(n.is_view is False for n in linears)
+
+
+def test_meta_model_is_traced_without_memory() -> None:
+    w = example("gpt", size="1.3b", batch_size=1, device="meta")
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    assert 1.2e9 < graph.num_params < 1.5e9
+    assert all(p.is_meta for p in w.model.parameters())
+    layers = find_layers(graph)
+    assert len(layers.blocks) == 24
+    # blocks 2..23 take the decisions of blocks 0 and 1
+    reps = {block_of(graph.node(rep)) for rep in layers.canonical.values()}
+    assert reps == {"blocks.0", "blocks.1"}
+    assert len(layers.canonical) == 22 * len(layers.blocks["blocks.0"])
+
+
+def test_same_model_same_fingerprint_other_shape_other_fingerprint() -> None:
+    a = example("mlp", batch_size=8, hidden=16)
+    b = example("mlp", batch_size=8, hidden=16)
+    c = example("mlp", batch_size=16, hidden=16)
+    fp = [capture(w.model, w.example_inputs, w.loss_fn, w.example_target).fingerprint for w in (a, b, c)]
+    assert fp[0] == fp[1] != fp[2]
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow cannot be traced
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_names_the_user_line(cpu4: autoplan.Cluster) -> None:
+    with pytest.raises(TraceError) as info:
+        autoplan.plan(Branchy(), torch.randn(2, 4), cpu4)
+    message = str(info.value)
+    assert "Branchy" in message
+    assert "test_capture.py" in message and "if x.sum() > 0" in message
+    assert "torch.where" in message  # says what to do
+
+
+def test_loss_without_target_is_a_clear_error(cpu4: autoplan.Cluster) -> None:
+    w = example("mlp")
+    with pytest.raises(TraceError, match="example_target"):
+        autoplan.plan(w.model, w.example_inputs, cpu4, loss_fn=w.loss_fn)
+
+
+class CumSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(self.fc(x), dim=1)
+
+
+def test_ops_without_rule_are_replicated_with_one_warning(
+    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        plan = autoplan.plan(CumSum(), torch.randn(16, 8), cpu4, mesh_shape=(4,))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "aten.cumsum.default" in warnings[0]
+    cumsum = next(n for n in plan.nodes.values() if n.op == "aten.cumsum.default")
+    assert cumsum.rule == "replicated" and set(cumsum.output.values()) == {"R"}
+    assert [n.kind for n in capture(CumSum(), torch.randn(16, 8))][-2:] == [OP, OUTPUT]
