@@ -63,7 +63,9 @@ def plan(
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     if optimizer not in OPTIMIZER_STATE:
-        raise AutoplanError(f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}")
+        raise AutoplanError(
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
+        )
     if not 0 < memory_fraction <= 1:
         raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     meshes = [tuple(mesh_shape)] if mesh_shape is not None else candidate_meshes(cluster)

@@ -51,7 +51,9 @@ def _pins(pairs: Sequence[str]) -> dict[str, Any]:
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep:
-            raise AutoplanError(f"--pin {pair!r}: write PARAM=PLACEMENT[,PLACEMENT], e.g. fc.weight=S(0)")
+            raise AutoplanError(
+                f"--pin {pair!r}: write PARAM=PLACEMENT[,PLACEMENT], e.g. fc.weight=S(0)"
+            )
         pins[name] = tuple(value.split(","))
     return pins
 
@@ -66,8 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
     p.add_argument("--nodes", type=int, help="number of nodes (default: the file's)")
     p.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="workload option")
-    p.add_argument("--pin", action="append", default=[], metavar="PARAM=PLACEMENTS", help="pin a parameter")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
+    )
+    p.add_argument(
+        "--pin", action="append", default=[], metavar="PARAM=PLACEMENTS", help="pin a parameter"
+    )
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")

@@ -22,6 +22,7 @@ from autoplan.solve.evaluate import evaluate
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
 from autoplan.strategies.costs import Phased, StepCosts
+from autoplan.strategies.placement import Spec
 from autoplan.strategies.space import NodeStrategies, Strategy
 
 log = logging.getLogger(__name__)
@@ -83,15 +84,14 @@ def _exact_follow(
     None unless every producer strategy has one: merging a follower that would need a
     reshard for some producer strategy could hide a cheaper plan from the ILP.
     """
-    by_input = {}
+    by_input: dict[Spec, int] = {}
     for j, s in enumerate(follower.strategies):
         by_input.setdefault(s.inputs[0], j)
     follow = []
     for k in producer_pick:
-        j = by_input.get(producer.strategies[k].output)
-        if j is None:
+        if producer.strategies[k].output not in by_input:
             return None
-        follow.append(j)
+        follow.append(by_input[producer.strategies[k].output])
     return tuple(follow)
 
 
@@ -118,7 +118,9 @@ def build_problem(
         own_time = [costs.node_time(node, s) * count for s in strategies]
         own_mem = [costs.node_memory(node, s) * count for s in strategies]
         producer = _follower_producer(node, graph)
-        follow = _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
+        follow = (
+            _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
+        )
         if producer is not None and follow is not None:
             g = group_of[producer]
             for k, j in enumerate(follow):
@@ -151,14 +153,20 @@ def build_problem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
         node_memory=tuple(tuple(m) for m in node_memory),
-        edges=tuple(Edge(gu, gv, tuple(tuple(r) for r in m)) for (gu, gv), m in sorted(grouped.items())),
+        edges=tuple(
+            Edge(gu, gv, tuple(tuple(r) for r in m)) for (gu, gv), m in sorted(grouped.items())
+        ),
         memory_limit=memory_limit,
     )
     return problem, Grouping(group_of, pick, tuple(roots))
 
 
 def decode(
-    graph: Graph, layers: Layers, space: Mapping[str, NodeStrategies], grouping: Grouping, choice: tuple[int, ...]
+    graph: Graph,
+    layers: Layers,
+    space: Mapping[str, NodeStrategies],
+    grouping: Grouping,
+    choice: tuple[int, ...],
 ) -> dict[str, Strategy]:
     assignment = {}
     for node in graph:
@@ -204,7 +212,9 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
         memory += costs.node_memory(node, s)
         for i, ref in enumerate(node.refs):
             producer = graph.node(ref.name)
-            seconds, phased = costs.edge(producer, graph.tensor(ref), assignment[ref.name], node, s, i)
+            seconds, phased = costs.edge(
+                producer, graph.tensor(ref), assignment[ref.name], node, s, i
+            )
             comm += seconds
             found += [(node.name, ref.name, p) for p in phased]
     return StepCost(compute, comm, memory, tuple(found))

@@ -34,8 +34,8 @@ def _spec(value: str | Sequence[str], param: str) -> Spec:
     bad = [p for p in spec if not isinstance(p, str) or not is_placement(p)]
     if not spec or bad:
         raise AutoplanError(
-            f"pin for {param!r}: {value!r} is not a placement; write one of \"R\", \"S(<dim>)\" "
-            "per mesh axis, e.g. (\"R\", \"S(0)\") on a 2-D mesh"
+            f'pin for {param!r}: {value!r} is not a placement; write one of "R", "S(<dim>)" '
+            'per mesh axis, e.g. ("R", "S(0)") on a 2-D mesh'
         )
     return spec
 
@@ -52,7 +52,9 @@ def parse_pins(pins: Mapping[str, Pin], graph: Graph) -> dict[str, ParsedPin]:
         if isinstance(value, Mapping):
             unknown = set(value) - {"storage", "use"}
             if unknown:
-                raise AutoplanError(f"pin for {fqn!r} has unknown keys {sorted(unknown)}; use storage, use")
+                raise AutoplanError(
+                    f"pin for {fqn!r} has unknown keys {sorted(unknown)}; use storage, use"
+                )
             storage = _spec(value["storage"], fqn) if "storage" in value else None
             use = _spec(value["use"], fqn) if "use" in value else None
         else:
@@ -63,6 +65,7 @@ def parse_pins(pins: Mapping[str, Pin], graph: Graph) -> dict[str, ParsedPin]:
 
 def keep_sharing_consistent(layers: Layers, pins: Mapping[str, ParsedPin]) -> Layers:
     """Repeated layers share decisions only if their copies are pinned alike."""
+
     def key(name: str) -> tuple[Spec | None, Spec | None] | None:
         p = pins.get(name)
         return (p.storage, p.use) if p else None
@@ -88,7 +91,9 @@ def apply_pins(
                     f"{num_axes} axis(es); give one placement per axis"
                 )
         if pin.storage is not None:
-            out[name] = _keep(space[name], lambda s, spec=pin.storage: s.output == spec, pin, "stored")
+            out[name] = _keep(
+                space[name], lambda s, spec=pin.storage: s.output == spec, pin, "stored"
+            )
         if pin.use is not None:
             for user in graph.users(name):
                 if user not in out:

@@ -1,6 +1,6 @@
 """A multi-layer perceptron: Linear + ReLU blocks, MSE loss.
 
-    autoplan plan examples/mlp.py --cluster costmodels/cpu-gloo-4.json --set hidden=1024
+autoplan plan examples/mlp.py --cluster costmodels/cpu-gloo-4.json --set hidden=1024
 """
 
 from __future__ import annotations

@@ -16,10 +16,17 @@ def example(name: str, **options: object) -> Workload:
     return load_workload(ROOT / "examples" / f"{name}.py", **options)
 
 
-def plan_example(name: str, cluster: autoplan.Cluster, mesh: tuple[int, ...] | None, **options: object) -> autoplan.Plan:
+def plan_example(
+    name: str, cluster: autoplan.Cluster, mesh: tuple[int, ...] | None, **options: object
+) -> autoplan.Plan:
     w = example(name, **options)
     return autoplan.plan(
-        w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target, mesh_shape=mesh
+        w.model,
+        w.example_inputs,
+        cluster,
+        loss_fn=w.loss_fn,
+        example_target=w.example_target,
+        mesh_shape=mesh,
     )
 
 

@@ -50,7 +50,10 @@ def test_same_model_same_fingerprint_other_shape_other_fingerprint() -> None:
     a = example("mlp", batch_size=8, hidden=16)
     b = example("mlp", batch_size=8, hidden=16)
     c = example("mlp", batch_size=16, hidden=16)
-    fp = [capture(w.model, w.example_inputs, w.loss_fn, w.example_target).fingerprint for w in (a, b, c)]
+    fp = [
+        capture(w.model, w.example_inputs, w.loss_fn, w.example_target).fingerprint
+        for w in (a, b, c)
+    ]
     assert fp[0] == fp[1] != fp[2]
 
 

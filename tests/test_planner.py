@@ -62,9 +62,9 @@ def test_small_batch_large_hidden_is_megatron(mlp_tp: autoplan.Plan) -> None:
 def test_middle_sizes_on_2x2_use_both_axes(cpu4: autoplan.Cluster) -> None:
     plan = plan_example("mlp", cpu4, (2, 2), batch_size=512, hidden=512)
     for axis in plan.mesh.axes:
-        assert any(p.placements[axis] != "R" or p.storage[axis] != "R" for p in plan.params.values()) or any(
-            n.output.get(axis, "R") != "R" for n in plan.nodes.values()
-        ), f"axis {axis} unused"
+        assert any(
+            p.placements[axis] != "R" or p.storage[axis] != "R" for p in plan.params.values()
+        ) or any(n.output.get(axis, "R") != "R" for n in plan.nodes.values()), f"axis {axis} unused"
     assert any(p.placements[a] != "R" for p in plan.params.values() for a in plan.mesh.axes)
 
 
@@ -118,17 +118,29 @@ def test_pins_force_replication_and_zero3(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", batch_size=65536, hidden=32)
     names = [n for n, _ in w.model.named_parameters()]
     dp = autoplan.plan(
-        w.model, w.example_inputs, cpu4, loss_fn=w.loss_fn, example_target=w.example_target,
-        mesh_shape=(4,), pin=dict.fromkeys(names, "R"),
+        w.model,
+        w.example_inputs,
+        cpu4,
+        loss_fn=w.loss_fn,
+        example_target=w.example_target,
+        mesh_shape=(4,),
+        pin=dict.fromkeys(names, "R"),
     )
     (axis,) = dp.mesh.axes
     assert all(p.placements == {axis: "R"} and p.storage == {axis: "R"} for p in dp.params.values())
     zero3 = autoplan.plan(
-        w.model, w.example_inputs, cpu4, loss_fn=w.loss_fn, example_target=w.example_target,
-        mesh_shape=(4,), pin=dict.fromkeys(names, {"storage": "S(0)", "use": "R"}),
+        w.model,
+        w.example_inputs,
+        cpu4,
+        loss_fn=w.loss_fn,
+        example_target=w.example_target,
+        mesh_shape=(4,),
+        pin={name: {"storage": "S(0)", "use": "R"} for name in names},
     )
     assert zero3.mesh.axes == ("dp",)  # the batch is split, so gradients need reducing
-    assert all(p.storage == {axis: "S(0)"} and p.placements == {axis: "R"} for p in zero3.params.values())
+    assert all(
+        p.storage == {axis: "S(0)"} and p.placements == {axis: "R"} for p in zero3.params.values()
+    )
     gathers = [c for c in zero3.collectives if c.kind == "all_gather" and c.phase == "forward"]
     scatters = [c for c in zero3.collectives if c.phase == "grad_sync"]
     param_bytes = sum(4 * _numel(p.shape) for p in zero3.params.values())

@@ -123,7 +123,7 @@ def capture(
 def graph_from_export(ep: ExportedProgram) -> Graph:
     kinds: dict[str, tuple[str, str, bool]] = {}
     for spec in ep.graph_signature.input_specs:
-        name = spec.arg.name  # type: ignore[union-attr]
+        name = spec.arg.name
         target = (spec.target or name).removeprefix(_WRAPPED)
         if spec.kind == InputKind.PARAMETER:
             kinds[name] = (PARAM, target, True)
@@ -144,7 +144,9 @@ def graph_from_export(ep: ExportedProgram) -> Graph:
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:
     if isinstance(val, torch.Tensor):
-        return (TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")),)
+        return (
+            TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")),
+        )
     if isinstance(val, list | tuple):
         return tuple(i for v in val for i in _infos(v))
     return ()
@@ -194,7 +196,9 @@ def _convert(
     args = tuple(_to_ir(a) for a in fx_node.args)
     kwargs = tuple(sorted((k, _to_ir(v)) for k, v in fx_node.kwargs.items()))
     if fx_node.op == "output":
-        return Node(fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", False, True)
+        return Node(
+            fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", False, True
+        )
     if fx_node.op != "call_function":
         raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
 
@@ -225,6 +229,9 @@ def _convert(
 
 
 def _fingerprint(nodes: Sequence[Node]) -> str:
-    doc = [[n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target] for n in nodes]
+    doc = [
+        [n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target]
+        for n in nodes
+    ]
     text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

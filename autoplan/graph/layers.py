@@ -60,9 +60,21 @@ def _signature(graph: Graph, names: tuple[str, ...], prefix: str) -> tuple[Hasha
     sig = []
     for name in names:
         n = graph.node(name)
-        local = n.target.removeprefix(prefix) if n.kind == PARAM else n.module_path.removeprefix(prefix)
+        local = (
+            n.target.removeprefix(prefix) if n.kind == PARAM else n.module_path.removeprefix(prefix)
+        )
         sig.append(
-            (n.kind, n.op, local, n.outputs, n.needs_grad, n.flops, n.bwd_flops, wire(n.args), wire(n.kwargs))
+            (
+                n.kind,
+                n.op,
+                local,
+                n.outputs,
+                n.needs_grad,
+                n.flops,
+                n.bwd_flops,
+                wire(n.args),
+                wire(n.kwargs),
+            )
         )
     return tuple(sig)
 

@@ -1,11 +1,13 @@
-"""Plan <-> JSON. Output is canonical (sorted keys, fixed float formatting), so the same plan
-always gives the same bytes; input is validated field by field, and every problem raises
-`PlanFormatError` naming the field (``nodes.linear_1.inputs[0].tp``) and what was expected.
+"""Plan <-> JSON. Output is canonical: a fixed key order, and floats in Python's shortest
+exact form so they read back bit for bit; the same plan always gives the same bytes. Input is
+validated field by field, and every problem raises `PlanFormatError` naming the field
+(``nodes.linear_1.inputs[0].tp``) and what was expected.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -29,18 +31,7 @@ from autoplan.strategies.placement import is_placement
 
 def plan_to_json(plan: Plan) -> str:
     """Keys in a fixed order: dataclass field order, parameters and nodes in graph order."""
-    return json.dumps(_round(asdict(plan)), indent=1) + "\n"
-
-
-def _round(value: Any) -> Any:
-    """Floats to 6 significant digits: stable across platforms, ample for predictions."""
-    if isinstance(value, float):
-        return float(f"{value:.6g}")
-    if isinstance(value, dict):
-        return {k: _round(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_round(v) for v in value]
-    return value
+    return json.dumps(asdict(plan), indent=1) + "\n"
 
 
 class _Field:
@@ -66,22 +57,22 @@ class _Field:
     def items(self) -> list[tuple[str, _Field]]:
         return [(k, self[k]) for k in self.obj()]
 
-    def list(self) -> list[_Field]:
+    def elements(self) -> list[_Field]:
         if not isinstance(self.value, list):
             raise self.fail("a list")
         return [_Field(v, f"{self.path}[{i}]") for i, v in enumerate(self.value)]
 
-    def str(self) -> str:
+    def text(self) -> str:
         if not isinstance(self.value, str):
             raise self.fail("a string")
         return self.value
 
-    def int(self) -> int:
+    def integer(self) -> int:
         if not isinstance(self.value, int) or isinstance(self.value, bool) or self.value < 0:
             raise self.fail("a non-negative integer")
         return self.value
 
-    def float(self) -> float:
+    def number(self) -> float:
         if not isinstance(self.value, int | float) or isinstance(self.value, bool):
             raise self.fail("a number")
         return float(self.value)
@@ -91,7 +82,7 @@ class _Field:
         for axis, f in self.items():
             if axis not in axes:
                 raise f.fail(f"a mesh axis ({', '.join(axes)})")
-            text = f.str()
+            text = f.text()
             if not is_placement(text):
                 raise f.fail('a placement: "R", "P" or "S(<dim>)"')
             found[axis] = text
@@ -123,10 +114,11 @@ def plan_from_json(
     for name, expected in (("graph", graph_fingerprint), ("cluster", cluster_fingerprint)):
         found = getattr(plan.provenance, f"{name}_fingerprint")
         if expected is not None and found != expected:
+            other = "model or input shapes" if name == "graph" else "cluster"
             raise PlanFormatError(
                 f"plan field provenance.{name}_fingerprint is {found} but the {name} at hand has "
-                f"{expected}: the plan was made for another {'model or input shapes' if name == 'graph' else 'cluster'}; "
-                "re-plan (autoplan plan ...) for this one"
+                f"{expected}: the plan was made for another {other}; re-plan "
+                "(autoplan plan ...) for this one"
             )
     return plan
 
@@ -134,35 +126,36 @@ def plan_from_json(
 def _read_plan(doc: _Field) -> Plan:
     p = doc["provenance"]
     provenance = Provenance(
-        autoplan=p["autoplan"].str(),
-        torch=p["torch"].str(),
-        graph_fingerprint=p["graph_fingerprint"].str(),
-        cluster_fingerprint=p["cluster_fingerprint"].str(),
-        cluster=p["cluster"].str(),
+        autoplan=p["autoplan"].text(),
+        torch=p["torch"].text(),
+        graph_fingerprint=p["graph_fingerprint"].text(),
+        cluster_fingerprint=p["cluster_fingerprint"].text(),
+        cluster=p["cluster"].text(),
     )
     m = doc["mesh"]
     mesh = Mesh(
-        axes=tuple(a.str() for a in m["axes"].list()),
-        shape=tuple(s.int() for s in m["shape"].list()),
-        ranks=tuple(r.int() for r in m["ranks"].list()),
+        axes=tuple(a.text() for a in m["axes"].elements()),
+        shape=tuple(s.integer() for s in m["shape"].elements()),
+        ranks=tuple(r.integer() for r in m["ranks"].elements()),
     )
     if len(mesh.axes) != len(mesh.shape) or len(set(mesh.axes)) != len(mesh.axes):
         raise m["axes"].fail(f"{len(mesh.shape)} distinct axis names, one per mesh dimension")
-    total = 1
-    for s in mesh.shape:
-        total *= s
+    total = math.prod(mesh.shape)
     if len(mesh.ranks) != total:
         raise m["ranks"].fail(f"{total} ranks (the product of mesh.shape)")
     stages = tuple(
-        Stage(ranks=tuple(r.int() for r in s["ranks"].list()), nodes=tuple(n.str() for n in s["nodes"].list()))
-        for s in doc["stages"].list()
+        Stage(
+            ranks=tuple(r.integer() for r in s["ranks"].elements()),
+            nodes=tuple(n.text() for n in s["nodes"].elements()),
+        )
+        for s in doc["stages"].elements()
     )
     params = {
         name: ParamPlan(
             placements=f["placements"].placements(mesh.axes),
             storage=f["storage"].placements(mesh.axes),
-            shape=tuple(s.int() for s in f["shape"].list()),
-            dtype=f["dtype"].str(),
+            shape=tuple(s.integer() for s in f["shape"].elements()),
+            dtype=f["dtype"].text(),
         )
         for name, f in doc["params"].items()
     }
@@ -170,21 +163,21 @@ def _read_plan(doc: _Field) -> Plan:
     for name, f in doc["nodes"].items():
         output = f["output"]
         nodes[name] = NodePlan(
-            op=f["op"].str(),
-            module=f["module"].str(),
+            op=f["op"].text(),
+            module=f["module"].text(),
             output=output.placements(mesh.axes) if output.obj() else {},
-            inputs=tuple(i.placements(mesh.axes) for i in f["inputs"].list()),
-            rule=f["rule"].str(),
+            inputs=tuple(i.placements(mesh.axes) for i in f["inputs"].elements()),
+            rule=f["rule"].text(),
         )
     collectives = []
-    for f in doc["collectives"].list():
+    for f in doc["collectives"].elements():
         c = CollectivePlan(
-            kind=f["kind"].str(),
-            bytes=f["bytes"].int(),
-            axis=f["axis"].str(),
-            phase=f["phase"].str(),
-            node=f["node"].str(),
-            tensor=f["tensor"].str(),
+            kind=f["kind"].text(),
+            bytes=f["bytes"].integer(),
+            axis=f["axis"].text(),
+            phase=f["phase"].text(),
+            node=f["node"].text(),
+            tensor=f["tensor"].text(),
         )
         if c.axis not in mesh.axes:
             raise f["axis"].fail(f"a mesh axis ({', '.join(mesh.axes)})")
@@ -193,20 +186,22 @@ def _read_plan(doc: _Field) -> Plan:
         collectives.append(c)
     pr = doc["predicted"]
     predicted = Predicted(
-        step_time_s=pr["step_time_s"].float(),
-        compute_s=pr["compute_s"].float(),
-        comm_s=pr["comm_s"].float(),
-        peak_memory_bytes=pr["peak_memory_bytes"].float(),
-        memory_limit_bytes=pr["memory_limit_bytes"].float(),
+        step_time_s=pr["step_time_s"].number(),
+        compute_s=pr["compute_s"].number(),
+        comm_s=pr["comm_s"].number(),
+        peak_memory_bytes=pr["peak_memory_bytes"].number(),
+        memory_limit_bytes=pr["memory_limit_bytes"].number(),
     )
     s = doc["solver"]
     solver = SolverInfo(
-        status=s["status"].str(),
-        objective=s["objective"].float(),
-        solve_time_s=s["solve_time_s"].float(),
-        num_variables=s["num_variables"].int(),
-        num_constraints=s["num_constraints"].int(),
-        num_groups=s["num_groups"].int(),
-        meshes_tried=tuple(tuple(d.int() for d in m.list()) for m in s["meshes_tried"].list()),
+        status=s["status"].text(),
+        objective=s["objective"].number(),
+        solve_time_s=s["solve_time_s"].number(),
+        num_variables=s["num_variables"].integer(),
+        num_constraints=s["num_constraints"].integer(),
+        num_groups=s["num_groups"].integer(),
+        meshes_tried=tuple(
+            tuple(d.integer() for d in m.elements()) for m in s["meshes_tried"].elements()
+        ),
     )
     return Plan(provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver)

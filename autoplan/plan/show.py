@@ -53,7 +53,8 @@ def summary(plan: Plan) -> str:
     out = [
         f"plan v{plan.version} for cluster {pv.cluster!r} (graph {pv.graph_fingerprint}, "
         f"torch {pv.torch}, autoplan {pv.autoplan})",
-        f"mesh: {mesh}  ({len(plan.mesh.ranks)} devices; tried {', '.join(map(str, so.meshes_tried))})",
+        f"mesh: {mesh}  ({len(plan.mesh.ranks)} devices; "
+        f"tried {', '.join(map(str, so.meshes_tried))})",
         "",
         "parameters (as used by ops; storage when it differs):",
         *_param_lines(plan),
@@ -68,7 +69,9 @@ def summary(plan: Plan) -> str:
     if not totals:
         out.append("  none")
     for (phase, kind, axis), (count, nbytes) in sorted(totals.items()):
-        out.append(f"  {phase:<10} {kind:<15} axis {axis:<5} {count:>5} x, {fmt_bytes(nbytes):>11} in all")
+        out.append(
+            f"  {phase:<10} {kind:<15} axis {axis:<5} {count:>5} x, {fmt_bytes(nbytes):>11} in all"
+        )
     out += [
         "",
         f"predicted step time: {fmt_time(pr.step_time_s)}  (compute {fmt_time(pr.compute_s)}, "

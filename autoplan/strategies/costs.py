@@ -22,8 +22,8 @@ from autoplan.cluster import Cluster, Link
 from autoplan.costmodel import collective_time, compute_time
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
 from autoplan.strategies.placement import (
-    R,
     Collective,
+    R,
     Spec,
     grad_spec,
     local_numel,
@@ -49,7 +49,9 @@ class StepCosts:
 
     def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], optimizer: str) -> None:
         if optimizer not in OPTIMIZER_STATE:
-            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE)}")
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE)}"
+            )
         self.cluster = cluster
         self.mesh_shape = mesh_shape
         self.state_per_elem = OPTIMIZER_STATE[optimizer]
@@ -75,8 +77,8 @@ class StepCosts:
             elems = local_numel(strategy.output, node.output.shape, self.mesh_shape)
             size = itemsize(node.output.dtype)
             # update reads param, grad and state, writes param and state
-            moved = elems * size * (3 + 2 * self.state_per_elem)
-            return compute_time(self.cluster, 4.0 * elems, moved, node.output.dtype)
+            update_bytes = elems * size * (3 + 2 * self.state_per_elem)
+            return compute_time(self.cluster, 4.0 * elems, update_bytes, node.output.dtype)
         if node.kind != "op" or node.is_view:
             return 0.0
         f = self.split_factor(strategy)
@@ -95,7 +97,10 @@ class StepCosts:
         if node.kind == OUTPUT or node.is_view or not node.needs_grad:
             return 0.0
         return float(
-            sum(local_numel(strategy.output, o.shape, self.mesh_shape) * itemsize(o.dtype) for o in node.outputs)
+            sum(
+                local_numel(strategy.output, o.shape, self.mesh_shape) * itemsize(o.dtype)
+                for o in node.outputs
+            )
         )
 
     # ------------------------------------------------------------------ edges
@@ -105,13 +110,21 @@ class StepCosts:
     ) -> tuple[tuple[Collective, ...], float]:
         found = redistribute(src, dst, shape, size, self.mesh_shape)
         seconds = sum(
-            collective_time(self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis])
+            collective_time(
+                self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
+            )
             for c in found
         )
         return found, seconds
 
     def edge(
-        self, producer: Node, tensor: TensorInfo, src: Strategy, consumer: Node, dst: Strategy, index: int
+        self,
+        producer: Node,
+        tensor: TensorInfo,
+        src: Strategy,
+        consumer: Node,
+        dst: Strategy,
+        index: int,
     ) -> tuple[float, tuple[Phased, ...]]:
         """Time and collectives of moving ``tensor`` from ``producer`` into input ``index``."""
         size = itemsize(tensor.dtype)
@@ -120,7 +133,9 @@ class StepCosts:
         phased = [Phased(c, "forward") for c in fwd]
         if producer.needs_grad and consumer.kind != OUTPUT:
             grad = grad_spec(need, dst.output)
-            bwd, bwd_seconds = self._redistribute(grad, without_partial(src.output), tensor.shape, size)
+            bwd, bwd_seconds = self._redistribute(
+                grad, without_partial(src.output), tensor.shape, size
+            )
             seconds += bwd_seconds
             phase = "grad_sync" if producer.kind == PARAM else "backward"
             phased += [Phased(c, phase) for c in bwd]

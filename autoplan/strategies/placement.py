@@ -111,7 +111,7 @@ def redistribute(
             found.append(Collective(kind, axis, before))
         elif a == R:
             continue
-        elif b == R or b == P:
+        elif b in (R, P):
             found.append(Collective("all_gather", axis, after))
         else:
             found.append(Collective("all_to_all", axis, before))

@@ -26,14 +26,14 @@ def _arg(node: Node, index: int, name: str, default: object) -> object:
 def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     x = ins[0]
     has_bias = len(ins) == 3
-    last = x.shape and len(x.shape) - 1
+    last = len(x.shape) - 1
     rules: list[AxisRule] = []
     for d in range(len(x.shape) - 1):  # batch-like dims: data parallel
         rules.append((shard(d), shard(d), R, *([R] if has_bias else [])))
     # column split: weight rows (output features); bias split alike
-    rules.append((shard(int(last)), R, shard(0), *([shard(0)] if has_bias else [])))
+    rules.append((shard(last), R, shard(0), *([shard(0)] if has_bias else [])))
     # row split: contraction dim split, partial sums out; bias added on one rank only
-    rules.append((P, shard(int(last)), shard(1), *([P] if has_bias else [])))
+    rules.append((P, shard(last), shard(1), *([P] if has_bias else [])))
     return rules
 
 
@@ -122,7 +122,9 @@ def _permutation(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     if name == "permute":
         order = [int(d) % ndim for d in node.args[1]]
     elif ndim >= 2:  # transpose / t: swap two dims
-        a, b = (int(node.args[1]) % ndim, int(node.args[2]) % ndim) if name == "transpose" else (0, 1)
+        a, b = (
+            (int(node.args[1]) % ndim, int(node.args[2]) % ndim) if name == "transpose" else (0, 1)
+        )
         order[a], order[b] = order[b], order[a]
     return _from_dim_map({src: dst for dst, src in enumerate(order)})
 

@@ -55,7 +55,13 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
         return rule(node, ins), "ours"
     tensors: dict[Ref, TensorInfo] = {r: graph.tensor(r) for r in node.refs}
     found = dtensor_rules.axis_rules(
-        node.op, node.args, node.kwargs, tensors, len(node.outputs), out_ndim, [len(i.shape) for i in ins]
+        node.op,
+        node.args,
+        node.kwargs,
+        tensors,
+        len(node.outputs),
+        out_ndim,
+        [len(i.shape) for i in ins],
     )
     if found is not None:
         return found, "dtensor"
@@ -84,10 +90,14 @@ def _expand(
 def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> NodeStrategies:
     num_axes = len(mesh_shape)
     if node.kind == PARAM:
-        return NodeStrategies(node.name, tuple(_storage_strategies(node.output, mesh_shape)), "storage")
+        return NodeStrategies(
+            node.name, tuple(_storage_strategies(node.output, mesh_shape)), "storage"
+        )
     if node.kind == INPUT:
         # the data loader can hand each rank any even slice of the batch at no cost
-        return NodeStrategies(node.name, tuple(_storage_strategies(node.output, mesh_shape)), "data")
+        return NodeStrategies(
+            node.name, tuple(_storage_strategies(node.output, mesh_shape)), "data"
+        )
     if node.kind == OUTPUT:
         inputs = tuple(replicated(num_axes) for _ in node.refs)
         return NodeStrategies(node.name, (Strategy((), inputs),), "output")
@@ -103,11 +113,15 @@ def strategy_space(
     """Candidates for every node (or those in ``names``); ops without a rule are listed in
     one warning."""
     space = {
-        n.name: node_strategies(n, graph, mesh_shape) for n in graph if names is None or n.name in names
+        n.name: node_strategies(n, graph, mesh_shape)
+        for n in graph
+        if names is None or n.name in names
     }
     fallback = sorted({graph.node(k).op for k, v in space.items() if v.source == "replicated"})
     if fallback:
         log.warning(
-            "no sharding rule for %d op(s), planned replicated: %s", len(fallback), ", ".join(fallback)
+            "no sharding rule for %d op(s), planned replicated: %s",
+            len(fallback),
+            ", ".join(fallback),
         )
     return space

@@ -1,0 +1,108 @@
+"""Plan <-> JSON: identity, determinism, and refusal of bad documents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import autoplan
+from autoplan.errors import PlanFormatError
+from tests.conftest import plan_example
+
+
+@pytest.fixture(scope="module")
+def plan(cpu4: autoplan.Cluster) -> autoplan.Plan:
+    return plan_example("gpt", cpu4, (2, 2), size="tiny", batch_size=4)
+
+
+def test_round_trip_is_identical(plan: autoplan.Plan, tmp_path: Path) -> None:
+    text = plan.to_json()
+    again = autoplan.Plan.from_json(text)
+    assert again == plan
+    assert again.to_json() == text
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert autoplan.Plan.from_json(str(path)) == plan
+
+
+def test_two_runs_give_byte_identical_json(plan: autoplan.Plan, cpu4: autoplan.Cluster) -> None:
+    other = plan_example("gpt", cpu4, (2, 2), size="tiny", batch_size=4)
+    a, b = json.loads(plan.to_json()), json.loads(other.to_json())
+    a["solver"].pop("solve_time_s")  # wall time is the one field that may differ
+    b["solver"].pop("solve_time_s")
+    assert json.dumps(a) == json.dumps(b)
+
+
+def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
+    doc = json.loads(plan.to_json())
+    assert doc["version"] == 1
+    for key in (
+        "provenance",
+        "mesh",
+        "stages",
+        "params",
+        "nodes",
+        "collectives",
+        "predicted",
+        "solver",
+    ):
+        assert key in doc
+    assert doc["mesh"]["shape"] == [2, 2] and len(doc["mesh"]["ranks"]) == 4
+    assert set(doc["predicted"]) >= {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes"}
+    assert next(iter(doc["params"])) == "tok_emb.weight"  # graph order, not sorted order
+
+
+_COLLECTIVE = {
+    "kind": "all_reduce",
+    "bytes": 4,
+    "axis": "dp0",
+    "phase": "forward",
+    "node": "output",
+    "tensor": "x",
+}
+
+
+def _corrupt(plan: autoplan.Plan, edit: object) -> str:
+    doc = json.loads(plan.to_json())
+    edit(doc)  # type: ignore[operator]
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d.update(version=2), "version"),
+        (lambda d: d["mesh"].update(shape=[3, 2]), "mesh.ranks"),
+        (
+            lambda d: d["params"]["head.weight"]["placements"].update(dp0="S(x)"),
+            "params.head.weight.placements",
+        ),
+        (lambda d: d["predicted"].pop("comm_s"), "predicted.comm_s"),
+        (lambda d: d["collectives"].append(dict(_COLLECTIVE, axis="zz")), "collectives[]"),
+        (lambda d: d["collectives"].append(dict(_COLLECTIVE, node="nope")), "collectives[]"),
+        (lambda d: d.update(nodes=[]), "nodes"),
+    ],
+)
+def test_malformed_documents_name_the_field(plan: autoplan.Plan, edit: object, field: str) -> None:
+    text = _corrupt(plan, edit)
+    with pytest.raises(PlanFormatError, match=field.replace(".", r"\.").replace("[]", r"\[\d+\]")):
+        autoplan.Plan.from_json(text)
+
+
+def test_not_json_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        autoplan.Plan.from_json('{"version": 1,')
+    with pytest.raises(PlanFormatError, match="does not exist"):
+        autoplan.Plan.from_json(str(tmp_path / "nope.json"))
+
+
+def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan.Cluster) -> None:
+    text = plan.to_json()
+    fp = plan.provenance.graph_fingerprint
+    assert autoplan.Plan.from_json(text, graph_fingerprint=fp) == plan
+    with pytest.raises(PlanFormatError, match="graph_fingerprint"):
+        autoplan.Plan.from_json(text, graph_fingerprint="0" * 16)
+    with pytest.raises(PlanFormatError, match="cluster_fingerprint"):
+        autoplan.Plan.from_json(text, cluster_fingerprint=a100.fingerprint())

@@ -1,0 +1,114 @@
+"""Placements, redistribution, our rules and the DTensor rule adapter."""
+
+from __future__ import annotations
+
+from autoplan.graph.ir import Ref, TensorInfo
+from autoplan.strategies import dtensor_rules
+from autoplan.strategies.placement import Collective, grad_spec, is_valid, redistribute
+from autoplan.strategies.rules import _view_dim_map, own_rule
+
+
+def test_redistribute_by_hand() -> None:
+    shape, mesh = (8, 16), (4,)
+    full = 8 * 16 * 4  # bytes of the whole fp32 tensor
+    assert redistribute(("R",), ("S(0)",), shape, 4, mesh) == ()  # a local slice
+    assert redistribute(("P",), ("R",), shape, 4, mesh) == (Collective("all_reduce", 0, full),)
+    assert redistribute(("P",), ("S(1)",), shape, 4, mesh) == (
+        Collective("reduce_scatter", 0, full),
+    )
+    assert redistribute(("S(0)",), ("R",), shape, 4, mesh) == (Collective("all_gather", 0, full),)
+    assert redistribute(("S(0)",), ("S(1)",), shape, 4, mesh) == (
+        Collective("all_to_all", 0, full // 4),
+    )
+
+
+def test_redistribute_on_2d_mesh_counts_the_other_axis_split() -> None:
+    # (2, 2) mesh: axis 0 gathers dim 0 while axis 1 still splits dim 1 in two
+    found = redistribute(("S(0)", "S(1)"), ("R", "S(1)"), (8, 16), 4, (2, 2))
+    assert found == (Collective("all_gather", 0, 8 * 8 * 4),)
+    found = redistribute(("P", "P"), ("R", "R"), (4,), 2, (2, 2))
+    assert found == (Collective("all_reduce", 0, 8), Collective("all_reduce", 1, 8))
+
+
+def test_gradient_placements() -> None:
+    # column-split linear: replicated input, split output -> the input gradient is partial
+    assert grad_spec(("R",), ("S(1)",)) == ("P",)
+    # data parallel weight: replicated weight, batch-split output -> partial weight gradient
+    assert grad_spec(("R", "R"), ("S(0)", "R")) == ("P", "R")
+    # an input read as partial gets a replicated gradient; a split one a split gradient
+    assert grad_spec(("P",), ("P",)) == ("R",)
+    assert grad_spec(("S(0)",), ("S(0)",)) == ("S(0)",)
+
+
+def test_uneven_or_missing_dims_are_invalid() -> None:
+    assert is_valid(("S(0)",), (8, 3), (4,))
+    assert not is_valid(("S(1)",), (8, 3), (4,))
+    assert not is_valid(("S(2)",), (8, 3), (4,))
+    assert not is_valid(("S(0)", "S(0)"), (4, 3), (4, 2))  # 4 rows cannot split 8 ways
+
+
+def test_view_dim_map() -> None:
+    # (B, T, C) -> (B, T, H, D): C splits into heads, the head dim is not splittable
+    assert _view_dim_map((2, 16, 64), (2, 16, 4, 16)) == {0: 0, 1: 1, 2: 2}
+    # flatten (B, T, V) -> (B*T, V): only the outer dim of a merged group maps
+    assert _view_dim_map((2, 16, 128), (32, 128)) == {0: 0, 2: 1}
+    assert _view_dim_map((1, 8), (8,)) == {1: 0}
+
+
+def _tensors(*shapes: tuple[int, ...]) -> list[TensorInfo]:
+    return [TensorInfo(s, "float32") for s in shapes]
+
+
+def test_linear_rule_has_data_column_and_row_splits() -> None:
+    from autoplan.graph.ir import Node
+
+    node = Node(
+        "fc",
+        "op",
+        "aten.linear.default",
+        (Ref("x"), Ref("w"), Ref("b")),
+        (),
+        tuple(_tensors((4, 8, 32))),
+        0,
+        0,
+        0,
+        "",
+        "",
+        True,
+        False,
+    )
+    rule = own_rule(node.op)
+    assert rule is not None
+    rules = rule(node, _tensors((4, 8, 16), (32, 16), (32,)))
+    assert ("S(0)", "S(0)", "R", "R") in rules  # batch
+    assert ("S(2)", "R", "S(0)", "S(0)") in rules  # column: output features
+    assert ("P", "S(2)", "S(1)", "P") in rules  # row: contraction, partial sums
+    assert own_rule("aten._scaled_dot_product_flash_attention_for_cpu.default") is not None
+
+
+def test_dtensor_adapter_translates_single_dim_rules() -> None:
+    """Pins the private API this adapter relies on (torch 2.13.0)."""
+    assert dtensor_rules.has_rule("aten.add.Tensor")
+    assert not dtensor_rules.has_rule("aten._scaled_dot_product_flash_attention_for_cpu.default")
+    tensors = {Ref("a"): TensorInfo((8, 4), "float32"), Ref("b"): TensorInfo((4,), "float32")}
+    rules = dtensor_rules.axis_rules(
+        "aten.add.Tensor", (Ref("a"), Ref("b")), (), tensors, 1, 2, [2, 1]
+    )
+    assert rules is not None
+    assert ("S(0)", "S(0)", "R") in rules  # broadcast bias stays replicated
+    assert ("S(1)", "S(1)", "S(0)") in rules
+    assert ("P", "P", "P") in rules  # sums of partials stay partial
+    mm = dtensor_rules.axis_rules(
+        "aten.mm.default",
+        (Ref("a"), Ref("c")),
+        (),
+        {**tensors, Ref("c"): TensorInfo((4, 6), "float32")},
+        1,
+        2,
+        [2, 2],
+    )
+    assert mm is not None and ("P", "S(1)", "S(0)") in mm
+    assert (
+        dtensor_rules.axis_rules("aten.cumsum.default", (Ref("a"), 0), (), tensors, 1, 2, [2])
+        is None
+    )
