@@ -8,7 +8,7 @@ import torch
 
 import autoplan
 from autoplan.cluster import Cluster
-from autoplan.graph.ir import INPUT, PARAM, Graph
+from autoplan.graph.ir import OP, PARAM, Graph
 from autoplan.intra_op import IntraOpResult, StepCost
 from autoplan.plan.schema import (
     CollectivePlan,
@@ -26,13 +26,14 @@ from autoplan.strategies.placement import Spec, shard_dim
 
 
 def axis_names(graph: Graph, result: IntraOpResult) -> tuple[str, ...]:
-    """Name each mesh axis by its role: "dp" if it splits the batch of the first input, else
-    "tp"; repeated names get their axis index ("dp0", "dp1")."""
-    first_input = next((n for n in graph if n.kind == INPUT), None)
-    names = []
-    for axis in range(len(result.mesh_shape)):
-        spec = result.assignment[first_input.name].output if first_input else ()
-        names.append("dp" if spec and shard_dim(spec[axis]) == 0 else "tp")
+    """Name each mesh axis by its role: "dp" if the most expensive op splits its batch (dim 0)
+    on that axis, else "tp"; repeated names get their axis index ("dp0", "dp1")."""
+    heaviest = max((n for n in graph if n.kind == OP), key=lambda n: n.flops, default=None)
+    spec = result.assignment[heaviest.name].output if heaviest else ()
+    names = [
+        "dp" if spec and shard_dim(spec[axis]) == 0 else "tp"
+        for axis in range(len(result.mesh_shape))
+    ]
     if len(set(names)) < len(names):
         names = [f"{n}{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
     return tuple(names)

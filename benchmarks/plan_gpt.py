@@ -1,0 +1,123 @@
+"""Planning benchmark: GPT 125M .. 175B on simulated A100 clusters of 8, 64 and 512 GPUs.
+
+Prints, and writes to benchmarks/results/plan_gpt.json and .md: tracing time, solve time,
+ILP size and the predicted step time (or the memory shortfall when nothing fits).
+
+    python benchmarks/plan_gpt.py [--sizes 125m,1.3b] [--gpus 8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import autoplan
+from autoplan.errors import InfeasiblePlanError
+from autoplan.graph.capture import capture
+from autoplan.workload import load_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
+
+
+def run(size: str, gpus: int) -> dict[str, object]:
+    batch = max(4, int(gpus * SEQUENCES_PER_GPU))
+    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=gpus // 8)
+    w = load_workload(
+        ROOT / "examples/gpt.py", size=size, batch_size=batch, device="meta", dtype="bfloat16"
+    )
+    start = time.perf_counter()
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    trace_s = time.perf_counter() - start
+    row: dict[str, object] = {
+        "model": f"gpt-{size}",
+        "params_b": round(graph.num_params / 1e9, 2),
+        "gpus": gpus,
+        "batch": batch,
+        "graph_nodes": len(graph),
+        "trace_s": round(trace_s, 2),
+    }
+    start = time.perf_counter()
+    try:
+        plan = autoplan.plan(
+            w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
+        )
+    except InfeasiblePlanError as e:
+        row.update(
+            plan_s=round(time.perf_counter() - start, 2), result="does not fit", detail=str(e)[:160]
+        )
+        return row
+    tokens = batch * 2048
+    row.update(
+        plan_s=round(time.perf_counter() - start, 2),
+        result="ok",
+        mesh="x".join(map(str, plan.mesh.shape)),
+        axes=",".join(plan.mesh.axes),
+        ilp_groups=plan.solver.num_groups,
+        ilp_variables=plan.solver.num_variables,
+        solve_s=round(plan.solver.solve_time_s, 2),
+        step_s=round(plan.predicted.step_time_s, 4),
+        comm_share=round(plan.predicted.comm_s / plan.predicted.step_time_s, 3),
+        tokens_per_s=round(tokens / plan.predicted.step_time_s),
+        memory_gib=round(plan.predicted.peak_memory_bytes / 2**30, 1),
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="125m,1.3b,7b,175b")
+    parser.add_argument("--gpus", default="8,64,512")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for size in args.sizes.split(","):
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            row = run(size, gpus)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = {
+        "command": "python benchmarks/plan_gpt.py",
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "cluster": "costmodels/dgx-a100-80gb.json (8 GPUs per node), bf16 parameters, AdamW",
+        "note": "one pipeline stage (intra-op only); predictions are analytic, not measured",
+    }
+    out = ROOT / "benchmarks/results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_gpt.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    cols = [
+        "model",
+        "gpus",
+        "trace_s",
+        "plan_s",
+        "result",
+        "mesh",
+        "axes",
+        "ilp_groups",
+        "ilp_variables",
+        "solve_s",
+        "step_s",
+        "comm_share",
+        "tokens_per_s",
+        "memory_gib",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    (out / "plan_gpt.md").write_text(
+        "# Planning benchmark\n\n"
+        + "\n".join(f"- {k}: {v}" for k, v in meta.items())
+        + "\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
