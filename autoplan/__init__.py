@@ -2,8 +2,9 @@
 
 from autoplan.api import plan
 from autoplan.cluster import Cluster
+from autoplan.parallel import Step, parallelize
 from autoplan.plan.schema import Plan
 from autoplan.workload import Workload
 
-__all__ = ["Cluster", "Plan", "Workload", "plan"]
+__all__ = ["Cluster", "Plan", "Step", "Workload", "parallelize", "plan"]
 __version__ = "0.1.0"

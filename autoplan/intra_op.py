@@ -16,13 +16,13 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autoplan.graph.ir import OP, Graph, Node
+from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
 from autoplan.graph.layers import Layers, block_of
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
 from autoplan.strategies.costs import Phased, StepCosts
-from autoplan.strategies.placement import Spec
+from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.space import NodeStrategies, Strategy
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,9 @@ def _edge_matrix(
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
+    fan_out = graph.grad_fan_out(u)
     return [
-        [costs.edge(producer, tensor, su, consumer, sv, i)[0] for sv in space[v].strategies]
+        [costs.edge(producer, tensor, su, consumer, sv, i, fan_out) for sv in space[v].strategies]
         for su in space[u].strategies
     ]
 
@@ -115,7 +116,9 @@ def build_problem(
     for node in reps:
         strategies = space[node.name].strategies
         count = layers.count(node.name)
-        own_time = [costs.node_time(node, s) * count for s in strategies]
+        own_time = [
+            (costs.node_time(node, s) + costs.internal_time(node, s)) * count for s in strategies
+        ]
         own_mem = [costs.node_memory(node, s) * count for s in strategies]
         producer = _follower_producer(node, graph)
         follow = (
@@ -204,17 +207,28 @@ class StepCost:
 
 
 def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts) -> StepCost:
+    """The step as the executor runs it: each input redistributed in forward; in backward,
+    each tensor's gradients summed per placement and reduced once per distinct placement."""
     compute = memory = comm = 0.0
     found: list[tuple[str, str, Phased]] = []
+    grads: dict[tuple[str, int], dict[Spec, str]] = defaultdict(dict)  # tensor -> spec -> user
     for node in graph:
         s = assignment[node.name]
         compute += costs.node_time(node, s)
         memory += costs.node_memory(node, s)
+        comm += costs.internal_time(node, s)
+        found += [(node.name, node.name, Phased(c, "backward")) for c in costs.internal(node, s)]
         for i, ref in enumerate(node.refs):
-            producer = graph.node(ref.name)
-            seconds, phased = costs.edge(
-                producer, graph.tensor(ref), assignment[ref.name], node, s, i
-            )
+            seconds, fwd = costs.forward(graph.tensor(ref), assignment[ref.name], s, i)
             comm += seconds
-            found += [(node.name, ref.name, p) for p in phased]
+            found += [(node.name, ref.name, Phased(c, "forward")) for c in fwd]
+            if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
+                grads[(ref.name, ref.index)].setdefault(grad_spec(s.inputs[i], s.output), node.name)
+    for (name, index), by_spec in grads.items():
+        producer = graph.node(name)
+        phase = "grad_sync" if producer.kind == PARAM else "backward"
+        for spec, user in by_spec.items():
+            seconds, bwd = costs.gradient(producer.outputs[index], spec, assignment[name])
+            comm += seconds
+            found += [(user, name, Phased(c, phase)) for c in bwd]
     return StepCost(compute, comm, memory, tuple(found))

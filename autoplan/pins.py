@@ -1,6 +1,7 @@
 """User pins: fix how named parameters are placed.
 
-A pin maps a parameter name (``"layers.0.weight"``) to
+A pin maps a parameter name (``"layers.0.weight"``), or ``"input:<i>"`` / ``"target"`` for the
+step's inputs (``{"input:0": "S(0)", "target": "S(0)"}`` forces data parallelism), to
 * a placement per mesh axis, e.g. ``("R", "S(0)")`` or ``"S(0)"`` on a 1-D mesh: the parameter
   is stored that way and every op reads it that way; or
 * ``{"storage": ..., "use": ...}``: stored one way and gathered to another before use, e.g.
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import PARAM, Graph
+from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.graph.layers import Layers
 from autoplan.strategies.placement import Spec, is_placement
 from autoplan.strategies.space import NodeStrategies
@@ -40,15 +41,28 @@ def _spec(value: str | Sequence[str], param: str) -> Spec:
     return spec
 
 
+def _pinnable(graph: Graph) -> dict[str, str]:
+    """Pin key -> node name: parameters by FQN, inputs as input:<i>, the last one also as target."""
+    by_key = {n.target: n.name for n in graph if n.kind == PARAM}
+    inputs = [n.name for n in graph if n.kind == INPUT]
+    by_key.update({f"input:{i}": name for i, name in enumerate(inputs)})
+    if inputs:
+        by_key["target"] = inputs[-1]
+    return by_key
+
+
 def parse_pins(pins: Mapping[str, Pin], graph: Graph) -> dict[str, ParsedPin]:
-    """Pins keyed by parameter node name; unknown names and bad placements are errors."""
-    by_fqn = {n.target: n.name for n in graph if n.kind == PARAM}
+    """Pins keyed by node name; unknown names and bad placements are errors."""
+    by_fqn = _pinnable(graph)
     parsed = {}
     for fqn, value in sorted(pins.items()):
         if fqn not in by_fqn:
             close = difflib.get_close_matches(fqn, list(by_fqn), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise AutoplanError(f"pin names {fqn!r}, which is not a parameter of the model{hint}")
+            raise AutoplanError(
+                f"pin names {fqn!r}, which is not a parameter of the model (nor input:<i> or "
+                f"target){hint}"
+            )
         if isinstance(value, Mapping):
             unknown = set(value) - {"storage", "use"}
             if unknown:

@@ -84,7 +84,7 @@ def main() -> None:
             rows.append(row)
     meta = {
         "command": "python benchmarks/plan_gpt.py",
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "cluster": "costmodels/dgx-a100-80gb.json (8 GPUs per node), bf16 parameters, AdamW",
         "note": "one pipeline stage (intra-op only); predictions are analytic, not measured",

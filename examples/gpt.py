@@ -44,10 +44,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
-        # separate projections (as in torchtitan's Llama) so heads split evenly across ranks
-        self.q = nn.Linear(cfg.dim, cfg.dim)
-        self.k = nn.Linear(cfg.dim, cfg.dim)
-        self.v = nn.Linear(cfg.dim, cfg.dim)
+        # separate projections (as in torchtitan's Llama) so heads split evenly across ranks;
+        # no biases: the key bias has an exactly zero gradient (softmax ignores a constant
+        # added to every key), whose rounding noise Adam would amplify into real updates
+        self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

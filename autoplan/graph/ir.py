@@ -137,6 +137,20 @@ class Graph:
             object.__setattr__(self, "_users_cache", cache)
         return cache[name]
 
+    def grad_fan_out(self, name: str) -> int:
+        """How many inputs of ops (not the graph output) read node ``name``: the gradients
+        autograd sums for it in backward."""
+        return max(
+            1,
+            sum(
+                1
+                for user in self.users(name)
+                if self.node(user).kind != OUTPUT
+                for r in self.node(user).refs
+                if r.name == name
+            ),
+        )
+
     @property
     def params(self) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.kind == PARAM)

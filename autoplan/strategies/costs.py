@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -28,6 +27,7 @@ from autoplan.strategies.placement import (
     grad_spec,
     local_numel,
     redistribute,
+    shard_dim,
     without_partial,
 )
 from autoplan.strategies.space import Strategy
@@ -58,6 +58,7 @@ class StepCosts:
         self.links: tuple[Link, ...] = tuple(
             cluster.axis_link(mesh_shape, a) for a in range(len(mesh_shape))
         )
+        self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
 
     # ------------------------------------------------------------------ nodes
@@ -87,6 +88,32 @@ class StepCosts:
         moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
         return compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
 
+    def internal(self, node: Node, strategy: Strategy) -> tuple[Collective, ...]:
+        """Collectives an op's own DTensor rule issues, beyond redistributing its inputs.
+
+        A batch-split cross-entropy (mean or sum) needs the total target weight summed over
+        the split axes in backward: one scalar all-reduce per such axis.
+        """
+        if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
+            return ()
+        reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
+        if reduction == 0:
+            return ()
+        size = itemsize(node.outputs[0].dtype)
+        return tuple(
+            Collective("all_reduce", axis, size)
+            for axis, p in enumerate(strategy.inputs[0])
+            if shard_dim(p) is not None
+        )
+
+    def internal_time(self, node: Node, strategy: Strategy) -> float:
+        return sum(
+            collective_time(
+                self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
+            )
+            for c in self.internal(node, strategy)
+        )
+
     def node_memory(self, node: Node, strategy: Strategy) -> float:
         if node.kind in (PARAM, INPUT):
             info = node.output
@@ -108,7 +135,7 @@ class StepCosts:
     def _redistribute_uncached(
         self, src: Spec, dst: Spec, shape: tuple[int, ...], size: int
     ) -> tuple[tuple[Collective, ...], float]:
-        found = redistribute(src, dst, shape, size, self.mesh_shape)
+        found = redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
         seconds = sum(
             collective_time(
                 self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
@@ -116,6 +143,24 @@ class StepCosts:
             for c in found
         )
         return found, seconds
+
+    def forward(
+        self, tensor: TensorInfo, src: Strategy, dst: Strategy, index: int
+    ) -> tuple[float, tuple[Collective, ...]]:
+        """Moving ``tensor`` from the producer's placement into input ``index`` of ``dst``."""
+        found, seconds = self._redistribute(
+            src.output, dst.inputs[index], tensor.shape, itemsize(tensor.dtype)
+        )
+        return seconds, found
+
+    def gradient(
+        self, tensor: TensorInfo, grad: Spec, src: Strategy
+    ) -> tuple[float, tuple[Collective, ...]]:
+        """Bringing a gradient placed ``grad`` back to the producer's placement."""
+        found, seconds = self._redistribute(
+            grad, without_partial(src.output), tensor.shape, itemsize(tensor.dtype)
+        )
+        return seconds, found
 
     def edge(
         self,
@@ -125,26 +170,16 @@ class StepCosts:
         consumer: Node,
         dst: Strategy,
         index: int,
-    ) -> tuple[float, tuple[Phased, ...]]:
-        """Time and collectives of moving ``tensor`` from ``producer`` into input ``index``."""
-        size = itemsize(tensor.dtype)
-        need = dst.inputs[index]
-        fwd, seconds = self._redistribute(src.output, need, tensor.shape, size)
-        phased = [Phased(c, "forward") for c in fwd]
+        fan_out: int,
+    ) -> float:
+        """An edge's time for the ILP: forward, plus its share of the gradient's reduction.
+
+        Autograd sums the gradients a tensor gets from its ``fan_out`` consumers before DTensor
+        reduces them, so gradients placed alike are reduced once; each edge carries 1/fan_out of
+        it (exact when the consumers agree, as the q, k and v projections of one input do).
+        """
+        seconds, _ = self.forward(tensor, src, dst, index)
         if producer.needs_grad and consumer.kind != OUTPUT:
-            grad = grad_spec(need, dst.output)
-            bwd, bwd_seconds = self._redistribute(
-                grad, without_partial(src.output), tensor.shape, size
-            )
-            seconds += bwd_seconds
-            phase = "grad_sync" if producer.kind == PARAM else "backward"
-            phased += [Phased(c, phase) for c in bwd]
-        return seconds, tuple(phased)
-
-
-def total_bytes(phased: tuple[Phased, ...]) -> int:
-    return sum(p.collective.nbytes for p in phased)
-
-
-def devices(mesh_shape: tuple[int, ...]) -> int:
-    return math.prod(mesh_shape)
+            grad = grad_spec(dst.inputs[index], dst.output)
+            seconds += self.gradient(tensor, grad, src)[0] / fan_out
+        return seconds

@@ -64,8 +64,11 @@ def _schema_value(value: Any, tensors: dict[Ref, TensorInfo]) -> Any:
 def _placement(p: Any, ndim: int) -> str | None:
     if isinstance(p, Replicate):
         return R
-    if isinstance(p, Partial):  # includes the masked partial of a row-split embedding
-        return P
+    if isinstance(p, Partial):
+        # "P" is a linear partial (sum, or mean of equal shards; the masked partial of a
+        # row-split embedding is a sum). max/min partials of monotone ops are not: relu of a
+        # sum is not the sum of relus.
+        return P if p.reduce_op in ("sum", "avg") else None
     if isinstance(p, _ShardingPlaceholder | Shard):
         return shard(p.dim % ndim) if ndim else None
     return None
@@ -103,3 +106,51 @@ def axis_rules(
             continue
         rules.append((outs[0], *ins))  # type: ignore[arg-type]
     return rules
+
+
+def _attention_axis_rules(num_outputs: int, metas: list[Any]) -> list[list[Any]]:
+    """Split batch (dim 0) or heads (dim 1) of every tensor alike; a mask whose batch or head
+    extent is 1 stays replicated."""
+    rules = []
+    for dim in (0, 1):
+        row: list[Any] = [_ShardingPlaceholder(dim)] * num_outputs
+        for meta in metas:
+            broadcast = len(meta.shape) <= dim or meta.shape[dim] == 1
+            row.append(Replicate() if broadcast else _ShardingPlaceholder(dim))
+        rules.append(row)
+    return rules
+
+
+def _tensor_metas(args: Any, kwargs: Any) -> list[Any]:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, TensorMeta)]
+
+
+_registered = False
+
+
+def register_missing_rules() -> None:
+    """Teach DTensor the CPU flash-attention op and its backward (torch 2.13 has no rule), so
+    head- or batch-split attention runs on gloo exactly as planned. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+
+    aten = torch.ops.aten
+
+    @register_single_dim_strategy(
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        schema_info=RuntimeSchemaInfo(3, static_kwargkey=["scale"]),
+    )
+    def _forward(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
+        return _attention_axis_rules(2, _tensor_metas(args, kwargs))  # out, logsumexp
+
+    @register_single_dim_strategy(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        schema_info=RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
+    )
+    def _backward(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
+        return _attention_axis_rules(3, _tensor_metas(args, kwargs))  # grad q, k, v
+
+    _registered = True

@@ -92,11 +92,18 @@ class Collective:
 
 
 def redistribute(
-    src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...]
+    src: Spec,
+    dst: Spec,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+    all_to_all: bool = True,
 ) -> tuple[Collective, ...]:
     """The collectives that turn ``src`` into ``dst``, one mesh axis at a time.
 
     R->S and R->P are local (slice, or keep one copy and zero the rest) and cost nothing.
+    Without ``all_to_all`` (gloo has none; DTensor then gathers and keeps its chunk), S(i)->S(j)
+    is an all-gather of the whole of dim i.
     """
     current = list(src)
     found: list[Collective] = []
@@ -113,6 +120,8 @@ def redistribute(
             continue
         elif b in (R, P):
             found.append(Collective("all_gather", axis, after))
-        else:
+        elif all_to_all:
             found.append(Collective("all_to_all", axis, before))
+        else:
+            found.append(Collective("all_gather", axis, before * mesh_shape[axis]))
     return tuple(found)

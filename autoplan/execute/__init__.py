@@ -1,0 +1,1 @@
+"""Execution: run a plan with torch.distributed (DTensor) under torchrun."""

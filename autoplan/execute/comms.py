@@ -1,0 +1,65 @@
+"""Record the collectives a step really issues, to compare with the plan's list."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoplan.plan.schema import CollectivePlan
+
+_functional = torch.ops._c10d_functional
+# functional collective -> (our kind, index of its group-name argument)
+_KINDS = {
+    _functional.all_reduce.default: ("all_reduce", 2),
+    _functional.all_gather_into_tensor.default: ("all_gather", 2),
+    _functional.reduce_scatter_tensor.default: ("reduce_scatter", 3),
+    _functional.all_to_all_single.default: ("all_to_all", 3),
+}
+
+
+@dataclass(frozen=True)
+class Issued:
+    kind: str
+    axis: str
+    bytes: int  # as the plan counts them: all_gather its output, the others their input
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """A dispatch mode that notes every functional collective DTensor issues on ``mesh``."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        names = mesh.mesh_dim_names or ()
+        self.axis_of: dict[str, str] = {str(mesh.get_group(a).group_name): a for a in names}
+        self.issued: list[Issued] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor run first and lower the op to local ops and collectives, which then
+            # come back through this mode (as CommDebugMode does)
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func in _KINDS:
+            kind, group_arg = _KINDS[func]
+            tensor: torch.Tensor = args[0]
+            nbytes = tensor.numel() * tensor.element_size()
+            if kind == "all_gather":
+                nbytes *= int(args[1])
+            axis = self.axis_of.get(str(args[group_arg]), str(args[group_arg]))
+            self.issued.append(Issued(kind, axis, nbytes))
+        return out
+
+
+def planned(collectives: Iterable[CollectivePlan]) -> Counter[tuple[str, str, int]]:
+    return Counter((c.kind, c.axis, c.bytes) for c in collectives)
+
+
+def issued(records: Iterable[Issued]) -> Counter[tuple[str, str, int]]:
+    return Counter((r.kind, r.axis, r.bytes) for r in records)

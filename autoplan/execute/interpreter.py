@@ -1,0 +1,114 @@
+"""Run the traced graph over DTensors, placing every op's inputs as the plan says.
+
+Each op's tensor inputs are redistributed to the plan's placements before the op runs (the
+only place the executor communicates in forward; backward communication is the autograd
+mirror of these redistributions and of DTensor's op rules). Ops that create tensors
+(``arange``) get replicated outputs. If DTensor's rule places an output differently from
+the plan, the output is moved to the plan's placement and the difference is logged: the
+plan's collectives list then misses that move, which the fidelity tests catch.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+from torch.export import ExportedProgram
+
+from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
+from autoplan.plan.schema import Plan
+from autoplan.strategies.dtensor_rules import register_missing_rules
+
+log = logging.getLogger(__name__)
+
+
+def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every fx Node in ``value`` (lists and tuples walked in order)."""
+    if isinstance(value, torch.fx.Node):
+        return fn(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+class PlanInterpreter:
+    def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
+        register_missing_rules()
+        self.graph = ep.graph
+        self.plan = plan
+        self.mesh = mesh
+        self.device = torch.device(mesh.device_type)
+        axes = plan.mesh.axes
+        self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
+        self.outputs: dict[str, tuple[Placement, ...]] = {}
+        for name, node in plan.nodes.items():
+            self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
+            if node.output:
+                self.outputs[name] = to_dtensor(node.output, axes)
+
+    def _place(self, value: Any, target: Sequence[Placement]) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        goal = reachable(value.placements, target)
+        return value if tuple(value.placements) == goal else value.redistribute(self.mesh, goal)
+
+    def _retarget(self, value: Any) -> Any:
+        # graphs traced on the meta device carry device=meta in factory calls
+        return self.device if isinstance(value, torch.device) else value
+
+    def run(self, placeholders: Mapping[str, Any]) -> Any:
+        env: dict[str, Any] = {}
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                env[node.name] = placeholders[node.name]
+            elif node.op == "output":
+                return _map_tensors(node.args[0], lambda n: env[n.name])
+            elif node.target is operator.getitem:
+                env[node.name] = env[node.args[0].name][node.args[1]]
+            else:
+                env[node.name] = self._call(node, env)
+        raise AssertionError("graph has no output node")
+
+    def _call(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        targets = iter(self.inputs[node.name])
+
+        def fetch(n: torch.fx.Node) -> Any:
+            return self._place(env[n.name], next(targets))
+
+        args = _map_tensors(node.args, fetch)
+        kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
+        out = node.target(*args, **kwargs)  # type: ignore[operator]
+        planned = self.outputs.get(node.name)
+        if planned is None:
+            return out
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            return DTensor.from_local(
+                out, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False
+            )
+        if isinstance(out, DTensor) and from_dtensor(out.placements) != from_dtensor(planned):
+            log.debug(
+                "%s: DTensor placed its output %s, the plan %s", node.name, out.placements, planned
+            )
+            out = self._place(out, planned)
+        if isinstance(out, DTensor) and out.requires_grad:
+            out.register_hook(self._gradient_to(planned))
+        return out
+
+    def _gradient_to(self, planned: Sequence[Placement]) -> Callable[[Any], Any]:
+        """Backward mirrors forward: the gradient of an op's output, summed over its users, is
+        brought to the output's planned placement (a partial one reduced to replicated) before
+        the op's backward runs, so DTensor's backward rules never choose another reduction."""
+        goal = tuple(Replicate() if isinstance(p, Partial) else p for p in planned)
+
+        def hook(grad: Any) -> Any:
+            if isinstance(grad, DTensor) and tuple(grad.placements) != goal:
+                return grad.redistribute(self.mesh, goal)
+            return grad
+
+        return hook

@@ -1,0 +1,190 @@
+"""The parallel module and the train step built from a plan, on every rank."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.export import ExportedProgram
+
+from autoplan.errors import AutoplanError
+from autoplan.execute.interpreter import PlanInterpreter
+from autoplan.execute.placements import to_dtensor
+from autoplan.graph.capture import as_tuple
+from autoplan.plan.schema import Plan
+
+log = logging.getLogger(__name__)
+
+_WRAPPED = "model."
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """Forward: the loss every rank reports. Backward: the gradient of each rank's share.
+
+    A loss split over the batch is partial: each rank holds its shard's mean (DTensor
+    ``Partial("avg")``) or sum. DTensor's own backward from the reduced value would not
+    divide by the number of averaged shards, so the gradient is sent to the local part here.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad / ctx.scale, None, None
+
+
+def _global_loss(out: Any, mesh: DeviceMesh) -> torch.Tensor:
+    if not isinstance(out, DTensor):
+        return out
+    scale = 1
+    for axis, p in enumerate(out.placements):
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            scale *= mesh.size(axis)
+    with torch.no_grad():
+        value = out.full_tensor()
+    loss: torch.Tensor = _GlobalLoss.apply(out.to_local(), value, float(scale))
+    return loss
+
+
+class ParallelModule(nn.Module):
+    """The user's modules with DTensor parameters placed as the plan stores them; its forward
+    runs the traced train step as the plan says and returns the loss, the same value on every
+    rank. Gradients are reduced to each parameter's storage placement as they arrive."""
+
+    def __init__(self, model: nn.Module, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, param in model.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.mesh = mesh
+        self.plan = plan
+        self.interpreter = PlanInterpreter(ep, plan, mesh)
+        sig = ep.graph_signature
+        self._params = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_parameters.items()}
+        self._buffers_in = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_buffers.items()}
+        self._user_inputs = list(sig.user_inputs)
+        self._input_specs = {
+            n.name: (tuple(n.meta["val"].shape), n.meta["val"].dtype)
+            for n in ep.graph.nodes
+            if n.op == "placeholder" and n.name in self._user_inputs
+        }
+
+    def forward(self, inputs: Any, target: Any = None) -> torch.Tensor:
+        args = as_tuple(inputs) + (() if target is None else (target,))
+        self._check(args)
+        values: dict[str, Any] = {}
+        named: dict[str, torch.Tensor] = dict(self.named_parameters())
+        named.update(self.named_buffers())
+        for placeholder, fqn in {**self._params, **self._buffers_in}.items():
+            values[placeholder] = named[fqn]
+        axes = self.plan.mesh.axes
+        for placeholder, arg in zip(self._user_inputs, args, strict=True):
+            spec = to_dtensor(self.plan.nodes[placeholder].output, axes)
+            # every rank holds the whole batch; each keeps its slice (no communication)
+            values[placeholder] = distribute_tensor(
+                arg.to(self.mesh.device_type), self.mesh, spec, src_data_rank=None
+            )
+        (out,) = self.interpreter.run(values)  # a train step has one output: the loss
+        return _global_loss(out, self.mesh)
+
+    def _check(self, args: tuple[Any, ...]) -> None:
+        if len(args) != len(self._user_inputs):
+            raise AutoplanError(
+                f"the step was traced with {len(self._user_inputs)} input(s) (inputs, then the "
+                f"target), got {len(args)}"
+            )
+        for i, (name, arg) in enumerate(zip(self._user_inputs, args, strict=True)):
+            shape, dtype = self._input_specs[name]
+            if not isinstance(arg, torch.Tensor) or tuple(arg.shape) != shape or arg.dtype != dtype:
+                got = (
+                    f"{tuple(arg.shape)} {arg.dtype}"
+                    if isinstance(arg, torch.Tensor)
+                    else type(arg).__name__
+                )
+                raise AutoplanError(
+                    f"input {i} is {got}, but the plan was made for {shape} {dtype}; pass batches "
+                    "of the planned shape (or plan again for this shape)"
+                )
+
+
+def materialize(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh, init_fn: Callable[[nn.Module], None] | None
+) -> None:
+    """Replace every parameter and buffer of ``model`` by a DTensor with its storage placement.
+
+    Real weights are distributed from rank 0's copy. Meta weights are created shard by shard
+    (the whole tensor never exists) and initialized by ``init_fn(model)`` or, by default, by
+    each module's ``reset_parameters()``.
+    """
+    axes = plan.mesh.axes
+    device = mesh.device_type
+    on_meta = False
+    for fqn, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if fqn not in plan.params:
+            raise AutoplanError(f"the plan has no placement for {fqn}; was it made for this model?")
+        placements = to_dtensor(plan.params[fqn].storage, axes)
+        if tensor.is_meta:
+            on_meta = True
+            dt = torch.distributed.tensor.empty(
+                tensor.shape, dtype=tensor.dtype, device_mesh=mesh, placements=placements
+            )
+        else:
+            dt = distribute_tensor(tensor.detach().to(device), mesh, placements, src_data_rank=0)
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if isinstance(tensor, nn.Parameter):
+            setattr(owner, leaf, nn.Parameter(dt, requires_grad=tensor.requires_grad))
+        else:
+            owner.register_buffer(leaf, dt)
+    if on_meta:
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(model)
+            else:
+                for module in model.modules():
+                    reset = getattr(module, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+
+
+def sync_gradients_on_arrival(module: ParallelModule, plan: Plan, mesh: DeviceMesh) -> None:
+    """When a parameter's gradient is complete, reduce it to the parameter's storage
+    placement: the all-reduce (replicated storage) or reduce-scatter (ZeRO) of the plan's
+    grad_sync phase."""
+    axes = plan.mesh.axes
+    for fqn, param in module.named_parameters():
+        storage = to_dtensor(plan.params[fqn].storage, axes)
+
+        def hook(p: torch.Tensor, storage: tuple[Any, ...] = storage) -> None:
+            grad = p.grad
+            if isinstance(grad, DTensor) and tuple(grad.placements) != storage:
+                p.grad = grad.redistribute(mesh, storage)
+
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def make_optimizer(
+    optimizer: str | OptimizerFactory, params: list[nn.Parameter], options: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    if callable(optimizer):
+        return optimizer(params)
+    if optimizer not in OPTIMIZERS:
+        raise AutoplanError(
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZERS)} or a callable"
+        )
+    return OPTIMIZERS[optimizer](params, **({"lr": 1e-3} | dict(options)))

@@ -1,0 +1,204 @@
+"""`autoplan.parallelize`: plan (or load a plan) and build the train step on every rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoplan.api import plan as make_plan
+from autoplan.cluster import Cluster
+from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.execute.step import (
+    OptimizerFactory,
+    ParallelModule,
+    make_optimizer,
+    materialize,
+    sync_gradients_on_arrival,
+)
+from autoplan.graph.capture import export_step, graph_from_export
+from autoplan.plan.schema import Plan
+
+log = logging.getLogger(__name__)
+
+
+def init_distributed(cluster: Cluster) -> None:
+    """Join the process group torchrun describes (gloo on CPU clusters, NCCL on GPUs)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise AutoplanError(
+            "autoplan.parallelize runs on every rank of a torchrun job; launch with "
+            "`autoplan run FILE --nproc N` or `torchrun --nproc-per-node N your_script.py`"
+        )
+    if cluster.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(cluster.backend)
+
+
+def _device_type(cluster: Cluster) -> str:
+    return "cuda" if cluster.backend == "nccl" else "cpu"
+
+
+def _agree_on_plan(make: Callable[[], Plan]) -> Plan:
+    """Rank 0 makes the plan; every rank gets the same one, or the same error (never a hang)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", make().to_json())
+        except AutoplanError as e:
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    status, payload = box[0]
+    if status == "error":
+        raise AutoplanError(f"planning failed on rank 0: {payload}")
+    return Plan.from_json(payload)
+
+
+class Step:
+    """``loss = step(inputs, target)``: forward, backward and optimizer step, as the plan says.
+
+    ``step.module`` is the parallel module (its forward returns the loss, and gradients are
+    synchronized as they arrive) for users who write their own loop; ``step.optimizer`` the
+    optimizer over its DTensor parameters; ``step.plan`` the plan in use.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cluster: Cluster,
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        optimizer: str | OptimizerFactory,
+        optimizer_options: Mapping[str, Any],
+        plan: Plan | str | Path | None,
+        init_fn: Callable[[nn.Module], None] | None,
+        plan_options: Mapping[str, Any],
+    ) -> None:
+        self._model = model
+        self.cluster = cluster
+        self._loss_fn = loss_fn
+        self._optimizer_spec = optimizer
+        self._optimizer_options = optimizer_options
+        self._given_plan = plan
+        self._init_fn = init_fn
+        self._plan_options = plan_options
+        self.module: ParallelModule | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.plan: Plan | None = None
+        self.mesh: DeviceMesh | None = None
+
+    def build(self, example_inputs: Any, example_target: Any) -> None:
+        """Trace, plan (or check the given plan) and place the parameters."""
+        init_distributed(self.cluster)
+        ep = export_step(self._model, example_inputs, self._loss_fn, example_target)
+        graph = graph_from_export(ep)
+        given = self._given_plan
+        if given is not None:
+            plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
+            _check_plan(plan, graph.fingerprint, self.cluster)
+        else:
+            optimizer = self._optimizer_spec if isinstance(self._optimizer_spec, str) else "adamw"
+            plan = _agree_on_plan(
+                lambda: make_plan(
+                    self._model,
+                    example_inputs,
+                    self.cluster,
+                    loss_fn=self._loss_fn,
+                    example_target=example_target,
+                    optimizer=optimizer,
+                    **self._plan_options,
+                )
+            )
+        world = dist.get_world_size()
+        if len(plan.mesh.ranks) != world:
+            raise AutoplanError(
+                f"the plan is for {len(plan.mesh.ranks)} devices but this job has {world} ranks; "
+                f"launch with --nproc {len(plan.mesh.ranks)} or plan for {world} devices"
+            )
+        self.mesh = init_device_mesh(
+            _device_type(self.cluster), plan.mesh.shape, mesh_dim_names=plan.mesh.axes
+        )
+        materialize(self._model, plan, self.mesh, self._init_fn)
+        self.module = ParallelModule(self._model, ep, plan, self.mesh)
+        sync_gradients_on_arrival(self.module, plan, self.mesh)
+        self.optimizer = make_optimizer(
+            self._optimizer_spec, list(self.module.parameters()), self._optimizer_options
+        )
+        self.plan = plan
+
+    def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
+        if self.module is None:
+            self.build(inputs, target)  # plan from the first batch's shapes, as Alpa does
+        assert self.module is not None and self.optimizer is not None
+        loss = self.module(inputs, target)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded parameters and buffers (gathered on every rank)."""
+        if self.module is None:
+            return {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+        return {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in self.module.state_dict().items()
+        }
+
+
+def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
+    got = plan.provenance
+    if got.graph_fingerprint != graph_fingerprint:
+        raise PlanFormatError(
+            f"the plan was made for another model or input shapes (graph fingerprint "
+            f"{got.graph_fingerprint}, this one {graph_fingerprint}); plan again for this model"
+        )
+    if got.cluster_fingerprint != cluster.fingerprint():
+        raise PlanFormatError(
+            f"the plan was made for cluster {got.cluster!r} ({got.cluster_fingerprint}), not "
+            f"{cluster.name!r} ({cluster.fingerprint()}); plan again for this cluster"
+        )
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster | str | Path,
+    *,
+    example_inputs: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+    optimizer: str | OptimizerFactory = "adamw",
+    optimizer_options: Mapping[str, Any] | None = None,
+    plan: Plan | str | Path | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    **plan_options: Any,
+) -> Step:
+    """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
+
+    Without ``example_inputs`` the model is traced and planned at the first call, from that
+    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
+    and cluster. ``plan_options`` go to `autoplan.plan` (``mesh_shape``, ``pin`` ...).
+    """
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)
+    step = Step(
+        model,
+        cluster,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        optimizer_options=optimizer_options or {},
+        plan=plan,
+        init_fn=init_fn,
+        plan_options=plan_options,
+    )
+    if example_inputs is not None:
+        step.build(example_inputs, example_target)
+    return step
