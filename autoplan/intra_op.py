@@ -60,7 +60,7 @@ def _edge_matrix(
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
-    fan_out = graph.grad_fan_out(u)
+    fan_out = graph.fan_out(u)
     return [
         [costs.edge(producer, tensor, su, consumer, sv, i, fan_out) for sv in space[v].strategies]
         for su in space[u].strategies
@@ -207,11 +207,13 @@ class StepCost:
 
 
 def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts) -> StepCost:
-    """The step as the executor runs it: each input redistributed in forward; in backward,
-    each tensor's gradients summed per placement and reduced once per distinct placement."""
+    """The step as the executor runs it: each tensor redistributed once per placement its
+    users need; in backward, the gradients of those users summed and reduced once per such
+    placement."""
     compute = memory = comm = 0.0
     found: list[tuple[str, str, Phased]] = []
-    grads: dict[tuple[str, int], dict[Spec, str]] = defaultdict(dict)  # tensor -> spec -> user
+    # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
+    needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
     for node in graph:
         s = assignment[node.name]
         compute += costs.node_time(node, s)
@@ -219,16 +221,18 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
         comm += costs.internal_time(node, s)
         found += [(node.name, node.name, Phased(c, "backward")) for c in costs.internal(node, s)]
         for i, ref in enumerate(node.refs):
-            seconds, fwd = costs.forward(graph.tensor(ref), assignment[ref.name], s, i)
-            comm += seconds
-            found += [(node.name, ref.name, Phased(c, "forward")) for c in fwd]
+            grad = None
             if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
-                grads[(ref.name, ref.index)].setdefault(grad_spec(s.inputs[i], s.output), node.name)
-    for (name, index), by_spec in grads.items():
-        producer = graph.node(name)
-        phase = "grad_sync" if producer.kind == PARAM else "backward"
-        for spec, user in by_spec.items():
-            seconds, bwd = costs.gradient(producer.outputs[index], spec, assignment[name])
+                grad = grad_spec(s.inputs[i], s.output)
+            needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
+    for (name, index, _), (user, i, grad) in needs.items():
+        producer, tensor = graph.node(name), graph.node(name).outputs[index]
+        seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
+        comm += seconds
+        found += [(user, name, Phased(c, "forward")) for c in fwd]
+        if grad is not None:
+            seconds, bwd = costs.gradient(tensor, grad, assignment[name])
             comm += seconds
+            phase = "grad_sync" if producer.kind == PARAM else "backward"
             found += [(user, name, Phased(c, phase)) for c in bwd]
     return StepCost(compute, comm, memory, tuple(found))

@@ -183,6 +183,9 @@ def parallelize(
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
+    The model's parameters are replaced in place by DTensors (as torch's
+    ``parallelize_module`` does); ``step.state_dict()`` gives them back whole.
+
     Without ``example_inputs`` the model is traced and planned at the first call, from that
     batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
     and cluster. ``plan_options`` go to `autoplan.plan` (``mesh_shape``, ``pin`` ...).

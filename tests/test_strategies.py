@@ -26,8 +26,24 @@ def test_redistribute_on_2d_mesh_counts_the_other_axis_split() -> None:
     # (2, 2) mesh: axis 0 gathers dim 0 while axis 1 still splits dim 1 in two
     found = redistribute(("S(0)", "S(1)"), ("R", "S(1)"), (8, 16), 4, (2, 2))
     assert found == (Collective("all_gather", 0, 8 * 8 * 4),)
+    # nothing split in the source: outer axis first, as DTensor does
     found = redistribute(("P", "P"), ("R", "R"), (4,), 2, (2, 2))
     assert found == (Collective("all_reduce", 0, 8), Collective("all_reduce", 1, 8))
+
+
+def test_redistribute_matches_dtensor_order_and_nesting() -> None:
+    """What DTensor 2.13 issued for these on a gloo (2, 2) mesh (tests/distributed checks
+    whole plans the same way)."""
+    mib = 2**20
+    # gather the inner axis first, then reduce the full tensor on the outer one
+    found = redistribute(("P", "S(1)"), ("R", "R"), (512, 512), 4, (2, 2))
+    assert found == (Collective("all_gather", 1, mib), Collective("all_reduce", 0, mib))
+    # dim 1 split on both axes: changing the outer split needs the inner one gathered first
+    found = redistribute(("S(1)", "S(1)"), ("R", "S(1)"), (256, 256), 4, (2, 2))
+    assert found == (Collective("all_gather", 1, 131072), Collective("all_gather", 0, 262144))
+    # partial on both axes, nothing split: outer axis first, both on the whole 512 KiB
+    found = redistribute(("P", "P"), ("R", "S(0)"), (256, 512), 4, (2, 2))
+    assert found == (Collective("all_reduce", 0, 2**19), Collective("reduce_scatter", 1, 2**19))
 
 
 def test_gradient_placements() -> None:

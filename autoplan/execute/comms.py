@@ -29,6 +29,7 @@ class Issued:
     kind: str
     axis: str
     bytes: int  # as the plan counts them: all_gather its output, the others their input
+    op: str  # the DTensor op (or redistribute) that issued it, for reports
 
 
 class CollectiveRecorder(TorchDispatchMode):
@@ -39,11 +40,13 @@ class CollectiveRecorder(TorchDispatchMode):
         names = mesh.mesh_dim_names or ()
         self.axis_of: dict[str, str] = {str(mesh.get_group(a).group_name): a for a in names}
         self.issued: list[Issued] = []
+        self._op = "redistribute"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             # let DTensor run first and lower the op to local ops and collectives, which then
             # come back through this mode (as CommDebugMode does)
+            self._op = str(func)
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func in _KINDS:
@@ -53,7 +56,8 @@ class CollectiveRecorder(TorchDispatchMode):
             if kind == "all_gather":
                 nbytes *= int(args[1])
             axis = self.axis_of.get(str(args[group_arg]), str(args[group_arg]))
-            self.issued.append(Issued(kind, axis, nbytes))
+            self.issued.append(Issued(kind, axis, nbytes, self._op))
+            self._op = "redistribute"
         return out
 
 

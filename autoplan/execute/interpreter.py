@@ -37,6 +37,29 @@ def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
     return value
 
 
+_MEAN = 1  # torch's Reduction.MEAN
+_SUM = 2
+# DTensor runs these by decomposition, and on a split batch the backward of the mean divides
+# by the local element count (gradients n times too large); a sum over the global count is
+# exact. torch 2.13.0.
+_ELEMENTWISE_LOSSES = {
+    torch.ops.aten.mse_loss.default,
+    torch.ops.aten.l1_loss.default,
+    torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.huber_loss.default,
+}
+
+
+def _call_op(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if target in _ELEMENTWISE_LOSSES and isinstance(args[0], DTensor):
+        reduction = args[2] if len(args) > 2 else kwargs.get("reduction", _MEAN)
+        if reduction == _MEAN:
+            rest = args[3:] if len(args) > 3 else ()
+            summed = target(args[0], args[1], _SUM, *rest, **kwargs)
+            return summed / args[0].numel()
+    return target(*args, **kwargs)
+
+
 class PlanInterpreter:
     def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
         register_missing_rules()
@@ -46,6 +69,7 @@ class PlanInterpreter:
         self.device = torch.device(mesh.device_type)
         axes = plan.mesh.axes
         self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
+        self._placed: dict[tuple[str, tuple[Placement, ...]], Any] = {}
         self.outputs: dict[str, tuple[Placement, ...]] = {}
         for name, node in plan.nodes.items():
             self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
@@ -64,6 +88,10 @@ class PlanInterpreter:
 
     def run(self, placeholders: Mapping[str, Any]) -> Any:
         env: dict[str, Any] = {}
+        # one redistribution per (tensor, placement), shared by every op that needs it, so
+        # backward reduces the summed gradient once, as the plan counts it
+        placed: dict[tuple[str, tuple[Placement, ...]], Any] = {}
+        self._placed = placed
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 env[node.name] = placeholders[node.name]
@@ -79,11 +107,15 @@ class PlanInterpreter:
         targets = iter(self.inputs[node.name])
 
         def fetch(n: torch.fx.Node) -> Any:
-            return self._place(env[n.name], next(targets))
+            target = tuple(next(targets))
+            key = (n.name, target)
+            if key not in self._placed:
+                self._placed[key] = self._place(env[n.name], target)
+            return self._placed[key]
 
         args = _map_tensors(node.args, fetch)
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
-        out = node.target(*args, **kwargs)  # type: ignore[operator]
+        out = _call_op(node.target, args, kwargs)
         planned = self.outputs.get(node.name)
         if planned is None:
             return out

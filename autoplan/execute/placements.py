@@ -37,10 +37,11 @@ def from_dtensor(placements: Sequence[Placement]) -> tuple[str, ...]:
 
 
 def reachable(current: Sequence[Placement], target: Sequence[Placement]) -> tuple[Placement, ...]:
-    """The target, except that an axis is never turned *into* a partial: DTensor allows that
-    only inside its own op rules, which do it (locally, without communication) when the op
-    needs it."""
+    """The placement to redistribute to for ``target``. DTensor turns a tensor into a partial
+    only inside its op rules (locally, when the op needs it), so where the target is partial a
+    partial of any kind (such as the masked partial of a row-split embedding) or a replicated
+    axis stays as it is, and a split axis is gathered (the S->R->P the planner prices)."""
     return tuple(
-        c if isinstance(t, Partial) and not isinstance(c, Partial) else t
+        (c if isinstance(c, Partial | Replicate) else Replicate()) if isinstance(t, Partial) else t
         for c, t in zip(current, target, strict=True)
     )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.export import ExportedProgram
 
 from autoplan.errors import AutoplanError
@@ -30,33 +30,26 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 
 
 class _GlobalLoss(torch.autograd.Function):
-    """Forward: the loss every rank reports. Backward: the gradient of each rank's share.
-
-    A loss split over the batch is partial: each rank holds its shard's mean (DTensor
-    ``Partial("avg")``) or sum. DTensor's own backward from the reduced value would not
-    divide by the number of averaged shards, so the gradient is sent to the local part here.
-    """
+    """Forward: the loss every rank reports (partial sums or means reduced). Backward: each
+    rank's gradient goes to its own part; DTensor's loss rules already scale that part for
+    the whole batch (nll_loss divides by the global total weight; see the interpreter for
+    the element-wise losses)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx: Any, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad / ctx.scale, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
-def _global_loss(out: Any, mesh: DeviceMesh) -> torch.Tensor:
+def _global_loss(out: Any) -> torch.Tensor:
     if not isinstance(out, DTensor):
         return out
-    scale = 1
-    for axis, p in enumerate(out.placements):
-        if isinstance(p, Partial) and p.reduce_op == "avg":
-            scale *= mesh.size(axis)
     with torch.no_grad():
         value = out.full_tensor()
-    loss: torch.Tensor = _GlobalLoss.apply(out.to_local(), value, float(scale))
+    loss: torch.Tensor = _GlobalLoss.apply(out.to_local(), value)
     return loss
 
 
@@ -100,7 +93,7 @@ class ParallelModule(nn.Module):
                 arg.to(self.mesh.device_type), self.mesh, spec, src_data_rank=None
             )
         (out,) = self.interpreter.run(values)  # a train step has one output: the loss
-        return _global_loss(out, self.mesh)
+        return _global_loss(out)
 
     def _check(self, args: tuple[Any, ...]) -> None:
         if len(args) != len(self._user_inputs):

@@ -137,18 +137,10 @@ class Graph:
             object.__setattr__(self, "_users_cache", cache)
         return cache[name]
 
-    def grad_fan_out(self, name: str) -> int:
-        """How many inputs of ops (not the graph output) read node ``name``: the gradients
-        autograd sums for it in backward."""
+    def fan_out(self, name: str) -> int:
+        """How many op inputs read node ``name`` (a node read twice by one op counts twice)."""
         return max(
-            1,
-            sum(
-                1
-                for user in self.users(name)
-                if self.node(user).kind != OUTPUT
-                for r in self.node(user).refs
-                if r.name == name
-            ),
+            1, sum(1 for user in self.users(name) for r in self.node(user).refs if r.name == name)
         )
 
     @property

@@ -172,14 +172,15 @@ class StepCosts:
         index: int,
         fan_out: int,
     ) -> float:
-        """An edge's time for the ILP: forward, plus its share of the gradient's reduction.
+        """An edge's time for the ILP: its share of moving the tensor and its gradient.
 
-        Autograd sums the gradients a tensor gets from its ``fan_out`` consumers before DTensor
-        reduces them, so gradients placed alike are reduced once; each edge carries 1/fan_out of
-        it (exact when the consumers agree, as the q, k and v projections of one input do).
+        The executor redistributes a tensor once per placement its users need, and autograd
+        sums those users' gradients before the one reduction back; so each of the
+        ``fan_out`` edges of a tensor carries 1/fan_out of both (exact when the users agree,
+        as the q, k and v projections of one input do).
         """
         seconds, _ = self.forward(tensor, src, dst, index)
         if producer.needs_grad and consumer.kind != OUTPUT:
             grad = grad_spec(dst.inputs[index], dst.output)
-            seconds += self.gradient(tensor, grad, src)[0] / fan_out
-        return seconds
+            seconds += self.gradient(tensor, grad, src)[0]
+        return seconds / fan_out

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
@@ -64,10 +65,14 @@ def _schema_value(value: Any, tensors: dict[Ref, TensorInfo]) -> Any:
 def _placement(p: Any, ndim: int) -> str | None:
     if isinstance(p, Replicate):
         return R
+    if isinstance(p, _MaskPartial):
+        # a row-split embedding's output is a sum only after DTensor masks it, at reduction
+        # time; DTensor's rules for other ops do not take it as a partial, so a plan that fed
+        # it on as "P" would run differently from its plan. Not planned (yet).
+        return None
     if isinstance(p, Partial):
-        # "P" is a linear partial (sum, or mean of equal shards; the masked partial of a
-        # row-split embedding is a sum). max/min partials of monotone ops are not: relu of a
-        # sum is not the sum of relus.
+        # "P" is a linear partial: a sum, or a mean of equal shards. max/min partials of
+        # monotone ops are not: relu of a sum is not the sum of relus.
         return P if p.reduce_op in ("sum", "avg") else None
     if isinstance(p, _ShardingPlaceholder | Shard):
         return shard(p.dim % ndim) if ndim else None

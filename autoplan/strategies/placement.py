@@ -91,6 +91,27 @@ class Collective:
     nbytes: int  # all_gather: gathered output; others: the input, per device
 
 
+def _transition(
+    a: str,
+    b: str,
+    axis: int,
+    before: int,
+    after: int,
+    mesh_shape: tuple[int, ...],
+    all_to_all: bool,
+) -> Collective | None:
+    """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes."""
+    if a == P:
+        return Collective("all_reduce" if shard_dim(b) is None else "reduce_scatter", axis, before)
+    if a == R:
+        return None  # R -> S slices, R -> P keeps one copy: both local
+    if shard_dim(b) is None:
+        return Collective("all_gather", axis, after)
+    if all_to_all:
+        return Collective("all_to_all", axis, before)
+    return Collective("all_gather", axis, before * mesh_shape[axis])  # gloo: gather, then chunk
+
+
 def redistribute(
     src: Spec,
     dst: Spec,
@@ -99,29 +120,39 @@ def redistribute(
     mesh_shape: tuple[int, ...],
     all_to_all: bool = True,
 ) -> tuple[Collective, ...]:
-    """The collectives that turn ``src`` into ``dst``, one mesh axis at a time.
+    """The collectives that turn ``src`` into ``dst``, in the order DTensor issues them.
 
-    R->S and R->P are local (slice, or keep one copy and zero the rest) and cost nothing.
-    Without ``all_to_all`` (gloo has none; DTensor then gathers and keeps its chunk), S(i)->S(j)
-    is an all-gather of the whole of dim i.
+    This follows DTensor's default (greedy) redistribution in torch 2.13: when ``src`` splits
+    anything, visit the axes from inner to outer and move each to its target, except that a
+    target split of dim d becomes a full gather first when the outer axes splitting d differ
+    between now and the target (DTensor's splits of one dim nest, outer axis first); then visit
+    the axes from outer to inner for what is left. Without ``all_to_all`` (gloo has none),
+    S(i)->S(j) is an all-gather of dim i followed by a local chunk.
     """
     current = list(src)
     found: list[Collective] = []
-    for axis, (a, b) in enumerate(zip(src, dst, strict=True)):
-        if a == b:
-            continue
+
+    def step(axis: int, target: str) -> None:
         before = local_numel(tuple(current), shape, mesh_shape) * itemsize
-        current[axis] = b
+        a = current[axis]
+        current[axis] = target
         after = local_numel(tuple(current), shape, mesh_shape) * itemsize
-        if a == P:
-            kind = "all_reduce" if shard_dim(b) is None else "reduce_scatter"
-            found.append(Collective(kind, axis, before))
-        elif a == R:
-            continue
-        elif b in (R, P):
-            found.append(Collective("all_gather", axis, after))
-        elif all_to_all:
-            found.append(Collective("all_to_all", axis, before))
-        else:
-            found.append(Collective("all_gather", axis, before * mesh_shape[axis]))
+        collective = _transition(a, target, axis, before, after, mesh_shape, all_to_all)
+        if collective is not None:
+            found.append(collective)
+
+    if any(shard_dim(p) is not None for p in src):
+        for axis in reversed(range(len(src))):
+            target = dst[axis]
+            d = shard_dim(target)
+            if d is not None:
+                outer_now = [i for i in range(axis) if shard_dim(current[i]) == d]
+                outer_then = [i for i in range(axis) if shard_dim(dst[i]) == d]
+                if outer_now != outer_then:
+                    target = R
+            if current[axis] != target:
+                step(axis, target)
+    for axis in range(len(src)):
+        if current[axis] != dst[axis]:
+            step(axis, dst[axis])
     return tuple(found)

@@ -1,0 +1,80 @@
+"""The plans the distributed tests train: each case is a workload and the plan options that
+force one parallel layout (or leave the choice to the planner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan import Workload
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    example: str
+    options: dict[str, Any]
+    plan_options: Callable[[Workload], dict[str, Any]]
+    world: int = 4
+
+
+def _params(w: Workload) -> list[str]:
+    return [n for n, _ in w.model.named_parameters()]
+
+
+def data_parallel(w: Workload) -> dict[str, Any]:
+    return {"pin": {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(_params(w), "R")}}
+
+
+def zero3(w: Workload) -> dict[str, Any]:
+    sharded = {n: {"storage": "S(0)", "use": "R"} for n in _params(w)}
+    return {"pin": {"input:0": "S(0)", "target": "S(0)", **sharded}}
+
+
+def mlp_megatron(w: Workload) -> dict[str, Any]:
+    pins: dict[str, Any] = {}
+    for n in _params(w):
+        column = int(n.split(".")[1]) % 2 == 0
+        if column:
+            pins[n] = "S(0)"  # weight rows and bias: output features
+        else:
+            pins[n] = "S(1)" if n.endswith("weight") else {"storage": "R"}
+    return {"pin": pins}
+
+
+def gpt_megatron(w: Workload) -> dict[str, Any]:
+    pins: dict[str, Any] = {}
+    for n in _params(w):
+        if any(f".{m}." in n for m in ("q", "k", "v", "fc")):
+            pins[n] = "S(0)"  # column split: heads / hidden features
+        elif ".proj." in n:
+            pins[n] = "S(1)" if n.endswith("weight") else {"storage": "R"}  # row split
+        else:
+            pins[n] = "R"
+    return {"pin": pins}
+
+
+def own(mesh: tuple[int, ...] | None = None) -> Callable[[Workload], dict[str, Any]]:
+    return lambda w: {} if mesh is None else {"mesh_shape": mesh}
+
+
+MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
+MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
+GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+
+CASES = [
+    Case("mlp-own", "mlp", {"batch_size": 4, "hidden": 1024}, own((4,))),
+    Case("mlp-dp", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **data_parallel(w)}),
+    Case("mlp-tp", "mlp", MLP_SMALL_BATCH, lambda w: {"mesh_shape": (4,), **mlp_megatron(w)}),
+    Case("mlp-2x2", "mlp", {"batch_size": 256, "hidden": 256}, own((2, 2))),
+    Case("mlp-zero3", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **zero3(w)}),
+    Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
+    Case("gpt-dp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **data_parallel(w)}),
+    Case("gpt-tp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **gpt_megatron(w)}),
+    Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
+    Case("gpt-zero3", "gpt", GPT, lambda w: {"mesh_shape": (4,), **zero3(w)}),
+    Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (2,), **data_parallel(w)}, 2),
+    Case("mlp-tp-2", "mlp", MLP_SMALL_BATCH, lambda w: {"mesh_shape": (2,), **mlp_megatron(w)}, 2),
+    Case("gpt-tp-2", "gpt", GPT, lambda w: {"mesh_shape": (2,), **gpt_megatron(w)}, 2),
+]

@@ -1,0 +1,165 @@
+"""Runs under torchrun: trains every case of one world size in parallel and in one process,
+and writes what the tests assert on (rank 0) to the JSON file named on the command line."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import autoplan  # noqa: E402
+from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
+from autoplan.workload import Workload, load_workload  # noqa: E402
+from tests.distributed.cases import CASES, Case  # noqa: E402
+
+STEPS = 3
+# Adam turns a gradient element of ~1e-10 into a step of ~lr, so float32 rounding noise (a few
+# 1e-9 after reductions in another order) moves such elements by up to ~2e-5 at lr=1e-3. At
+# lr=1e-4 the noise stays below 1e-5 while any real error (a wrong or missing reduction,
+# a misplaced shard) still moves parameters by ~lr per step, ten times the tolerance.
+LR = 1e-4
+
+
+def cluster(world: int) -> autoplan.Cluster:
+    base = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
+    return dataclasses.replace(base, devices_per_node=world, name=f"cpu-gloo-{world}")
+
+
+def workload(case: Case) -> Workload:
+    return load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
+
+
+def reference(w: Workload) -> dict[str, Any]:
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for i in range(STEPS):
+        loss = w.loss_fn(model(*w.example_inputs), w.example_target)  # type: ignore[misc]
+        loss.backward()
+        if i == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": dict(model.state_dict())}
+
+
+def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
+    w = workload(case)
+    ref = reference(w)
+    step = autoplan.parallelize(
+        copy.deepcopy(w.model),
+        c,
+        example_inputs=w.example_inputs,
+        loss_fn=w.loss_fn,
+        example_target=w.example_target,
+        optimizer_options={"lr": LR},
+        **case.plan_options(w),
+    )
+    assert step.module is not None and step.optimizer is not None and step.plan is not None
+    loss = step.module(w.example_inputs, w.example_target)
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in step.module.named_parameters()}  # type: ignore[union-attr]
+    step.optimizer.step()
+    step.optimizer.zero_grad()
+    losses = [loss.item()]
+    with CollectiveRecorder(step.mesh) as recorder:  # type: ignore[arg-type]
+        losses.append(step(w.example_inputs, w.example_target).item())
+    losses += [step(w.example_inputs, w.example_target).item() for _ in range(STEPS - 2)]
+    params = step.state_dict()
+    want, got = planned(step.plan.collectives), issued(recorder.issued)
+    return {
+        "axes": list(step.plan.mesh.axes),
+        "shape": list(step.plan.mesh.shape),
+        "placements": sorted({v for p in step.plan.params.values() for v in p.storage.values()}),
+        "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "grad": max((grads[n] - g).abs().max().item() for n, g in ref["grads"].items()),
+        "param": max((params[n] - v).abs().max().item() for n, v in ref["params"].items()),
+        "planned_not_issued": _text(want - got),
+        "issued_not_planned": _text(got - want),
+        "num_collectives": sum(want.values()),
+    }
+
+
+def _text(counter: Counter[tuple[str, str, int]]) -> list[str]:
+    return [
+        f"{n} x {kind} on {axis}, {nbytes} B" for (kind, axis, nbytes), n in sorted(counter.items())
+    ]
+
+
+def error_cases(c: autoplan.Cluster) -> dict[str, str]:
+    """Each error as every rank saw it: rank 0 gathers them."""
+    found: dict[str, str] = {}
+    small = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
+    other = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=32)
+    plan = autoplan.plan(
+        small.model,
+        small.example_inputs,
+        c,
+        loss_fn=small.loss_fn,
+        example_target=small.example_target,
+    )
+    try:
+        autoplan.parallelize(
+            other.model,
+            c,
+            example_inputs=other.example_inputs,
+            loss_fn=other.loss_fn,
+            example_target=other.example_target,
+            plan=plan,
+        )
+        found["other_model"] = "no error"
+    except AutoplanError as e:
+        found["other_model"] = f"{type(e).__name__}: {e}"
+    step = autoplan.parallelize(
+        small.model,
+        c,
+        example_inputs=small.example_inputs,
+        loss_fn=small.loss_fn,
+        example_target=small.example_target,
+        plan=plan,
+    )
+    try:
+        step(torch.randn(4, 16), torch.randn(4, 16))
+        found["wrong_shape"] = "no error"
+    except AutoplanError as e:
+        found["wrong_shape"] = f"{type(e).__name__}: {e}"
+    fresh = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
+    lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
+    losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]
+    found["lazy"] = "ok" if losses[1] < losses[0] else f"loss did not fall: {losses}"
+    return found
+
+
+def main() -> None:
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    c = cluster(world)
+    results: dict[str, Any] = {}
+    for case in CASES:
+        if case.world == world:
+            torch.manual_seed(0)
+            results[case.name] = run_case(case, c)
+    errors = error_cases(c)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, errors)
+    results["errors"] = per_rank
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Plans trained on 4 and 2 gloo ranks equal one-process training, and issue exactly the
+collectives their plan lists. One torchrun per world size runs every case (start-up is the
+expensive part); see tests/distributed/ for the cases and the worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.cases import CASES
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5
+
+
+def _run(world: int, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"results-{world}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(ROOT / "tests/distributed/worker.py"),
+        str(out),
+        str(world),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise AssertionError(f"torchrun with {world} ranks failed ({proc.returncode}):\n{tail}")
+    results: dict[str, Any] = json.loads(out.read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("distributed")
+    return {world: _run(world, tmp) for world in sorted({c.world for c in CASES})}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_trains_like_one_process_and_as_planned(
+    case: Any, results: dict[int, dict[str, Any]]
+) -> None:
+    r = results[case.world][case.name]
+    assert r["loss"] <= TOLERANCE, f"losses differ by {r['loss']}"
+    assert r["grad"] <= TOLERANCE, f"gradients differ by {r['grad']}"
+    assert r["param"] <= TOLERANCE, f"parameters differ by {r['param']} after 3 AdamW steps"
+    assert r["planned_not_issued"] == [] and r["issued_not_planned"] == [], r
+    assert r["num_collectives"] > 0, "the plan is fully replicated: the case tests nothing"
+
+
+def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) -> None:
+    four = results[4]
+    for name in ("mlp-dp", "gpt-dp"):
+        assert four[name]["axes"] == ["dp"] and four[name]["placements"] == ["R"]
+    for name in ("mlp-zero3", "gpt-zero3"):
+        assert four[name]["axes"] == ["dp"] and four[name]["placements"] == ["S(0)"]
+    for name in ("mlp-tp", "gpt-tp"):
+        assert four[name]["axes"] == ["tp"] and {"S(0)", "S(1)"} <= set(four[name]["placements"])
+    for name in ("mlp-2x2", "gpt-2x2"):
+        assert four[name]["shape"] == [2, 2]
+
+
+def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
+    for world, r in results.items():
+        ranks = r["errors"]
+        assert len(ranks) == world
+        for seen in ranks:
+            assert (
+                seen["other_model"].startswith("PlanFormatError")
+                and "another model" in seen["other_model"]
+            )
+            assert (
+                seen["wrong_shape"].startswith("AutoplanError") and "(4, 16)" in seen["wrong_shape"]
+            )
+            assert seen["lazy"] == "ok"  # planned at the first call, then trained
