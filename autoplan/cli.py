@@ -1,10 +1,13 @@
-"""`autoplan plan|show`: the command line. The only module that configures logging."""
+"""`autoplan plan|show|run`: the command line. The only module that configures logging."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import logging
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +21,8 @@ from autoplan.plan.show import summary
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
+
+CHECK_TOLERANCE = 1e-5
 
 
 def _value(text: str) -> Any:
@@ -80,6 +85,29 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="summarize a plan file")
     s.add_argument("plan", help="a plan JSON file")
+
+    r = sub.add_parser("run", help="plan and train a workload on local processes (torchrun)")
+    r.add_argument("workload", help="a Python file defining workload() (see examples/)")
+    r.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
+    r.add_argument("--nproc", type=int, help="processes to start (default: the cluster's devices)")
+    r.add_argument("--plan", help="train with this plan instead of planning")
+    r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
+    r.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
+    )
+    r.add_argument("--steps", type=int, default=5, help="train steps (default 5)")
+    r.add_argument(
+        "--lr",
+        type=float,
+        default=1e-4,
+        help="AdamW learning rate (default 1e-4: Adam scales gradients near zero up to full "
+        "steps, so at larger rates float32 rounding alone moves some weights past --check's 1e-5)",
+    )
+    r.add_argument(
+        "--check",
+        action="store_true",
+        help="train the same steps in one process and compare losses and parameters (1e-5)",
+    )
     return parser
 
 
@@ -103,10 +131,95 @@ def _plan(args: argparse.Namespace) -> None:
     print(f"\nwrote {args.output} ({time.perf_counter() - start:.1f} s)")
 
 
+def _run_cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster file; a one-node file is fitted to --nproc local processes."""
+    cluster = Cluster.load(args.cluster)
+    nproc = args.nproc or int(os.environ.get("WORLD_SIZE", cluster.num_devices))
+    if nproc != cluster.num_devices:
+        if cluster.num_nodes != 1:
+            raise AutoplanError(
+                f"--nproc {nproc} does not match cluster {cluster.name!r} "
+                f"({cluster.num_devices} devices on {cluster.num_nodes} nodes)"
+            )
+        cluster = dataclasses.replace(
+            cluster, devices_per_node=nproc, name=f"{cluster.name}-{nproc}"
+        )
+    return cluster
+
+
+def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start ``--nproc`` copies of this command under torchrun; they do the work."""
+    nproc = _run_cluster(args).num_devices
+    # the ranks learn their number from torchrun (WORLD_SIZE); left in, --nproc would be
+    # taken by torchrun as its own --nproc-per-node
+    rest = [a for a, prev in zip(argv, ["", *argv[:-1]], strict=True) if "--nproc" not in (a, prev)]
+    rest = [a for a in rest if not a.startswith("--nproc=")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "autoplan.cli",
+        *rest,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from autoplan.execute.train import one_process, train
+
+    cluster = _run_cluster(args)
+    options = _options(args.set)
+    workload = load_workload(args.workload, **options)
+    step, records = train(
+        workload, cluster, args.steps, args.lr, plan=args.plan, mesh_shape=_mesh(args.mesh)
+    )
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        assert step.plan is not None
+        print(summary(step.plan), flush=True)
+        world = dist.get_world_size()
+        print(f"\ntraining {args.steps} steps on {world} processes ({cluster.backend})")
+    losses = []
+    for r in records:
+        losses.append(r.loss)
+        if rank0:
+            print(
+                f"step {r.step:>3}  loss {r.loss:.6f}  {r.seconds * 1e3:8.1f} ms  "
+                f"{r.throughput:,.0f} {r.unit}",
+                flush=True,
+            )
+    code = 0
+    if args.check:
+        state = step.state_dict()  # gathers on every rank
+        if rank0:
+            ref_losses, ref_state = one_process(
+                lambda: load_workload(args.workload, **options), args.steps, args.lr
+            )
+            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+            param_diff = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+            ok = max(loss_diff, param_diff) <= CHECK_TOLERANCE
+            code = 0 if ok else 1
+            print(
+                f"check against one process: largest loss difference {loss_diff:.2e}, largest "
+                f"parameter difference {param_diff:.2e} (tolerance {CHECK_TOLERANCE:g}): "
+                f"{'OK' if ok else 'FAILED'}"
+            )
+    dist.destroy_process_group()
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
+        level=logging.WARNING if args.quiet or rank != 0 else logging.INFO,
         format="%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -115,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _plan(args)
         elif args.command == "show":
             print(summary(Plan.from_json(args.plan)))
+        elif args.command == "run":
+            return _train(args) if "RANK" in os.environ else _launch(args, argv)
     except AutoplanError as e:
         print(f"autoplan: error: {e}", file=sys.stderr)
         return 2

@@ -139,7 +139,26 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
     losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]
     found["lazy"] = "ok" if losses[1] < losses[0] else f"loss did not fall: {losses}"
+    meta = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=64, device="meta")
+    names = [n for n, _ in meta.model.named_parameters()]
+    step = autoplan.parallelize(
+        meta.model,
+        c,
+        example_inputs=torch.randn(8, 64),
+        loss_fn=meta.loss_fn,
+        example_target=torch.randn(8, 64),
+        mesh_shape=(world_size(),),
+        pin={n: "S(0)" for n in names},
+    )
+    local = {n: tuple(p.to_local().shape) for n, p in step.module.named_parameters()}  # type: ignore[union-attr]
+    loss = step(torch.randn(8, 64), torch.randn(8, 64)).item()
+    fine = local["layers.0.weight"] == (64 // world_size(), 64) and loss == loss
+    found["meta"] = "ok" if fine else f"local shards {local}, loss {loss}"
     return found
+
+
+def world_size() -> int:
+    return dist.get_world_size()
 
 
 def main() -> None:
