@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.export import ExportedProgram
 
 from autoplan.errors import AutoplanError
@@ -37,7 +37,7 @@ class _GlobalLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return value.clone()
+        return value.view_as(value)  # a view: an asynchronous reduction is not waited for here
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -48,7 +48,9 @@ def _global_loss(out: Any) -> torch.Tensor:
     if not isinstance(out, DTensor):
         return out
     with torch.no_grad():
-        value = out.full_tensor()
+        # started now, waited for when the value is read (after the optimizer step)
+        whole = [Replicate()] * out.device_mesh.ndim
+        value = out.redistribute(out.device_mesh, whole, async_op=True).to_local()
     loss: torch.Tensor = _GlobalLoss.apply(out.to_local(), value)
     return loss
 
@@ -156,7 +158,7 @@ def materialize(
 
 
 def sync_gradients_on_arrival(module: ParallelModule, plan: Plan, mesh: DeviceMesh) -> None:
-    """When a parameter's gradient is complete, reduce it to the parameter's storage
+    """When a parameter's gradient is complete, start reducing it to the parameter's storage
     placement: the all-reduce (replicated storage) or reduce-scatter (ZeRO) of the plan's
     grad_sync phase."""
     axes = plan.mesh.axes
@@ -166,7 +168,9 @@ def sync_gradients_on_arrival(module: ParallelModule, plan: Plan, mesh: DeviceMe
         def hook(p: torch.Tensor, storage: tuple[Any, ...] = storage) -> None:
             grad = p.grad
             if isinstance(grad, DTensor) and tuple(grad.placements) != storage:
-                p.grad = grad.redistribute(mesh, storage)
+                # asynchronous, as DDP's bucket reductions are: the rest of backward runs
+                # while it is in flight, and the optimizer waits for it when it reads it
+                p.grad = grad.redistribute(mesh, storage, async_op=True)
 
         param.register_post_accumulate_grad_hook(hook)
 

@@ -1,0 +1,173 @@
+"""Step time of autoplan's data- and tensor-parallel plans against the same strategies written
+directly with torch (DDP; parallelize_module with Colwise/RowwiseParallel), measured in one
+run on 4 local CPU ranks (gloo). Target: autoplan within 10% of torch.
+
+    python benchmarks/step_vs_torch.py            # starts torchrun itself
+
+Writes benchmarks/results/step_vs_torch.json and .md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import autoplan  # noqa: E402
+from autoplan.workload import Workload, load_workload  # noqa: E402
+from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
+
+WARMUP, STEPS, LR = 3, 15, 1e-4
+SETUPS = {  # (batch, hidden): compute-heavy enough that per-op overheads are visible but small
+    "data parallel": {"batch_size": 8192, "hidden": 256, "num_layers": 6},
+    "tensor parallel": {"batch_size": 64, "hidden": 2048, "num_layers": 6},
+}
+
+
+def _time(step: Callable[[], Any]) -> float:
+    """Median seconds of one step, ranks aligned by a barrier before each."""
+    times = []
+    for i in range(WARMUP + STEPS):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        if i >= WARMUP:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> float:
+    step = autoplan.parallelize(
+        copy.deepcopy(w.model),
+        cluster,
+        example_inputs=w.example_inputs,
+        loss_fn=w.loss_fn,
+        example_target=w.example_target,
+        optimizer_options={"lr": LR},
+        mesh_shape=(4,),
+        **pins,
+    )
+    return _time(lambda: step(w.example_inputs, w.example_target))
+
+
+def _ddp(w: Workload) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(copy.deepcopy(w.model))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = (t.chunk(world)[rank] for t in (w.example_inputs[0], w.example_target))
+    assert w.loss_fn is not None
+
+    def step() -> None:
+        w.loss_fn(model(x), y).backward()  # type: ignore[misc]
+        opt.step()
+        opt.zero_grad()
+
+    return _time(step)
+
+
+def _tensor_parallel(w: Workload) -> float:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = copy.deepcopy(w.model)
+    plan = {
+        f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        for i in range(len(model.layers))
+    }  # type: ignore[arg-type]
+    parallelize_module(model, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = w.example_inputs[0], w.example_target
+    assert w.loss_fn is not None
+
+    def step() -> None:
+        w.loss_fn(model(x), y).backward()  # type: ignore[misc]
+        opt.step()
+        opt.zero_grad()
+
+    return _time(step)
+
+
+def main() -> None:
+    if "RANK" not in os.environ:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=4",
+            __file__,
+        ]
+        sys.exit(subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cluster = autoplan.Cluster.load(ROOT / "costmodels/cpu-gloo-4.json")
+    rows = []
+    for name, size in SETUPS.items():
+        w = load_workload(ROOT / "examples/mlp.py", **size)
+        if name == "data parallel":
+            ours = _autoplan(w, data_parallel(w), cluster)
+            theirs, baseline = _ddp(w), "DistributedDataParallel"
+        else:
+            ours = _autoplan(w, mlp_megatron(w), cluster)
+            theirs, baseline = _tensor_parallel(w), "parallelize_module Colwise/Rowwise"
+        rows.append(
+            {
+                "strategy": name,
+                "mlp": size,
+                "autoplan_s": round(ours, 5),
+                "torch": baseline,
+                "torch_s": round(theirs, 5),
+                "ratio": round(ours / theirs, 3),
+            }
+        )
+        if dist.get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    if dist.get_rank() == 0:
+        meta = {
+            "command": "python benchmarks/step_vs_torch.py",
+            "ranks": 4,
+            "backend": "gloo",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "steps": f"median of {STEPS} after {WARMUP} warm-up",
+            "target": "ratio <= 1.10",
+        }
+        out = ROOT / "benchmarks/results"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "step_vs_torch.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+        )
+        header = "| strategy | autoplan (s) | torch | torch (s) | ratio |"
+        lines = [header, "|---|---|---|---|---|"]
+        lines += [
+            f"| {r['strategy']} | {r['autoplan_s']} | {r['torch']} | {r['torch_s']} | {r['ratio']} |"
+            for r in rows
+        ]
+        (out / "step_vs_torch.md").write_text(
+            "# autoplan vs torch, step time\n\n"
+            + "\n".join(f"- {k}: {v}" for k, v in meta.items())
+            + "\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
