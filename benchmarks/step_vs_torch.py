@@ -153,12 +153,9 @@ def main() -> None:
         (out / "step_vs_torch.json").write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
         )
-        header = "| strategy | autoplan (s) | torch | torch (s) | ratio |"
-        lines = [header, "|---|---|---|---|---|"]
-        lines += [
-            f"| {r['strategy']} | {r['autoplan_s']} | {r['torch']} | {r['torch_s']} | {r['ratio']} |"
-            for r in rows
-        ]
+        keys = ("strategy", "autoplan_s", "torch", "torch_s", "ratio")
+        lines = ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
+        lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
         (out / "step_vs_torch.md").write_text(
             "# autoplan vs torch, step time\n\n"
             + "\n".join(f"- {k}: {v}" for k, v in meta.items())
