@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -21,8 +22,10 @@ import autoplan
 from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.capture import capture
 from autoplan.workload import load_workload
+from benchmarks.results_io import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
 
 
@@ -89,10 +92,7 @@ def main() -> None:
         "cluster": "costmodels/dgx-a100-80gb.json (8 GPUs per node), bf16 parameters, AdamW",
         "note": "one pipeline stage (intra-op only); predictions are analytic, not measured",
     }
-    out = ROOT / "benchmarks/results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_gpt.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    cols = [
+    columns = [
         "model",
         "gpus",
         "trace_s",
@@ -108,15 +108,7 @@ def main() -> None:
         "tokens_per_s",
         "memory_gib",
     ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    (out / "plan_gpt.md").write_text(
-        "# Planning benchmark\n\n"
-        + "\n".join(f"- {k}: {v}" for k, v in meta.items())
-        + "\n\n"
-        + "\n".join(lines)
-        + "\n"
-    )
+    write_results("plan_gpt", "Planning benchmark", meta, rows, columns)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
 from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
 
 WARMUP, STEPS, LR = 3, 15, 1e-4
@@ -68,19 +70,23 @@ def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> f
     return _time(lambda: step(w.example_inputs, w.example_target))
 
 
-def _ddp(w: Workload) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = DistributedDataParallel(copy.deepcopy(w.model))
+def _torch_step_time(model: nn.Module, w: Workload, x: torch.Tensor, y: torch.Tensor) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    x, y = (t.chunk(world)[rank] for t in (w.example_inputs[0], w.example_target))
-    assert w.loss_fn is not None
+    loss_fn = w.loss_fn
+    assert loss_fn is not None
 
     def step() -> None:
-        w.loss_fn(model(x), y).backward()  # type: ignore[misc]
+        loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
     return _time(step)
+
+
+def _ddp(w: Workload) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = (t.chunk(world)[rank] for t in (w.example_inputs[0], w.example_target))
+    return _torch_step_time(DistributedDataParallel(copy.deepcopy(w.model)), w, x, y)
 
 
 def _tensor_parallel(w: Workload) -> float:
@@ -88,19 +94,10 @@ def _tensor_parallel(w: Workload) -> float:
     model = copy.deepcopy(w.model)
     plan = {
         f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-        for i in range(len(model.layers))
-    }  # type: ignore[arg-type]
-    parallelize_module(model, mesh, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    x, y = w.example_inputs[0], w.example_target
-    assert w.loss_fn is not None
-
-    def step() -> None:
-        w.loss_fn(model(x), y).backward()  # type: ignore[misc]
-        opt.step()
-        opt.zero_grad()
-
-    return _time(step)
+        for i in range(len(model.layers))  # type: ignore[arg-type]
+    }
+    parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+    return _torch_step_time(model, w, w.example_inputs[0], w.example_target)
 
 
 def main() -> None:
@@ -148,21 +145,8 @@ def main() -> None:
             "steps": f"median of {STEPS} after {WARMUP} warm-up",
             "target": "ratio <= 1.10",
         }
-        out = ROOT / "benchmarks/results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "step_vs_torch.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
-        )
-        keys = ("strategy", "autoplan_s", "torch", "torch_s", "ratio")
-        lines = ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
-        lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-        (out / "step_vs_torch.md").write_text(
-            "# autoplan vs torch, step time\n\n"
-            + "\n".join(f"- {k}: {v}" for k, v in meta.items())
-            + "\n\n"
-            + "\n".join(lines)
-            + "\n"
-        )
+        columns = ["strategy", "autoplan_s", "torch", "torch_s", "ratio"]
+        write_results("step_vs_torch", "autoplan vs torch, step time", meta, rows, columns)
     dist.destroy_process_group()
 
 

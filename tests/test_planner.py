@@ -154,3 +154,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def test_7b_meta_model_plans_on_this_machine(a100: autoplan.Cluster) -> None:
+    """GPT 7B, built on the meta device (no parameter memory), plans for 8 A100s."""
+    w = example("gpt", size="7b", batch_size=8, device="meta", dtype="bfloat16")
+    plan = autoplan.plan(
+        w.model, w.example_inputs, a100, loss_fn=w.loss_fn, example_target=w.example_target
+    )
+    assert sum(_numel(p.shape) for p in plan.params.values()) > 6.5e9
+    assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
+    # bf16 parameters, gradients and Adam state are 12.8 GiB x 4 unsharded: sharding is a must
+    assert any(set(p.storage.values()) != {"R"} for p in plan.params.values())
+    assert plan.solver.num_groups < 100  # 32 blocks share the decisions of two
