@@ -26,6 +26,8 @@ def test_mlp_graph_has_shapes_flops_paths_and_params() -> None:
     assert first.flops == 2 * 8 * 16 * 16
     # layer 0's input is data: backward computes only the weight gradient; later layers both
     assert first.bwd_flops == first.flops and second.bwd_flops == 2 * second.flops
+    assert first.params == ("layers.0.weight", "layers.0.bias")
+    assert first.params == ("layers.0.weight", "layers.0.bias")
     weight = graph.node(first.refs[1].name)
     assert weight.kind == PARAM and weight.target == "layers.0.weight" and weight.needs_grad
     assert [n.kind for n in graph if n.kind == INPUT] == [INPUT, INPUT]  # input and target

@@ -90,6 +90,7 @@ def test_linear_rule_has_data_column_and_row_splits() -> None:
         0,
         "",
         "",
+        ("w", "b"),
         True,
         False,
     )

@@ -190,6 +190,7 @@ def _convert(
             bytes_moved=0.0,
             module_path=target.rpartition(".")[0] if kind == PARAM else "",
             target=target,
+            params=(),
             needs_grad=trainable and all(o.is_float for o in outputs),
             is_view=False,
         )
@@ -197,12 +198,12 @@ def _convert(
     kwargs = tuple(sorted((k, _to_ir(v)) for k, v in fx_node.kwargs.items()))
     if fx_node.op == "output":
         return Node(
-            fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", False, True
+            fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", (), False, True
         )
     if fx_node.op != "call_function":
         raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
 
-    refs = Node(fx_node.name, OP, "", args, kwargs, (), 0, 0, 0, "", "", False, False).refs
+    refs = Node(fx_node.name, OP, "", args, kwargs, (), 0, 0, 0, "", "", (), False, False).refs
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
     needs_grad = any(grads) and any(o.is_float for o in outputs)
@@ -223,6 +224,9 @@ def _convert(
         bytes_moved=moved,
         module_path=_module_path(fx_node),
         target="",
+        params=tuple(
+            dict.fromkeys(done[r.name].target for r in refs if done[r.name].kind == PARAM)
+        ),
         needs_grad=needs_grad,
         is_view=is_view,
     )

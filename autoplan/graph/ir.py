@@ -78,6 +78,7 @@ class Node:
     bytes_moved: float  # forward bytes read + written
     module_path: str  # "blocks.3.attn.qkv"; "" at the top level
     target: str  # parameter/buffer FQN for PARAM, user input name for INPUT, else ""
+    params: tuple[str, ...]  # FQNs of the parameters and buffers this op reads directly
     needs_grad: bool  # a gradient flows to this node's output in backward
     is_view: bool  # the output aliases an input (no new memory, no compute)
 
