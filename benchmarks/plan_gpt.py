@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
-import autoplan
-from autoplan.errors import InfeasiblePlanError
-from autoplan.graph.capture import capture
-from autoplan.workload import load_workload
-from benchmarks.results_io import write_results
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import autoplan  # noqa: E402
+from autoplan.errors import InfeasiblePlanError  # noqa: E402
+from autoplan.graph.capture import capture  # noqa: E402
+from autoplan.workload import load_workload  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
+
 SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
 
 
