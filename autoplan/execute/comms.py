@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.plan.schema import CollectivePlan
+from autoplan.torch_private import FUNCTIONAL_COLLECTIVES, TorchDispatchMode
 
-_functional = torch.ops._c10d_functional
+_functional = FUNCTIONAL_COLLECTIVES
 # functional collective -> (our kind, index of its group-name argument)
 _KINDS = {
     _functional.all_reduce.default: ("all_reduce", 2),

@@ -1,9 +1,9 @@
-"""Adapter over DTensor's own per-mesh-axis sharding rules (private API, torch 2.13.0).
+"""Adapter over DTensor's own per-mesh-axis sharding rules (torch 2.13.0).
 
 torch 2.13 registers most ATen ops with a *single-dim* strategy: for one mesh axis, a list of
 placement lists ``[outputs..., tensor args...]`` built from the args' shapes. This is exactly
 our per-axis rule, so we call it and translate DTensor placements to "R" / "P" / "S(d)".
-This module is the only place that touches DTensor internals; tests pin its behaviour.
+The private pieces it needs come from `autoplan.torch_private`; tests pin its behaviour.
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor._ops._embedding_ops import _MaskPartial
-from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autoplan.graph.ir import Ref, TensorInfo
 from autoplan.strategies.placement import P, R, shard
+from autoplan.torch_private import (
+    MaskPartial,
+    RuntimeSchemaInfo,
+    ShardingPlaceholder,
+    TensorMeta,
+    register_single_dim_strategy,
+    single_dim_strategy_funcs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +40,9 @@ def resolve_op(op: str) -> torch._ops.OpOverload | None:
     return getattr(packet, parts[2], None) if packet is not None else None
 
 
-def _single_dim_funcs() -> dict[Any, Any]:
-    return DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
-
-
 def has_rule(op: str) -> bool:
     overload = resolve_op(op)
-    return overload is not None and overload in _single_dim_funcs()
+    return overload is not None and overload in single_dim_strategy_funcs()
 
 
 def _meta(info: TensorInfo) -> TensorMeta:
@@ -65,7 +65,7 @@ def _schema_value(value: Any, tensors: dict[Ref, TensorInfo]) -> Any:
 def _placement(p: Any, ndim: int) -> str | None:
     if isinstance(p, Replicate):
         return R
-    if isinstance(p, _MaskPartial):
+    if isinstance(p, MaskPartial):
         # a row-split embedding's output is a sum only after DTensor masks it, at reduction
         # time; DTensor's rules for other ops do not take it as a partial, so a plan that fed
         # it on as "P" would run differently from its plan. Not planned (yet).
@@ -74,7 +74,7 @@ def _placement(p: Any, ndim: int) -> str | None:
         # "P" is a linear partial: a sum, or a mean of equal shards. max/min partials of
         # monotone ops are not: relu of a sum is not the sum of relus.
         return P if p.reduce_op in ("sum", "avg") else None
-    if isinstance(p, _ShardingPlaceholder | Shard):
+    if isinstance(p, ShardingPlaceholder | Shard):
         return shard(p.dim % ndim) if ndim else None
     return None
 
@@ -93,7 +93,7 @@ def axis_rules(
     Multi-output ops keep only strategies that place every output alike.
     """
     overload = resolve_op(op)
-    info = _single_dim_funcs().get(overload) if overload is not None else None
+    info = single_dim_strategy_funcs().get(overload) if overload is not None else None
     if info is None:
         return None
     args_schema = tuple(_schema_value(a, tensors) for a in args)
@@ -118,10 +118,10 @@ def _attention_axis_rules(num_outputs: int, metas: list[Any]) -> list[list[Any]]
     extent is 1 stays replicated."""
     rules = []
     for dim in (0, 1):
-        row: list[Any] = [_ShardingPlaceholder(dim)] * num_outputs
+        row: list[Any] = [ShardingPlaceholder(dim)] * num_outputs
         for meta in metas:
             broadcast = len(meta.shape) <= dim or meta.shape[dim] == 1
-            row.append(Replicate() if broadcast else _ShardingPlaceholder(dim))
+            row.append(Replicate() if broadcast else ShardingPlaceholder(dim))
         rules.append(row)
     return rules
 
@@ -139,9 +139,6 @@ def register_missing_rules() -> None:
     global _registered
     if _registered:
         return
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-    from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
-
     aten = torch.ops.aten
 
     @register_single_dim_strategy(

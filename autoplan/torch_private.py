@@ -1,0 +1,47 @@
+"""Every private torch API autoplan uses, in one place, pinned to torch 2.13.0.
+
+tests/test_strategies.py and tests/test_distributed.py exercise each of them, so a torch
+upgrade that moves one fails there, not deep inside a plan or a training run.
+
+- DTensor's per-mesh-axis ("single-dim") sharding rules and their placeholder types: the
+  planner reads DTensor's own rules instead of copying them (strategies/dtensor_rules.py).
+- `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
+  op, which torch 2.13 has no rule for.
+- `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
+- `TorchDispatchMode` and the functional collective ops: record the collectives a step
+  really issues, as torch's own CommDebugMode does (execute/comms.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops._embedding_ops import _MaskPartial as MaskPartial
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _ShardingPlaceholder as ShardingPlaceholder,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+from torch.utils._python_dispatch import TorchDispatchMode
+
+FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
+
+__all__ = [
+    "FUNCTIONAL_COLLECTIVES",
+    "MaskPartial",
+    "RuntimeSchemaInfo",
+    "ShardingPlaceholder",
+    "TensorMeta",
+    "TorchDispatchMode",
+    "register_single_dim_strategy",
+    "single_dim_strategy_funcs",
+]
+
+
+def single_dim_strategy_funcs() -> dict[Any, Any]:
+    """DTensor's registry: ATen op -> its single-dim strategy."""
+    funcs: dict[Any, Any] = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+    return funcs
