@@ -231,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             return _train(args) if "RANK" in os.environ else _launch(args, argv)
     except AutoplanError as e:
-        print(f"autoplan: error: {e}", file=sys.stderr)
+        where = f" on rank {rank}" if "RANK" in os.environ else ""
+        print(f"autoplan: error{where}: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -83,6 +83,12 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
         (lambda d: d["collectives"].append(dict(_COLLECTIVE, axis="zz")), "collectives[]"),
         (lambda d: d["collectives"].append(dict(_COLLECTIVE, node="nope")), "collectives[]"),
         (lambda d: d.update(nodes=[]), "nodes"),
+        (
+            lambda d: d["params"]["head.weight"]["storage"].update(
+                tp=d["params"]["head.weight"]["storage"].pop("dp0", "R")
+            ),
+            "'tp' is not a mesh axis",
+        ),
     ],
 )
 def test_malformed_documents_name_the_field(plan: autoplan.Plan, edit: object, field: str) -> None:

@@ -81,7 +81,10 @@ class _Field:
         found = {}
         for axis, f in self.items():
             if axis not in axes:
-                raise f.fail(f"a mesh axis ({', '.join(axes)})")
+                raise PlanFormatError(
+                    f"plan field {self.path}: {axis!r} is not a mesh axis; the mesh has "
+                    f"{', '.join(axes)}"
+                )
             text = f.text()
             if not is_placement(text):
                 raise f.fail('a placement: "R", "P" or "S(<dim>)"')
