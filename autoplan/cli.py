@@ -1,4 +1,4 @@
-"""`autoplan plan|show|run`: the command line. The only module that configures logging."""
+"""`autoplan plan|show|estimate|run`: the command line. The only module that configures logging."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 from autoplan.api import plan as make_plan
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
+from autoplan.estimate import estimate
 from autoplan.plan.schema import Plan
 from autoplan.plan.show import summary
 from autoplan.workload import load_workload
@@ -86,6 +87,17 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summarize a plan file")
     s.add_argument("plan", help="a plan JSON file")
 
+    e = sub.add_parser("estimate", help="re-price a plan (edited, or for another cluster)")
+    e.add_argument("workload", help="the workload file the plan was made for")
+    e.add_argument("--plan", required=True, help="a plan JSON file")
+    e.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
+    e.add_argument("--nodes", type=int, help="number of nodes (default: the file's)")
+    e.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
+    )
+    e.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
+    e.add_argument("-o", "--output", help="also write the re-priced plan here")
+
     r = sub.add_parser("run", help="plan and train a workload on local processes (torchrun)")
     r.add_argument("workload", help="a Python file defining workload() (see examples/)")
     r.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
@@ -129,6 +141,25 @@ def _plan(args: argparse.Namespace) -> None:
     result.save(args.output)
     print(summary(result))
     print(f"\nwrote {args.output} ({time.perf_counter() - start:.1f} s)")
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    workload = load_workload(args.workload, **_options(args.set))
+    priced = estimate(
+        args.plan,
+        Cluster.load(args.cluster, num_nodes=args.nodes),
+        workload.model,
+        workload.example_inputs,
+        loss_fn=workload.loss_fn,
+        example_target=workload.example_target,
+        optimizer=args.optimizer,
+    )
+    print(summary(priced))
+    if priced.predicted.peak_memory_bytes > priced.predicted.memory_limit_bytes:
+        print("\nwarning: this plan needs more memory per device than the cluster offers")
+    if args.output:
+        priced.save(args.output)
+        print(f"\nwrote {args.output}")
 
 
 def _run_cluster(args: argparse.Namespace) -> Cluster:
@@ -228,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _plan(args)
         elif args.command == "show":
             print(summary(Plan.from_json(args.plan)))
+        elif args.command == "estimate":
+            _estimate(args)
         elif args.command == "run":
             return _train(args) if "RANK" in os.environ else _launch(args, argv)
     except AutoplanError as e:

@@ -43,6 +43,40 @@ def _named(spec: Spec, axes: tuple[str, ...]) -> Placements:
     return dict(zip(axes, spec, strict=True))
 
 
+def provenance(graph: Graph, cluster: Cluster) -> Provenance:
+    return Provenance(
+        autoplan=autoplan.__version__,
+        torch=torch.__version__.split("+")[0],
+        graph_fingerprint=graph.fingerprint,
+        cluster_fingerprint=cluster.fingerprint(),
+        cluster=cluster.name,
+    )
+
+
+def collective_plans(step: StepCost, axes: tuple[str, ...]) -> tuple[CollectivePlan, ...]:
+    return tuple(
+        CollectivePlan(
+            kind=p.collective.kind,
+            bytes=p.collective.nbytes,
+            axis=axes[p.collective.axis],
+            phase=p.phase,
+            node=consumer,
+            tensor=producer,
+        )
+        for consumer, producer, p in step.collectives
+    )
+
+
+def predicted(step: StepCost, memory_limit: float) -> Predicted:
+    return Predicted(
+        step_time_s=step.compute_s + step.comm_s,
+        compute_s=step.compute_s,
+        comm_s=step.comm_s,
+        peak_memory_bytes=step.memory_bytes,
+        memory_limit_bytes=memory_limit,
+    )
+
+
 def make_plan(
     graph: Graph,
     cluster: Cluster,
@@ -83,38 +117,16 @@ def make_plan(
         )
         for node in graph
     }
-    collectives = tuple(
-        CollectivePlan(
-            kind=p.collective.kind,
-            bytes=p.collective.nbytes,
-            axis=axes[p.collective.axis],
-            phase=p.phase,
-            node=consumer,
-            tensor=producer,
-        )
-        for consumer, producer, p in step.collectives
-    )
+    collectives = collective_plans(step, axes)
     solution = result.solution
     return Plan(
-        provenance=Provenance(
-            autoplan=autoplan.__version__,
-            torch=torch.__version__.split("+")[0],
-            graph_fingerprint=graph.fingerprint,
-            cluster_fingerprint=cluster.fingerprint(),
-            cluster=cluster.name,
-        ),
+        provenance=provenance(graph, cluster),
         mesh=mesh,
         stages=(Stage(ranks=mesh.ranks, nodes=tuple(n.name for n in graph)),),
         params=params,
         nodes=nodes,
         collectives=collectives,
-        predicted=Predicted(
-            step_time_s=step.compute_s + step.comm_s,
-            compute_s=step.compute_s,
-            comm_s=step.comm_s,
-            peak_memory_bytes=step.memory_bytes,
-            memory_limit_bytes=result.problem.memory_limit,
-        ),
+        predicted=predicted(step, result.problem.memory_limit),
         solver=SolverInfo(
             status=solution.status,
             objective=solution.objective,
