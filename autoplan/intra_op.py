@@ -34,7 +34,6 @@ class Grouping:
 
     group_of: dict[str, int]
     pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy
-    roots: tuple[str, ...]  # group index -> the node whose strategies are the group's
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def build_problem(
         ),
         memory_limit=memory_limit,
     )
-    return problem, Grouping(group_of, pick, tuple(roots))
+    return problem, Grouping(group_of, pick)
 
 
 def decode(

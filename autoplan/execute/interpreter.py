@@ -60,6 +60,9 @@ def _call_op(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return target(*args, **kwargs)
 
 
+Placed = dict[tuple[str, tuple[Placement, ...]], Any]  # (tensor, placement) -> redistributed
+
+
 class PlanInterpreter:
     def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
         register_missing_rules()
@@ -69,7 +72,6 @@ class PlanInterpreter:
         self.device = torch.device(mesh.device_type)
         axes = plan.mesh.axes
         self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
-        self._placed: dict[tuple[str, tuple[Placement, ...]], Any] = {}
         self.outputs: dict[str, tuple[Placement, ...]] = {}
         for name, node in plan.nodes.items():
             self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
@@ -90,8 +92,7 @@ class PlanInterpreter:
         env: dict[str, Any] = {}
         # one redistribution per (tensor, placement), shared by every op that needs it, so
         # backward reduces the summed gradient once, as the plan counts it
-        placed: dict[tuple[str, tuple[Placement, ...]], Any] = {}
-        self._placed = placed
+        placed: Placed = {}
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 env[node.name] = placeholders[node.name]
@@ -100,18 +101,18 @@ class PlanInterpreter:
             elif node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
             else:
-                env[node.name] = self._call(node, env)
+                env[node.name] = self._call(node, env, placed)
         raise AssertionError("graph has no output node")
 
-    def _call(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+    def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
         targets = iter(self.inputs[node.name])
 
         def fetch(n: torch.fx.Node) -> Any:
             target = tuple(next(targets))
             key = (n.name, target)
-            if key not in self._placed:
-                self._placed[key] = self._place(env[n.name], target)
-            return self._placed[key]
+            if key not in placed:
+                placed[key] = self._place(env[n.name], target)
+            return placed[key]
 
         args = _map_tensors(node.args, fetch)
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
