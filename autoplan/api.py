@@ -60,6 +60,37 @@ def plan(
     optimizer state kept per parameter; ``memory_fraction`` of each device's memory may be
     used by the plan.
     """
+    start = time.perf_counter()
+    log.info("tracing %s ...", type(model).__name__)
+    graph = capture(model, example_inputs, loss_fn, example_target)
+    log.info(
+        "traced %d nodes, %.3g M parameters (%.1f s)",
+        len(graph),
+        graph.num_params / 1e6,
+        time.perf_counter() - start,
+    )
+    return plan_graph(
+        graph,
+        cluster,
+        mesh_shape=mesh_shape,
+        pin=pin,
+        optimizer=optimizer,
+        memory_fraction=memory_fraction,
+        time_limit_s=time_limit_s,
+    )
+
+
+def plan_graph(
+    graph: Graph,
+    cluster: Cluster | str | Path,
+    *,
+    mesh_shape: tuple[int, ...] | None = None,
+    pin: Mapping[str, Pin] | None = None,
+    optimizer: str = "adamw",
+    memory_fraction: float = 0.9,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """`plan` for a graph already traced (`autoplan.graph.capture`)."""
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     if optimizer not in OPTIMIZER_STATE:
@@ -72,17 +103,8 @@ def plan(
     for m in meshes:
         cluster.check_mesh_shape(m)
 
-    start = time.perf_counter()
-    log.info("tracing %s ...", type(model).__name__)
-    graph = capture(model, example_inputs, loss_fn, example_target)
     layers = find_layers(graph)
-    log.info(
-        "traced %d nodes, %.3g M parameters, %d repeated-layer nodes share decisions (%.1f s)",
-        len(graph),
-        graph.num_params / 1e6,
-        len(layers.canonical),
-        time.perf_counter() - start,
-    )
+    log.info("%d repeated-layer nodes share decisions", len(layers.canonical))
     pins = parse_pins(pin or {}, graph)
     layers = keep_sharing_consistent(layers, pins)
     memory_limit = cluster.device.memory_bytes * memory_fraction

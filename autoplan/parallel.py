@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoplan.api import plan as make_plan
+from autoplan.api import plan_graph
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.execute.step import (
@@ -107,15 +107,8 @@ class Step:
         else:
             optimizer = self._optimizer_spec if isinstance(self._optimizer_spec, str) else "adamw"
             plan = _agree_on_plan(
-                lambda: make_plan(
-                    self._model,
-                    example_inputs,
-                    self.cluster,
-                    loss_fn=self._loss_fn,
-                    example_target=example_target,
-                    optimizer=optimizer,
-                    **self._plan_options,
-                )
+                # the graph just traced: rank 0 does not trace the model a second time
+                lambda: plan_graph(graph, self.cluster, optimizer=optimizer, **self._plan_options)
             )
         world = dist.get_world_size()
         if len(plan.mesh.ranks) != world:
