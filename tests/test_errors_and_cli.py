@@ -10,20 +10,13 @@ import pytest
 import autoplan
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
-from tests.conftest import ROOT, example
+from tests.conftest import ROOT, example, plan_workload
 
 
 def test_mesh_shape_that_does_not_cover_the_cluster(cpu4: autoplan.Cluster) -> None:
     w = example("mlp")
     with pytest.raises(MeshShapeError, match=r"\(3,\).*4") as info:
-        autoplan.plan(
-            w.model,
-            w.example_inputs,
-            cpu4,
-            loss_fn=w.loss_fn,
-            example_target=w.example_target,
-            mesh_shape=(3,),
-        )
+        plan_workload(w, cpu4, mesh_shape=(3,))
     assert "(2, 2)" in str(info.value)  # suggests valid shapes
 
 
@@ -39,9 +32,7 @@ def test_cluster_file_missing_a_field(tmp_path: Path) -> None:
 def test_model_too_big_even_fully_sharded(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="1.3b", batch_size=1, seq_len=128, device="meta")
     with pytest.raises(InfeasiblePlanError) as info:
-        autoplan.plan(
-            w.model, w.example_inputs, cpu4, loss_fn=w.loss_fn, example_target=w.example_target
-        )
+        plan_workload(w, cpu4)
     message = str(info.value)
     assert "GiB" in message and "3.60 GiB" in message  # what a device offers (90% of 4 GiB)
     need = float(message.split("needs ")[1].split(" GiB")[0])

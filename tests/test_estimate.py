@@ -11,19 +11,12 @@ import autoplan
 from autoplan.cli import main
 from autoplan.errors import PlanFormatError
 from autoplan.plan.schema import ParamPlan
-from tests.conftest import ROOT, example
+from tests.conftest import ROOT, example, plan_workload
 
 
 def _megatron(cluster: autoplan.Cluster) -> tuple[autoplan.Plan, autoplan.Workload]:
     w = example("mlp", batch_size=4, hidden=2048)
-    plan = autoplan.plan(
-        w.model,
-        w.example_inputs,
-        cluster,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        mesh_shape=(4,),
-    )
+    plan = plan_workload(w, cluster, mesh_shape=(4,))
     return plan, w
 
 

@@ -13,7 +13,7 @@ from autoplan.intra_op import build_problem, solve_problem, step_cost
 from autoplan.solve.evaluate import evaluate
 from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.space import strategy_space
-from tests.conftest import example, plan_example
+from tests.conftest import example, plan_example, plan_workload
 
 
 def _weights(plan: autoplan.Plan) -> list[str]:
@@ -117,25 +117,11 @@ def test_repeated_layers_keep_the_problem_small(cpu4: autoplan.Cluster) -> None:
 def test_pins_force_replication_and_zero3(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", batch_size=65536, hidden=32)
     names = [n for n, _ in w.model.named_parameters()]
-    dp = autoplan.plan(
-        w.model,
-        w.example_inputs,
-        cpu4,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        mesh_shape=(4,),
-        pin=dict.fromkeys(names, "R"),
-    )
+    dp = plan_workload(w, cpu4, mesh_shape=(4,), pin=dict.fromkeys(names, "R"))
     (axis,) = dp.mesh.axes
     assert all(p.placements == {axis: "R"} and p.storage == {axis: "R"} for p in dp.params.values())
-    zero3 = autoplan.plan(
-        w.model,
-        w.example_inputs,
-        cpu4,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        mesh_shape=(4,),
-        pin={name: {"storage": "S(0)", "use": "R"} for name in names},
+    zero3 = plan_workload(
+        w, cpu4, mesh_shape=(4,), pin={name: {"storage": "S(0)", "use": "R"} for name in names}
     )
     assert zero3.mesh.axes == ("dp",)  # the batch is split, so gradients need reducing
     assert all(
@@ -159,9 +145,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def test_7b_meta_model_plans_on_this_machine(a100: autoplan.Cluster) -> None:
     """GPT 7B, built on the meta device (no parameter memory), plans for 8 A100s."""
     w = example("gpt", size="7b", batch_size=8, device="meta", dtype="bfloat16")
-    plan = autoplan.plan(
-        w.model, w.example_inputs, a100, loss_fn=w.loss_fn, example_target=w.example_target
-    )
+    plan = plan_workload(w, a100)
     assert sum(_numel(p.shape) for p in plan.params.values()) > 6.5e9
     assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
     # bf16 parameters, gradients and Adam state are 12.8 GiB x 4 unsharded: sharding is a must
