@@ -27,6 +27,8 @@ def _run(world: int, tmp: Path) -> dict[str, Any]:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={world}",
+        f"--log-dir={tmp / f'logs-{world}'}",
+        "--redirects=3",
         str(ROOT / "tests/distributed/worker.py"),
         str(out),
         str(world),
@@ -34,10 +36,20 @@ def _run(world: int, tmp: Path) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise AssertionError(f"torchrun with {world} ranks failed ({proc.returncode}):\n{tail}")
+        raise AssertionError(
+            f"torchrun with {world} ranks failed ({proc.returncode}):\n"
+            + _tail(proc.stdout + proc.stderr, 10)
+            + "".join(
+                f"\n--- {log.relative_to(tmp)}:\n{_tail(log.read_text(errors='replace'), 40)}"
+                for log in sorted((tmp / f"logs-{world}").rglob("*.log"))
+            )
+        )
     results: dict[str, Any] = json.loads(out.read_text())
     return results
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import json
 import sys
 from collections import Counter
@@ -163,6 +164,7 @@ def world_size() -> int:
 
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
+    faulthandler.enable()  # a crash in C++ (gloo) then shows every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     c = cluster(world)
