@@ -15,14 +15,12 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import PARAM, Graph
-from autoplan.graph.layers import Layers, find_layers
-from autoplan.intra_op import IntraOpResult, build_problem, solve_problem, step_cost
+from autoplan.graph.layers import find_layers
+from autoplan.intra_op import MeshPlan, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.plan.assemble import make_plan
 from autoplan.plan.schema import Plan
-from autoplan.solve.evaluate import min_memory
 from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
-from autoplan.strategies.space import strategy_space
 
 log = logging.getLogger(__name__)
 
@@ -109,38 +107,35 @@ def plan_graph(
     layers = keep_sharing_consistent(layers, pins)
     memory_limit = cluster.device.memory_bytes * memory_fraction
 
-    best: IntraOpResult | None = None
-    best_costs: StepCosts | None = None
+    best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
-    rules: dict[str, str] = {}
     for m in meshes:
-        costs = StepCosts(cluster, m, optimizer)
-        space = apply_pins(strategy_space(graph, m, _reps(graph, layers)), graph, pins)
-        problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
-        needs[m] = min_memory(problem)
-        if needs[m] > memory_limit:
-            log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, needs[m] / GiB)
-            continue
         log.info("mesh %s: solving ...", m)
-        result = solve_problem(graph, layers, space, problem, grouping, m, time_limit_s)
+        found = solve_mesh(
+            graph,
+            layers,
+            StepCosts(cluster, m, optimizer),
+            memory_limit,
+            time_limit_s,
+            lambda space: apply_pins(space, graph, pins),
+        )
+        if not isinstance(found, MeshPlan):
+            needs[m] = found
+            log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
+            continue
+        solution = found.result.solution
         log.info(
             "mesh %s: predicted %.4g s per step (%s, %.2f s)",
             m,
-            result.solution.objective,
-            result.solution.status,
-            result.solution.solve_time_s,
+            solution.objective,
+            solution.status,
+            solution.solve_time_s,
         )
-        if best is None or result.solution.objective < best.solution.objective:
-            best, best_costs = result, costs
-            rules = {n.name: space[layers.rep(n.name)].source for n in graph}
-    if best is None or best_costs is None:
+        if best is None or solution.objective < best.result.solution.objective:
+            best = found
+    if best is None:
         raise _infeasible(graph, cluster, needs, memory_limit, memory_fraction)
-    step = step_cost(graph, best.assignment, best_costs)
-    return make_plan(graph, cluster, best, step, rules, tuple(meshes))
-
-
-def _reps(graph: Graph, layers: Layers) -> set[str]:
-    return {n.name for n in graph if n.name not in layers.canonical}
+    return make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
 
 
 def _infeasible(

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
 from autoplan.graph.layers import Layers, block_of
-from autoplan.solve.evaluate import evaluate
+from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
 from autoplan.strategies.costs import Phased, StepCosts
 from autoplan.strategies.placement import Spec, grad_spec
-from autoplan.strategies.space import NodeStrategies, Strategy
+from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +235,39 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             phase = "grad_sync" if producer.kind == PARAM else "backward"
             found += [(user, name, Phased(c, phase)) for c in bwd]
     return StepCost(compute, comm, memory, tuple(found))
+
+
+SpaceFilter = Callable[[dict[str, NodeStrategies]], dict[str, NodeStrategies]]
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The solved plan of a graph on one logical mesh."""
+
+    result: IntraOpResult
+    costs: StepCosts
+    step: StepCost
+    rules: dict[str, str]  # node -> where its strategy came from
+
+
+def solve_mesh(
+    graph: Graph,
+    layers: Layers,
+    costs: StepCosts,
+    memory_limit: float,
+    time_limit_s: float,
+    restrict: SpaceFilter | None = None,
+) -> MeshPlan | float:
+    """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins).
+    Returns the least memory any plan would need per device when none fits."""
+    reps = {n.name for n in graph if n.name not in layers.canonical}
+    space = strategy_space(graph, costs.mesh_shape, reps)
+    if restrict is not None:
+        space = restrict(space)
+    problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
+    need = min_memory(problem)
+    if need > memory_limit:
+        return need
+    result = solve_problem(graph, layers, space, problem, grouping, costs.mesh_shape, time_limit_s)
+    rules = {n.name: space[layers.rep(n.name)].source for n in graph}
+    return MeshPlan(result, costs, step_cost(graph, result.assignment, costs), rules)
