@@ -13,29 +13,20 @@ from torch import nn
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.graph.capture import capture
-from autoplan.graph.ir import PARAM, Graph
+from autoplan.graph.capture import capture, microbatch
+from autoplan.graph.cut import DEFAULT_MAX_LAYERS
+from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.graph.layers import find_layers
-from autoplan.intra_op import MeshPlan, solve_mesh
+from autoplan.inter_op import GraphForMicrobatches, check_schedule, plan_pipeline
+from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
-from autoplan.plan.assemble import make_plan
+from autoplan.plan.assemble import make_pipeline_plan, make_plan
 from autoplan.plan.schema import Plan
 from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-
-
-def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
-    """The logical meshes tried when none is pinned: the flat mesh, and 2-D meshes whose
-    inner axis stays inside a node (Alpa's choice of logical views of a physical mesh)."""
-    n = cluster.num_devices
-    meshes: list[tuple[int, ...]] = [(n,)]
-    for inner in range(2, min(cluster.devices_per_node, n // 2) + 1):
-        if cluster.devices_per_node % inner == 0 and n % inner == 0:
-            meshes.append((n // inner, inner))
-    return meshes
 
 
 def plan(
@@ -50,13 +41,24 @@ def plan(
     optimizer: str = "adamw",
     memory_fraction: float = 0.9,
     time_limit_s: float = 60.0,
+    pipeline: bool | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1F1B",
+    max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> Plan:
-    """Trace ``model`` and choose a sharding for every operator on ``cluster``.
+    """Trace ``model`` and choose pipeline stages and a sharding for every operator.
 
-    ``mesh_shape`` pins the logical mesh (else a few are tried and the fastest kept);
-    ``pin`` maps parameter names to placements (see `autoplan.pins`); ``optimizer`` sets the
-    optimizer state kept per parameter; ``memory_fraction`` of each device's memory may be
-    used by the plan.
+    ``mesh_shape`` pins the logical mesh (of each stage, when pipelined; else a few are tried
+    and the fastest kept); ``pin`` maps parameter names to placements (see `autoplan.pins`);
+    ``optimizer`` sets the optimizer state kept per parameter; ``memory_fraction`` of each
+    device's memory may be used by the plan.
+
+    Pipelining: ``pipeline`` None weighs pipelines against a single stage and keeps the
+    faster when the cluster has several nodes or one stage does not fit; True requires a
+    pipeline, False rules them out. ``num_stages``, ``num_microbatches``
+    (else 2, 4 and 8 are tried) and ``schedule`` ("1F1B" or "GPipe") narrow the search;
+    the step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
     """
     start = time.perf_counter()
     log.info("tracing %s ...", type(model).__name__)
@@ -67,6 +69,11 @@ def plan(
         graph.num_params / 1e6,
         time.perf_counter() - start,
     )
+
+    def microbatch_graph(count: int) -> Graph:
+        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+        return capture(model, inputs, loss_fn, target)
+
     return plan_graph(
         graph,
         cluster,
@@ -75,6 +82,12 @@ def plan(
         optimizer=optimizer,
         memory_fraction=memory_fraction,
         time_limit_s=time_limit_s,
+        microbatch_graph=microbatch_graph,
+        pipeline=pipeline,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        max_layers=max_layers,
     )
 
 
@@ -87,8 +100,15 @@ def plan_graph(
     optimizer: str = "adamw",
     memory_fraction: float = 0.9,
     time_limit_s: float = 60.0,
+    microbatch_graph: GraphForMicrobatches | None = None,
+    pipeline: bool | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "1F1B",
+    max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> Plan:
-    """`plan` for a graph already traced (`autoplan.graph.capture`)."""
+    """`plan` for a graph already traced (`autoplan.graph.capture`); pipelines need
+    ``microbatch_graph(count)``, the step traced on one of ``count`` microbatches."""
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     if optimizer not in OPTIMIZER_STATE:
@@ -97,6 +117,100 @@ def plan_graph(
         )
     if not 0 < memory_fraction <= 1:
         raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    schedule = check_schedule(schedule)
+    if pipeline is not False and (pipeline or num_stages or num_microbatches):
+        pipeline = True
+    if pipeline and microbatch_graph is None:
+        raise AutoplanError("a pipeline needs the model to trace microbatches: use autoplan.plan")
+    if pipeline and pin:
+        raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
+    memory_limit = cluster.device.memory_bytes * memory_fraction
+    single: Plan | InfeasiblePlanError | None = None
+    if not pipeline:
+        single = _plan_one_stage(
+            graph, cluster, mesh_shape, pin, optimizer, memory_limit, memory_fraction,
+            time_limit_s,
+        )  # fmt: skip
+    piped = None
+    # by default pipelines are weighed across nodes, or when one stage does not fit: inside
+    # a node intra-op sharding is as fast, and planning stays quick
+    auto = cluster.num_nodes > 1 or not isinstance(single, Plan)
+    weigh = bool(pipeline) or (pipeline is None and auto)
+    if weigh and microbatch_graph is not None:
+        piped = _plan_pipelined(
+            graph, microbatch_graph, cluster, mesh_shape, optimizer, memory_limit, time_limit_s,
+            num_stages, num_microbatches, schedule, max_layers,
+        )  # fmt: skip
+    if piped is None:
+        if isinstance(single, Plan):
+            return single
+        if single is None:
+            raise InfeasiblePlanError(
+                f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
+                f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
+                "lighter optimizer"
+            )
+        tried = weigh and microbatch_graph is not None
+        raise InfeasiblePlanError(f"{single} No pipeline fits either.") if tried else single
+    if isinstance(single, Plan) and single.predicted.step_time_s <= piped.predicted.step_time_s:
+        return single
+    return piped
+
+
+def _plan_pipelined(
+    graph: Graph,
+    microbatch_graph: GraphForMicrobatches,
+    cluster: Cluster,
+    mesh_shape: tuple[int, ...] | None,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float,
+    num_stages: int | None,
+    num_microbatches: int | None,
+    schedule: str,
+    max_layers: int,
+) -> Plan | None:
+    batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
+    if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
+        raise AutoplanError(
+            f"num_microbatches={num_microbatches} must be at least 1 and divide the batch "
+            f"of {batch}"
+        )
+    counts = [num_microbatches] if num_microbatches else [c for c in (2, 4, 8) if batch % c == 0]
+    if num_stages is not None and (num_stages < 2 or cluster.num_devices % num_stages):
+        raise AutoplanError(
+            f"num_stages={num_stages}: it must be at least 2 and divide the "
+            f"{cluster.num_devices} devices of cluster {cluster.name!r}"
+        )
+    meshes = [tuple(mesh_shape)] if mesh_shape is not None else None
+    found = plan_pipeline(
+        microbatch_graph,
+        cluster,
+        microbatches=counts,
+        schedule=schedule,
+        optimizer=optimizer,
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+        max_layers=max_layers,
+        meshes=meshes,
+        num_stages=num_stages,
+    )
+    if found is None:
+        return None
+    tried = tuple(m for m in (meshes or [found.mesh_shape]))
+    return make_pipeline_plan(found, cluster, tried)
+
+
+def _plan_one_stage(
+    graph: Graph,
+    cluster: Cluster,
+    mesh_shape: tuple[int, ...] | None,
+    pin: Mapping[str, Pin] | None,
+    optimizer: str,
+    memory_limit: float,
+    memory_fraction: float,
+    time_limit_s: float,
+) -> Plan | InfeasiblePlanError:
     meshes = [tuple(mesh_shape)] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
         cluster.check_mesh_shape(m)
@@ -105,7 +219,6 @@ def plan_graph(
     log.info("%d repeated-layer nodes share decisions", len(layers.canonical))
     pins = parse_pins(pin or {}, graph)
     layers = keep_sharing_consistent(layers, pins)
-    memory_limit = cluster.device.memory_bytes * memory_fraction
 
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
@@ -134,7 +247,7 @@ def plan_graph(
         if best is None or solution.objective < best.result.solution.objective:
             best = found
     if best is None:
-        raise _infeasible(graph, cluster, needs, memory_limit, memory_fraction)
+        return _infeasible(graph, cluster, needs, memory_limit, memory_fraction)
     return make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
 
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from autoplan.cluster import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
 from autoplan.graph.layers import Layers, block_of
 from autoplan.solve.evaluate import evaluate, min_memory
@@ -235,6 +236,17 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             phase = "grad_sync" if producer.kind == PARAM else "backward"
             found += [(user, name, Phased(c, phase)) for c in bwd]
     return StepCost(compute, comm, memory, tuple(found))
+
+
+def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
+    """The logical meshes tried when none is pinned: the flat mesh, and 2-D meshes whose
+    inner axis stays inside a node (Alpa's choice of logical views of a physical mesh)."""
+    n = cluster.num_devices
+    meshes: list[tuple[int, ...]] = [(n,)]
+    for inner in range(2, min(cluster.devices_per_node, n // 2) + 1):
+        if cluster.devices_per_node % inner == 0 and n % inner == 0:
+            meshes.append((n // inner, inner))
+    return meshes
 
 
 SpaceFilter = Callable[[dict[str, NodeStrategies]], dict[str, NodeStrategies]]

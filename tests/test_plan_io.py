@@ -37,7 +37,7 @@ def test_two_runs_give_byte_identical_json(plan: autoplan.Plan, cpu4: autoplan.C
 
 def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
     doc = json.loads(plan.to_json())
-    assert doc["version"] == 1
+    assert doc["version"] == 2
     for key in (
         "provenance",
         "mesh",
@@ -47,6 +47,7 @@ def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
         "collectives",
         "predicted",
         "solver",
+        "pipeline",
     ):
         assert key in doc
     assert doc["mesh"]["shape"] == [2, 2] and len(doc["mesh"]["ranks"]) == 4
@@ -73,7 +74,7 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
 @pytest.mark.parametrize(
     ("edit", "field"),
     [
-        (lambda d: d.update(version=2), "version"),
+        (lambda d: d.update(version=1), "version"),
         (lambda d: d["mesh"].update(shape=[3, 2]), "mesh.ranks"),
         (
             lambda d: d["params"]["head.weight"]["placements"].update(dp0="S(x)"),

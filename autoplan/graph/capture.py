@@ -55,6 +55,16 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
     return (example_inputs,)
 
 
+def microbatch(batch: Any, count: int) -> Any:
+    """The first of ``count`` equal microbatches of ``batch`` (tensors split along dim 0;
+    tuples and lists element by element); what a pipeline stage sees per step."""
+    if isinstance(batch, torch.Tensor):
+        return batch[: batch.shape[0] // count] if batch.dim() else batch
+    if isinstance(batch, tuple | list):
+        return type(batch)(microbatch(b, count) for b in batch)
+    return batch
+
+
 def step_args(
     model: nn.Module, example_inputs: Any, example_target: Any, with_loss: bool
 ) -> tuple[Any, ...]:

@@ -45,7 +45,9 @@ class Layers:
         return self.canonical.get(name, name)
 
 
-def _signature(graph: Graph, names: tuple[str, ...], prefix: str) -> tuple[Hashable, ...]:
+def signature(graph: Graph, names: tuple[str, ...], prefix: str | None) -> tuple[Hashable, ...]:
+    """What makes the nodes ``names`` one structure: ops, shapes and wiring by position, and
+    module paths below ``prefix`` (left out when ``prefix`` is None)."""
     position = {n: i for i, n in enumerate(names)}
 
     def wire(value: object) -> object:
@@ -60,9 +62,8 @@ def _signature(graph: Graph, names: tuple[str, ...], prefix: str) -> tuple[Hasha
     sig = []
     for name in names:
         n = graph.node(name)
-        local = (
-            n.target.removeprefix(prefix) if n.kind == PARAM else n.module_path.removeprefix(prefix)
-        )
+        path = n.target if n.kind == PARAM else n.module_path
+        local = None if prefix is None else path.removeprefix(prefix)
         sig.append(
             (
                 n.kind,
@@ -90,7 +91,7 @@ def find_layers(graph: Graph, period: int = 2) -> Layers:
     canonical: dict[str, str] = {}
     for b, names in frozen.items():
         parent = b.rsplit(".", 1)[0]
-        same = copies[(parent, _signature(graph, names, b))]
+        same = copies[(parent, signature(graph, names, b))]
         if len(same) >= period:
             canonical.update(zip(names, frozen[same[len(same) % period]], strict=True))
         same.append(b)

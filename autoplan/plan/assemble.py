@@ -2,37 +2,45 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
 import autoplan
 from autoplan.cluster import Cluster
-from autoplan.graph.ir import OP, PARAM, Graph
+from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
+from autoplan.inter_op import PipelinePlan
 from autoplan.intra_op import IntraOpResult, StepCost
 from autoplan.plan.schema import (
     CollectivePlan,
     Mesh,
     NodePlan,
     ParamPlan,
+    Pipeline,
     Placements,
     Plan,
     Predicted,
     Provenance,
     SolverInfo,
     Stage,
+    StagePredicted,
 )
 from autoplan.strategies.placement import Spec, shard_dim
+from autoplan.strategies.space import Strategy
 
 
-def axis_names(graph: Graph, result: IntraOpResult) -> tuple[str, ...]:
+def axis_names(
+    graph: Graph, assignment: Mapping[str, Strategy], mesh_shape: tuple[int, ...]
+) -> tuple[str, ...]:
     """Name each mesh axis by its role: "dp" if the most expensive op splits its batch (dim 0)
     on that axis, else "tp"; repeated names get their axis index ("dp0", "dp1")."""
-    heaviest = max((n for n in graph if n.kind == OP), key=lambda n: n.flops, default=None)
-    spec = result.assignment[heaviest.name].output if heaviest else ()
+    ops = (n for n in graph if n.kind == OP and n.name in assignment)
+    heaviest = max(ops, key=lambda n: n.flops, default=None)
+    spec = assignment[heaviest.name].output if heaviest else ()
     names = [
-        "dp" if spec and shard_dim(spec[axis]) == 0 else "tp"
-        for axis in range(len(result.mesh_shape))
+        "dp" if spec and shard_dim(spec[axis]) == 0 else "tp" for axis in range(len(mesh_shape))
     ]
     if len(set(names)) < len(names):
         names = [f"{n}{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
@@ -85,38 +93,11 @@ def make_plan(
     rules: Mapping[str, str],
     meshes_tried: tuple[tuple[int, ...], ...],
 ) -> Plan:
-    axes = axis_names(graph, result)
-    mesh = Mesh(axes=axes, shape=result.mesh_shape, ranks=tuple(range(cluster.num_devices)))
     assignment = result.assignment
-
-    params: dict[str, ParamPlan] = {}
-    for node in graph:
-        if node.kind != PARAM:
-            continue
-        storage = assignment[node.name].output
-        users = graph.users(node.name)
-        use = storage
-        if users:
-            consumer = graph.node(users[0])
-            index = [r.name for r in consumer.refs].index(node.name)
-            use = assignment[consumer.name].inputs[index]
-        params[node.target] = ParamPlan(
-            placements=_named(use, axes),
-            storage=_named(storage, axes),
-            shape=node.output.shape,
-            dtype=node.output.dtype,
-        )
-
-    nodes = {
-        node.name: NodePlan(
-            op=node.op,
-            module=node.module_path if node.kind != PARAM else node.target,
-            output=_named(assignment[node.name].output, axes) if node.outputs else {},
-            inputs=tuple(_named(s, axes) for s in assignment[node.name].inputs),
-            rule=rules[node.name],
-        )
-        for node in graph
-    }
+    axes = axis_names(graph, assignment, result.mesh_shape)
+    mesh = Mesh(axes=axes, shape=result.mesh_shape, ranks=tuple(range(cluster.num_devices)))
+    params = _params(graph, assignment, axes)
+    nodes = _nodes(graph, assignment, rules, axes)
     collectives = collective_plans(step, axes)
     solution = result.solution
     return Plan(
@@ -136,4 +117,119 @@ def make_plan(
             num_groups=result.problem.num_groups,
             meshes_tried=meshes_tried,
         ),
+    )
+
+
+def _params(
+    graph: Graph, assignment: Mapping[str, Strategy], axes: tuple[str, ...]
+) -> dict[str, ParamPlan]:
+    params: dict[str, ParamPlan] = {}
+    for node in graph:
+        if node.kind != PARAM:
+            continue
+        storage = assignment[node.name].output
+        users = graph.users(node.name)
+        use = storage
+        if users:
+            consumer = graph.node(users[0])
+            index = [r.name for r in consumer.refs].index(node.name)
+            use = assignment[consumer.name].inputs[index]
+        params[node.target] = ParamPlan(
+            placements=_named(use, axes),
+            storage=_named(storage, axes),
+            shape=node.output.shape,
+            dtype=node.output.dtype,
+        )
+    return params
+
+
+def _nodes(
+    graph: Graph,
+    assignment: Mapping[str, Strategy],
+    rules: Mapping[str, str],
+    axes: tuple[str, ...],
+) -> dict[str, NodePlan]:
+    return {
+        node.name: NodePlan(
+            op=node.op,
+            module=node.module_path if node.kind != PARAM else node.target,
+            output=_named(assignment[node.name].output, axes) if node.outputs else {},
+            inputs=tuple(_named(s, axes) for s in assignment[node.name].inputs),
+            rule=rules[node.name],
+        )
+        for node in graph
+    }
+
+
+def make_pipeline_plan(
+    pipe: PipelinePlan, cluster: Cluster, meshes_tried: tuple[tuple[int, ...], ...]
+) -> Plan:
+    """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s``."""
+    graph = pipe.graph
+    assignment: dict[str, Strategy] = {}
+    rules: dict[str, str] = {}
+    for st in pipe.stages:
+        own = set(st.stage.nodes)
+        assignment.update({k: v for k, v in st.assignment.items() if k in own})
+        rules.update({k: v for k, v in st.rules.items() if k in own})
+    final = next(n.name for n in graph if n.kind == OUTPUT)
+    last = pipe.stages[-1]
+    out = last.assignment[final]
+    # the original output reads only the loss: drop the placements of tensors sent on
+    assignment[final] = Strategy(out.output, out.inputs[len(last.stage.sent) :])
+    axes = axis_names(graph, assignment, pipe.mesh_shape)
+    num_stages = len(pipe.stages)
+    size = math.prod(pipe.mesh_shape)
+    mesh = Mesh(
+        axes=("pp", *axes),
+        shape=(num_stages, *pipe.mesh_shape),
+        ranks=tuple(range(cluster.num_devices)),
+    )
+    stages = tuple(
+        Stage(
+            ranks=tuple(range(s * size, (s + 1) * size)),
+            nodes=st.stage.nodes,
+            layers=tuple(layer.name for layer in pipe.layers[st.start : st.stop]),
+            received=st.stage.received,
+            sent=st.stage.sent,
+            boundary=_named(pipe.boundary, axes),
+            predicted=StagePredicted(
+                time_s=st.time_s + st.send_s,
+                forward_s=st.forward_s,
+                backward_s=st.time_s - st.forward_s,
+                memory_bytes=pipe.stage_memory(s),
+            ),
+        )
+        for s, st in enumerate(pipe.stages)
+    )
+    collectives = tuple(
+        replace(c, stage=s)
+        for s, st in enumerate(pipe.stages)
+        for c in collective_plans(st.step, axes)
+    )
+    compute = sum(st.step.compute_s for st in pipe.stages)
+    return Plan(
+        provenance=provenance(graph, cluster),
+        mesh=mesh,
+        stages=stages,
+        params=_params(graph, assignment, axes),
+        nodes=_nodes(graph, assignment, rules, axes),
+        collectives=collectives,
+        predicted=Predicted(
+            step_time_s=pipe.step_time_s,
+            compute_s=compute,
+            comm_s=sum(st.step.comm_s for st in pipe.stages),
+            peak_memory_bytes=max(pipe.stage_memory(s) for s in range(num_stages)),
+            memory_limit_bytes=pipe.memory_limit,
+        ),
+        solver=SolverInfo(
+            status="optimal",
+            objective=pipe.step_time_s,
+            solve_time_s=sum(st.solution.solve_time_s for st in pipe.stages),
+            num_variables=sum(st.solution.num_variables for st in pipe.stages),
+            num_constraints=sum(st.solution.num_constraints for st in pipe.stages),
+            num_groups=sum(st.num_groups for st in pipe.stages),
+            meshes_tried=meshes_tried,
+        ),
+        pipeline=Pipeline(pipe.schedule, pipe.num_microbatches, pipe.bubble_fraction),
     )

@@ -13,18 +13,22 @@ from dataclasses import asdict
 from typing import Any
 
 from autoplan.errors import PlanFormatError
+from autoplan.graph.cut import SEND
 from autoplan.plan.schema import (
     PLAN_VERSION,
+    SCHEDULES,
     CollectivePlan,
     Mesh,
     NodePlan,
     ParamPlan,
+    Pipeline,
     Placements,
     Plan,
     Predicted,
     Provenance,
     SolverInfo,
     Stage,
+    StagePredicted,
 )
 from autoplan.strategies.placement import is_placement
 
@@ -146,17 +150,17 @@ def _read_plan(doc: _Field) -> Plan:
     total = math.prod(mesh.shape)
     if len(mesh.ranks) != total:
         raise m["ranks"].fail(f"{total} ranks (the product of mesh.shape)")
-    stages = tuple(
-        Stage(
-            ranks=tuple(r.integer() for r in s["ranks"].elements()),
-            nodes=tuple(n.text() for n in s["nodes"].elements()),
-        )
-        for s in doc["stages"].elements()
-    )
+    pipeline = _read_pipeline(doc["pipeline"])
+    if pipeline is not None and (mesh.axes[:1] != ("pp",) or mesh.shape[0] < 2):
+        raise m["axes"].fail('a first axis "pp" of size >= 2 (the plan has a pipeline)')
+    axes = mesh.axes[1:] if pipeline is not None else mesh.axes
+    stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
+    if len(stages) != (mesh.shape[0] if pipeline is not None else 1):
+        raise doc["stages"].fail("one stage per index of the mesh's pp axis (or one)")
     params = {
         name: ParamPlan(
-            placements=f["placements"].placements(mesh.axes),
-            storage=f["storage"].placements(mesh.axes),
+            placements=f["placements"].placements(axes),
+            storage=f["storage"].placements(axes),
             shape=tuple(s.integer() for s in f["shape"].elements()),
             dtype=f["dtype"].text(),
         )
@@ -168,8 +172,8 @@ def _read_plan(doc: _Field) -> Plan:
         nodes[name] = NodePlan(
             op=f["op"].text(),
             module=f["module"].text(),
-            output=output.placements(mesh.axes) if output.obj() else {},
-            inputs=tuple(i.placements(mesh.axes) for i in f["inputs"].elements()),
+            output=output.placements(axes) if output.obj() else {},
+            inputs=tuple(i.placements(axes) for i in f["inputs"].elements()),
             rule=f["rule"].text(),
         )
     collectives = []
@@ -181,11 +185,14 @@ def _read_plan(doc: _Field) -> Plan:
             phase=f["phase"].text(),
             node=f["node"].text(),
             tensor=f["tensor"].text(),
+            stage=f["stage"].integer(),
         )
-        if c.axis not in mesh.axes:
-            raise f["axis"].fail(f"a mesh axis ({', '.join(mesh.axes)})")
-        if c.node not in nodes:
-            raise f["node"].fail("the name of a node in nodes")
+        if c.axis not in axes:
+            raise f["axis"].fail(f"a mesh axis of a stage ({', '.join(axes)})")
+        if c.stage >= len(stages):
+            raise f["stage"].fail(f"a stage index below {len(stages)}")
+        if c.node not in nodes and not (c.node == SEND and pipeline is not None):
+            raise f["node"].fail(f"the name of a node in nodes (or {SEND!r}: a stage's send)")
         collectives.append(c)
     pr = doc["predicted"]
     predicted = Predicted(
@@ -207,4 +214,40 @@ def _read_plan(doc: _Field) -> Plan:
             tuple(d.integer() for d in m.elements()) for m in s["meshes_tried"].elements()
         ),
     )
-    return Plan(provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver)
+    return Plan(
+        provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver, pipeline
+    )
+
+
+def _read_stage(f: _Field, axes: tuple[str, ...]) -> Stage:
+    boundary = f["boundary"]
+    p = f["predicted"]
+    predicted = None
+    if p.value is not None:
+        predicted = StagePredicted(
+            time_s=p["time_s"].number(),
+            forward_s=p["forward_s"].number(),
+            backward_s=p["backward_s"].number(),
+            memory_bytes=p["memory_bytes"].number(),
+        )
+    return Stage(
+        ranks=tuple(r.integer() for r in f["ranks"].elements()),
+        nodes=tuple(n.text() for n in f["nodes"].elements()),
+        layers=tuple(n.text() for n in f["layers"].elements()),
+        received=tuple(n.text() for n in f["received"].elements()),
+        sent=tuple(n.text() for n in f["sent"].elements()),
+        boundary=boundary.placements(axes) if boundary.obj() else {},
+        predicted=predicted,
+    )
+
+
+def _read_pipeline(f: _Field) -> Pipeline | None:
+    if f.value is None:
+        return None
+    schedule = f["schedule"].text()
+    if schedule not in SCHEDULES:
+        raise f["schedule"].fail(f"one of {', '.join(SCHEDULES)}")
+    count = f["num_microbatches"].integer()
+    if count < 1:
+        raise f["num_microbatches"].fail("at least 1")
+    return Pipeline(schedule, count, f["bubble_fraction"].number())

@@ -7,9 +7,9 @@ or "S(d)"; `autoplan.plan.io` turns a plan into canonical JSON and back, validat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: pipeline stages (Stage.layers ... predicted, Plan.pipeline)
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -31,9 +31,35 @@ class Mesh:
 
 
 @dataclass(frozen=True)
+class StagePredicted:
+    time_s: float  # one microbatch, forward + backward, with the send to the next stage
+    forward_s: float
+    backward_s: float
+    memory_bytes: float  # per device, with the activations of the microbatches in flight
+
+
+@dataclass(frozen=True)
 class Stage:
+    """One pipeline stage (a plan without pipelining has one, on every rank). A stage runs
+    on the ranks of its row of the mesh's "pp" axis, with the remaining axes as its mesh."""
+
     ranks: tuple[int, ...]
     nodes: tuple[str, ...]
+    layers: tuple[str, ...] = ()  # "blocks.3" ...
+    received: tuple[str, ...] = ()  # tensors from the stage before (named by their producer)
+    sent: tuple[str, ...] = ()  # tensors to the stage after
+    boundary: Placements = field(default_factory=dict)  # of every tensor received or sent
+    predicted: StagePredicted | None = None
+
+
+SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str  # a torch.distributed.pipelining schedule: "1F1B" | "GPipe"
+    num_microbatches: int
+    bubble_fraction: float  # predicted idle share of the step
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,7 @@ class CollectivePlan:
     phase: str  # forward | backward | grad_sync
     node: str  # the op (or output) that needs the redistribution
     tensor: str  # the node whose output is redistributed
+    stage: int = 0  # issued on that stage's mesh, once per microbatch (grad_sync: per step)
 
 
 @dataclass(frozen=True)
@@ -93,7 +120,13 @@ class Plan:
     collectives: tuple[CollectivePlan, ...]
     predicted: Predicted
     solver: SolverInfo
+    pipeline: Pipeline | None = None
     version: int = PLAN_VERSION
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The axes of each stage's mesh: placements name these ("pp" is not among them)."""
+        return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes
 
     def to_json(self) -> str:
         from autoplan.plan.io import plan_to_json

@@ -1,0 +1,216 @@
+"""Cut a traced step into layers, and a run of layers into a stage graph of its own.
+
+Layers (the units the stage DP assigns to pipeline stages) follow the model's structure:
+each repeated block (``blocks.3``, see `autoplan.graph.layers`) is a layer, and consecutive
+blocks are merged evenly when there are more than ``max_layers`` of them. Ops outside any
+block join the layer they run in (the embedding joins the first, the head and the loss the
+last); a parameter joins the layer of its first reader; the step's inputs (the batch and the
+target) join the first layer, so that a stage receives everything it reads from the stage
+before it. A model without repeated blocks is cut into ``max_layers`` runs of ops of about
+equal FLOPs, in graph order, as Alpa's layer clustering does without its communication term.
+
+Because every layer is a set of nodes that only reads nodes of itself or of earlier layers,
+any contiguous run of layers is a valid pipeline stage: `stage_graph` turns it into a graph
+whose inputs are the tensors it receives and whose output lists the tensors it sends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autoplan.errors import AutoplanError
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref
+from autoplan.graph.layers import block_of
+
+DEFAULT_MAX_LAYERS = 16
+SEND = "send"  # the output node of a stage graph that is not the last: what it sends on
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str  # "blocks.0-2", or "ops 0-41" for a FLOPs-balanced cut
+    nodes: tuple[str, ...]  # in graph order
+
+
+def cut_layers(graph: Graph, max_layers: int = DEFAULT_MAX_LAYERS) -> tuple[Layer, ...]:
+    """The graph's layers in order; every node is in exactly one."""
+    if max_layers < 1:
+        raise AutoplanError(f"max_layers must be at least 1, got {max_layers}")
+    ops = [n for n in graph if n.kind == OP]
+    blocks = list(dict.fromkeys(b for n in ops if (b := block_of(n)) is not None))
+    if blocks:
+        groups = _even_groups(blocks, max_layers)
+        index = {b: i for i, group in enumerate(groups) for b in group}
+        names = [g[0] if len(g) == 1 else f"{g[0]}-{g[-1].rsplit('.', 1)[-1]}" for g in groups]
+        op_layer = _follow_blocks(ops, index)
+    else:
+        op_layer, names = _balanced(ops, max_layers)
+    return _assemble(graph, op_layer, names)
+
+
+def _even_groups(items: list[str], count: int) -> list[list[str]]:
+    count = min(count, len(items))
+    size, extra = divmod(len(items), count)
+    groups, start = [], 0
+    for i in range(count):
+        stop = start + size + (1 if i < extra else 0)
+        groups.append(items[start:stop])
+        start = stop
+    return groups
+
+
+def _follow_blocks(ops: list[Node], index: dict[str, int]) -> dict[str, int]:
+    """An op in a block takes that block's layer; an op outside takes the layer of the last
+    block before it in graph order (the first layer before any block)."""
+    layer_of, current = {}, 0
+    for n in ops:
+        b = block_of(n)
+        if b is not None:
+            current = max(current, index[b])
+        layer_of[n.name] = current
+    return layer_of
+
+
+def _balanced(ops: list[Node], count: int) -> tuple[dict[str, int], list[str]]:
+    total = sum(n.flops for n in ops) or 1.0
+    count = max(1, min(count, len(ops)))
+    layer_of, done = {}, 0.0
+    for n in ops:
+        # the layer in whose share of the FLOPs this op's midpoint falls
+        layer_of[n.name] = min(count - 1, int((done + n.flops / 2) / total * count))
+        done += n.flops
+    used = sorted(set(layer_of.values()))
+    renumber = {old: new for new, old in enumerate(used)}
+    layer_of = {k: renumber[v] for k, v in layer_of.items()}
+    names = []
+    for i in range(len(used)):
+        members = [j for j, n in enumerate(ops) if layer_of[n.name] == i]
+        names.append(f"ops {members[0]}-{members[-1]}")
+    return layer_of, names
+
+
+def _assemble(graph: Graph, op_layer: dict[str, int], names: Sequence[str]) -> tuple[Layer, ...]:
+    last = len(names) - 1
+    layer_of: dict[str, int] = {}
+    for n in graph:
+        if n.kind == OP:
+            layer_of[n.name] = op_layer[n.name]
+        elif n.kind == INPUT:
+            layer_of[n.name] = 0
+        elif n.kind == OUTPUT:
+            layer_of[n.name] = last
+    for n in graph:
+        if n.kind == PARAM:
+            readers = [layer_of[u] for u in graph.users(n.name)]
+            layer_of[n.name] = min(readers, default=0)
+    members: list[list[str]] = [[] for _ in names]
+    for n in graph:
+        members[layer_of[n.name]].append(n.name)
+    return tuple(Layer(name, tuple(m)) for name, m in zip(names, members, strict=True))
+
+
+def shared_params(graph: Graph, layers: Sequence[Layer]) -> dict[str, tuple[int, ...]]:
+    """Parameters read by more than one layer (tied weights), with the layers reading them."""
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    shared = {}
+    for n in graph:
+        if n.kind == PARAM:
+            readers = tuple(sorted({layer_of[u] for u in graph.users(n.name)}))
+            if len(readers) > 1:
+                shared[n.target] = readers
+    return shared
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Layers ``[start, stop)`` as a graph of their own: ``graph`` has an INPUT node for each
+    tensor received (named as its producer) and an OUTPUT node reading the tensors sent on,
+    then the step's loss if the stage computes it."""
+
+    graph: Graph
+    received: tuple[str, ...]  # producer names, in graph order
+    sent: tuple[str, ...]  # producer names read by later stages, in graph order
+    nodes: tuple[str, ...]  # this stage's nodes of the original graph, in graph order
+
+
+def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) -> StageGraph:
+    inside = {name for layer in layers[start:stop] for name in layer.nodes}
+    later = {name for layer in layers[stop:] for name in layer.nodes}
+    # read here or passed through to a later stage (the target travels to the loss)
+    received: dict[str, None] = {}
+    sent: dict[str, None] = {}
+    for n in graph:
+        if n.name in inside or n.name in later:
+            for r in n.refs:
+                if r.name not in inside and r.name not in later:
+                    received[r.name] = None
+                if n.name in later and r.name not in later:
+                    sent[r.name] = None
+    read_here = {r.name for n in graph if n.name in inside for r in n.refs}
+    order = {n.name: i for i, n in enumerate(graph)}
+    received = {
+        k: None for k in sorted(received, key=order.__getitem__) if k in read_here or k in sent
+    }
+    sent = {k: None for k in sorted(sent, key=order.__getitem__)}
+    for name in list(received) + list(sent):
+        if len(graph.node(name).outputs) != 1:
+            raise AutoplanError(
+                f"the stage boundary after layer {stop - 1} cuts through {name}, an op with "
+                f"{len(graph.node(name).outputs)} outputs; choose other layers (max_layers)"
+            )
+    nodes: list[Node] = []
+    for n in graph:
+        if n.name in received:
+            producer = graph.node(n.name)
+            nodes.append(
+                Node(
+                    name=producer.name,
+                    kind=INPUT,
+                    op=INPUT,
+                    args=(),
+                    kwargs=(),
+                    outputs=producer.outputs,
+                    flops=0.0,
+                    bwd_flops=0.0,
+                    bytes_moved=0.0,
+                    module_path=producer.module_path,
+                    target=producer.target,
+                    params=(),
+                    needs_grad=producer.needs_grad,
+                    is_view=False,
+                )
+            )
+        elif n.name in inside and n.kind != OUTPUT:
+            nodes.append(n)
+    final = next((n for n in graph if n.kind == OUTPUT and n.name in inside), None)
+    nodes.append(_output(graph, tuple(sent), final))
+    sub_fingerprint = f"{graph.fingerprint}:{start}-{stop}"
+    return StageGraph(
+        graph=Graph(tuple(nodes), sub_fingerprint),
+        received=tuple(received),
+        sent=tuple(sent),
+        nodes=tuple(n.name for n in graph if n.name in inside),
+    )
+
+
+def _output(graph: Graph, sent: tuple[str, ...], final: Node | None) -> Node:
+    refs: tuple[Ref, ...] = tuple(Ref(name) for name in sent)
+    if final is not None:
+        refs += final.refs
+    return Node(
+        name=final.name if final is not None else SEND,
+        kind=OUTPUT,
+        op=OUTPUT,
+        args=(refs,),
+        kwargs=(),
+        outputs=(),
+        flops=0.0,
+        bwd_flops=0.0,
+        bytes_moved=0.0,
+        module_path="",
+        target="",
+        params=(),
+        needs_grad=False,
+        is_view=False,
+    )

@@ -1,0 +1,434 @@
+"""Inter-operator planning: pipeline stages on submeshes, by Alpa's stage DP over intra-op plans.
+
+For each candidate microbatch count ``B`` the step is traced at the microbatch's shape and cut
+into layers (`autoplan.graph.cut`). For each stage size (a submesh of ``|m|`` devices: part of
+a node or whole nodes), each logical mesh of it and each boundary placement (how the tensors
+passed between stages are laid out on a stage's mesh: replicated, or split along the batch),
+`solve_stages` (`autoplan.solve.dp`) chooses the layer ranges; the cost of a range is the
+intra-op ILP's plan of that range as a graph of its own (`solve_mesh`), memoized by structure,
+so identical ranges (the same number of identical blocks) are solved once.
+
+Stages are uniform: every stage gets the same submesh and logical mesh, because
+torch.distributed.pipelining pairs rank ``i`` of one stage with rank ``i`` of the next, and
+a stage's tensors go from each rank to its peer as they are laid out (the boundary
+placement). The DP itself allows mixed submeshes; the cost function rules the others out.
+
+Times. A stage's time per microbatch covers its forward and backward, the collectives inside
+them, and the send of its boundary tensors (and their gradients) to the next stage. The
+gradient synchronization and optimizer update run once per step: the DP amortizes them as
+``extra / B`` per microbatch; the predicted step time adds them once, after the last
+microbatch: ``sum(t) + (B - 1) * max(t) + max(extra)``. Memory: a stage's parameters,
+gradients and optimizer state once, plus the activations of each microbatch in flight
+(1F1B: ``S - s`` for stage ``s``; GPipe: all ``B``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+
+from autoplan.cluster import Cluster
+from autoplan.costmodel import collective_time
+from autoplan.errors import AutoplanError
+from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, stage_graph
+from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
+from autoplan.graph.layers import find_layers, signature
+from autoplan.intra_op import MeshPlan, StepCost, candidate_meshes, solve_mesh, step_cost
+from autoplan.solve.dp import (
+    InfeasibleStagesError,
+    StageCost,
+    StageProblem,
+    Submesh,
+    solve_stages,
+)
+from autoplan.solve.problem import IntraOpSolution
+from autoplan.strategies.costs import StepCosts
+from autoplan.strategies.placement import R, Spec, is_valid, local_numel
+from autoplan.strategies.space import NodeStrategies, Strategy
+
+log = logging.getLogger(__name__)
+
+GraphForMicrobatches = Callable[[int], Graph]
+
+
+@dataclass(frozen=True)
+class SolvedStage:
+    start: int  # layers [start, stop)
+    stop: int
+    stage: StageGraph
+    assignment: dict[str, Strategy]  # by node name of ``stage.graph``
+    step: StepCost
+    rules: dict[str, str]
+    time_s: float  # one microbatch, forward + backward, without the send
+    forward_s: float
+    send_s: float  # the boundary tensors to the next stage and their gradients back
+    extra_s: float  # gradient synchronization and optimizer update, once per step
+    memory_bytes: float  # parameters, gradients, optimizer state
+    activation_bytes: float  # one microbatch in flight
+    solution: IntraOpSolution
+    num_groups: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    graph: Graph  # the step at the microbatch's shape
+    layers: tuple[Layer, ...]
+    num_microbatches: int
+    schedule: str
+    mesh_shape: tuple[int, ...]  # each stage's logical mesh
+    costs: StepCosts
+    boundary: Spec
+    stages: tuple[SolvedStage, ...]
+    step_time_s: float
+    bubble_fraction: float
+    memory_limit: float
+
+    def stage_memory(self, s: int) -> float:
+        """Peak bytes per device of stage ``s`` under the schedule."""
+        in_flight = self.num_microbatches if self.schedule == "GPipe" else len(self.stages) - s
+        stage = self.stages[s]
+        return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
+
+
+def pipeline_step_time(stages: Sequence[SolvedStage], num_microbatches: int) -> float:
+    times = [s.time_s + s.send_s for s in stages]
+    return sum(times) + (num_microbatches - 1) * max(times) + max(s.extra_s for s in stages)
+
+
+def stage_sizes(cluster: Cluster) -> list[int]:
+    """Devices per stage for two or more uniform stages: powers of two inside a node, then
+    whole nodes, dividing the cluster."""
+    d, m = cluster.num_devices, cluster.devices_per_node
+    sizes = [w for w in (2**i for i in range(m.bit_length())) if w <= m and m % w == 0]
+    sizes += [n * m for n in range(2, cluster.num_nodes + 1)]
+    return [s for s in sizes if d % s == 0 and d // s >= 2]
+
+
+def _submesh(cluster: Cluster, size: int) -> Submesh:
+    m = cluster.devices_per_node
+    return Submesh(1, size) if size <= m else Submesh(size // m, m)
+
+
+def _stage_cluster(cluster: Cluster, size: int) -> Cluster:
+    """The cluster one stage sees: its submesh, starting on a node boundary."""
+    m = cluster.devices_per_node
+    if size <= m:
+        return replace(cluster, num_nodes=1, devices_per_node=size, name=f"{cluster.name}[:{size}]")
+    return cluster.with_nodes(size // m)
+
+
+def boundary_specs(mesh_shape: tuple[int, ...]) -> list[Spec]:
+    """How tensors between stages may be laid out: replicated, or batch-split on a set of axes."""
+    choices: list[Spec] = [tuple(R for _ in mesh_shape)]
+    for mask in range(1, 2 ** len(mesh_shape)):
+        choices.append(tuple("S(0)" if mask >> a & 1 else R for a in range(len(mesh_shape))))
+    return choices
+
+
+class _StageSolver:
+    """Solves and memoizes (layer range, logical mesh, boundary) on one stage size."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        layers: tuple[Layer, ...],
+        cluster: Cluster,
+        optimizer: str,
+        memory_limit: float,
+        time_limit_s: float,
+    ) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.layers = layers
+        self.optimizer = optimizer
+        self.memory_limit = memory_limit
+        self.time_limit_s = time_limit_s
+        self._memo: dict[Hashable, SolvedStage | None] = {}
+
+    def send_s(self, stop: int, costs: StepCosts, boundary: Spec) -> float:
+        """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
+        stage = stage_graph(self.graph, self.layers, stop - 1, stop)
+        return _send_time(self.cluster, _sent_bytes(stage, costs.mesh_shape, boundary))
+
+    def solve(self, start: int, stop: int, costs: StepCosts, boundary: Spec) -> SolvedStage | None:
+        stage = stage_graph(self.graph, self.layers, start, stop)
+        names = tuple(n.name for n in stage.graph)
+        key = (signature(stage.graph, names, None), costs.mesh_shape, boundary)
+        if key not in self._memo:
+            self._memo[key] = self._solve(start, stop, stage, costs, boundary)
+        found = self._memo[key]
+        if found is None or found.stage.graph is stage.graph:
+            return found
+        # the same structure at other layers: rename its nodes by position
+        rename = dict(zip((n.name for n in found.stage.graph), names, strict=True))
+        assignment = {rename[k]: v for k, v in found.assignment.items()}
+        return replace(
+            found,
+            start=start,
+            stop=stop,
+            stage=stage,
+            assignment=assignment,
+            step=step_cost(stage.graph, assignment, costs),
+            rules={rename[k]: v for k, v in found.rules.items()},
+        )
+
+    def _solve(
+        self, start: int, stop: int, stage: StageGraph, costs: StepCosts, boundary: Spec
+    ) -> SolvedStage | None:
+        graph = stage.graph
+        mesh = costs.mesh_shape
+        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.received):
+            return None
+        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.sent):
+            return None
+
+        def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
+            return _pin_boundary(space, stage, boundary)
+
+        found = solve_mesh(
+            graph,
+            find_layers(graph),
+            costs,
+            self.memory_limit,
+            self.time_limit_s,
+            restrict,
+        )
+        if not isinstance(found, MeshPlan):
+            return None
+        return _priced(start, stop, stage, found, costs, self.send_s(stop, costs, boundary))
+
+
+def _pin_boundary(
+    space: dict[str, NodeStrategies], stage: StageGraph, boundary: Spec
+) -> dict[str, NodeStrategies]:
+    out = dict(space)
+    for name in stage.received:
+        out[name] = replace(out[name], strategies=(Strategy(boundary, ()),), source="boundary")
+    output = next(n for n in stage.graph if n.kind == OUTPUT)
+    ns = out[output.name]
+    inputs = tuple(
+        boundary if r.name in stage.sent else spec
+        for r, spec in zip(output.refs, ns.strategies[0].inputs, strict=True)
+    )
+    out[output.name] = replace(ns, strategies=(Strategy((), inputs),))
+    return out
+
+
+def _priced(
+    start: int,
+    stop: int,
+    stage: StageGraph,
+    found: MeshPlan,
+    costs: StepCosts,
+    send_s: float,
+) -> SolvedStage:
+    graph, assignment = stage.graph, found.result.assignment
+    mesh = costs.mesh_shape
+    extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
+    extra += sum(
+        collective_time(
+            costs.cluster,
+            p.collective.kind,
+            p.collective.nbytes,
+            mesh[p.collective.axis],
+            costs.links[p.collective.axis],
+        )
+        for _, _, p in found.step.collectives
+        if p.phase == "grad_sync"
+    )
+    static = sum(
+        costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
+    )
+    flops = sum(n.flops for n in graph)
+    total_flops = flops + sum(n.bwd_flops for n in graph)
+    time = found.step.compute_s + found.step.comm_s - extra
+    return SolvedStage(
+        start=start,
+        stop=stop,
+        stage=stage,
+        assignment=dict(assignment),
+        step=found.step,
+        rules=found.rules,
+        time_s=time,
+        forward_s=time * flops / total_flops if total_flops else time / 3,
+        send_s=send_s,
+        extra_s=extra,
+        memory_bytes=static,
+        activation_bytes=found.step.memory_bytes - static,
+        solution=found.result.solution,
+        num_groups=found.result.problem.num_groups,
+    )
+
+
+def _sent_bytes(stage: StageGraph, mesh: tuple[int, ...], boundary: Spec) -> int:
+    """Bytes each rank sends to its peer in the next stage."""
+    infos = [stage.graph.node(n).output for n in stage.sent]
+    return sum(local_numel(boundary, t.shape, mesh) * itemsize(t.dtype) for t in infos)
+
+
+def _send_time(cluster: Cluster, nbytes: float) -> float:
+    """Activations forward and their gradients back, between peers of consecutive stages;
+    priced on the inter-node link whenever the pipeline spans nodes (some boundary does)."""
+    link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
+    return 2 * collective_time(cluster, "send_recv", nbytes, 2, link)
+
+
+def plan_pipeline(
+    graph_for: GraphForMicrobatches,
+    cluster: Cluster,
+    *,
+    microbatches: Sequence[int],
+    schedule: str,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float,
+    max_layers: int,
+    meshes: Sequence[tuple[int, ...]] | None = None,
+    num_stages: int | None = None,
+) -> PipelinePlan | None:
+    """The fastest pipeline of two or more uniform stages (``num_stages`` if given), or None
+    if none fits."""
+    best: PipelinePlan | None = None
+    for b in microbatches:
+        graph = graph_for(b)
+        layers = cut_layers(graph, max_layers)
+        shared = shared_params(graph, layers)
+        if shared:
+            name, readers = next(iter(shared.items()))
+            log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
+            return None
+        for size in stage_sizes(cluster):
+            stages = cluster.num_devices // size
+            if stages > len(layers) or (num_stages is not None and stages != num_stages):
+                continue
+            found = _best_for_size(
+                graph, layers, cluster, size, b, schedule, optimizer, memory_limit,
+                time_limit_s, meshes,
+            )  # fmt: skip
+            if found is not None and (best is None or found.step_time_s < best.step_time_s):
+                best = found
+    return best
+
+
+def _best_for_size(
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    cluster: Cluster,
+    size: int,
+    num_microbatches: int,
+    schedule: str,
+    optimizer: str,
+    memory_limit: float,
+    time_limit_s: float,
+    meshes: Sequence[tuple[int, ...]] | None,
+) -> PipelinePlan | None:
+    sub = _submesh(cluster, size)
+    stage_cluster = _stage_cluster(cluster, size)
+    solver = _StageSolver(graph, layers, cluster, optimizer, memory_limit, time_limit_s)
+    best: PipelinePlan | None = None
+    for mesh in meshes or candidate_meshes(stage_cluster):
+        if math.prod(mesh) != size:
+            continue
+        costs = StepCosts(stage_cluster, tuple(mesh), optimizer)
+        for boundary in boundary_specs(tuple(mesh)):
+            solved = _solve_dp(
+                solver, cluster, sub, costs, boundary, num_microbatches, memory_limit
+            )
+            if solved is None:
+                continue
+            found = _pipeline(
+                graph, layers, num_microbatches, schedule, costs, boundary, solved, memory_limit
+            )
+            log.info(
+                "pipeline %d x %s, %d microbatches, boundary %s: %.4g s per step",
+                len(solved),
+                mesh,
+                num_microbatches,
+                boundary,
+                found.step_time_s,
+            )
+            if any(found.stage_memory(s) > memory_limit for s in range(len(solved))):
+                continue
+            if best is None or found.step_time_s < best.step_time_s:
+                best = found
+    return best
+
+
+def _solve_dp(
+    solver: _StageSolver,
+    cluster: Cluster,
+    sub: Submesh,
+    costs: StepCosts,
+    boundary: Spec,
+    num_microbatches: int,
+    memory_limit: float,
+) -> tuple[SolvedStage, ...] | None:
+    """Alpa's stage DP with every stage on ``sub`` (see the module docstring)."""
+
+    num_stages = cluster.num_devices // sub.num_devices
+    longest = len(solver.layers) - num_stages + 1  # every other stage needs a layer
+
+    def cost(i: int, j: int, submesh: Submesh) -> StageCost:
+        usable = submesh == sub and j - i <= longest
+        stage = solver.solve(i, j, costs, boundary) if usable else None
+        if stage is None:
+            return StageCost(math.inf, math.inf, feasible=False)
+        return StageCost(
+            time_s=stage.time_s + stage.extra_s / num_microbatches,
+            memory_bytes=stage.memory_bytes,
+            activation_bytes=stage.activation_bytes,
+        )
+
+    problem = StageProblem(
+        num_layers=len(solver.layers),
+        num_nodes=cluster.num_nodes,
+        devices_per_node=cluster.devices_per_node,
+        num_microbatches=num_microbatches,
+        memory_limit=memory_limit,
+        cost=cost,
+        send_time=lambda j, a, b: solver.send_s(j, costs, boundary),
+    )
+    try:
+        solution = solve_stages(problem)
+    except InfeasibleStagesError:
+        return None
+    stages = [solver.solve(p.start, p.stop, costs, boundary) for p in solution.stages]
+    return tuple(s for s in stages if s is not None)
+
+
+def _pipeline(
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    num_microbatches: int,
+    schedule: str,
+    costs: StepCosts,
+    boundary: Spec,
+    stages: tuple[SolvedStage, ...],
+    memory_limit: float,
+) -> PipelinePlan:
+    step = pipeline_step_time(stages, num_microbatches)
+    busy = num_microbatches * sum(s.time_s for s in stages) / len(stages)
+    return PipelinePlan(
+        graph=graph,
+        layers=layers,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        mesh_shape=costs.mesh_shape,
+        costs=costs,
+        boundary=boundary,
+        stages=stages,
+        step_time_s=step,
+        bubble_fraction=max(0.0, 1.0 - busy / step) if step > 0 else 0.0,
+        memory_limit=memory_limit,
+    )
+
+
+def check_schedule(schedule: str) -> str:
+    from autoplan.plan.schema import SCHEDULES
+
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    if schedule.lower() not in by_lower:
+        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+    return by_lower[schedule.lower()]
