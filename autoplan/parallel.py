@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.export import ExportedProgram
 
 from autoplan.api import plan_graph
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
     OptimizerFactory,
     ParallelModule,
@@ -23,7 +25,8 @@ from autoplan.execute.step import (
     materialize,
     sync_gradients_on_arrival,
 )
-from autoplan.graph.capture import export_step, graph_from_export
+from autoplan.graph.capture import export_step, graph_from_export, microbatch
+from autoplan.graph.ir import PARAM
 from autoplan.plan.schema import Plan
 
 log = logging.getLogger(__name__)
@@ -90,7 +93,8 @@ class Step:
         self._given_plan = plan
         self._init_fn = init_fn
         self._plan_options = plan_options
-        self.module: ParallelModule | None = None
+        self.module: ParallelModule | None = None  # None for pipelined plans
+        self.pipeline: PipelineRunner | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.plan: Plan | None = None
         self.mesh: DeviceMesh | None = None
@@ -100,16 +104,31 @@ class Step:
         init_distributed(self.cluster)
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target)
         graph = graph_from_export(ep)
+
+        def export_microbatch(count: int) -> ExportedProgram:
+            inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+            return export_step(self._model, inputs, self._loss_fn, target)
+
         given = self._given_plan
         if given is not None:
             plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
-            _check_plan(plan, graph.fingerprint, self.cluster)
         else:
             optimizer = self._optimizer_spec if isinstance(self._optimizer_spec, str) else "adamw"
             plan = _agree_on_plan(
                 # the graph just traced: rank 0 does not trace the model a second time
-                lambda: plan_graph(graph, self.cluster, optimizer=optimizer, **self._plan_options)
+                lambda: plan_graph(
+                    graph,
+                    self.cluster,
+                    optimizer=optimizer,
+                    microbatch_graph=lambda count: graph_from_export(export_microbatch(count)),
+                    **self._plan_options,
+                )
             )
+        if plan.pipeline is not None:
+            # stages run one microbatch at a time: the step traced at that shape
+            ep = export_microbatch(plan.pipeline.num_microbatches)
+            graph = graph_from_export(ep)
+        _check_plan(plan, graph.fingerprint, self.cluster)
         world = dist.get_world_size()
         if len(plan.mesh.ranks) != world:
             raise AutoplanError(
@@ -119,28 +138,47 @@ class Step:
         self.mesh = init_device_mesh(
             _device_type(self.cluster), plan.mesh.shape, mesh_dim_names=plan.mesh.axes
         )
-        materialize(self._model, plan, self.mesh, self._init_fn)
-        self.module = ParallelModule(self._model, ep, plan, self.mesh)
-        sync_gradients_on_arrival(self.module, plan, self.mesh)
-        self.optimizer = make_optimizer(
-            self._optimizer_spec, list(self.module.parameters()), self._optimizer_options
-        )
         self.plan = plan
+        if plan.pipeline is not None:
+            stage = plan.stages[self.mesh["pp"].get_local_rank()]
+            params = {plan.nodes[n].module for n in stage.nodes if plan.nodes[n].op == PARAM}
+            materialize(
+                self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
+            )
+            self.pipeline = PipelineRunner(self._model, ep, plan, self.mesh)
+            self.placeholders = self.pipeline.module.placeholders
+            parameters = self.pipeline.parameters()
+        else:
+            materialize(self._model, plan, self.mesh, self._init_fn)
+            self.module = ParallelModule(self._model, ep, plan, self.mesh)
+            sync_gradients_on_arrival(self.module, plan, self.mesh)
+            self.placeholders = self.module.placeholders
+            parameters = list(self.module.parameters())
+        self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
-        if self.module is None:
+        if self.optimizer is None:
             self.build(inputs, target)  # plan from the first batch's shapes, as Alpa does
-        assert self.module is not None and self.optimizer is not None
-        loss = self.module(inputs, target)
-        loss.backward()
+        assert self.optimizer is not None
+        if self.pipeline is not None:
+            args = batch_args(inputs, target)
+            self.placeholders.check(args, batches=self.pipeline.num_microbatches)
+            loss = self.pipeline.run(args)
+        else:
+            assert self.module is not None
+            loss = self.module(inputs, target)
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters and buffers (gathered on every rank)."""
-        if self.module is None:
+        if self.optimizer is None:
             return {k: v.detach().clone() for k, v in self._model.state_dict().items()}
+        if self.pipeline is not None:
+            return self.pipeline.state_dict()
+        assert self.module is not None
         return {
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in self.module.state_dict().items()

@@ -64,13 +64,19 @@ Placed = dict[tuple[str, tuple[Placement, ...]], Any]  # (tensor, placement) -> 
 
 
 class PlanInterpreter:
-    def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
+    """Runs the nodes of one stage of the plan (the whole graph when it has one stage) on
+    that stage's mesh."""
+
+    def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh, stage: int = 0) -> None:
         register_missing_rules()
         self.graph = ep.graph
         self.plan = plan
         self.mesh = mesh
         self.device = torch.device(mesh.device_type)
-        axes = plan.mesh.axes
+        axes = plan.stage_axes
+        self.nodes = frozenset(plan.stages[stage].nodes)
+        self.sent = plan.stages[stage].sent
+        self.boundary = to_dtensor(plan.stages[stage].boundary, axes) if self.sent else ()
         self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
         self.outputs: dict[str, tuple[Placement, ...]] = {}
         for name, node in plan.nodes.items():
@@ -88,21 +94,27 @@ class PlanInterpreter:
         # graphs traced on the meta device carry device=meta in factory calls
         return self.device if isinstance(value, torch.device) else value
 
-    def run(self, placeholders: Mapping[str, Any]) -> Any:
-        env: dict[str, Any] = {}
+    def run(self, values: Mapping[str, Any]) -> Any:
+        """``values``: the stage's placeholders (parameters, and the batch on the first stage)
+        and the tensors it received, by name. Returns the graph's output on the last stage,
+        else the tensors to send, placed as the plan's boundary."""
+        env: dict[str, Any] = dict(values)
         # one redistribution per (tensor, placement), shared by every op that needs it, so
         # backward reduces the summed gradient once, as the plan counts it
         placed: Placed = {}
         for node in self.graph.nodes:
-            if node.op == "placeholder":
-                env[node.name] = placeholders[node.name]
-            elif node.op == "output":
+            if node.op == "placeholder" or node.name in env:
+                continue
+            if node.op == "output":
+                if self.sent:
+                    break
                 return _map_tensors(node.args[0], lambda n: env[n.name])
-            elif node.target is operator.getitem:
-                env[node.name] = env[node.args[0].name][node.args[1]]
-            else:
+            if node.target is operator.getitem:
+                if node.args[0].name in env:
+                    env[node.name] = env[node.args[0].name][node.args[1]]
+            elif node.name in self.nodes:
                 env[node.name] = self._call(node, env, placed)
-        raise AssertionError("graph has no output node")
+        return tuple(self._place(env[name], self.boundary) for name in self.sent)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
         targets = iter(self.inputs[node.name])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -69,42 +69,61 @@ class ParallelModule(nn.Module):
         self.mesh = mesh
         self.plan = plan
         self.interpreter = PlanInterpreter(ep, plan, mesh)
-        sig = ep.graph_signature
-        self._params = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_parameters.items()}
-        self._buffers_in = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_buffers.items()}
-        self._user_inputs = list(sig.user_inputs)
-        self._input_specs = {
-            n.name: (tuple(n.meta["val"].shape), n.meta["val"].dtype)
-            for n in ep.graph.nodes
-            if n.op == "placeholder" and n.name in self._user_inputs
-        }
+        self.placeholders = Placeholders(ep, plan, mesh)
 
     def forward(self, inputs: Any, target: Any = None) -> torch.Tensor:
         args = as_tuple(inputs) + (() if target is None else (target,))
-        self._check(args)
-        values: dict[str, Any] = {}
-        named: dict[str, torch.Tensor] = dict(self.named_parameters())
-        named.update(self.named_buffers())
-        for placeholder, fqn in {**self._params, **self._buffers_in}.items():
-            values[placeholder] = named[fqn]
-        axes = self.plan.mesh.axes
-        for placeholder, arg in zip(self._user_inputs, args, strict=True):
-            spec = to_dtensor(self.plan.nodes[placeholder].output, axes)
-            # every rank holds the whole batch; each keeps its slice (no communication)
-            values[placeholder] = distribute_tensor(
-                arg.to(self.mesh.device_type), self.mesh, spec, src_data_rank=None
-            )
+        self.placeholders.check(args)
+        values = self.placeholders.values(self, args)
         (out,) = self.interpreter.run(values)  # a train step has one output: the loss
         return _global_loss(out)
 
-    def _check(self, args: tuple[Any, ...]) -> None:
-        if len(args) != len(self._user_inputs):
+
+class Placeholders:
+    """The exported step's placeholders: parameters and buffers by FQN, then the batch."""
+
+    def __init__(self, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
+        sig = ep.graph_signature
+        self.params = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_parameters.items()}
+        self.buffers = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_buffers.items()}
+        self.user_inputs = list(sig.user_inputs)
+        self.specs = {
+            n.name: (tuple(n.meta["val"].shape), n.meta["val"].dtype)
+            for n in ep.graph.nodes
+            if n.op == "placeholder" and n.name in self.user_inputs
+        }
+        self.plan = plan
+        self.mesh = mesh
+
+    def values(self, module: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
+        """Placeholder name -> value: ``module``'s parameters and buffers that the plan's
+        stage on this rank reads, and ``args`` (the batch) if it reads them, placed as
+        planned (each rank holds the whole batch and keeps its slice: no communication)."""
+        values: dict[str, Any] = {}
+        named: dict[str, torch.Tensor] = dict(module.named_parameters())
+        named.update(module.named_buffers())
+        for placeholder, fqn in {**self.params, **self.buffers}.items():
+            if fqn in named:
+                values[placeholder] = named[fqn]
+        axes = self.plan.stage_axes
+        for placeholder, arg in zip(self.user_inputs, args, strict=bool(args)):
+            spec = to_dtensor(self.plan.nodes[placeholder].output, axes)
+            values[placeholder] = distribute_tensor(
+                arg.to(self.mesh.device_type), self.mesh, spec, src_data_rank=None
+            )
+        return values
+
+    def check(self, args: tuple[Any, ...], batches: int = 1) -> None:
+        """``args`` must have the traced shapes (``batches`` times as many rows)."""
+        if len(args) != len(self.user_inputs):
             raise AutoplanError(
-                f"the step was traced with {len(self._user_inputs)} input(s) (inputs, then the "
+                f"the step was traced with {len(self.user_inputs)} input(s) (inputs, then the "
                 f"target), got {len(args)}"
             )
-        for i, (name, arg) in enumerate(zip(self._user_inputs, args, strict=True)):
-            shape, dtype = self._input_specs[name]
+        for i, (name, arg) in enumerate(zip(self.user_inputs, args, strict=True)):
+            shape, dtype = self.specs[name]
+            if shape and batches > 1:
+                shape = (shape[0] * batches, *shape[1:])
             if not isinstance(arg, torch.Tensor) or tuple(arg.shape) != shape or arg.dtype != dtype:
                 got = (
                     f"{tuple(arg.shape)} {arg.dtype}"
@@ -118,26 +137,42 @@ class ParallelModule(nn.Module):
 
 
 def materialize(
-    model: nn.Module, plan: Plan, mesh: DeviceMesh, init_fn: Callable[[nn.Module], None] | None
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh,
+    init_fn: Callable[[nn.Module], None] | None,
+    stage_params: Collection[str] | None = None,
 ) -> None:
-    """Replace every parameter and buffer of ``model`` by a DTensor with its storage placement.
+    """Replace every parameter and buffer of ``model`` by a DTensor with its storage placement;
+    with ``stage_params`` (a pipeline stage's FQNs) the others become meta tensors.
 
     Real weights are distributed from rank 0's copy. Meta weights are created shard by shard
     (the whole tensor never exists) and initialized by ``init_fn(model)`` or, by default, by
     each module's ``reset_parameters()``.
     """
-    axes = plan.mesh.axes
+    axes = plan.stage_axes
     device = mesh.device_type
     on_meta = False
     for fqn, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if fqn not in plan.params:
             raise AutoplanError(f"the plan has no placement for {fqn}; was it made for this model?")
         placements = to_dtensor(plan.params[fqn].storage, axes)
-        if tensor.is_meta:
+        dt: torch.Tensor
+        if stage_params is not None and not tensor.is_meta:
+            # rank 0 is not on every stage's mesh: every rank takes rank 0's weights first
+            whole = tensor.detach().to(device).contiguous()
+            torch.distributed.broadcast(whole, src=0)
+        else:
+            whole = tensor.detach()
+        if stage_params is not None and fqn not in stage_params:
+            dt = whole.to("meta")  # another stage's: not kept here
+        elif tensor.is_meta:
             on_meta = True
             dt = torch.distributed.tensor.empty(
                 tensor.shape, dtype=tensor.dtype, device_mesh=mesh, placements=placements
             )
+        elif stage_params is not None:
+            dt = distribute_tensor(whole, mesh, placements, src_data_rank=None)
         else:
             dt = distribute_tensor(tensor.detach().to(device), mesh, placements, src_data_rank=0)
         owner_name, _, leaf = fqn.rpartition(".")
@@ -161,7 +196,7 @@ def sync_gradients_on_arrival(module: ParallelModule, plan: Plan, mesh: DeviceMe
     """When a parameter's gradient is complete, start reducing it to the parameter's storage
     placement: the all-reduce (replicated storage) or reduce-scatter (ZeRO) of the plan's
     grad_sync phase."""
-    axes = plan.mesh.axes
+    axes = plan.stage_axes
     for fqn, param in module.named_parameters():
         storage = to_dtensor(plan.params[fqn].storage, axes)
 

@@ -1,0 +1,192 @@
+"""Pipelined plans: each rank runs its stage as a torch.distributed.pipelining.PipelineStage.
+
+The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the
+mesh as its own DeviceMesh. Tensors cross stages as local shards laid out as the plan's
+boundary placement: rank ``i`` of a stage sends to rank ``i`` of the next (the "pp" group of
+its column), so the pipelining library only ever sees plain tensors. The batch (and the
+target, which travels with the activations to the loss) enters the first stage; the last
+stage returns each microbatch's loss, and the schedule's gradient scaling turns the sum of
+microbatch gradients into the batch mean's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+from torch.export import ExportedProgram
+
+from autoplan.execute.interpreter import PlanInterpreter
+from autoplan.execute.placements import to_dtensor
+from autoplan.execute.step import Placeholders, _global_loss
+from autoplan.graph.capture import as_tuple
+from autoplan.graph.ir import PARAM
+from autoplan.plan.schema import Plan
+
+SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+}
+
+
+def _loss_is_output(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return output[0]  # the last stage computes the plan's loss itself
+
+
+class StageModule(nn.Module):
+    """The user's modules (this stage's parameters as DTensors, the others on meta); its
+    forward runs this stage's part of the traced step on local shards in and out."""
+
+    def __init__(
+        self, model: nn.Module, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh, index: int
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.index = index
+        self.stage = plan.stages[index]
+        self.mesh = mesh
+        self.interpreter = PlanInterpreter(ep, plan, mesh, index)
+        self.placeholders = Placeholders(ep, plan, mesh)
+        self.is_first = index == 0
+        self.is_last = index == len(plan.stages) - 1
+        boundary = to_dtensor(self.stage.boundary, plan.stage_axes) if self.stage.boundary else ()
+        self._boundary = boundary
+        metas = {n.name: n.meta["val"] for n in ep.graph.nodes if "val" in n.meta}
+        self._received = [(name, metas[name]) for name in self.stage.received]
+        self._sent = [metas[name] for name in self.stage.sent]
+        self._loss = metas[next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name]
+
+    def _local(self, meta: torch.Tensor) -> torch.Tensor:
+        """An empty tensor shaped as this rank's shard of a boundary tensor (with a gradient
+        if it is a floating-point activation: the metadata the library sends by)."""
+        whole = torch.distributed.tensor.empty(
+            meta.shape, dtype=meta.dtype, device_mesh=self.mesh, placements=self._boundary
+        )
+        return whole.to_local().requires_grad_(meta.is_floating_point())
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What the stage receives per microbatch (the pipelining library's static shapes)."""
+        if self.is_first:
+            specs = [self.placeholders.specs[name] for name in self.placeholders.user_inputs]
+            return tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+        return tuple(self._local(meta) for _, meta in self._received)
+
+    def example_outputs(self) -> tuple[torch.Tensor, ...]:
+        if self.is_last:
+            return (torch.empty((1,), dtype=self._loss.dtype),)
+        return tuple(self._local(meta) for meta in self._sent)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if self.is_first:
+            values = self.placeholders.values(self.model, args)
+        else:
+            values = self.placeholders.values(self.model, ())
+            for (name, meta), local in zip(self._received, args, strict=True):
+                values[name] = DTensor.from_local(
+                    local,
+                    self.mesh,
+                    self._boundary,
+                    run_check=False,
+                    shape=meta.shape,
+                    stride=meta.stride(),
+                )
+        out = self.interpreter.run(values)
+        if self.is_last:
+            (loss,) = out
+            # shape (1,): the schedule concatenates the microbatches' outputs
+            return _global_loss(loss).reshape(1)
+        return tuple(t.to_local().contiguous() for t in out)
+
+
+class PipelineRunner:
+    """One train step of a pipelined plan on this rank: the schedule over the microbatches,
+    then each gradient brought to its parameter's storage placement."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ep: ExportedProgram,
+        plan: Plan,
+        world: DeviceMesh,
+    ) -> None:
+        assert plan.pipeline is not None
+        self.plan = plan
+        pp = world["pp"]
+        self.index = pp.get_local_rank()
+        self.mesh = world[plan.stage_axes]
+        self.module = StageModule(model, ep, plan, self.mesh, self.index)
+        self.num_microbatches = plan.pipeline.num_microbatches
+        stage = PipelineStage(
+            self.module,
+            self.index,
+            len(plan.stages),
+            torch.device(world.device_type),
+            input_args=self.module.example_inputs(),
+            output_args=self.module.example_outputs(),
+            group=pp.get_group(),
+        )
+        schedule = SCHEDULE_CLASSES[plan.pipeline.schedule]
+        self.schedule = schedule(stage, self.num_microbatches, loss_fn=_loss_is_output)
+        self._last_rank = plan.stages[-1].ranks[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
+
+    def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over the whole batch; returns its mean loss on every rank."""
+        losses: list[torch.Tensor] = []
+        if self.module.is_first:
+            self.schedule.step(*args)
+        elif self.module.is_last:
+            # one placeholder target per microbatch: the loss is already the stage's output
+            self.schedule.step(target=torch.zeros(self.num_microbatches), losses=losses)
+        else:
+            self.schedule.step()
+        self._sync_gradients()
+        loss = torch.zeros(())
+        if self.module.is_last:
+            loss = torch.stack([x.detach() for x in losses]).mean()
+        dist.broadcast(loss, src=self._last_rank)
+        return loss
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer whole, on every rank: each stage gathers its own and
+        its first rank broadcasts them."""
+        owner = {}
+        for s, stage in enumerate(self.plan.stages):
+            for name in stage.nodes:
+                if self.plan.nodes[name].op == PARAM:
+                    owner[self.plan.nodes[name].module] = s
+        out = {}
+        device = self.mesh.device_type
+        for fqn, tensor in self.module.model.state_dict().items():
+            s = owner[fqn]
+            if s == self.index:
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                whole = whole.detach().to(device).contiguous()
+            else:
+                whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            dist.broadcast(whole, src=self.plan.stages[s].ranks[0])
+            out[fqn] = whole.clone()
+        return out
+
+    def _sync_gradients(self) -> None:
+        axes = self.plan.stage_axes
+        for fqn, param in self.module.model.named_parameters():
+            grad = param.grad
+            if not isinstance(grad, DTensor):
+                continue
+            storage = to_dtensor(self.plan.params[fqn].storage, axes)
+            if tuple(grad.placements) != storage:
+                param.grad = grad.redistribute(self.mesh, storage)
+
+
+def batch_args(inputs: Any, target: Any) -> tuple[Any, ...]:
+    return as_tuple(inputs) + (() if target is None else (target,))
