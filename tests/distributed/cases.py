@@ -3,11 +3,15 @@ force one parallel layout (or leave the choice to the planner)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from autoplan import Workload
+from autoplan import Cluster, Workload, baseline
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,26 @@ def gpt_megatron(w: Workload) -> dict[str, Any]:
     return {"pin": pins}
 
 
+def cluster(world: int) -> Cluster:
+    """The cluster every case is planned for: the 4-CPU gloo profile with ``world`` devices."""
+    base = Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
+    return dataclasses.replace(base, devices_per_node=world, name=f"cpu-gloo-{world}")
+
+
+def baseline_plan(**degrees: int) -> Callable[[Workload], dict[str, Any]]:
+    """`autoplan.baseline`'s plan (Megatron tp, dp, ZeRO) with these degrees, on 4 devices."""
+    return lambda w: {
+        "plan": baseline(
+            w.model,
+            w.example_inputs,
+            cluster(4),
+            loss_fn=w.loss_fn,
+            example_target=w.example_target,
+            **degrees,
+        )
+    }
+
+
 def own(mesh: tuple[int, ...] | None = None) -> Callable[[Workload], dict[str, Any]]:
     return lambda w: {} if mesh is None else {"mesh_shape": mesh}
 
@@ -77,4 +101,7 @@ CASES = [
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (2,), **data_parallel(w)}, 2),
     Case("mlp-tp-2", "mlp", MLP_SMALL_BATCH, lambda w: {"mesh_shape": (2,), **mlp_megatron(w)}, 2),
     Case("gpt-tp-2", "gpt", GPT, lambda w: {"mesh_shape": (2,), **gpt_megatron(w)}, 2),
+    Case("gpt-baseline-2x2", "gpt", {**GPT, "batch_size": 8}, baseline_plan(dp=2, tp=2)),
+    Case("gpt-baseline-tp", "gpt", GPT, baseline_plan(dp=1, tp=4)),
+    Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
 ]

@@ -4,7 +4,6 @@ and writes what the tests assert on (rank 0) to the JSON file named on the comma
 from __future__ import annotations
 
 import copy
-import dataclasses
 import faulthandler
 import json
 import sys
@@ -22,7 +21,7 @@ import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
-from tests.distributed.cases import CASES, Case  # noqa: E402
+from tests.distributed.cases import CASES, Case, cluster  # noqa: E402
 
 STEPS = 3
 # Adam turns a gradient element of ~1e-10 into a step of ~lr, so float32 rounding noise (a few
@@ -30,11 +29,6 @@ STEPS = 3
 # lr=1e-4 the noise stays below 1e-5 while any real error (a wrong or missing reduction,
 # a misplaced shard) still moves parameters by ~lr per step, ten times the tolerance.
 LR = 1e-4
-
-
-def cluster(world: int) -> autoplan.Cluster:
-    base = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
-    return dataclasses.replace(base, devices_per_node=world, name=f"cpu-gloo-{world}")
 
 
 def workload(case: Case) -> Workload:

@@ -1,0 +1,403 @@
+"""Baselines: the conventional hand-written plan of a model, as a `Plan`.
+
+``baseline(model, inputs, cluster, dp=2, tp=4)`` is Megatron-style tensor parallelism over
+groups of ``tp`` devices and data parallelism over ``dp`` such groups, optionally with ZeRO-3.
+Every node's placement is fixed (nothing is searched) and priced by the planner's cost model,
+so a baseline is shown, estimated, compared and executed like any plan.
+
+Each mesh axis is placed by *propagation*: parameters and inputs are seeded, and each op in
+graph order takes the first of its own sharding rules (`axis_rules`: ours, else DTensor's)
+that accepts its inputs as their producers place them; an op with no such rule runs
+replicated on that axis (its inputs gathered, partial sums all-reduced). On the ``dp`` axis
+the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
+gathered before use), so every op follows the batch and the loss ends as partial sums.
+
+On the ``tp`` axis, which linears Megatron splits is found in the traced graph, not from
+parameter names. Activations outside a tensor-parallel *region* are replicated. A region
+starts at *column* linears (``aten.linear`` reading an activation outside any region: the
+residual stream, a normalized activation, an input); their output is split along its last
+dim. The split follows every op that has a rule taking the split inputs, with its other inputs
+replicated, to a split output: views and transposes that keep the split dim whole, attention
+over split heads, activation functions, products of two split tensors. A region ends at *row*
+linears that contract the split dim; their partial sums are all-reduced by the next op.
+Regions that meet at an op are one region. A region is kept only if every path out of it
+ends at a row linear; one that reaches anything else (a normalization or residual add over the
+split dim, the loss, the output, a view that moves the split dim) stays replicated, as do
+linears whose weight or bias another op also reads (tied weights). Column weights and biases
+are split ``S(0)`` (output features), row weights ``S(1)`` (input features), row biases are
+stored replicated and read as partial sums (added on one rank).
+
+Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter, convolutions or
+embeddings (no vocabulary-parallel embedding or head); a parameter read inside a region by
+anything but its linears breaks the region; a fused projection chunked along its features
+(one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row split of its weight
+would mix the pieces (Megatron interleaves them); no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.cluster import Cluster
+from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.graph.capture import capture
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
+from autoplan.graph.layers import Layers
+from autoplan.intra_op import IntraOpResult, build_problem, step_cost
+from autoplan.plan.assemble import make_plan
+from autoplan.plan.schema import Plan
+from autoplan.solve.evaluate import evaluate
+from autoplan.solve.problem import IntraOpSolution
+from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
+from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+from autoplan.strategies.rules import AxisRule
+from autoplan.strategies.space import NodeStrategies, Strategy, axis_rules, node_strategies
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+LINEAR = "aten.linear.default"
+
+Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
+
+
+@dataclass(frozen=True)
+class Region:
+    """One tensor-parallel region: linears split by output features, then by input features."""
+
+    columns: tuple[str, ...]  # linear node names, in graph order
+    rows: tuple[str, ...]
+    split: tuple[tuple[str, int], ...]  # (node, dim) of every split activation inside
+
+
+def _rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
+    """The first per-axis rule of ``node`` that takes its inputs placed as ``inputs``."""
+    if all(p == R for p in inputs):
+        return (R, *inputs)
+    rules, _ = axis_rules(node, graph)
+    return next((rule for rule in rules if rule[1:] == inputs), None)
+
+
+def _own_params(graph: Graph, node: Node) -> bool:
+    """The linear's weight (and bias) are parameters that no other op reads."""
+    return all(
+        graph.node(r.name).kind == PARAM and graph.users(r.name) == (node.name,)
+        for r in node.refs[1:]
+    )
+
+
+def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
+    """A linear whose only split input is its activation, split along the contracted dim."""
+    x = node.refs[0].name
+    return (
+        node.op == LINEAR
+        and [r.name for r in node.refs if r.name in split] == [x]
+        and split[x] == len(graph.node(x).outputs[0].shape) - 1
+        and _own_params(graph, node)
+    )
+
+
+def find_regions(graph: Graph) -> tuple[Region, ...]:
+    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
+    split: dict[str, int] = {}  # activation inside a region -> its split dim
+    parent: dict[str, str] = {}  # union-find over column linears; a class is one region
+    region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
+    rows: set[str] = set()
+    broken: set[str] = set()
+
+    def find(column: str) -> str:
+        while parent[column] != column:
+            column = parent[column]
+        return column
+
+    for node in graph:
+        if node.kind not in (OP, OUTPUT):
+            continue
+        inside = [r.name for r in node.refs if r.name in split]
+        if not inside:
+            x = graph.node(node.refs[0].name) if node.refs else None
+            if node.op == LINEAR and x is not None and x.kind != PARAM and _own_params(graph, node):
+                split[node.name] = len(node.output.shape) - 1
+                parent[node.name] = region_of[node.name] = node.name
+            continue
+        roots = sorted({find(region_of[name]) for name in inside})
+        for other in roots[1:]:
+            parent[other] = roots[0]
+        if _is_row(graph, node, split):
+            rows.add(node.name)  # its output is replicated again (after the all-reduce)
+            region_of[node.name] = roots[0]
+            continue
+        ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
+        rule = _rule_for(node, graph, ins) if node.kind == OP else None
+        dim = shard_dim(rule[0]) if rule is not None else None
+        if dim is None:
+            broken.add(roots[0])
+        else:
+            split[node.name] = dim
+            region_of[node.name] = roots[0]
+
+    members: dict[str, list[str]] = {}
+    for name in region_of:  # graph order
+        members.setdefault(find(region_of[name]), []).append(name)
+    broken = {find(c) for c in broken}
+    regions = []
+    for root, names in members.items():
+        if root not in broken and any(n in rows for n in names):
+            regions.append(
+                Region(
+                    columns=tuple(n for n in names if n in parent),
+                    rows=tuple(n for n in names if n in rows),
+                    split=tuple((n, split[n]) for n in names if n in split),
+                )
+            )
+    return tuple(regions)
+
+
+def _check_tp_divides(graph: Graph, regions: Sequence[Region], tp: int) -> None:
+    for region in regions:
+        for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
+            weight = graph.node(graph.node(linear).refs[1].name)
+            size = weight.output.shape[dim]
+            if size % tp:
+                kind = "column" if dim == 0 else "row"
+                raise AutoplanError(
+                    f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
+                    f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
+                    "choose a tp that divides it"
+                )
+        for name, dim in region.split:
+            node = graph.node(name)
+            size = node.outputs[0].shape[dim]
+            if size % tp:
+                where = node.module_path or "the top-level module"
+                raise AutoplanError(
+                    f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
+                    "which the tensor-parallel split runs through (e.g. the number of attention "
+                    "heads); choose a tp that divides it"
+                )
+
+
+def _tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
+    regions = find_regions(graph)
+    if not regions:
+        raise AutoplanError(
+            f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
+            "reaches only other linears, through element-wise ops, views or attention); use tp=1"
+        )
+    _check_tp_divides(graph, regions, tp)
+    log.info(
+        "tp=%d: %d tensor-parallel regions, %d column and %d row linears split",
+        tp,
+        len(regions),
+        sum(len(r.columns) for r in regions),
+        sum(len(r.rows) for r in regions),
+    )
+    seeds = {}
+    for region in regions:
+        for column in region.columns:
+            seeds.update({r.name: (shard(0), shard(0)) for r in graph.node(column).refs[1:]})
+        for row in region.rows:
+            weight, *bias = graph.node(row).refs[1:]
+            seeds[weight.name] = (shard(1), shard(1))
+            seeds.update({b.name: (R, P) for b in bias})  # added on one rank: a partial sum
+    return seeds
+
+
+def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
+    """How ZeRO-3 stores a parameter on the dp axis: split along a dim the tp split leaves
+    whole if one divides by dp (so a gather on dp alone restores what tp reads), else along
+    the tp-split dim if it divides by dp * tp, else replicated."""
+    shape = node.output.shape
+    tp_dim = shard_dim(tp_storage)
+    for d, size in enumerate(shape):
+        if d != tp_dim and size % dp == 0:
+            return shard(d)
+    if tp_dim is not None and shape[tp_dim] % (dp * tp) == 0:
+        return shard(tp_dim)
+    return R
+
+
+def _dp_seeds(
+    graph: Graph, dp: int, tp: int, zero_stage: int, tp_seeds: Seeds
+) -> dict[str, tuple[str, str]]:
+    seeds = {}
+    kept = []
+    for i, node in enumerate(n for n in graph if n.kind == INPUT):
+        if not node.output.shape or node.output.shape[0] % dp:
+            raise AutoplanError(
+                f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
+                f"{node.output.shape}); use a batch size that is a multiple of {dp}"
+            )
+        seeds[node.name] = (shard(0), shard(0))
+    if zero_stage == 3:
+        for node in graph.params:
+            if node.needs_grad:
+                storage = _zero3_storage(node, tp_seeds.get(node.name, (R, R))[0], dp, tp)
+                seeds[node.name] = (storage, R)
+                if storage == R:
+                    kept.append(node.target)
+    if kept:
+        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
+    return seeds
+
+
+def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
+    """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
+    partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp)."""
+    read: dict[str, str] = {}  # how consumers read each node's output
+    placed: dict[str, AxisRule] = {}
+    for node in graph:
+        if node.kind in (PARAM, INPUT):
+            stored, read[node.name] = seeds.get(node.name, (R, R))
+            placed[node.name] = (stored,)
+            continue
+        ins = tuple(read[r.name] for r in node.refs)
+        rule = _rule_for(node, graph, ins) if node.kind == OP else None
+        placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
+        # partial sums are all-reduced for the next op, as Megatron does after a row linear
+        read[node.name] = R if placed[node.name][0] == P else placed[node.name][0]
+    return placed
+
+
+def _strategies(graph: Graph, dp: int, tp: int, zero_stage: int) -> dict[str, NodeStrategies]:
+    """Each node's one strategy in the baseline, on mesh `_mesh_shape(dp, tp)`."""
+    tp_seeds = _tp_seeds(graph, tp) if tp > 1 else {}
+    seeds = [_dp_seeds(graph, dp, tp, zero_stage, tp_seeds)] if dp > 1 else []
+    seeds += [tp_seeds] if tp > 1 else []
+    mesh_shape = _mesh_shape(dp, tp)
+    per_axis = [_propagate(graph, s) for s in seeds or [{}]]  # one device: all replicated
+    space = {}
+    for node in graph:
+        rules = [placed[node.name] for placed in per_axis]
+        strategy = Strategy(
+            output=tuple(r[0] for r in rules) if node.outputs else (),
+            inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
+        )
+        allowed = node_strategies(node, graph, mesh_shape)
+        if strategy not in allowed.strategies:
+            raise AutoplanError(
+                f"the baseline places {node.op} in {node.module_path or 'the top level'!r} "
+                f"({node.name}) as {_text(strategy.output)} from {_text(*strategy.inputs)}, "
+                f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
+            )
+        space[node.name] = NodeStrategies(node.name, (strategy,), allowed.source)
+    return space
+
+
+def _text(*specs: Spec) -> str:
+    return ", ".join("(" + ", ".join(s) + ")" for s in specs)
+
+
+def _mesh_shape(dp: int, tp: int) -> tuple[int, ...]:
+    """``(dp, tp)`` when both are > 1, else the one that is (``(1,)`` on a single device)."""
+    return tuple(n for n in (dp, tp) if n > 1) or (1,)
+
+
+def _check_options(
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int | None,
+    zero_stage: int,
+    optimizer: str,
+    memory_fraction: float,
+) -> None:
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise AutoplanError(f"{name} must be a positive integer, got {value!r}")
+    if dp * tp * pp != cluster.num_devices:
+        raise AutoplanError(
+            f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp}, but cluster {cluster.name!r} "
+            f"has {cluster.num_devices} devices; choose degrees whose product is "
+            f"{cluster.num_devices}"
+        )
+    if pp > 1:
+        raise AutoplanError(
+            f"pp={pp}: pipeline baselines need the pipeline planner, which is not wired to "
+            "baselines yet; use pp=1"
+        )
+    if num_microbatches not in (None, 1):
+        raise AutoplanError(
+            f"num_microbatches={num_microbatches} applies to pipeline stages (pp > 1); with "
+            "pp=1 leave it out"
+        )
+    if zero_stage in (1, 2):
+        raise AutoplanError(
+            f"zero_stage={zero_stage} cannot be written in a plan: a plan stores each parameter "
+            "together with its gradient and optimizer state, so the optimizer state (ZeRO-1) "
+            "or gradients (ZeRO-2) cannot be split alone; use zero_stage=0 or 3"
+        )
+    if zero_stage not in (0, 3):
+        raise AutoplanError(f"zero_stage must be 0 or 3, got {zero_stage!r}")
+    if zero_stage == 3 and dp == 1:
+        raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
+    if optimizer not in OPTIMIZER_STATE:
+        raise AutoplanError(
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
+        )
+    if not 0 < memory_fraction <= 1:
+        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
+def baseline(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster | str | Path,
+    *,
+    dp: int,
+    tp: int,
+    pp: int = 1,
+    num_microbatches: int | None = None,
+    zero_stage: int = 0,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+    optimizer: str = "adamw",
+    memory_fraction: float = 0.9,
+) -> Plan:
+    """The conventional plan of ``model`` on ``cluster``: Megatron tensor parallelism over
+    ``tp`` devices (the module docstring says which linears it splits) and data parallelism
+    over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D if one is 1).
+
+    ``zero_stage=3`` stores parameters, with their gradients and optimizer state, split along
+    the dp axis and gathers each before use (ZeRO-3 / FSDP); a parameter with no dim divisible
+    by ``dp`` stays replicated (with a warning). Stages 1 and 2 (only the optimizer state, or
+    it and the gradients, split) cannot be written in a plan, whose storage placement covers a
+    parameter together with its gradient and optimizer state: they raise an error. ``pp > 1``
+    needs the pipeline planner and raises an error for now. ``dp * tp * pp`` must equal the
+    cluster's device count. Time and memory are predicted by the planner's cost model; a
+    baseline that does not fit in ``memory_fraction`` of device memory raises
+    `InfeasiblePlanError`.
+    """
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)
+    _check_options(cluster, dp, tp, pp, num_microbatches, zero_stage, optimizer, memory_fraction)
+    graph = capture(model, example_inputs, loss_fn, example_target)
+    space = _strategies(graph, dp, tp, zero_stage)
+    mesh_shape = _mesh_shape(dp, tp)
+    costs = StepCosts(cluster, mesh_shape, optimizer)
+    limit = cluster.device.memory_bytes * memory_fraction
+    problem, _ = build_problem(graph, Layers(blocks={}, canonical={}), space, costs, limit)
+    choice = (0,) * problem.num_groups
+    check = evaluate(problem, choice)
+    if not check.feasible:
+        raise InfeasiblePlanError(
+            f"the baseline dp={dp} tp={tp} zero_stage={zero_stage} needs "
+            f"{check.memory / GiB:.2f} GiB per device, but a device of cluster {cluster.name!r} "
+            f"offers {limit / GiB:.2f} GiB ({memory_fraction:.0%} of "
+            f"{cluster.device.memory_bytes / GiB:.0f} GiB)"
+        )
+    solution = IntraOpSolution(choice, check.objective, "baseline", 0.0, 0, 0)
+    assignment = {name: ns.strategies[0] for name, ns in space.items()}
+    result = IntraOpResult(mesh_shape, assignment, solution, problem)
+    rules = {name: ns.source for name, ns in space.items()}
+    return make_plan(
+        graph, cluster, result, step_cost(graph, assignment, costs), rules, (mesh_shape,)
+    )
