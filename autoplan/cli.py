@@ -1,4 +1,5 @@
-"""`autoplan plan|show|estimate|run`: the command line. The only module that configures logging."""
+"""`autoplan profile|plan|show|estimate|run`: the command line. The only module that configures
+logging."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from autoplan.api import plan as make_plan
-from autoplan.cluster import Cluster
+from autoplan.cluster import BACKENDS, Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
+from autoplan.plan.picture import render_png
 from autoplan.plan.schema import Plan
 from autoplan.plan.show import summary
+from autoplan.profile import Progress, Settings, profile_cluster
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
@@ -82,10 +86,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
+    pipe = p.add_mutually_exclusive_group()
+    pipe.add_argument(
+        "--pipeline",
+        action="store_true",
+        default=None,
+        help="require pipeline stages (default: weighed across nodes, or if one stage won't fit)",
+    )
+    pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
+    p.add_argument("--stages", type=int, help="number of pipeline stages")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (pipelines)")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule: 1F1B (default), GPipe")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
     s = sub.add_parser("show", help="summarize a plan file")
     s.add_argument("plan", help="a plan JSON file")
+    s.add_argument("--png", help="also draw the pipeline stages and schedule to this PNG file")
 
     e = sub.add_parser("estimate", help="re-price a plan (edited, or for another cluster)")
     e.add_argument("workload", help="the workload file the plan was made for")
@@ -120,6 +136,38 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train the same steps in one process and compare losses and parameters (1e-5)",
     )
+
+    f = sub.add_parser("profile", help="measure this cluster (torchrun) and write its cluster file")
+    f.add_argument("--nproc", type=int, help="processes (devices) per node (required)")
+    f.add_argument("--nnodes", type=int, default=1, help="nodes; run the same command on each")
+    f.add_argument("--rdzv-endpoint", help="HOST:PORT where the nodes meet (with --nnodes > 1)")
+    f.add_argument("-o", "--output", required=True, help="the cluster file to write")
+    f.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
+    defaults = Settings()
+    f.add_argument(
+        "--max-bytes",
+        type=int,
+        default=defaults.max_bytes,
+        help=f"largest message and element-wise tensor (default {defaults.max_bytes})",
+    )
+    f.add_argument(
+        "--max-matmul-dim",
+        type=int,
+        default=defaults.max_matmul_dim,
+        help=f"largest n of the n x n matmuls (default {defaults.max_matmul_dim})",
+    )
+    f.add_argument(
+        "--max-seconds",
+        type=float,
+        default=defaults.max_seconds,
+        help=f"end a curve before a call would take longer (default {defaults.max_seconds:g})",
+    )
+    f.add_argument(
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help=f"timed runs per size, median kept (default {defaults.repeats})",
+    )
     return parser
 
 
@@ -137,6 +185,10 @@ def _plan(args: argparse.Namespace) -> None:
         pin=_pins(args.pin),
         optimizer=args.optimizer,
         time_limit_s=args.time_limit,
+        pipeline=args.pipeline,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
     )
     result.save(args.output)
     print(summary(result))
@@ -178,18 +230,31 @@ def _run_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
-def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start ``--nproc`` copies of this command under torchrun; they do the work."""
-    nproc = _run_cluster(args).num_devices
-    # the ranks learn their number from torchrun (WORLD_SIZE); left in, --nproc would be
-    # taken by torchrun as its own --nproc-per-node
-    rest = [a for a, prev in zip(argv, ["", *argv[:-1]], strict=True) if "--nproc" not in (a, prev)]
-    rest = [a for a in rest if not a.startswith("--nproc=")]
+def _torchrun(
+    argv: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None
+) -> int:
+    """Start this command again as ``nproc`` processes per node under torchrun; they do the
+    work. One node rendezvous on its own; more nodes each run the same command and meet at
+    ``rdzv_endpoint``."""
+    # The ranks learn their number from torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE); left in,
+    # torchrun would take these as its own (--nproc as --nproc-per-node).
+    ours = ("--nproc", "--nnodes", "--rdzv-endpoint")
+    rest = [
+        a
+        for a, prev in zip(argv, ["", *argv[:-1]], strict=True)
+        if a not in ours and prev not in ours and a.partition("=")[0] not in ours
+    ]
+    if nnodes == 1:
+        where = ["--standalone"]
+    elif rdzv_endpoint:
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    else:
+        raise AutoplanError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT of one node")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc-per-node={nproc}",
         "-m",
         "autoplan.cli",
@@ -245,6 +310,32 @@ def _train(args: argparse.Namespace) -> int:
     return code
 
 
+def _profile(args: argparse.Namespace) -> None:
+    settings = Settings(
+        max_bytes=args.max_bytes,
+        max_matmul_dim=args.max_matmul_dim,
+        max_seconds=args.max_seconds,
+        repeats=args.repeats,
+    )
+    show = sys.stderr.isatty()
+
+    def progress(p: Progress) -> None:
+        # on a terminal one line redrawn in place; in a log one line per curve
+        if show:
+            print(f"\r{p.line()}", end="", file=sys.stderr, flush=True)
+        elif p.curve_done:
+            print(p.line(), file=sys.stderr, flush=True)
+
+    name = Path(args.output).stem
+    cluster = profile_cluster(name, settings, args.backend, None if args.quiet else progress)
+    if cluster is None:  # not rank 0
+        return
+    if show and not args.quiet:
+        print(file=sys.stderr)
+    cluster.save(args.output)
+    print(f"wrote {args.output}: {cluster.source}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -258,11 +349,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             _plan(args)
         elif args.command == "show":
-            print(summary(Plan.from_json(args.plan)))
+            shown = Plan.from_json(args.plan)
+            print(summary(shown))
+            if args.png:
+                render_png(shown, args.png)
+                print(f"\nwrote {args.png}")
         elif args.command == "estimate":
             _estimate(args)
         elif args.command == "run":
-            return _train(args) if "RANK" in os.environ else _launch(args, argv)
+            if "RANK" in os.environ:
+                return _train(args)
+            return _torchrun(argv, _run_cluster(args).num_devices)
+        elif args.command == "profile":
+            if "RANK" not in os.environ:
+                if args.nproc is None:
+                    raise AutoplanError("autoplan profile needs --nproc N: processes per node")
+                return _torchrun(argv, args.nproc, args.nnodes, args.rdzv_endpoint)
+            _profile(args)
     except AutoplanError as e:
         where = f" on rank {rank}" if "RANK" in os.environ else ""
         print(f"autoplan: error{where}: {e}", file=sys.stderr)

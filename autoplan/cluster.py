@@ -11,9 +11,22 @@ shape (d0, d1, ...) is laid row-major over ranks 0..N-1 with the last axis faste
 (2, 8) on 2 nodes of 8 devices puts mesh axis 1 inside a node (fast link) and mesh axis 0 across
 nodes (slow link). `mesh_groups` and `Cluster.axis_link` encode that layout.
 
-The `measured` field is reserved for profiled curves (for example
-{"matmul": {"float32": [[flops, seconds], ...]}, "all_reduce": {"intra/2": [[bytes, seconds]]}})
-that sit beside the analytic constants; only its being a JSON object is checked here.
+The `measured` field holds profiled curves (`autoplan profile`) beside the analytic constants:
+
+    "measured": {
+      "fingerprint": {"device": str, "device_count": int >= 1, "torch": str, "driver": str,
+                      "hosts": [str, ...]},                 # required when anything is measured
+      "matmul":      {"<dtype>": [[flops, seconds], ...]},
+      "elementwise": {"<dtype>": [[bytes_moved, seconds], ...]},
+      "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
+    }
+
+with <kind> one of autoplan.measured.COLLECTIVE_KINDS and bytes as `autoplan.costmodel` defines
+them for that kind; send_recv curves have group size 2. Every section is optional and `{}` means
+nothing is measured. Each curve is a non-empty list of points with sizes > 0 strictly
+increasing and seconds >= 0 non-decreasing (`autoplan.measured` says why and how they are
+interpolated). `Cluster.curves` is the validated form. `Cluster.load` warns, naming both
+fingerprints, when the file's profile was measured on other hardware than this machine.
 """
 
 from __future__ import annotations
@@ -21,16 +34,27 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import types
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from autoplan.errors import ClusterFormatError, MeshShapeError
+from autoplan.measured import (
+    COLLECTIVE_KINDS,
+    LINK_CLASSES,
+    Curve,
+    Fingerprint,
+    Measured,
+    machine_fingerprint,
+)
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",
@@ -69,6 +93,8 @@ _DEVICE_FIELDS = (
     "peak_flops",
 )
 _LINK_FIELDS = ("bandwidth", "latency")
+_MEASURED_FIELDS = ("elementwise", "fingerprint", "matmul", *COLLECTIVE_KINDS)
+_FINGERPRINT_FIELDS = ("device", "device_count", "driver", "hosts", "torch")
 
 
 @dataclass(frozen=True)
@@ -141,9 +167,9 @@ class Cluster:
     """`num_nodes` nodes of `devices_per_node` identical devices.
 
     `intra_node` links devices of one node, `inter_node` devices of different nodes.
-    `source` says where the numbers come from; `measured` holds profiled curves (a JSON object,
-    empty until profiling exists). Build one with `Cluster.load` or `Cluster.from_dict`, which
-    validate every field.
+    `source` says where the numbers come from; `measured` holds profiled curves as JSON (`{}`
+    if the cluster was not profiled) and `curves` the same, validated. Build one with
+    `Cluster.load` or `Cluster.from_dict`, which validate every field.
     """
 
     name: str
@@ -155,12 +181,13 @@ class Cluster:
     backend: str
     source: str
     measured: Mapping[str, Any]
+    curves: Measured = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Deep copy so a caller's later edits to its dict cannot change a frozen cluster.
-        object.__setattr__(
-            self, "measured", types.MappingProxyType(copy.deepcopy(dict(self.measured)))
-        )
+        measured = copy.deepcopy(dict(self.measured))
+        object.__setattr__(self, "curves", _measured(measured, f"cluster {self.name!r}"))
+        object.__setattr__(self, "measured", types.MappingProxyType(measured))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # As Device.__reduce__: rebuild from plain values so pickle and deepcopy work.
@@ -209,8 +236,12 @@ class Cluster:
         A dtype the file does not list (int64 index math, bool masks, float64) uses the
         float32 peak: those ops run on the vector units, not the tensor cores.
         """
-        flops = self.device.peak_flops
-        return flops[dtype] if dtype in flops else flops[FALLBACK_DTYPE]
+        return self.device.peak_flops[self.dtype_key(dtype)]
+
+    def dtype_key(self, dtype: str) -> str:
+        """The dtype whose peak and measured curves stand for `dtype`: itself if the file
+        lists its peak, else float32."""
+        return dtype if dtype in self.device.peak_flops else FALLBACK_DTYPE
 
     # ---------------------------------------------------------------- meshes
 
@@ -332,7 +363,8 @@ class Cluster:
             raise ClusterFormatError(
                 f"{where}: field 'backend' is {backend!r}; expected one of {', '.join(BACKENDS)}"
             )
-        measured = _require_object(_get(top, "measured", where), "measured", where)
+        measured = _get(top, "measured", where)
+        _measured(measured, where)  # checked here so that errors name the file
         return cls(
             name=_string(_get(top, "name", where), "name", where),
             device=device,
@@ -370,6 +402,7 @@ class Cluster:
         if num_nodes is not None:
             _check_num_nodes(num_nodes, "num_nodes", f"{where} (num_nodes override)")
             cluster = replace(cluster, num_nodes=num_nodes)
+        _warn_if_profiled_elsewhere(cluster, where)
         return cluster
 
     def save(self, path: str | Path) -> None:
@@ -514,3 +547,120 @@ def _link(value: Any, path: str, where: str) -> Link:
 
 def _link_dict(link: Link) -> dict[str, float]:
     return {"bandwidth": link.bandwidth, "latency": link.latency}
+
+
+# -------------------------------------------------------------------- the measured section
+
+
+def _measured(value: Any, where: str) -> Measured:
+    obj = _require_object(value, "measured", where)
+    _check_keys(obj, _MEASURED_FIELDS, "measured", where)
+    if not obj:
+        return Measured(fingerprint=None, matmul={}, elementwise={}, collectives={})
+    by_dtype = {
+        section: {
+            dtype: _curve(points, f"measured.{section}.{dtype}", where)
+            for dtype, points in _section(obj, section, where).items()
+        }
+        for section in ("matmul", "elementwise")
+    }
+    collectives = {}
+    for kind in COLLECTIVE_KINDS:
+        for key, points in _section(obj, kind, where).items():
+            path = f"measured.{kind}.{key}"
+            collectives[(kind, *_group_key(key, kind, path, where))] = _curve(points, path, where)
+    return Measured(
+        fingerprint=_fingerprint(_get(obj, "fingerprint", where, "measured"), where),
+        matmul=by_dtype["matmul"],
+        elementwise=by_dtype["elementwise"],
+        collectives=collectives,
+    )
+
+
+def _section(obj: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
+    return _require_object(obj.get(name, {}), f"measured.{name}", where)
+
+
+def _group_key(key: str, kind: str, path: str, where: str) -> tuple[str, int]:
+    link, _, size = key.partition("/")
+    canonical = size.isdecimal() and str(int(size)) == size
+    pair = kind == "send_recv"  # one message between two ranks
+    if not (link in LINK_CLASSES and canonical and (int(size) == 2 if pair else int(size) >= 2)):
+        raise ClusterFormatError(
+            f"{where}: field {path!r}: a {kind} curve is keyed '<link>/<group size>' with link "
+            f"{' or '.join(LINK_CLASSES)} and group size {'2' if pair else 'an integer >= 2'}, "
+            f"got {key!r}"
+        )
+    return link, int(size)
+
+
+def _curve(value: Any, path: str, where: str) -> Curve:
+    if not isinstance(value, list) or not value:
+        raise ClusterFormatError(
+            f"{where}: field {path!r} must be a non-empty list of [size, seconds] pairs, got "
+            f"{value!r:.60}"
+        )
+    xs: list[float] = []
+    seconds: list[float] = []
+    for i, pair in enumerate(value):
+        point = f"{path}[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ClusterFormatError(
+                f"{where}: field {point!r} must be a [size, seconds] pair, got {pair!r:.60}"
+            )
+        x = _positive_float(pair[0], f"{point}[0]", where)
+        s = _number(pair[1], f"{point}[1]", where)
+        if s < 0:
+            raise ClusterFormatError(f"{where}: field '{point}[1]' must be >= 0 s, got {s!r}")
+        if xs and x <= xs[-1]:
+            raise ClusterFormatError(
+                f"{where}: field {point!r}: sizes must increase, but {x!r} follows {xs[-1]!r}"
+            )
+        if seconds and s < seconds[-1]:
+            raise ClusterFormatError(
+                f"{where}: field {point!r}: seconds must not decrease with size (a curve is "
+                f"monotone), but {s!r} follows {seconds[-1]!r}; profile the cluster again"
+            )
+        xs.append(x)
+        seconds.append(s)
+    return Curve(tuple(xs), tuple(seconds))
+
+
+def _fingerprint(value: Any, where: str) -> Fingerprint:
+    path = "measured.fingerprint"
+    obj = _require_object(value, path, where)
+    _check_keys(obj, _FINGERPRINT_FIELDS, path, where)
+    hosts = _get(obj, "hosts", where, path)
+    if not isinstance(hosts, list) or not hosts:
+        raise ClusterFormatError(
+            f"{where}: field '{path}.hosts' must be a non-empty list of host hashes, got "
+            f"{hosts!r:.60}"
+        )
+    return Fingerprint(
+        device=_string(_get(obj, "device", where, path), f"{path}.device", where),
+        device_count=_positive_int(
+            _get(obj, "device_count", where, path), f"{path}.device_count", where
+        ),
+        torch=_string(_get(obj, "torch", where, path), f"{path}.torch", where),
+        driver=_string(_get(obj, "driver", where, path), f"{path}.driver", where),
+        hosts=tuple(_string(h, f"{path}.hosts[{i}]", where) for i, h in enumerate(hosts)),
+    )
+
+
+def _warn_if_profiled_elsewhere(cluster: Cluster, where: str) -> None:
+    stored = cluster.curves.fingerprint
+    if stored is None:
+        return
+    here = machine_fingerprint(cluster.backend)
+    if not stored.matches(here):
+        log.warning(
+            "%s was profiled on %s but this machine is %s; its measured curves are still used. "
+            "If they no longer describe the cluster, re-profile on it: autoplan profile "
+            "--nproc %d --nnodes %d -o %s",
+            where,
+            stored.describe(),
+            here.describe(),
+            cluster.devices_per_node,
+            cluster.num_nodes,
+            where,
+        )

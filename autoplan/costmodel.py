@@ -1,7 +1,12 @@
-"""Analytic cost model: seconds for an operator's compute and for a collective, from a Cluster.
+"""Cost model: seconds for an operator's compute and for a collective, from a Cluster.
 
 Pure functions of plain numbers and a `Cluster`; no torch. Units: FLOPs, bytes, seconds,
 FLOP/s and bytes/s.
+
+Measured first, analytic elsewhere. Where the cluster was profiled (`Cluster.curves`, from the
+file's `measured` section) and the size lies inside a measured curve, the curve's interpolated
+time is used (`autoplan.measured.Curve`: exact at measured points, monotone in size); outside
+every measured range, and for anything not measured, the analytic formulas below are.
 
 Compute (roofline). An operator doing `flops` floating-point operations and moving `bytes_moved`
 bytes to and from device memory takes
@@ -10,6 +15,9 @@ bytes to and from device memory takes
             bytes_moved / (memory_bandwidth * memory_efficiency))
 
 where a dtype the cluster file does not list (int64, bool, float64) uses the float32 peak.
+Measured: each of the two terms separately takes the `matmul` curve (seconds of x FLOPs) or
+the `elementwise` curve (seconds of x bytes moved) of the same dtype (after that fallback)
+when x lies inside it, so t = max(matmul(flops), elementwise(bytes_moved)).
 
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:
@@ -27,38 +35,66 @@ gather/scatter pairs; real collectives pay per call, so fewer, larger ones win.
 
 A group of one rank, or zero bytes, costs 0.0 (send_recv: only zero bytes). The link is chosen by
 the caller (`Cluster.axis_link` / `Cluster.link_for_ranks`): a group that spans nodes runs at the
-inter-node link's speed. The `cluster` argument is where profiled curves (`Cluster.measured`)
-will replace these formulas; today only the link is used.
+inter-node link's speed. Measured: the curve of that kind keyed "intra/<n>" when the link is
+the cluster's `intra_node` link, "inter/<n>" when it is its `inter_node` link (links compare by
+value, so where the two are equal, as on one host, the intra curves are read; send_recv:
+"<link>/2"); a group size that was not profiled uses the formulas.
 """
 
 from __future__ import annotations
 
 from autoplan.cluster import Cluster, Link
+from autoplan.measured import COLLECTIVE_KINDS, Curve
 
-__all__ = ["COLLECTIVE_KINDS", "collective_time", "compute_time"]
-
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "analytic_collective_time",
+    "collective_time",
+    "compute_time",
+]
 
 
 def compute_time(cluster: Cluster, flops: float, bytes_moved: float, dtype: str) -> float:
     """Roofline time (s) of one operator on one device of `cluster`: the larger of its
-    compute-bound time for `flops` at `dtype` and its memory-bound time for `bytes_moved`."""
+    compute-bound time for `flops` at `dtype` and its memory-bound time for `bytes_moved`,
+    each from the measured curve where it covers the size, else from the constants."""
     if flops < 0 or bytes_moved < 0:
         raise ValueError(
             f"flops and bytes_moved must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}"
         )
     device = cluster.device
-    compute_s = flops / (cluster.peak_flops(dtype) * device.compute_efficiency)
+    key = cluster.dtype_key(dtype)
+    compute_s = flops / (device.peak_flops[key] * device.compute_efficiency)
     memory_s = bytes_moved / (device.memory_bandwidth * device.memory_efficiency)
-    return max(compute_s, memory_s)
+    curves = cluster.curves
+    return max(
+        _measured_or(curves.matmul.get(key), flops, compute_s),
+        _measured_or(curves.elementwise.get(key), bytes_moved, memory_s),
+    )
 
 
 def collective_time(
     cluster: Cluster, kind: str, nbytes: float, group_size: int, link: Link
 ) -> float:
-    """Alpha-beta time (s) of collective `kind` (one of COLLECTIVE_KINDS) over `group_size`
-    ranks on `link`; see the module docstring for what `nbytes` means for each kind.
-    `cluster` is unused until measured curves exist; the analytic model needs only `link`."""
+    """Time (s) of collective `kind` (one of COLLECTIVE_KINDS) over `group_size` ranks on
+    `link` (the cluster's intra_node or inter_node link): the measured curve where it covers
+    `nbytes`, else the alpha-beta model (`analytic_collective_time`)."""
+    analytic = analytic_collective_time(kind, nbytes, group_size, link)
+    if analytic == 0.0:  # nothing moves: zero bytes, or a group of one
+        return analytic
+    if link == cluster.intra_node:
+        where = "intra"
+    elif link == cluster.inter_node:
+        where = "inter"
+    else:
+        return analytic
+    size = 2 if kind == "send_recv" else group_size
+    return _measured_or(cluster.curves.collectives.get((kind, where, size)), nbytes, analytic)
+
+
+def analytic_collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+    """Alpha-beta time (s) of collective `kind` over `group_size` ranks on `link`; see the
+    module docstring for what `nbytes` means for each kind."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(
             f"unknown collective kind {kind!r}; expected one of {', '.join(COLLECTIVE_KINDS)}"
@@ -80,3 +116,8 @@ def collective_time(
     # Each ring step moves one 1/n chunk of nbytes per rank; all_reduce is a reduce_scatter
     # followed by an all_gather, hence twice the steps. One more alpha for issuing the call.
     return (steps + 1) * alpha + steps / n * nbytes / beta
+
+
+def _measured_or(curve: Curve | None, x: float, analytic: float) -> float:
+    measured = None if curve is None else curve(x)
+    return analytic if measured is None else measured

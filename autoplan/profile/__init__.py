@@ -1,0 +1,14 @@
+"""`autoplan profile`: measure a cluster's compute and collectives, and write its cluster file.
+
+- `tasks`: which curves, sizes and rank groups are measured (plain data);
+- `bench`: the timing, on every rank of a torchrun job (torch.distributed);
+- `fit`: the analytic constants fitted to the curves (plain data).
+
+The curves land in the cluster file's `measured` section (schema in `autoplan/cluster.py`,
+interpolation in `autoplan/measured.py`), where `autoplan.costmodel` uses them.
+"""
+
+from autoplan.profile.bench import profile_cluster
+from autoplan.profile.tasks import Progress, Settings
+
+__all__ = ["Progress", "Settings", "profile_cluster"]

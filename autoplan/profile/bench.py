@@ -1,0 +1,265 @@
+"""The measurements of `autoplan profile`, run on every rank of a torchrun job.
+
+Every point of every curve is timed the same way (`_Bench._seconds`): all ranks start together
+(barrier), one warm-up call is timed to choose how many calls make one timed run (enough for
+~20 ms, so small sizes are not lost in timer and barrier noise), then `repeats` runs are timed
+and each run's time per call is the slowest rank's (all_reduce MAX), because a step waits for
+its slowest rank; the median run is kept. Every rank runs the operation at once, as in
+training: matmuls and element-wise ops on every device, a collective on all its groups. A run
+of local ops (matmul, element-wise) ends with a barrier inside the clock: ranks that share
+cores (CPU ranks) start their clocks only when scheduled, so without it each would time itself
+alone and miss the contention (the barrier adds its latency, a few % of a run). Collectives
+wait for their group anyway. The decisions (calls per run, when a curve stops) use the agreed
+times, so every rank takes the same path. Sends are timed as a ping-pong between the two ranks
+of a pair, halved.
+
+Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from autoplan.cluster import Cluster
+from autoplan.errors import AutoplanError
+from autoplan.measured import machine_fingerprint, monotone
+from autoplan.profile.fit import fitted_cluster
+from autoplan.profile.tasks import Progress, Settings, Task, plan_tasks
+
+__all__ = ["profile_cluster"]
+
+log = logging.getLogger(__name__)
+
+RUN_SECONDS = 0.02  # aim of one timed run: enough calls of a small op to outweigh noise
+MAX_CALLS = 10_000  # calls per timed run at most (a ~2 us op on CPU)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Op(NamedTuple):
+    call: Callable[[], object]
+    scale: float = 1.0  # the time of one call times this is the curve's seconds
+    local: bool = False  # no communication: end each timed run with a barrier
+
+
+def profile_cluster(
+    name: str,
+    settings: Settings,
+    backend: str | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> Cluster | None:
+    """Measure the cluster this torchrun job runs on; every rank calls this. Rank 0 gets the
+    profiled cluster (named `name`) and reports progress to `on_progress`; the others get None.
+    `backend` defaults to nccl where CUDA is available, else gloo."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        return _profile(name, settings, backend, device, on_progress)
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile(
+    name: str,
+    settings: Settings,
+    backend: str,
+    device: torch.device,
+    on_progress: Callable[[Progress], None] | None,
+) -> Cluster | None:
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world < 2 or world % per_node:
+        raise AutoplanError(
+            f"autoplan profile needs at least 2 ranks, the same number on every node; this "
+            f"job has {world} rank(s) with {per_node} on this node: use --nproc 2 or more"
+        )
+    num_nodes = world // per_node
+    tasks = plan_tasks(num_nodes, per_node, settings)
+    rank0 = dist.get_rank() == 0
+    bench = _Bench(device, settings, len(tasks), on_progress if rank0 else None)
+    measured: dict[str, Any] = {}
+    for i, task in enumerate(tasks):
+        measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
+    seconds = time.perf_counter() - bench.start
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, machine_fingerprint(backend))
+    if not rank0:
+        return None
+    kinds = {dataclasses.replace(f, hosts=()) for f in found}
+    if len(kinds) > 1:
+        log.warning(
+            "the hosts differ (%s); the profile's fingerprint names rank 0's hardware",
+            "; ".join(sorted(k.describe() for k in kinds)),
+        )
+    fingerprint = {**found[0].to_dict(), "hosts": sorted({h for f in found for h in f.hosts})}
+    day = datetime.datetime.now(datetime.UTC).date().isoformat()
+    how = (
+        f"Profiled by `autoplan profile` on {day}: {num_nodes} node(s) x {per_node} {backend} "
+        f"ranks, torch {fingerprint['torch']}, {seconds:.0f} s. Each point is the median of "
+        f"{settings.repeats} timed runs (slowest rank) after a warm-up, made monotone by "
+        f"isotonic regression; a curve ends where a call would pass {settings.max_seconds:g} s "
+        f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}."
+    )
+    return fitted_cluster(
+        name=name,
+        backend=backend,
+        num_nodes=num_nodes,
+        devices_per_node=per_node,
+        memory_bytes=_memory_bytes(device, per_node),
+        measured={"fingerprint": fingerprint, **measured},
+        how=how,
+    )
+
+
+class _Bench:
+    """Times the points of the curves, one task after another, on every rank."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        settings: Settings,
+        num_tasks: int,
+        on_progress: Callable[[Progress], None] | None,
+    ) -> None:
+        self.device = device
+        self.settings = settings
+        self.num_tasks = num_tasks
+        self.on_progress = on_progress
+        self.start = time.perf_counter()
+        self._groups: dict[tuple[tuple[int, ...], ...], Any] = {}
+
+    def curve(self, index: int, task: Task) -> list[list[float]]:
+        """[[x, seconds], ...] of task number `index`, up to where the next size is predicted
+        to take longer than max_seconds per call (at large sizes time grows at most linearly
+        with size)."""
+        xs: list[float] = []
+        seconds: list[float] = []
+        for i, (size, x) in enumerate(zip(task.sizes, task.xs, strict=True)):
+            self._report(index, task, i)
+            op = self._operation(task, size)
+            xs.append(x)
+            seconds.append(self._seconds(op) * op.scale)
+            del op  # free this size's tensors before the next, larger ones
+            nxt = i + 1
+            if nxt < len(task.xs) and seconds[-1] * task.xs[nxt] / x > self.settings.max_seconds:
+                break
+        self._report(index, task, len(task.sizes))
+        return [[x, s] for x, s in zip(xs, monotone(seconds), strict=True)]
+
+    def _report(self, index: int, task: Task, points_done: int) -> None:
+        if self.on_progress is None:
+            return
+        done = (index + points_done / len(task.sizes)) / self.num_tasks
+        finished = points_done == len(task.sizes)
+        label = f"{task.section} {task.key} {'done' if finished else _size(task, points_done)}"
+        self.on_progress(Progress(done, time.perf_counter() - self.start, label, finished))
+
+    def _seconds(self, op: _Op) -> float:
+        """Median over the timed runs of the slowest rank's seconds per call of `op`."""
+        dist.barrier()
+        # the warm-up call alone, without the closing barrier, which may take far longer than
+        # a small op and would leave too few calls per run to outweigh it
+        first = self._slowest([self._run(op, 1, closing_barrier=False)])[0]
+        calls = max(1, min(MAX_CALLS, math.ceil(RUN_SECONDS / max(first, 1e-9))))
+        runs = []
+        for _ in range(self.settings.repeats):
+            dist.barrier()
+            runs.append(self._run(op, calls, closing_barrier=op.local) / calls)
+        return statistics.median(self._slowest(runs))
+
+    def _run(self, op: _Op, calls: int, *, closing_barrier: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            op.call()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if closing_barrier:
+            dist.barrier()
+        return time.perf_counter() - start
+
+    def _slowest(self, values: list[float]) -> list[float]:
+        found = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return [float(v) for v in found.tolist()]
+
+    def _operation(self, task: Task, size: int) -> _Op:
+        """The operation timed at `size` of `task` on this rank."""
+        device = self.device
+        if task.section in ("matmul", "elementwise"):
+            dtype = DTYPES[task.key]
+            shape = (size, size) if task.section == "matmul" else (size,)
+            # filled, not random: the speed does not depend on the values, and filling 256 MB
+            # tensors with random numbers on every rank would take longer than timing them
+            a, b = (torch.full(shape, 1.0, dtype=dtype, device=device) for _ in range(2))
+            out = torch.empty(shape, dtype=dtype, device=device)
+            fn = torch.matmul if task.section == "matmul" else torch.add
+            return _Op(lambda: fn(a, b, out=out), local=True)
+        mine = self._group(task.groups)
+        if mine is None:
+            return _Op(lambda: None)
+        ranks, group = mine
+        full = torch.zeros(size // 4, device=device)  # float32: the sizes are multiples of 4 * n
+        part = torch.zeros(size // 4 // len(ranks), device=device)
+        if task.section == "send_recv":
+            first = dist.get_rank() == ranks[0]
+            peer = ranks[1] if first else ranks[0]
+
+            def ping_pong() -> None:
+                if first:
+                    dist.send(full, peer)
+                    dist.recv(full, peer)
+                else:
+                    dist.recv(full, peer)
+                    dist.send(full, peer)
+
+            return _Op(ping_pong, scale=0.5)  # a round trip is two messages
+        other = torch.zeros_like(full)
+        calls: dict[str, Callable[[], object]] = {
+            "all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+            "all_to_all": lambda: dist.all_to_all_single(other, full, group=group),
+        }
+        return _Op(calls[task.section])
+
+    def _group(self, groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], Any] | None:
+        """This rank's group among `groups` and its process group (None if it is in none).
+        Every rank creates every group, in the same order, including those it is not in."""
+        if groups not in self._groups:
+            handles = [dist.new_group(list(g)) for g in groups]
+            self._groups[groups] = dict(zip(groups, handles, strict=True))
+        rank = dist.get_rank()
+        return next(((g, h) for g, h in self._groups[groups].items() if rank in g), None)
+
+
+def _memory_bytes(device: torch.device, per_node: int) -> int:
+    """A device's memory, or for CPU ranks the host's memory shared by the node's ranks."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
+
+
+def _size(task: Task, done: int) -> str:
+    """The size being measured, for the progress line."""
+    if task.section == "matmul":
+        return f"n={task.sizes[done]}"
+    nbytes = task.xs[done]
+    return next(
+        f"{nbytes / 2**p:.0f} {unit}"
+        for p, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+        if nbytes >= 2**p or p == 0
+    )

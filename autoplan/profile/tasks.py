@@ -1,0 +1,152 @@
+"""What `autoplan profile` measures: the curves, their sizes and the rank groups (no torch).
+
+Sizes are chosen so that a profile takes minutes: powers of two for tensors and messages (about
+3 per decade, the sizes real tensors tend to have), and n x n matmuls with n growing by sqrt(2)
+(FLOPs by 2.8x). Each curve stops early once its next size is predicted to take longer than
+`Settings.max_seconds` per call (time grows at most linearly in size at large sizes), so slow
+devices get shorter curves rather than longer profiles; the cost model uses the analytic
+constants past a curve's end.
+
+Group sizes are the ones the planner's meshes use: inside a node, every divisor of the devices
+per node and every power of two up to it (Alpa's (1, 2^k) submeshes); across nodes, every
+divisor of the device count (the axes of the whole cluster's meshes). A size is measured with
+all its groups at once, as a mesh axis runs them: inside a node, consecutive blocks of ranks in
+every node; across nodes, the strided groups of the outer axis of the mesh (size, N / size),
+which span nodes. Other group sizes are priced by the analytic model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.cluster import REQUIRED_DTYPES, mesh_groups
+from autoplan.measured import COLLECTIVE_KINDS
+
+__all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
+SMALLEST_MATMUL = 16
+SMALLEST_ELEMENTWISE = 64  # elements per tensor
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How far and how carefully to measure. The defaults reach "hundreds of MB" in minutes."""
+
+    max_bytes: int = 256 * 2**20  # largest message, and largest element-wise tensor
+    max_matmul_dim: int = 8192  # largest n of the n x n @ n x n matmuls
+    max_seconds: float = 1.0  # a size predicted to take longer per call ends its curve
+    repeats: int = 3  # timed repeats per size (after one warm-up); the median is kept
+
+
+@dataclass(frozen=True)
+class Task:
+    """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster.py`).
+
+    `sizes[i]` is what the operation is built from (matmul: n; element-wise: elements per
+    tensor; collective: bytes) and `xs[i]` the curve's x at that size (FLOPs, bytes moved,
+    the cost model's nbytes). `groups` are the rank groups a collective runs on, all at once.
+    """
+
+    section: str
+    key: str
+    sizes: tuple[int, ...]
+    xs: tuple[float, ...]
+    groups: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a profile is: `done` in [0, 1] of the planned curves, `elapsed` seconds, what is
+    being measured, and whether that curve has just been finished."""
+
+    done: float
+    elapsed: float
+    label: str
+    curve_done: bool
+
+    def line(self, width: int = 24) -> str:
+        """One line of text: a bar, the percentage, the label, elapsed and estimated time left
+        (elapsed time scaled by the work left; the curves of a profile cost roughly alike)."""
+        filled = round(self.done * width)
+        left = _clock(self.elapsed * (1 - self.done) / self.done) if self.done > 0 else "?"
+        return (
+            f"[{'#' * filled}{'-' * (width - filled)}] {self.done:4.0%} {self.label:<34} "
+            f"elapsed {_clock(self.elapsed)}, about {left} left"
+        )
+
+
+def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tuple[Task, ...]:
+    """Every curve to measure for `num_nodes` nodes of `devices_per_node` ranks, in order."""
+    tasks = [_matmul(dtype, settings) for dtype in REQUIRED_DTYPES]
+    tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
+    num_devices = num_nodes * devices_per_node
+    inter = _divisors(num_devices) if num_nodes > 1 else ()
+    for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
+        for size in sizes:
+            groups = _groups(link, size, num_nodes, devices_per_node)
+            for kind in COLLECTIVE_KINDS:
+                if kind != "send_recv" or size == 2:
+                    tasks.append(_collective(kind, f"{link}/{size}", groups, settings))
+    return tuple(tasks)
+
+
+def intra_group_sizes(devices_per_node: int) -> tuple[int, ...]:
+    """Group sizes measured inside a node: divisors of it and powers of two up to it."""
+    powers = {2**k for k in range(1, devices_per_node.bit_length())}
+    return tuple(sorted(set(_divisors(devices_per_node)) | powers))
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(2, n + 1) if n % d == 0)
+
+
+def _groups(link: str, size: int, num_nodes: int, per_node: int) -> tuple[tuple[int, ...], ...]:
+    if link == "inter":
+        return mesh_groups((size, num_nodes * per_node // size), 0)
+    return tuple(
+        tuple(range(node * per_node + b * size, node * per_node + (b + 1) * size))
+        for node in range(num_nodes)
+        for b in range(per_node // size)
+    )
+
+
+def _matmul(dtype: str, settings: Settings) -> Task:
+    dims: list[int] = []
+    n = float(SMALLEST_MATMUL)
+    while round(n) <= settings.max_matmul_dim:
+        dims.append(round(n))
+        n *= 2**0.5
+    return Task("matmul", dtype, tuple(dims), tuple(2.0 * d**3 for d in dims))
+
+
+def _elementwise(dtype: str, settings: Settings) -> Task:
+    size = ITEMSIZE[dtype]
+    numels = _powers_of_two(SMALLEST_ELEMENTWISE, settings.max_bytes // size)
+    # c = a + b reads two tensors and writes one
+    return Task("elementwise", dtype, numels, tuple(3.0 * e * size for e in numels))
+
+
+def _collective(
+    kind: str, key: str, groups: tuple[tuple[int, ...], ...], settings: Settings
+) -> Task:
+    # gathered and scattered tensors split into one equal chunk per rank of the group
+    chunks = 1 if kind in ("all_reduce", "send_recv") else len(groups[0])
+    unit = COLLECTIVE_ITEMSIZE * chunks
+    sizes = sorted({-(-b // unit) * unit for b in _powers_of_two(1, settings.max_bytes)})
+    return Task(kind, key, tuple(sizes), tuple(float(b) for b in sizes), groups)
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out = []
+    n = lo
+    while n <= hi:
+        out.append(n)
+        n *= 2
+    return tuple(out)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}:{secs:02d}"

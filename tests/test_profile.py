@@ -1,0 +1,408 @@
+"""Profiling (`autoplan profile`), the measured section of cluster files, and measured curves in
+the cost model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from autoplan.cli import main
+from autoplan.cluster import REQUIRED_DTYPES, Cluster, Device, Link
+from autoplan.costmodel import (
+    COLLECTIVE_KINDS,
+    analytic_collective_time,
+    collective_time,
+    compute_time,
+)
+from autoplan.errors import ClusterFormatError
+from autoplan.measured import Curve, machine_fingerprint, monotone
+from autoplan.profile import Progress
+from autoplan.profile.fit import fitted_cluster
+from autoplan.profile.tasks import Settings, plan_tasks
+from tests.conftest import ROOT
+
+MAX_BYTES = 8192
+MAX_DIM = 48
+
+
+def _toy(measured: dict[str, Any]) -> Cluster:
+    """Round constants (as in test_cluster) so analytic and measured times are told apart."""
+    return Cluster(
+        name="toy",
+        device=Device(
+            "toy", 2**30, {"float32": 100.0, "bfloat16": 400.0, "float16": 400.0}, 10.0, 0.5, 0.5
+        ),
+        num_nodes=2,
+        devices_per_node=4,
+        intra_node=Link(bandwidth=100.0, latency=1.0),
+        inter_node=Link(bandwidth=10.0, latency=2.0),
+        backend="gloo",
+        source="test",
+        measured=measured,
+    )
+
+
+def _fingerprint(**changes: Any) -> dict[str, Any]:
+    return {**machine_fingerprint("gloo").to_dict(), **changes}
+
+
+# ------------------------------------------------------------------ 2 CPU ranks, end to end
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One `autoplan profile --nproc 2` run with a small, quick size range."""
+    out = tmp_path_factory.mktemp("profile") / "two-ranks.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoplan.cli",
+        "profile",
+        "--nproc",
+        "2",
+        "-o",
+        str(out),
+        "--max-bytes",
+        str(MAX_BYTES),
+        "--max-matmul-dim",
+        str(MAX_DIM),
+        "--repeats",
+        "2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc.stderr
+
+
+def test_profile_two_cpu_ranks_writes_a_loadable_file(
+    profiled: tuple[Path, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    path, stderr = profiled
+    with caplog.at_level(logging.WARNING):
+        cluster = Cluster.load(path)
+    assert not caplog.records  # measured here, so the fingerprint matches this machine
+    assert (cluster.name, cluster.backend) == ("two-ranks", "gloo")
+    assert (cluster.num_nodes, cluster.devices_per_node) == (1, 2)
+    assert cluster.measured["fingerprint"] == machine_fingerprint("gloo").to_dict()
+    curves = cluster.curves
+    dims = [16, 23, 32, 45]  # n grows by sqrt(2) up to --max-matmul-dim
+    for dtype in REQUIRED_DTYPES:
+        assert curves.matmul[dtype].xs == tuple(2.0 * n**3 for n in dims)
+        assert curves.elementwise[dtype].xs[-1] <= 3 * MAX_BYTES
+    for kind in COLLECTIVE_KINDS:
+        curve = curves.collectives[(kind, "intra", 2)]
+        assert curve.xs[0] <= 8 and curve.xs[-1] == MAX_BYTES
+        assert all(s > 0 for s in curve.seconds)
+    assert set(curves.collectives) == {(kind, "intra", 2) for kind in COLLECTIVE_KINDS}
+    # a progress bar with the time left, one line per curve when stderr is not a terminal
+    lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
+    assert len(lines) == len(REQUIRED_DTYPES) * 2 + len(COLLECTIVE_KINDS)
+    assert all("left" in line and "elapsed" in line for line in lines)
+    assert "100%" in lines[-1]
+
+
+def test_profiled_constants_meet_the_curves(profiled: tuple[Path, str]) -> None:
+    cluster = Cluster.load(profiled[0])
+    fp32 = cluster.curves.matmul["float32"]
+    assert fp32.xs[-1] / cluster.peak_flops("float32") == pytest.approx(fp32.seconds[-1])
+    ew = cluster.curves.elementwise["float32"]
+    assert ew.xs[-1] / cluster.device.memory_bandwidth == pytest.approx(ew.seconds[-1])
+    # the link's alpha-beta formula goes through both ends of the all_reduce curve
+    ar = cluster.curves.collectives[("all_reduce", "intra", 2)]
+    for x, seconds in ((ar.xs[0], ar.seconds[0]), (ar.xs[-1], ar.seconds[-1])):
+        assert analytic_collective_time("all_reduce", x, 2, cluster.intra_node) == pytest.approx(
+            seconds
+        )
+    assert cluster.inter_node == cluster.intra_node  # one node
+
+
+def test_profiled_file_drives_the_cost_model(profiled: tuple[Path, str]) -> None:
+    cluster = Cluster.load(profiled[0])
+    link = cluster.intra_node
+    for kind in COLLECTIVE_KINDS:
+        curve = cluster.curves.collectives[(kind, "intra", 2)]
+        for x, seconds in zip(curve.xs, curve.seconds, strict=True):
+            assert collective_time(cluster, kind, x, 2, link) == seconds
+        beyond = 4 * curve.xs[-1]
+        expected = analytic_collective_time(kind, beyond, 2, link)
+        assert collective_time(cluster, kind, beyond, 2, link) == expected
+
+
+# ------------------------------------------------------------------ the bundled profile
+
+
+def test_bundled_profile_is_canonical_and_complete() -> None:
+    path = ROOT / "costmodels" / "cpu-gloo-4-profiled.json"
+    cluster = Cluster.load(path)
+    assert path.read_text() == json.dumps(cluster.to_dict(), sort_keys=True, indent=2) + "\n"
+    assert cluster.num_devices == 4
+    keys = {(kind, "intra", n) for kind in COLLECTIVE_KINDS for n in (2, 4)}
+    assert set(cluster.curves.collectives) == keys - {("send_recv", "intra", 4)}
+    assert set(cluster.curves.matmul) == set(cluster.curves.elementwise) == set(REQUIRED_DTYPES)
+
+
+# ------------------------------------------------------------------ fingerprints
+
+
+def test_mismatched_fingerprint_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    curve = [[4.0, 1e-3], [8.0, 2e-3]]
+    here = _toy({"fingerprint": _fingerprint(), "all_reduce": {"intra/2": curve}})
+    other = _toy({"fingerprint": _fingerprint(torch="1.0.0"), "all_reduce": {"intra/2": curve}})
+    here.save(tmp_path / "here.json")
+    other.save(tmp_path / "other.json")
+    with caplog.at_level(logging.WARNING, logger="autoplan.cluster"):
+        assert Cluster.load(tmp_path / "here.json") == here
+        assert not caplog.records
+        loaded = Cluster.load(tmp_path / "other.json")  # a warning, not an error
+    assert loaded == other
+    (record,) = caplog.records
+    message = record.getMessage()
+    stored, mine = other.curves.fingerprint, machine_fingerprint("gloo")
+    assert stored is not None and stored.id != mine.id
+    assert stored.id in message and mine.id in message
+    assert "torch 1.0.0" in message and "re-profile" in message
+    assert str(tmp_path / "other.json") in message
+
+
+def test_fingerprint_matches_a_host_of_a_multi_host_profile() -> None:
+    mine = machine_fingerprint("gloo")
+    hosts = sorted([*mine.hosts, "0" * 12])
+    measured = {"fingerprint": _fingerprint(hosts=hosts)}
+    stored = _toy(measured).curves.fingerprint
+    assert stored is not None and stored.matches(mine)
+    elsewhere = _toy({"fingerprint": _fingerprint(hosts=["0" * 12])}).curves.fingerprint
+    assert elsewhere is not None and not elsewhere.matches(mine)
+
+
+# ------------------------------------------------------------------ corrupted profiles
+
+
+def _good() -> dict[str, Any]:
+    return {
+        "fingerprint": _fingerprint(),
+        "matmul": {"float32": [[100.0, 5.0], [200.0, 6.0]]},
+        "all_reduce": {"intra/2": [[4.0, 1e-3], [8.0, 2e-3]]},
+        "send_recv": {"inter/2": [[4.0, 1e-3]]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field", "says"),
+    [
+        (lambda m: m.pop("fingerprint"), "measured.fingerprint", "missing field"),
+        (lambda m: m["fingerprint"].pop("torch"), "measured.fingerprint.torch", "missing"),
+        (lambda m: m["fingerprint"].update(hosts=[]), "measured.fingerprint.hosts", "non-empty"),
+        (lambda m: m.update(matmull={}), "measured.matmull", "unknown field"),
+        (lambda m: m["all_reduce"].update({"intra/1": [[4, 1]]}), "intra/1", "group size"),
+        (lambda m: m["all_reduce"].update({"cross/2": [[4, 1]]}), "cross/2", "intra or inter"),
+        (lambda m: m["send_recv"].update({"intra/4": [[4, 1]]}), "intra/4", "group size 2"),
+        (lambda m: m["all_reduce"].update({"intra/2": []}), "measured.all_reduce.intra/2", "list"),
+        (
+            lambda m: m["all_reduce"]["intra/2"].append([16.0, 1e-4]),
+            "measured.all_reduce.intra/2[2]",
+            "must not decrease",
+        ),
+        (
+            lambda m: m["matmul"]["float32"].append([150.0, 7.0]),
+            "measured.matmul.float32[2]",
+            "sizes must increase",
+        ),
+        (
+            lambda m: m["matmul"]["float32"].append([300.0, "slow"]),
+            "measured.matmul.float32[2][1]",
+            "finite number",
+        ),
+        (lambda m: m["matmul"]["float32"].append([0.0]), "measured.matmul.float32[2]", "pair"),
+        (lambda m: m["matmul"]["float32"][0].__setitem__(0, -1), "float32[0][0]", "> 0"),
+    ],
+)
+def test_corrupted_profile_is_refused(corrupt: Any, field: str, says: str, tmp_path: Path) -> None:
+    data = _toy({}).to_dict()
+    data["measured"] = _good()
+    Cluster.from_dict(copy.deepcopy(data))  # valid before the corruption
+    corrupt(data["measured"])
+    path = tmp_path / "corrupt.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ClusterFormatError) as info:
+        Cluster.load(path)
+    message = str(info.value)
+    assert str(path) in message and field in message and says in message
+
+
+# ------------------------------------------------------------------ interpolation
+
+
+def test_curve_is_exact_at_points_linear_between_and_none_outside() -> None:
+    curve = Curve((1.0, 2.0, 4.0), (10.0, 10.0, 30.0))
+    assert [curve(x) for x in (1.0, 2.0, 4.0)] == [10.0, 10.0, 30.0]
+    assert curve(1.5) == 10.0
+    assert curve(3.0) == pytest.approx(20.0)
+    assert curve(0.999) is None and curve(4.001) is None and curve(0.0) is None
+    single = Curve((8.0,), (1.0,))
+    assert single(8.0) == 1.0 and single(7.0) is None
+
+
+def test_curve_is_monotone_on_random_profiles() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        xs = np.cumsum(rng.uniform(0.1, 100.0, size=12))
+        seconds = monotone(rng.uniform(0.0, 1.0, size=12).tolist())  # noisy, made monotone
+        curve = Curve(tuple(xs.tolist()), tuple(seconds))
+        for x, s in zip(xs, seconds, strict=True):
+            assert curve(float(x)) == s
+        dense = np.linspace(xs[0], xs[-1], 2000)
+        values = [curve(float(x)) for x in dense]
+        assert all(v is not None for v in values)
+        assert all(a <= b for a, b in itertools.pairwise(values))
+
+
+def test_monotone_pools_adjacent_violators() -> None:
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert monotone([1.0, 1.0, 5.0]) == [1.0, 1.0, 5.0]  # already monotone: unchanged
+    noisy = np.random.default_rng(1).uniform(size=50).tolist()
+    fitted = monotone(noisy)
+    assert all(a <= b for a, b in itertools.pairwise(fitted))
+    assert sum(fitted) == pytest.approx(sum(noisy))  # pooling keeps every run's mean
+    assert monotone(fitted) == fitted
+
+
+# ------------------------------------------------------------------ cost model: measured or not
+
+
+def test_collective_time_uses_curves_inside_and_analytic_outside() -> None:
+    measured = {
+        "fingerprint": _fingerprint(),
+        "all_reduce": {"intra/4": [[1000.0, 1.0], [2000.0, 3.0]]},
+        "send_recv": {"intra/2": [[1000.0, 0.5]]},
+    }
+    cluster = _toy(measured)
+    intra, inter = cluster.intra_node, cluster.inter_node
+    assert collective_time(cluster, "all_reduce", 1000, 4, intra) == 1.0
+    assert collective_time(cluster, "all_reduce", 1500, 4, intra) == pytest.approx(2.0)
+    assert collective_time(cluster, "all_reduce", 2000, 4, intra) == 3.0
+    for nbytes, size, link in (
+        (999, 4, intra),
+        (2001, 4, intra),
+        (1500, 2, intra),
+        (1500, 4, inter),
+    ):
+        expected = analytic_collective_time("all_reduce", nbytes, size, link)
+        assert collective_time(cluster, "all_reduce", nbytes, size, link) == expected
+    assert collective_time(cluster, "all_reduce", 1500, 4, intra) != analytic_collective_time(
+        "all_reduce", 1500, 4, intra
+    )
+    assert collective_time(cluster, "all_gather", 1500, 4, intra) == analytic_collective_time(
+        "all_gather", 1500, 4, intra
+    )
+    # a send is keyed by its two ranks whatever group it belongs to
+    assert collective_time(cluster, "send_recv", 1000, 8, intra) == 0.5
+    assert collective_time(cluster, "all_reduce", 0, 4, intra) == 0.0
+    assert collective_time(cluster, "all_reduce", 1500, 1, intra) == 0.0
+    # a link that is neither of the cluster's: the formula
+    odd = Link(bandwidth=5.0, latency=0.1)
+    assert collective_time(cluster, "all_reduce", 1500, 4, odd) == analytic_collective_time(
+        "all_reduce", 1500, 4, odd
+    )
+
+
+def test_compute_time_uses_curves_inside_and_roofline_outside() -> None:
+    measured = {
+        "fingerprint": _fingerprint(),
+        "matmul": {"float32": [[100.0, 5.0], [200.0, 6.0]]},
+        "elementwise": {"float32": [[10.0, 4.0], [20.0, 8.0]]},
+    }
+    cluster = _toy(measured)
+    analytic = _toy({})
+    assert compute_time(cluster, 150, 0, "float32") == pytest.approx(5.5)
+    assert compute_time(cluster, 150, 0, "int64") == pytest.approx(5.5)  # float32 stands in
+    assert compute_time(cluster, 150, 20, "float32") == 8.0  # max of the two curves
+    assert compute_time(cluster, 1000, 0, "float32") == compute_time(analytic, 1000, 0, "float32")
+    assert compute_time(cluster, 50, 0, "float32") == compute_time(analytic, 50, 0, "float32")
+    assert compute_time(cluster, 150, 0, "bfloat16") == compute_time(analytic, 150, 0, "bfloat16")
+    # memory-bound part outside its curve, compute part inside its own
+    assert compute_time(cluster, 150, 100, "float32") == pytest.approx(20.0)
+    assert compute_time(cluster, 0, 0, "float32") == 0.0
+
+
+# ------------------------------------------------------------------ what is measured, and the fit
+
+
+def test_group_sizes_and_layouts_are_the_meshes() -> None:
+    tasks = plan_tasks(2, 8, Settings(max_bytes=64, max_matmul_dim=16))
+    groups = {(t.section, t.key): t.groups for t in tasks if t.groups}
+    keys = {key for _, key in groups}
+    assert keys == {"intra/2", "intra/4", "intra/8", "inter/2", "inter/4", "inter/8", "inter/16"}
+    assert groups[("all_reduce", "inter/2")] == tuple((r, r + 8) for r in range(8))
+    assert groups[("all_reduce", "intra/4")] == (
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+        (8, 9, 10, 11),
+        (12, 13, 14, 15),
+    )
+    assert ("send_recv", "intra/4") not in groups and ("send_recv", "inter/2") in groups
+    cluster = dataclasses.replace(_toy({}), devices_per_node=8)  # 2 nodes of 8
+    for (_, key), gs in groups.items():
+        nodes = [{cluster.node_of(r) for r in g} for g in gs]
+        assert all((len(n) > 1) == key.startswith("inter") for n in nodes), key
+    # gathered and scattered sizes divide evenly among the group's ranks
+    for t in tasks:
+        if t.section in ("all_gather", "reduce_scatter", "all_to_all"):
+            assert all(s % (4 * len(t.groups[0])) == 0 for s in t.sizes)
+    assert plan_tasks(1, 4, Settings())[-1].key == "intra/4"
+
+
+def test_fit_recovers_alpha_and_beta() -> None:
+    link = Link(bandwidth=2e9, latency=3e-5)
+    sizes = [4.0 * 2**k for k in range(20)]
+    all_reduce = [[x, analytic_collective_time("all_reduce", x, 4, link)] for x in sizes]
+    measured = {
+        "fingerprint": _fingerprint(),
+        "matmul": {d: [[1e6, 1e-4], [1e9, 0.02]] for d in REQUIRED_DTYPES},
+        "elementwise": {"float32": [[1e3, 1e-6], [1e9, 0.1]]},
+        "all_reduce": {"intra/2": [[4.0, 1.0], [8.0, 2.0]], "intra/4": all_reduce},
+    }
+    cluster = fitted_cluster(
+        name="fit",
+        backend="gloo",
+        num_nodes=1,
+        devices_per_node=4,
+        memory_bytes=2**30,
+        measured=measured,
+        how="synthetic.",
+    )
+    assert cluster.intra_node.bandwidth == pytest.approx(2e9)
+    assert cluster.intra_node.latency == pytest.approx(3e-5)
+    assert cluster.inter_node == cluster.intra_node
+    assert cluster.peak_flops("bfloat16") == pytest.approx(5e10)
+    assert cluster.device.memory_bandwidth == pytest.approx(1e10)
+    assert cluster.source.startswith("synthetic. Constants fitted")
+
+
+def test_progress_line_estimates_time_left() -> None:
+    line = Progress(done=0.25, elapsed=10.0, label="all_reduce intra/4 1 MiB", curve_done=False)
+    text = line.line()
+    assert text.startswith("[######------------------]  25% all_reduce intra/4 1 MiB")
+    assert "elapsed 0:10, about 0:30 left" in text
+    assert "about ? left" in Progress(0.0, 0.0, "x", False).line()
+
+
+def test_multi_node_profile_needs_a_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["profile", "--nproc", "2", "--nnodes", "2", "-o", "x.json"])
+    assert code == 2
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+    assert main(["profile", "-o", "x.json"]) == 2
+    assert "--nproc" in capsys.readouterr().err
