@@ -1,13 +1,21 @@
-"""A plan as text a person reads: mesh, parameter shardings, collectives, predictions."""
+"""A plan as text a person reads: mesh, pipeline stages and schedule, parameter shardings,
+collectives, predictions."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 
-from autoplan.plan.schema import Placements, Plan
+from autoplan.plan.schema import Pipeline, Placements, Plan, Stage
+from autoplan.plan.timeline import simulate
 
 _INDEX = re.compile(r"\.(\d+)\.")
+GIB = 2**30
+_GRID_WIDTH = 100  # characters a line of the schedule grid may take before the grid wraps
+_MAX_ROWS = 8  # stages the grid draws; beyond, the first and last halves
+_MAX_SLOTS = 2 * (16 + 8 - 1)  # 1F1B's slots for 16 microbatches on 8 stages; beyond, the ends
 
 
 def fmt_bytes(n: float) -> str:
@@ -47,6 +55,132 @@ def _param_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def fmt_ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def stage_layers(plan: Plan, stage: Stage) -> str:
+    """The stage's layers ("blocks.0 .. blocks.5" past two), and the top-level modules of its
+    other ops ("+ tok_emb, pos_emb")."""
+    layers = stage.layers
+    named = ", ".join(layers) if len(layers) <= 2 else f"{layers[0]} .. {layers[-1]}"
+    others: dict[str, None] = {}  # graph order, once each
+    for node in stage.nodes:
+        module = plan.nodes[node].module
+        if module and not any(module == la or module.startswith(la + ".") for la in layers):
+            others[module.split(".")[0]] = None
+    extra = ", ".join(others)
+    return f"{named} (+ {extra})" if named and extra else named or extra
+
+
+def _table(rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Rows as aligned columns, the columns in ``right`` right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  "
+        + "  ".join(
+            f"{c:>{w}}" if i in right else f"{c:<{w}}"
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def _stage_lines(plan: Plan) -> list[str]:
+    limit = plan.predicted.memory_limit_bytes
+    rows = [("stage", "ranks", "layers", "forward", "backward", "send", "memory per device")]
+    for s, st in enumerate(plan.stages):
+        p = st.predicted
+        cost = ("-", "-", "-", "-")
+        if p is not None:
+            send = fmt_time(p.time_s - p.forward_s - p.backward_s) if st.sent else "-"
+            share = f"{100 * p.memory_bytes / limit:.1f}%" if limit else "-"
+            cost = (
+                fmt_time(p.forward_s),
+                fmt_time(p.backward_s),
+                send,
+                f"{p.memory_bytes / GIB:.2f} GiB ({share})",
+            )
+        rows.append((str(s), fmt_ranks(st.ranks), stage_layers(plan, st), *cost))
+    out = _table(rows, right={3, 4, 5, 6})
+    out.append(
+        f"  (per microbatch; send: to the next stage and the gradients back; memory of "
+        f"{limit / GIB:.2f} GiB allowed)"
+    )
+    for s, (st, nxt) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
+        if st.sent:
+            out.append(
+                f"  stage {s} -> {s + 1} sends {', '.join(st.sent)} as [{_fmt(st.boundary)}], "
+                f"rank r to rank r+{nxt.ranks[0] - st.ranks[0]}"
+            )
+    return out
+
+
+def _shown(count: int, limit: int) -> list[int | None]:
+    """0 .. count-1, or past ``limit`` the first and last limit/2 with None between."""
+    if count <= limit:
+        return list(range(count))
+    half = limit // 2
+    return [*range(half), None, *range(count - half, count)]
+
+
+def _left_out(what: str, count: int, limit: int) -> list[str]:
+    """What `_shown` leaves out, for a note."""
+    return [f"{what} {limit // 2}-{count - limit // 2 - 1}"] if count > limit else []
+
+
+def schedule_grid(pipeline: Pipeline, labels: Sequence[str]) -> list[str]:
+    """The schedule as rows of equal slots, one row per stage (named by ``labels``), wrapped
+    into blocks of columns that fit a line."""
+    events = simulate(pipeline.schedule, len(labels), pipeline.num_microbatches)
+    num_slots = round(max(e.end for e in events))
+    cells = [["."] * num_slots for _ in labels]
+    for e in events:
+        cells[e.stage][round(e.start)] = f"{e.kind}{e.microbatch}"
+    rows, slots = _shown(len(labels), _MAX_ROWS), _shown(num_slots, _MAX_SLOTS)
+    width = 1 + max(len(f"F{pipeline.num_microbatches - 1}"), 3 if None in slots else 1)
+    label_width = max(map(len, labels)) + 1
+    num_blocks = math.ceil(len(slots) * width / max(width, _GRID_WIDTH - label_width - 2))
+    per_block = math.ceil(len(slots) / num_blocks)  # blocks of even length
+    out = []
+    for first in range(0, len(slots), per_block):
+        block = slots[first : first + per_block]
+        header = "".join(f"{'' if i is None else i:>{width}}" for i in block)
+        out.append(" " * (label_width + 2) + header)
+        for r in rows:
+            if r is None:
+                out.append("  ...")
+                continue
+            line = "".join(f"{cells[r][i] if i is not None else '...':>{width}}" for i in block)
+            out.append(f"  {labels[r]:<{label_width}}{line}")
+    left_out = [
+        *_left_out("stages", len(labels), _MAX_ROWS),
+        *_left_out("slots", num_slots, _MAX_SLOTS),
+    ]
+    if left_out:
+        out.append(f"  (left out: {', '.join(left_out)})")
+    return out
+
+
+def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
+    labels = [f"stage {s} (ranks {fmt_ranks(st.ranks)})" for s, st in enumerate(plan.stages)]
+    return [
+        f"pipeline: {len(plan.stages)} stages, {pipeline.num_microbatches} microbatches, "
+        f"schedule {pipeline.schedule}, predicted bubble {100 * pipeline.bubble_fraction:.1f}% "
+        "of the step",
+        *_stage_lines(plan),
+        "",
+        f"schedule {pipeline.schedule}, one column per slot: Fk / Bk = forward / backward of "
+        "microbatch k, . = idle",
+        "(equal slots, in the order each stage runs them; the picture, --png, draws predicted "
+        "times)",
+        *schedule_grid(pipeline, labels),
+        "",
+    ]
+
+
 def summary(plan: Plan) -> str:
     pv, pr, so = plan.provenance, plan.predicted, plan.solver
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh.axes, plan.mesh.shape, strict=True))
@@ -56,6 +190,7 @@ def summary(plan: Plan) -> str:
         f"mesh: {mesh}  ({len(plan.mesh.ranks)} devices; "
         f"tried {', '.join(map(str, so.meshes_tried))})",
         "",
+        *(_pipeline_lines(plan, plan.pipeline) if plan.pipeline is not None else []),
         "parameters (as used by ops; storage when it differs):",
         *_param_lines(plan),
         "",

@@ -1,0 +1,149 @@
+"""`autoplan show`: the pipeline schedule's timeline, the text summary and the picture."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+import autoplan
+from autoplan.errors import AutoplanError
+from autoplan.plan.picture import render_png
+from autoplan.plan.schema import Pipeline
+from autoplan.plan.show import schedule_grid, summary
+from autoplan.plan.timeline import Event, simulate, stage_order
+from tests.conftest import example, plan_example, plan_workload
+
+
+def _steps(events: tuple[Event, ...], stage: int) -> list[tuple[str, int, float, float]]:
+    return [(e.kind, e.microbatch, e.start, e.end) for e in events if e.stage == stage]
+
+
+def _row(events: tuple[Event, ...], stage: int) -> str:
+    """A stage's unit slots as "F0 F1 . B0 ...", "." idle."""
+    slots = ["."] * round(max(e.end for e in events))
+    for e in events:
+        if e.stage == stage:
+            assert e.end == e.start + 1
+            slots[round(e.start)] = f"{e.kind}{e.microbatch}"
+    return " ".join(slots)
+
+
+# 2 stages x 3 microbatches, worked out by hand from each stage's order and its inputs
+@pytest.mark.parametrize(
+    ("schedule", "stage0", "stage1"),
+    [
+        ("GPipe", "F0 F1 F2 . . B0 B1 B2", ". F0 F1 F2 B0 B1 B2 ."),
+        # stage 0 warms up with 2 forwards, stage 1 (the last) with 1
+        ("1F1B", "F0 F1 . B0 F2 B1 . B2", ". F0 B0 F1 B1 F2 B2 ."),
+    ],
+)
+def test_two_stages_three_microbatches_by_hand(schedule: str, stage0: str, stage1: str) -> None:
+    events = simulate(schedule, 2, 3)
+    assert (_row(events, 0), _row(events, 1)) == (stage0, stage1)
+
+
+def test_durations_stretch_the_slots() -> None:
+    # stage 0: forward 1, backward 2; stage 1: forward 2, backward 4 (seconds)
+    events = simulate("1F1B", 2, 2, [(1.0, 2.0), (2.0, 4.0)])
+    assert _steps(events, 0) == [("F", 0, 0, 1), ("F", 1, 1, 2), ("B", 0, 7, 9), ("B", 1, 13, 15)]
+    assert _steps(events, 1) == [("F", 0, 1, 3), ("B", 0, 3, 7), ("F", 1, 7, 9), ("B", 1, 9, 13)]
+
+
+def test_1f1b_order_is_torchs() -> None:
+    # Schedule1F1B: min(B, S - s) forwards, then backward/forward pairs, then the backwards
+    assert stage_order("1F1B", 4, 6, 1) == (
+        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
+        ("F", 5), ("B", 3), ("B", 4), ("B", 5),
+    )  # fmt: skip
+    assert stage_order("1F1B", 4, 2, 0) == (("F", 0), ("F", 1), ("B", 0), ("B", 1))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "num_microbatches"),
+    list(itertools.product(("GPipe", "1F1B"), (1, 2, 3, 5), (1, 2, 4, 7))),
+)
+def test_timeline_keeps_order_and_dependencies(
+    schedule: str, num_stages: int, num_microbatches: int
+) -> None:
+    durations = [(1.0 + 0.3 * s, 2.5 - 0.2 * s) for s in range(num_stages)]
+    events = simulate(schedule, num_stages, num_microbatches, durations)
+    end = {(e.kind, e.stage, e.microbatch): e.end for e in events}
+    assert len(end) == len(events) == 2 * num_stages * num_microbatches
+    for s in range(num_stages):
+        mine = [e for e in events if e.stage == s]
+        order = stage_order(schedule, num_stages, num_microbatches, s)
+        assert [(e.kind, e.microbatch) for e in mine] == list(order)
+        assert all(a.end <= b.start for a, b in itertools.pairwise(mine))  # one thing at a time
+    for e in events:
+        assert e.end - e.start == pytest.approx(durations[e.stage][e.kind == "B"])
+        if e.kind == "B":
+            assert end[("F", e.stage, e.microbatch)] <= e.start
+        source = e.stage - 1 if e.kind == "F" else e.stage + 1
+        assert end.get((e.kind, source, e.microbatch), 0.0) <= e.start
+
+
+def test_unknown_schedule_is_refused() -> None:
+    with pytest.raises(AutoplanError, match="Interleaved"):
+        simulate("Interleaved", 2, 2)
+
+
+def _labels(num_stages: int) -> list[str]:
+    return [f"stage {s} (ranks {4 * s}-{4 * s + 3})" for s in range(num_stages)]
+
+
+def test_grid_of_16_microbatches_on_8_stages_fits_and_is_whole() -> None:
+    lines = schedule_grid(Pipeline("1F1B", 16, 0.3), _labels(8))
+    assert max(map(len, lines)) <= 100
+    assert not any("left out" in line for line in lines)
+    row0 = "".join(line.split(")", 1)[1] for line in lines if line.startswith("  stage 0 "))
+    assert row0.split() == [
+        *(f"F{m}" for m in range(8)), *["."] * 7, "B0",
+        *itertools.chain.from_iterable((f"F{m + 8}", f"B{m + 1}") for m in range(8)),
+        *itertools.chain.from_iterable((".", f"B{m}") for m in range(9, 16)),
+    ]  # fmt: skip
+
+
+def test_grid_past_the_limits_leaves_out_the_middle() -> None:
+    lines = schedule_grid(Pipeline("1F1B", 40, 0.3), _labels(12))
+    assert lines[-1] == "  (left out: stages 4-7, slots 23-78)"
+    assert "  stage 11 (ranks 44-47)" in "\n".join(lines)
+    assert not any(line.startswith("  stage 5 ") for line in lines)
+    assert max(map(len, lines)) <= 100
+
+
+@pytest.fixture(scope="module")
+def pipelined(cpu4: autoplan.Cluster) -> autoplan.Plan:
+    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
+    return plan_workload(w, cpu4, pipeline=True, num_stages=2, num_microbatches=4, schedule="1F1B")
+
+
+def test_summary_of_a_pipelined_plan_shows_stages_and_grid(pipelined: autoplan.Plan) -> None:
+    text = summary(pipelined)
+    lines = text.splitlines()
+    assert "pipeline: 2 stages, 4 microbatches, schedule 1F1B, predicted bubble" in text
+    stage_rows = [line.split() for line in lines if line.startswith(("  0  ", "  1  "))]
+    assert [row[:3] for row in stage_rows] == [["0", "0-1", "blocks.0"], ["1", "2-3", "blocks.1"]]
+    assert all("GiB" in row for row in stage_rows)
+    assert any(line.startswith("  stage 0 -> 1 sends ") for line in lines)
+    assert "  stage 0 (ranks 0-1)  F0 F1  . B0 F2 B1 F3 B2  . B3" in lines
+    assert "  stage 1 (ranks 2-3)   . F0 B0 F1 B1 F2 B2 F3 B3  ." in lines
+
+
+def test_summary_of_a_plan_without_pipeline_has_no_stages(cpu4: autoplan.Cluster) -> None:
+    plan = plan_example("mlp", cpu4, (2, 2), batch_size=8, hidden=32)
+    lines = summary(plan).splitlines()
+    assert lines[1].startswith("mesh: ")
+    assert lines[2:4] == ["", "parameters (as used by ops; storage when it differs):"]
+    assert not any("pipeline" in line or "F0" in line for line in lines)
+    with pytest.raises(AutoplanError, match="no pipeline stages"):
+        render_png(plan, "unused.png")
+
+
+def test_render_png_writes_a_png(pipelined: autoplan.Plan, tmp_path: Path) -> None:
+    path = tmp_path / "plan.png"
+    render_png(pipelined, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
