@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from autoplan.cluster import Cluster
 from autoplan.costmodel import collective_time
@@ -35,7 +36,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
 from autoplan.graph.layers import find_layers, signature
-from autoplan.intra_op import MeshPlan, StepCost, candidate_meshes, solve_mesh, step_cost
+from autoplan.intra_op import MeshPlan, StepCost, solve_mesh, step_cost
 from autoplan.solve.dp import (
     InfeasibleStagesError,
     StageCost,
@@ -43,7 +44,6 @@ from autoplan.solve.dp import (
     Submesh,
     solve_stages,
 )
-from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import R, Spec, is_valid, local_numel
 from autoplan.strategies.space import NodeStrategies, Strategy
@@ -67,8 +67,7 @@ class SolvedStage:
     extra_s: float  # gradient synchronization and optimizer update, once per step
     memory_bytes: float  # parameters, gradients, optimizer state
     activation_bytes: float  # one microbatch in flight
-    solution: IntraOpSolution
-    num_groups: int
+    solver: _SolverStats
 
 
 @dataclass(frozen=True)
@@ -119,66 +118,152 @@ def _stage_cluster(cluster: Cluster, size: int) -> Cluster:
     return cluster.with_nodes(size // m)
 
 
+def stage_meshes(stage_cluster: Cluster) -> list[tuple[int, ...]]:
+    """Alpa's logical views of a stage's submesh: flat, and nodes x devices when it spans
+    nodes."""
+    n = stage_cluster.num_devices
+    meshes: list[tuple[int, ...]] = [(n,)]
+    if stage_cluster.num_nodes > 1:
+        meshes.append((stage_cluster.num_nodes, stage_cluster.devices_per_node))
+    return meshes
+
+
 def boundary_specs(mesh_shape: tuple[int, ...]) -> list[Spec]:
-    """How tensors between stages may be laid out: replicated, or batch-split on a set of axes."""
-    choices: list[Spec] = [tuple(R for _ in mesh_shape)]
-    for mask in range(1, 2 ** len(mesh_shape)):
-        choices.append(tuple("S(0)" if mask >> a & 1 else R for a in range(len(mesh_shape))))
-    return choices
+    """How tensors between stages may be laid out: replicated, or batch-split on the outer
+    axes (data parallel across nodes first)."""
+    return [
+        tuple("S(0)" if a < split else R for a in range(len(mesh_shape)))
+        for split in range(len(mesh_shape) + 1)
+    ]
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """A layer range priced as the sum of its layers (what the DP's cost table holds)."""
+
+    time_s: float
+    extra_s: float
+    memory_bytes: float
+    activation_bytes: float
+    level: int  # each layer was planned within memory_limit / level
 
 
 class _StageSolver:
-    """Solves and memoizes (layer range, logical mesh, boundary) on one stage size."""
+    """Plans layers on one stage size, logical mesh and boundary placement.
+
+    A layer range is priced by composition: each layer is planned as a stage graph of its own
+    (the ILP, memoized by structure, so identical blocks are solved once) with the tensors
+    between layers at the boundary placement, and a range costs the sum of its layers. The
+    union of the layers' plans is a valid plan of the range (the placements agree where
+    layers meet), so a range never costs less than its ILP would find; in exchange the DP's
+    table costs one ILP per distinct layer instead of one per range. When the fastest layer
+    plans do not fit together, each layer is planned again within ``memory_limit / level``
+    for ``level`` = 2, 4, ... until the range fits.
+    """
 
     def __init__(
         self,
         graph: Graph,
         layers: tuple[Layer, ...],
         cluster: Cluster,
-        optimizer: str,
+        costs: StepCosts,
+        boundary: Spec,
         memory_limit: float,
         time_limit_s: float,
     ) -> None:
         self.graph = graph
         self.cluster = cluster
         self.layers = layers
-        self.optimizer = optimizer
+        self.costs = costs
+        self.boundary = boundary
         self.memory_limit = memory_limit
         self.time_limit_s = time_limit_s
         self._memo: dict[Hashable, SolvedStage | None] = {}
+        self._stages = [stage_graph(graph, layers, i, i + 1) for i in range(len(layers))]
+        self._keys = [
+            signature(st.graph, tuple(n.name for n in st.graph), None) for st in self._stages
+        ]
 
-    def send_s(self, stop: int, costs: StepCosts, boundary: Spec) -> float:
+    def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
-        stage = stage_graph(self.graph, self.layers, stop - 1, stop)
-        return _send_time(self.cluster, _sent_bytes(stage, costs.mesh_shape, boundary))
+        stage = self._stages[stop - 1]
+        return _send_time(self.cluster, _sent_bytes(stage, self.costs.mesh_shape, self.boundary))
 
-    def solve(self, start: int, stop: int, costs: StepCosts, boundary: Spec) -> SolvedStage | None:
+    def cost(self, start: int, stop: int) -> _Cost | None:
+        level = 1
+        while level <= 2 * (stop - start):
+            parts = [self._layer(i, level) for i in range(start, stop)]
+            if any(p is None for p in parts):
+                return None  # a tighter budget cannot help
+            done = [p for p in parts if p is not None]
+            found = _Cost(
+                time_s=sum(p.time_s for p in done),
+                extra_s=sum(p.extra_s for p in done),
+                memory_bytes=sum(p.memory_bytes for p in done),
+                activation_bytes=sum(p.activation_bytes for p in done),
+                level=level,
+            )
+            if found.memory_bytes + found.activation_bytes <= self.memory_limit:
+                return found
+            level *= 2
+        return None
+
+    def stage(self, start: int, stop: int) -> SolvedStage:
+        """The plan of layers ``[start, stop)``: the union of its layers' plans, priced whole."""
+        found = self.cost(start, stop)
+        assert found is not None, "the DP chose a range it was told does not fit"
         stage = stage_graph(self.graph, self.layers, start, stop)
-        names = tuple(n.name for n in stage.graph)
-        key = (signature(stage.graph, names, None), costs.mesh_shape, boundary)
+        assignment: dict[str, Strategy] = {}
+        rules: dict[str, str] = {}
+        parts = [self._renamed(i, found.level) for i in range(start, stop)]
+        for part in parts:
+            own = set(part.stage.nodes)
+            assignment.update({k: v for k, v in part.assignment.items() if k in own})
+            rules.update({k: v for k, v in part.rules.items() if k in own})
+        for name in stage.received:
+            assignment[name] = Strategy(self.boundary, ())
+            rules[name] = "boundary"
+        output = stage.graph.nodes[-1]
+        replicated = tuple(R for _ in self.costs.mesh_shape)
+        assignment[output.name] = Strategy(
+            (), tuple(self.boundary if r.name in stage.sent else replicated for r in output.refs)
+        )
+        rules[output.name] = "output"
+        step = step_cost(stage.graph, assignment, self.costs)
+        stats = [p.solver for p in parts]
+        solver = _SolverStats(*(sum(column) for column in zip(*stats, strict=True)))
+        return _priced(
+            start, stop, stage, assignment, step, rules, self.costs, self.send_s(stop), solver
+        )
+
+    def _layer(self, i: int, level: int) -> SolvedStage | None:
+        key = (self._keys[i], self.costs.mesh_shape, self.boundary, level)
         if key not in self._memo:
-            self._memo[key] = self._solve(start, stop, stage, costs, boundary)
-        found = self._memo[key]
-        if found is None or found.stage.graph is stage.graph:
+            self._memo[key] = self._solve(i, level)
+        return self._memo[key]
+
+    def _renamed(self, i: int, level: int) -> SolvedStage:
+        """Layer ``i``'s plan, possibly solved on another layer of the same structure."""
+        found = self._layer(i, level)
+        assert found is not None
+        stage = self._stages[i]
+        if found.stage is stage:
             return found
-        # the same structure at other layers: rename its nodes by position
+        names = (n.name for n in stage.graph)
         rename = dict(zip((n.name for n in found.stage.graph), names, strict=True))
-        assignment = {rename[k]: v for k, v in found.assignment.items()}
         return replace(
             found,
-            start=start,
-            stop=stop,
+            start=i,
+            stop=i + 1,
             stage=stage,
-            assignment=assignment,
-            step=step_cost(stage.graph, assignment, costs),
+            assignment={rename[k]: v for k, v in found.assignment.items()},
             rules={rename[k]: v for k, v in found.rules.items()},
         )
 
-    def _solve(
-        self, start: int, stop: int, stage: StageGraph, costs: StepCosts, boundary: Spec
-    ) -> SolvedStage | None:
+    def _solve(self, i: int, level: int) -> SolvedStage | None:
+        stage = self._stages[i]
         graph = stage.graph
-        mesh = costs.mesh_shape
+        mesh, boundary = self.costs.mesh_shape, self.boundary
         if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.received):
             return None
         if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.sent):
@@ -190,14 +275,24 @@ class _StageSolver:
         found = solve_mesh(
             graph,
             find_layers(graph),
-            costs,
-            self.memory_limit,
+            self.costs,
+            self.memory_limit / level,
             self.time_limit_s,
             restrict,
         )
         if not isinstance(found, MeshPlan):
             return None
-        return _priced(start, stop, stage, found, costs, self.send_s(stop, costs, boundary))
+        solution = found.result.solution
+        solver = _SolverStats(
+            solution.solve_time_s,
+            solution.num_variables,
+            solution.num_constraints,
+            found.result.problem.num_groups,
+        )
+        return _priced(
+            i, i + 1, stage, found.result.assignment, found.step, found.rules, self.costs,
+            self.send_s(i + 1), solver,
+        )  # fmt: skip
 
 
 def _pin_boundary(
@@ -216,15 +311,25 @@ def _pin_boundary(
     return out
 
 
+class _SolverStats(NamedTuple):
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+    num_groups: int
+
+
 def _priced(
     start: int,
     stop: int,
     stage: StageGraph,
-    found: MeshPlan,
+    assignment: dict[str, Strategy],
+    step: StepCost,
+    rules: dict[str, str],
     costs: StepCosts,
     send_s: float,
+    solver: _SolverStats,
 ) -> SolvedStage:
-    graph, assignment = stage.graph, found.result.assignment
+    graph = stage.graph
     mesh = costs.mesh_shape
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     extra += sum(
@@ -235,7 +340,7 @@ def _priced(
             mesh[p.collective.axis],
             costs.links[p.collective.axis],
         )
-        for _, _, p in found.step.collectives
+        for _, _, p in step.collectives
         if p.phase == "grad_sync"
     )
     static = sum(
@@ -243,22 +348,21 @@ def _priced(
     )
     flops = sum(n.flops for n in graph)
     total_flops = flops + sum(n.bwd_flops for n in graph)
-    time = found.step.compute_s + found.step.comm_s - extra
+    time = step.compute_s + step.comm_s - extra
     return SolvedStage(
         start=start,
         stop=stop,
         stage=stage,
         assignment=dict(assignment),
-        step=found.step,
-        rules=found.rules,
+        step=step,
+        rules=rules,
         time_s=time,
         forward_s=time * flops / total_flops if total_flops else time / 3,
         send_s=send_s,
         extra_s=extra,
         memory_bytes=static,
-        activation_bytes=found.step.memory_bytes - static,
-        solution=found.result.solution,
-        num_groups=found.result.problem.num_groups,
+        activation_bytes=step.memory_bytes - static,
+        solver=solver,
     )
 
 
@@ -324,18 +428,17 @@ def _best_for_size(
     time_limit_s: float,
     meshes: Sequence[tuple[int, ...]] | None,
 ) -> PipelinePlan | None:
-    sub = _submesh(cluster, size)
     stage_cluster = _stage_cluster(cluster, size)
-    solver = _StageSolver(graph, layers, cluster, optimizer, memory_limit, time_limit_s)
     best: PipelinePlan | None = None
-    for mesh in meshes or candidate_meshes(stage_cluster):
+    for mesh in meshes or stage_meshes(stage_cluster):
         if math.prod(mesh) != size:
             continue
         costs = StepCosts(stage_cluster, tuple(mesh), optimizer)
         for boundary in boundary_specs(tuple(mesh)):
-            solved = _solve_dp(
-                solver, cluster, sub, costs, boundary, num_microbatches, memory_limit
+            solver = _StageSolver(
+                graph, layers, cluster, costs, boundary, memory_limit, time_limit_s
             )
+            solved = _solve_dp(solver, _submesh(cluster, size), num_microbatches)
             if solved is None:
                 continue
             found = _pipeline(
@@ -357,28 +460,22 @@ def _best_for_size(
 
 
 def _solve_dp(
-    solver: _StageSolver,
-    cluster: Cluster,
-    sub: Submesh,
-    costs: StepCosts,
-    boundary: Spec,
-    num_microbatches: int,
-    memory_limit: float,
+    solver: _StageSolver, sub: Submesh, num_microbatches: int
 ) -> tuple[SolvedStage, ...] | None:
     """Alpa's stage DP with every stage on ``sub`` (see the module docstring)."""
-
+    cluster = solver.cluster
     num_stages = cluster.num_devices // sub.num_devices
     longest = len(solver.layers) - num_stages + 1  # every other stage needs a layer
 
     def cost(i: int, j: int, submesh: Submesh) -> StageCost:
         usable = submesh == sub and j - i <= longest
-        stage = solver.solve(i, j, costs, boundary) if usable else None
-        if stage is None:
+        found = solver.cost(i, j) if usable else None
+        if found is None:
             return StageCost(math.inf, math.inf, feasible=False)
         return StageCost(
-            time_s=stage.time_s + stage.extra_s / num_microbatches,
-            memory_bytes=stage.memory_bytes,
-            activation_bytes=stage.activation_bytes,
+            time_s=found.time_s + found.extra_s / num_microbatches,
+            memory_bytes=found.memory_bytes,
+            activation_bytes=found.activation_bytes,
         )
 
     problem = StageProblem(
@@ -386,16 +483,15 @@ def _solve_dp(
         num_nodes=cluster.num_nodes,
         devices_per_node=cluster.devices_per_node,
         num_microbatches=num_microbatches,
-        memory_limit=memory_limit,
+        memory_limit=solver.memory_limit,
         cost=cost,
-        send_time=lambda j, a, b: solver.send_s(j, costs, boundary),
+        send_time=lambda j, a, b: solver.send_s(j),
     )
     try:
         solution = solve_stages(problem)
     except InfeasibleStagesError:
         return None
-    stages = [solver.solve(p.start, p.stop, costs, boundary) for p in solution.stages]
-    return tuple(s for s in stages if s is not None)
+    return tuple(solver.stage(p.start, p.stop) for p in solution.stages)
 
 
 def _pipeline(
