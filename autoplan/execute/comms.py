@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.schema import CollectivePlan
+from autoplan.plan.schema import Plan
 from autoplan.torch_private import FUNCTIONAL_COLLECTIVES, TorchDispatchMode
 
 _functional = FUNCTIONAL_COLLECTIVES
@@ -61,8 +62,17 @@ class CollectiveRecorder(TorchDispatchMode):
         return out
 
 
-def planned(collectives: Iterable[CollectivePlan]) -> Counter[tuple[str, str, int]]:
-    return Counter((c.kind, c.axis, c.bytes) for c in collectives)
+def planned(plan: Plan) -> Counter[tuple[str, str, int]]:
+    """What one step of ``plan`` issues on this rank's stage: forward and backward collectives
+    once per microbatch, gradient synchronization once."""
+    rank = dist.get_rank()
+    mine = next(s for s, stage in enumerate(plan.stages) if rank in stage.ranks)
+    times = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    counts: Counter[tuple[str, str, int]] = Counter()
+    for c in plan.collectives:
+        if c.stage == mine:
+            counts[(c.kind, c.axis, c.bytes)] += 1 if c.phase == "grad_sync" else times
+    return counts
 
 
 def issued(records: Iterable[Issued]) -> Counter[tuple[str, str, int]]:

@@ -103,7 +103,7 @@ class StepCosts:
         return tuple(
             Collective("all_reduce", axis, size)
             for axis, p in enumerate(strategy.inputs[0])
-            if shard_dim(p) is not None
+            if shard_dim(p) is not None and self.mesh_shape[axis] > 1
         )
 
     def internal_time(self, node: Node, strategy: Strategy) -> float:
@@ -135,7 +135,11 @@ class StepCosts:
     def _redistribute_uncached(
         self, src: Spec, dst: Spec, shape: tuple[int, ...], size: int
     ) -> tuple[tuple[Collective, ...], float]:
-        found = redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
+        found = tuple(
+            c  # an axis of one device moves nothing (a pipeline stage of one device has one)
+            for c in redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
+            if self.mesh_shape[c.axis] > 1
+        )
         seconds = sum(
             collective_time(
                 self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]

@@ -83,6 +83,13 @@ def own(mesh: tuple[int, ...] | None = None) -> Callable[[Workload], dict[str, A
     return lambda w: {} if mesh is None else {"mesh_shape": mesh}
 
 
+def pipeline(
+    stages: int, microbatches: int, schedule: str = "1F1B", mesh: tuple[int, ...] | None = None
+) -> Callable[[Workload], dict[str, Any]]:
+    options = {"num_stages": stages, "num_microbatches": microbatches, "schedule": schedule}
+    return lambda w: {**options, **({"mesh_shape": mesh} if mesh else {})}
+
+
 MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
@@ -104,4 +111,8 @@ CASES = [
     Case("gpt-baseline-2x2", "gpt", {**GPT, "batch_size": 8}, baseline_plan(dp=2, tp=2)),
     Case("gpt-baseline-tp", "gpt", GPT, baseline_plan(dp=1, tp=4)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
+    Case("gpt-pipeline-2x2", "gpt", GPT, pipeline(stages=2, microbatches=2, mesh=(2,))),
+    Case("mlp-pipeline-2x2", "mlp", MLP_LARGE_BATCH, pipeline(stages=2, microbatches=4, mesh=(2,))),
+    Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
+    Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
+from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import CASES, Case, cluster  # noqa: E402
 
@@ -62,29 +64,55 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         optimizer_options={"lr": LR},
         **case.plan_options(w),
     )
-    assert step.module is not None and step.optimizer is not None and step.plan is not None
-    loss = step.module(w.example_inputs, w.example_target)
-    loss.backward()
-    grads = {n: p.grad.full_tensor() for n, p in step.module.named_parameters()}  # type: ignore[union-attr]
-    step.optimizer.step()
-    step.optimizer.zero_grad()
-    losses = [loss.item()]
+    assert step.optimizer is not None and step.plan is not None
+    first_loss, grad = first_step(step, w, ref["grads"])
+    losses = [first_loss]
     with CollectiveRecorder(step.mesh) as recorder:  # type: ignore[arg-type]
         losses.append(step(w.example_inputs, w.example_target).item())
     losses += [step(w.example_inputs, w.example_target).item() for _ in range(STEPS - 2)]
     params = step.state_dict()
-    want, got = planned(step.plan.collectives), issued(recorder.issued)
+    want, got = planned(step.plan), issued(recorder.issued)
+    # each rank checks its own stage's collectives; rank 0 reports them all
+    mismatches: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(mismatches, (_text(want - got), _text(got - want)))
     return {
         "axes": list(step.plan.mesh.axes),
         "shape": list(step.plan.mesh.shape),
+        "stages": len(step.plan.stages),
         "placements": sorted({v for p in step.plan.params.values() for v in p.storage.values()}),
         "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
-        "grad": max((grads[n] - g).abs().max().item() for n, g in ref["grads"].items()),
+        "grad": grad,
         "param": max((params[n] - v).abs().max().item() for n, v in ref["params"].items()),
-        "planned_not_issued": _text(want - got),
-        "issued_not_planned": _text(got - want),
+        "planned_not_issued": sorted({m for missing, _ in mismatches for m in missing}),
+        "issued_not_planned": sorted({m for _, extra in mismatches for m in extra}),
         "num_collectives": sum(want.values()),
     }
+
+
+def first_step(
+    step: autoplan.Step, w: Workload, reference: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """The first step by hand, comparing gradients before the optimizer uses them: the loss,
+    and the largest gradient difference over all ranks (each checks its stage's)."""
+    if step.pipeline is not None:
+        loss = step.pipeline.run(batch_args(w.example_inputs, w.example_target))
+        named = list(step.pipeline.module.model.named_parameters())
+    else:
+        assert step.module is not None
+        loss = step.module(w.example_inputs, w.example_target)
+        loss.backward()
+        named = list(step.module.named_parameters())
+    diffs = [
+        (p.grad.full_tensor() - reference[n]).abs().max().item()  # type: ignore[union-attr]
+        for n, p in named
+        if isinstance(p, DTensor)
+    ]
+    diff = torch.tensor(max(diffs, default=0.0))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    assert step.optimizer is not None
+    step.optimizer.step()
+    step.optimizer.zero_grad()
+    return loss.item(), diff.item()
 
 
 def _text(counter: Counter[tuple[str, str, int]]) -> list[str]:
