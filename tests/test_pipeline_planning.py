@@ -1,0 +1,136 @@
+"""Pipeline planning: layers, stage graphs, and the shape of plans on simulated clusters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autoplan
+from autoplan.errors import AutoplanError
+from autoplan.graph.capture import capture
+from autoplan.graph.cut import cut_layers, shared_params, stage_graph
+from autoplan.graph.ir import INPUT, OUTPUT, PARAM
+from autoplan.inter_op import boundary_specs, stage_sizes
+from tests.conftest import example, plan_workload
+
+
+def _gpt_graph(num_layers: int = 4) -> autoplan.graph.ir.Graph:
+    w = example("gpt", size="small", num_layers=num_layers, batch_size=2, seq_len=32)
+    return capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+
+
+def test_layers_are_the_blocks_and_cover_every_node_once() -> None:
+    graph = _gpt_graph(4)
+    layers = cut_layers(graph)
+    assert [layer.name for layer in layers] == [f"blocks.{i}" for i in range(4)]
+    names = [n for layer in layers for n in layer.nodes]
+    assert sorted(names) == sorted(n.name for n in graph)
+    first, last = set(layers[0].nodes), set(layers[-1].nodes)
+    assert {n.name for n in graph if n.kind == INPUT} <= first  # the batch enters first
+    assert any(graph.node(n).module_path == "tok_emb" for n in first)
+    assert any(graph.node(n).module_path == "head" for n in last)
+    assert any(graph.node(n).kind == OUTPUT for n in last)
+    for i, layer in enumerate(layers):  # a parameter sits with its readers
+        for name in layer.nodes:
+            if graph.node(name).kind == PARAM:
+                assert all(u in layer.nodes for u in graph.users(name)), name
+        assert all(  # and every node reads only its own or earlier layers
+            any(r.name in earlier.nodes for earlier in layers[: i + 1])
+            for name in layer.nodes
+            for r in graph.node(name).refs
+        )
+    assert shared_params(graph, layers) == {}
+
+
+def test_more_blocks_than_max_layers_are_merged_evenly() -> None:
+    layers = cut_layers(_gpt_graph(4), max_layers=3)
+    assert [layer.name for layer in layers] == ["blocks.0-1", "blocks.2", "blocks.3"]
+
+
+def test_a_model_without_blocks_is_cut_by_flops() -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    graph = capture(model, x, nn.functional.mse_loss, y)
+    layers = cut_layers(graph, max_layers=4)
+    assert len(layers) == 4
+    flops = [sum(graph.node(n).flops for n in layer.nodes) for layer in layers]
+    assert max(flops) <= 1.5 * min(flops), flops
+
+
+def test_a_stage_receives_what_it_reads_and_passes_the_target_on() -> None:
+    graph = _gpt_graph(4)
+    layers = cut_layers(graph)
+    target = [n.name for n in graph if n.kind == INPUT][-1]
+    middle = stage_graph(graph, layers, 1, 3)
+    assert target in middle.received and target in middle.sent  # on its way to the loss
+    assert len(middle.received) == 2 and len(middle.sent) == 2  # and the residual stream
+    assert all(middle.graph.node(n).kind == INPUT for n in middle.received)
+    last = stage_graph(graph, layers, 3, 4)
+    assert last.sent == () and last.graph.nodes[-1].name == "output"
+    whole = stage_graph(graph, layers, 0, 4)
+    assert whole.received == () and whole.sent == () and len(whole.graph) == len(graph)
+
+
+def test_stage_sizes_and_boundaries() -> None:
+    a100 = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=4)
+    assert stage_sizes(a100) == [1, 2, 4, 8, 16]  # 32 devices in 2 or more uniform stages
+    assert boundary_specs((4, 8)) == [("R", "R"), ("S(0)", "R"), ("S(0)", "S(0)")]
+
+
+def _intra_node_axes(plan: autoplan.Plan, cluster: autoplan.Cluster) -> set[str]:
+    shape = tuple(plan.mesh.shape)
+    return {
+        axis
+        for i, axis in enumerate(plan.mesh.axes)
+        if cluster.axis_link(shape, i) == cluster.intra_node
+    }
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
+    cluster = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=nodes)
+    w = example("gpt", size="1.3b", num_layers=8, batch_size=8 * nodes, device="meta")
+    plan = plan_workload(w, cluster)
+    inside = _intra_node_axes(plan, cluster)
+    # tensor parallelism (weights split where they are used) stays on NVLink; across nodes
+    # every matmul splits its batch: data parallelism (or pipeline stages)
+    linears = [n for n in plan.nodes.values() if n.op == "aten.linear.default"]
+    for axis in set(plan.stage_axes) - inside:
+        assert all(n.output[axis] == "S(0)" and n.inputs[1][axis] == "R" for n in linears), axis
+    assert any(n.inputs[1][a] != "R" for n in linears for a in inside)  # some tensor parallelism
+
+
+def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
+    # A100-like nodes of 2 devices of 40 MiB: the activations of this small GPT need more
+    # than one node has however it is sharded
+    base = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json")
+    device = dataclasses.replace(base.device, memory_bytes=40 * 2**20)
+    node = dataclasses.replace(base, device=device, devices_per_node=2, num_nodes=1, name="tiny")
+    w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
+    with pytest.raises(autoplan.errors.InfeasiblePlanError, match="does not fit"):
+        plan_workload(w, node)
+    cluster = node.with_nodes(2)
+    plan = plan_workload(w, cluster)
+    assert plan.pipeline is not None and plan.mesh.axes[0] == "pp"
+    assert len(plan.stages) == plan.mesh.shape[0] >= 2
+    stage_size = math.prod(plan.mesh.shape[1:])
+    assert all(len(s.ranks) == stage_size for s in plan.stages)
+    assert sorted(r for s in plan.stages for r in s.ranks) == list(range(cluster.num_devices))
+    limit = plan.predicted.memory_limit_bytes
+    assert all(s.predicted is not None and s.predicted.memory_bytes <= limit for s in plan.stages)
+    assert sorted(n for s in plan.stages for n in s.nodes) == sorted(plan.nodes)
+    assert autoplan.Plan.from_json(plan.to_json()) == plan
+
+
+def test_pipeline_options_are_checked(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="small", num_layers=2, batch_size=6, seq_len=32)
+    with pytest.raises(AutoplanError, match="num_microbatches=4"):
+        plan_workload(w, cpu4, pipeline=True, num_microbatches=4)
+    with pytest.raises(AutoplanError, match="num_stages=3"):
+        plan_workload(w, cpu4, num_stages=3)
+    with pytest.raises(AutoplanError, match="schedule"):
+        plan_workload(w, cpu4, pipeline=True, schedule="zigzag")
