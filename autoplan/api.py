@@ -56,8 +56,9 @@ def plan(
 
     Pipelining: ``pipeline`` None weighs pipelines against a single stage and keeps the
     faster when the cluster has several nodes or one stage does not fit; True requires a
-    pipeline, False rules them out. ``num_stages``, ``num_microbatches``
-    (else 2, 4 and 8 are tried) and ``schedule`` ("1F1B" or "GPipe") narrow the search;
+    pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by default the
+    fewest that keep the bubble under a third: twice the stages) and ``schedule`` ("1F1B"
+    or "GPipe") narrow the search;
     the step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
     """
     start = time.perf_counter()
@@ -176,7 +177,7 @@ def _plan_pipelined(
             f"num_microbatches={num_microbatches} must be at least 1 and divide the batch "
             f"of {batch}"
         )
-    counts = [num_microbatches] if num_microbatches else [c for c in (2, 4, 8) if batch % c == 0]
+
     if num_stages is not None and (num_stages < 2 or cluster.num_devices % num_stages):
         raise AutoplanError(
             f"num_stages={num_stages}: it must be at least 2 and divide the "
@@ -186,7 +187,8 @@ def _plan_pipelined(
     found = plan_pipeline(
         microbatch_graph,
         cluster,
-        microbatches=counts,
+        batch=batch,
+        microbatches=[num_microbatches] if num_microbatches else None,
         schedule=schedule,
         optimizer=optimizer,
         memory_limit=memory_limit,

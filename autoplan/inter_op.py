@@ -128,12 +128,14 @@ def stage_meshes(stage_cluster: Cluster) -> list[tuple[int, ...]]:
     return meshes
 
 
-def boundary_specs(mesh_shape: tuple[int, ...]) -> list[Spec]:
-    """How tensors between stages may be laid out: replicated, or batch-split on the outer
-    axes (data parallel across nodes first)."""
+def boundary_specs(mesh_shape: tuple[int, ...], spans_nodes: bool = False) -> list[Spec]:
+    """How tensors between stages may be laid out on a stage's mesh: batch-split on the outer
+    axes (data parallel across nodes first), or replicated (a tensor-parallel stage) unless
+    the outer axis spans nodes, where slow links leave only data parallelism."""
+    first = 1 if spans_nodes else 0
     return [
         tuple("S(0)" if a < split else R for a in range(len(mesh_shape)))
-        for split in range(len(mesh_shape) + 1)
+        for split in range(first, len(mesh_shape) + 1)
     ]
 
 
@@ -387,11 +389,18 @@ def _send_time(cluster: Cluster, nbytes: float) -> float:
     return 2 * collective_time(cluster, "send_recv", nbytes, 2, link)
 
 
+def default_microbatches(batch: int, num_stages: int) -> int | None:
+    """The fewest microbatches that keep the 1F1B bubble at or below a third of the step
+    (``B >= 2 S``) and divide the batch; None if the batch is too small."""
+    return next((b for b in range(2 * num_stages, batch + 1) if batch % b == 0), None)
+
+
 def plan_pipeline(
     graph_for: GraphForMicrobatches,
     cluster: Cluster,
     *,
-    microbatches: Sequence[int],
+    batch: int,
+    microbatches: Sequence[int] | None,
     schedule: str,
     optimizer: str,
     memory_limit: float,
@@ -401,19 +410,26 @@ def plan_pipeline(
     num_stages: int | None = None,
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``num_stages`` if given), or None
-    if none fits."""
+    if none fits. ``microbatches``: the counts to try (by default, for each number of stages,
+    `default_microbatches`, as Alpa takes the count as given rather than searching it)."""
     best: PipelinePlan | None = None
-    for b in microbatches:
-        graph = graph_for(b)
-        layers = cut_layers(graph, max_layers)
-        shared = shared_params(graph, layers)
-        if shared:
-            name, readers = next(iter(shared.items()))
-            log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
-            return None
-        for size in stage_sizes(cluster):
-            stages = cluster.num_devices // size
-            if stages > len(layers) or (num_stages is not None and stages != num_stages):
+    traced: dict[int, tuple[Graph, tuple[Layer, ...]]] = {}
+    for size in stage_sizes(cluster):
+        stages = cluster.num_devices // size
+        if num_stages is not None and stages != num_stages:
+            continue
+        counts = microbatches or [c for c in [default_microbatches(batch, stages)] if c]
+        for b in counts:
+            if b not in traced:
+                graph = graph_for(b)
+                traced[b] = (graph, cut_layers(graph, max_layers))
+                shared = shared_params(graph, traced[b][1])
+                if shared:
+                    name, readers = next(iter(shared.items()))
+                    log.info("no pipeline: %s is read by layers %s (tied weights)", name, readers)
+                    return None
+            graph, layers = traced[b]
+            if stages > len(layers):
                 continue
             found = _best_for_size(
                 graph, layers, cluster, size, b, schedule, optimizer, memory_limit,
@@ -442,7 +458,7 @@ def _best_for_size(
         if math.prod(mesh) != size:
             continue
         costs = StepCosts(stage_cluster, tuple(mesh), optimizer)
-        for boundary in boundary_specs(tuple(mesh)):
+        for boundary in boundary_specs(tuple(mesh), spans_nodes=stage_cluster.num_nodes > 1):
             solver = _StageSolver(
                 graph, layers, cluster, costs, boundary, memory_limit, time_limit_s
             )

@@ -1,9 +1,10 @@
-"""Planning benchmark: GPT 125M .. 175B on simulated A100 clusters of 8, 64 and 512 GPUs.
+"""Planning benchmark: GPT 1.3B .. 175B on simulated A100 and H100 clusters of 8 to 1024 GPUs.
 
-Prints, and writes to benchmarks/results/plan_gpt.json and .md: tracing time, solve time,
-ILP size and the predicted step time (or the memory shortfall when nothing fits).
+Prints, and writes to benchmarks/results/plan_gpt.json and .md: tracing and planning time,
+the plan's shape (mesh, pipeline stages, microbatches, predicted bubble), ILP size and the
+predicted step time and throughput (or the memory shortfall when nothing fits).
 
-    python benchmarks/plan_gpt.py [--sizes 125m,1.3b] [--gpus 8,64]
+    python benchmarks/plan_gpt.py [--sizes 1.3b,7b] [--gpus 8,64] [--clusters a100,h100]
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ from benchmarks.results_io import write_results  # noqa: E402
 SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
 
 
-def run(size: str, gpus: int) -> dict[str, object]:
+CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
+
+
+def run(size: str, gpus: int, kind: str) -> dict[str, object]:
     batch = max(4, int(gpus * SEQUENCES_PER_GPU))
-    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=gpus // 8)
+    path = ROOT / "costmodels" / CLUSTERS[kind]
+    cluster = autoplan.Cluster.load(path, num_nodes=max(1, gpus // 8))
     w = load_workload(
         ROOT / "examples/gpt.py", size=size, batch_size=batch, device="meta", dtype="bfloat16"
     )
@@ -42,6 +47,7 @@ def run(size: str, gpus: int) -> dict[str, object]:
     row: dict[str, object] = {
         "model": f"gpt-{size}",
         "params_b": round(graph.num_params / 1e9, 2),
+        "cluster": kind,
         "gpus": gpus,
         "batch": batch,
         "graph_nodes": len(graph),
@@ -63,6 +69,9 @@ def run(size: str, gpus: int) -> dict[str, object]:
         result="ok",
         mesh="x".join(map(str, plan.mesh.shape)),
         axes=",".join(plan.mesh.axes),
+        stages=len(plan.stages),
+        microbatches=plan.pipeline.num_microbatches if plan.pipeline else 1,
+        bubble=round(plan.pipeline.bubble_fraction, 3) if plan.pipeline else 0.0,
         ilp_groups=plan.solver.num_groups,
         ilp_variables=plan.solver.num_variables,
         solve_s=round(plan.solver.solve_time_s, 2),
@@ -76,31 +85,38 @@ def run(size: str, gpus: int) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="125m,1.3b,7b,175b")
-    parser.add_argument("--gpus", default="8,64,512")
+    parser.add_argument("--sizes", default="1.3b,7b,175b")
+    parser.add_argument("--gpus", default="8,64,1024")
+    parser.add_argument("--clusters", default="a100,h100")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
-    for size in args.sizes.split(","):
-        for gpus in (int(g) for g in args.gpus.split(",")):
-            row = run(size, gpus)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    for kind in args.clusters.split(","):
+        for size in args.sizes.split(","):
+            for gpus in (int(g) for g in args.gpus.split(",")):
+                row = run(size, gpus, kind)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     meta = {
         "command": "python benchmarks/plan_gpt.py",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
-        "cluster": "costmodels/dgx-a100-80gb.json (8 GPUs per node), bf16 parameters, AdamW",
-        "note": "one pipeline stage (intra-op only); predictions are analytic, not measured",
+        "clusters": "costmodels/dgx-a100-80gb.json, h100-sxm-8.json (8 GPUs per node)",
+        "model": "bf16 parameters, AdamW, global batch of half a 2048-token sequence per GPU",
+        "note": "predictions are analytic (published link and peak figures), not measured",
     }
     columns = [
         "model",
+        "cluster",
         "gpus",
         "trace_s",
         "plan_s",
         "result",
         "mesh",
         "axes",
+        "stages",
+        "microbatches",
+        "bubble",
         "ilp_groups",
         "ilp_variables",
         "solve_s",

@@ -78,7 +78,9 @@ def test_a_stage_receives_what_it_reads_and_passes_the_target_on() -> None:
 def test_stage_sizes_and_boundaries() -> None:
     a100 = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=4)
     assert stage_sizes(a100) == [1, 2, 4, 8, 16]  # 32 devices in 2 or more uniform stages
-    assert boundary_specs((4, 8)) == [("R", "R"), ("S(0)", "R"), ("S(0)", "S(0)")]
+    assert boundary_specs((8,)) == [("R",), ("S(0)",)]
+    assert boundary_specs((32,), spans_nodes=True) == [("S(0)",)]
+    assert boundary_specs((4, 8), spans_nodes=True) == [("S(0)", "R"), ("S(0)", "S(0)")]
 
 
 def _intra_node_axes(plan: autoplan.Plan, cluster: autoplan.Cluster) -> set[str]:
