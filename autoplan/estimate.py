@@ -13,10 +13,17 @@ from torch import nn
 
 from autoplan.cluster import Cluster
 from autoplan.errors import PlanFormatError
-from autoplan.graph.capture import capture
+from autoplan.graph.capture import capture, microbatch
+from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
+from autoplan.inter_op import price_pipeline
 from autoplan.intra_op import step_cost
-from autoplan.plan.assemble import collective_plans, predicted, provenance
+from autoplan.plan.assemble import (
+    collective_plans,
+    make_pipeline_plan,
+    predicted,
+    provenance,
+)
 from autoplan.plan.schema import Placements, Plan
 from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.space import Strategy
@@ -28,7 +35,7 @@ def _spec(placements: Placements, axes: tuple[str, ...]) -> tuple[str, ...]:
 
 def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
     """Each node's strategy as the plan writes it."""
-    axes = plan.mesh.axes
+    axes = plan.stage_axes
     missing = [n.name for n in graph if n.name not in plan.nodes]
     if missing:
         raise PlanFormatError(
@@ -42,6 +49,20 @@ def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
         )
         for n in graph
     }
+
+
+def _stage_assignment(plan: Plan, s: int, stage: StageGraph) -> dict[str, Strategy]:
+    """Stage ``s``'s strategies: its nodes as the plan writes them, what it receives and sends
+    in the boundary placement."""
+    axes = plan.stage_axes
+    boundary = _spec(plan.stages[s].boundary, axes) if plan.stages[s].boundary else ()
+    whole = assignment_of(plan, Graph(tuple(n for n in stage.graph if n.name in stage.nodes), ""))
+    output = stage.graph.nodes[-1]
+    final = whole.get(output.name)
+    sent_inputs = tuple(boundary for _ in stage.sent)
+    whole[output.name] = Strategy((), sent_inputs + (final.inputs if final else ()))
+    whole.update({name: Strategy(boundary, ()) for name in stage.received})
+    return whole
 
 
 def estimate(
@@ -64,20 +85,61 @@ def estimate(
         plan = Plan.from_json(str(plan))
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    graph = capture(model, example_inputs, loss_fn, example_target)
+    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+    graph = capture(model, inputs, loss_fn, target)
     if plan.provenance.graph_fingerprint != graph.fingerprint:
         raise PlanFormatError(
             f"plan field provenance.graph_fingerprint is {plan.provenance.graph_fingerprint} "
             f"but this model has {graph.fingerprint}: estimate the model the plan was made for"
         )
     cluster.check_mesh_shape(plan.mesh.shape)
+    limit = cluster.device.memory_bytes * memory_fraction
+    if plan.pipeline is not None:
+        return _estimate_pipeline(plan, graph, cluster, optimizer, limit)
     step = step_cost(
         graph, assignment_of(plan, graph), StepCosts(cluster, plan.mesh.shape, optimizer)
     )
-    limit = cluster.device.memory_bytes * memory_fraction
     return dataclasses.replace(
         plan,
         provenance=provenance(graph, cluster),
         collectives=collective_plans(step, plan.mesh.axes),
         predicted=predicted(step, limit),
+    )
+
+
+def _estimate_pipeline(
+    plan: Plan, graph: Graph, cluster: Cluster, optimizer: str, limit: float
+) -> Plan:
+    assert plan.pipeline is not None
+    layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(plan.stages))
+    axes = plan.stage_axes
+    boundary = _spec(plan.stages[0].boundary, axes) if plan.stages[0].boundary else ()
+    pipe = price_pipeline(
+        graph,
+        layers,
+        cluster,
+        mesh_shape=tuple(plan.mesh.shape[1:]),
+        boundary=boundary,
+        assignments=[
+            _stage_assignment(plan, s, stage_graph(graph, layers, s, s + 1))
+            for s in range(len(layers))
+        ],
+        num_microbatches=plan.pipeline.num_microbatches,
+        schedule=plan.pipeline.schedule,
+        optimizer=optimizer,
+        memory_limit=limit,
+    )
+    priced = make_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
+    stages = tuple(
+        dataclasses.replace(old, predicted=new.predicted)
+        for old, new in zip(plan.stages, priced.stages, strict=True)
+    )
+    return dataclasses.replace(
+        plan,
+        provenance=priced.provenance,
+        stages=stages,
+        collectives=priced.collectives,
+        predicted=priced.predicted,
+        pipeline=priced.pipeline,
     )

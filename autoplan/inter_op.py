@@ -584,6 +584,36 @@ def placed_pipeline(
     )
 
 
+def price_pipeline(
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    cluster: Cluster,
+    *,
+    mesh_shape: tuple[int, ...],
+    boundary: Spec,
+    assignments: Sequence[dict[str, Strategy]],
+    num_microbatches: int,
+    schedule: str,
+    optimizer: str,
+    memory_limit: float,
+) -> PipelinePlan:
+    """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
+    ``layers[s]`` with strategies ``assignments[s]`` (by node name of its stage graph)."""
+    stage_cluster = _stage_cluster(cluster, math.prod(mesh_shape))
+    costs = StepCosts(stage_cluster, mesh_shape, optimizer)
+    stages = []
+    for s, assignment in enumerate(assignments):
+        stage = stage_graph(graph, layers, s, s + 1)
+        step = step_cost(stage.graph, assignment, costs)
+        send = _send_time(cluster, _sent_bytes(stage, mesh_shape, boundary))
+        rules = dict.fromkeys(assignment, "given")
+        no_solver = _SolverStats(0.0, 0, 0, 0)
+        stages.append(_priced(s, s + 1, stage, assignment, step, rules, costs, send, no_solver))
+    return _pipeline(
+        graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit
+    )
+
+
 def check_schedule(schedule: str) -> str:
     from autoplan.plan.schema import SCHEDULES
 

@@ -95,3 +95,21 @@ def test_cli_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "predicted step time" in out and priced_file.exists()
     first = autoplan.Plan.from_json(str(plan_file))
     assert autoplan.Plan.from_json(str(priced_file)).predicted == first.predicted
+
+
+def test_a_pipelined_plan_is_estimated_stage_by_stage(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
+    plan = plan_workload(w, cpu4, pipeline=True, num_stages=2, num_microbatches=4)
+    args = (w.model, w.example_inputs)
+    kw = {"loss_fn": w.loss_fn, "example_target": w.example_target}
+    assert autoplan.estimate(plan, cpu4, *args, **kw) == plan  # its own numbers, exactly
+    slow = dataclasses.replace(
+        cpu4,
+        intra_node=dataclasses.replace(cpu4.intra_node, bandwidth=cpu4.intra_node.bandwidth / 10),
+    )
+    priced = autoplan.estimate(plan, slow, *args, **kw)
+    assert priced.pipeline is not None and plan.pipeline is not None
+    assert priced.predicted.step_time_s > plan.predicted.step_time_s
+    assert priced.nodes == plan.nodes and priced.mesh == plan.mesh  # decisions unchanged
+    sends = [s.predicted.time_s for s in priced.stages if s.predicted is not None]
+    assert sends[0] > plan.stages[0].predicted.time_s  # type: ignore[union-attr]

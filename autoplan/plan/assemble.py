@@ -162,9 +162,13 @@ def _nodes(
 
 
 def make_pipeline_plan(
-    pipe: PipelinePlan, cluster: Cluster, meshes_tried: tuple[tuple[int, ...], ...]
+    pipe: PipelinePlan,
+    cluster: Cluster,
+    meshes_tried: tuple[tuple[int, ...], ...],
+    axes: tuple[str, ...] | None = None,
 ) -> Plan:
-    """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s``."""
+    """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s``. The stage
+    axes are named by role unless ``axes`` gives their names."""
     graph = pipe.graph
     assignment: dict[str, Strategy] = {}
     rules: dict[str, str] = {}
@@ -177,7 +181,7 @@ def make_pipeline_plan(
     out = last.assignment[final]
     # the original output reads only the loss: drop the placements of tensors sent on
     assignment[final] = Strategy(out.output, out.inputs[len(last.stage.sent) :])
-    axes = axis_names(graph, assignment, pipe.mesh_shape)
+    axes = axes or axis_names(graph, assignment, pipe.mesh_shape)
     num_stages = len(pipe.stages)
     size = math.prod(pipe.mesh_shape)
     mesh = Mesh(
