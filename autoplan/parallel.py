@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
 from autoplan.api import plan_graph
@@ -84,12 +85,14 @@ class Step:
         plan: Plan | str | Path | None,
         init_fn: Callable[[nn.Module], None] | None,
         plan_options: Mapping[str, Any],
+        max_grad_norm: float | None = None,
     ) -> None:
         self._model = model
         self.cluster = cluster
         self._loss_fn = loss_fn
         self._optimizer_spec = optimizer
         self._optimizer_options = optimizer_options
+        self.max_grad_norm = max_grad_norm
         self._given_plan = plan
         self._init_fn = init_fn
         self._plan_options = plan_options
@@ -168,9 +171,35 @@ class Step:
             assert self.module is not None
             loss = self.module(inputs, target)
             loss.backward()
+        if self.max_grad_norm is not None:
+            self.clip_gradients(self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global norm is at most ``max_norm`` (as
+        ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before.
+
+        torch computes the norm of DTensor gradients (its collectives reduce over the stage's
+        mesh); across pipeline stages, which hold different parameters, the squared norms are
+        summed by hand on the "pp" axis: no DTensor spans stages.
+        """
+        assert self.optimizer is not None and self.mesh is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.pipeline is not None:
+            squared = norm.detach() ** 2
+            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+            norm = squared.sqrt()
+        scale = max_norm / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
+        if scale < 1.0:
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters and buffers (gathered on every rank)."""
@@ -210,6 +239,7 @@ def parallelize(
     optimizer_options: Mapping[str, Any] | None = None,
     plan: Plan | str | Path | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    max_grad_norm: float | None = None,
     **plan_options: Any,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
@@ -219,7 +249,9 @@ def parallelize(
 
     Without ``example_inputs`` the model is traced and planned at the first call, from that
     batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
-    and cluster. ``plan_options`` go to `autoplan.plan` (``mesh_shape``, ``pin`` ...).
+    and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
+    step (its norm reductions are not in the plan's list of collectives). ``plan_options``
+    go to `autoplan.plan` (``mesh_shape``, ``pin``, ``pipeline`` ...).
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
@@ -232,6 +264,7 @@ def parallelize(
         plan=plan,
         init_fn=init_fn,
         plan_options=plan_options,
+        max_grad_norm=max_grad_norm,
     )
     if example_inputs is not None:
         step.build(example_inputs, example_target)

@@ -21,6 +21,7 @@ class Case:
     options: dict[str, Any]
     plan_options: Callable[[Workload], dict[str, Any]]
     world: int = 4
+    max_grad_norm: float | None = None  # clip gradients to this global norm
 
 
 def _params(w: Workload) -> list[str]:
@@ -115,4 +116,13 @@ CASES = [
     Case("mlp-pipeline-2x2", "mlp", MLP_LARGE_BATCH, pipeline(stages=2, microbatches=4, mesh=(2,))),
     Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
     Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
+    Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
+    # not GPT's shapes: DTensor's sharding cache would hand these parameters the stage mesh
+    # of gpt-pipeline-2x2 (equal by value, other process groups), hiding their collectives' axis
+    Case(
+        "gpt-baseline-pipeline-tp",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 4},
+        baseline_plan(dp=1, tp=2, pp=2),
+    ),
 ]

@@ -37,13 +37,15 @@ def workload(case: Case) -> Workload:
     return load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
 
 
-def reference(w: Workload) -> dict[str, Any]:
+def reference(w: Workload, max_grad_norm: float | None) -> dict[str, Any]:
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for i in range(STEPS):
         loss = w.loss_fn(model(*w.example_inputs), w.example_target)  # type: ignore[misc]
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         if i == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
         opt.step()
@@ -54,7 +56,7 @@ def reference(w: Workload) -> dict[str, Any]:
 
 def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     w = workload(case)
-    ref = reference(w)
+    ref = reference(w, case.max_grad_norm)
     step = autoplan.parallelize(
         copy.deepcopy(w.model),
         c,
@@ -62,6 +64,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         loss_fn=w.loss_fn,
         example_target=w.example_target,
         optimizer_options={"lr": LR},
+        max_grad_norm=case.max_grad_norm,
         **case.plan_options(w),
     )
     assert step.optimizer is not None and step.plan is not None
@@ -102,6 +105,8 @@ def first_step(
         loss = step.module(w.example_inputs, w.example_target)
         loss.backward()
         named = list(step.module.named_parameters())
+    if step.max_grad_norm is not None:
+        step.clip_gradients(step.max_grad_norm)
     diffs = [
         (p.grad.full_tensor() - reference[n]).abs().max().item()  # type: ignore[union-attr]
         for n, p in named
