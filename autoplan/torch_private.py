@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
@@ -37,6 +38,7 @@ __all__ = [
     "TensorMeta",
     "TorchDispatchMode",
     "register_single_dim_strategy",
+    "resolve_process_group",
     "single_dim_strategy_funcs",
 ]
 

@@ -13,7 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoplan.plan.schema import Plan
-from autoplan.torch_private import FUNCTIONAL_COLLECTIVES, TorchDispatchMode
+from autoplan.torch_private import (
+    FUNCTIONAL_COLLECTIVES,
+    TorchDispatchMode,
+    resolve_process_group,
+)
 
 _functional = FUNCTIONAL_COLLECTIVES
 # functional collective -> (our kind, index of its group-name argument)
@@ -39,7 +43,11 @@ class CollectiveRecorder(TorchDispatchMode):
     def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()
         names = mesh.mesh_dim_names or ()
-        self.axis_of: dict[str, str] = {str(mesh.get_group(a).group_name): a for a in names}
+        # by the ranks of the group, not its name: DTensor may run an op on another mesh equal
+        # to this one (its caches compare meshes by value), whose groups have other names
+        self.axis_of: dict[tuple[int, ...], str] = {
+            tuple(dist.get_process_group_ranks(mesh.get_group(a))): a for a in names
+        }
         self.issued: list[Issued] = []
         self._op = "redistribute"
 
@@ -56,7 +64,9 @@ class CollectiveRecorder(TorchDispatchMode):
             nbytes = tensor.numel() * tensor.element_size()
             if kind == "all_gather":
                 nbytes *= int(args[1])
-            axis = self.axis_of.get(str(args[group_arg]), str(args[group_arg]))
+            group = resolve_process_group(args[group_arg])
+            ranks = tuple(dist.get_process_group_ranks(group))
+            axis = self.axis_of.get(ranks, str(args[group_arg]))
             self.issued.append(Issued(kind, axis, nbytes, self._op))
             self._op = "redistribute"
         return out
