@@ -71,9 +71,10 @@ def _placement(p: Any, ndim: int) -> str | None:
         # it on as "P" would run differently from its plan. Not planned (yet).
         return None
     if isinstance(p, Partial):
-        # "P" is a linear partial: a sum, or a mean of equal shards. max/min partials of
-        # monotone ops are not: relu of a sum is not the sum of relus.
-        return P if p.reduce_op in ("sum", "avg") else None
+        # "P" is a partial sum. DTensor's rules with mean partials (a + b is a mean partial
+        # when a is and b is replicated) do not hold for sums, and max/min partials of
+        # monotone ops are not linear at all (relu of a sum is not the sum of relus).
+        return P if p.reduce_op == "sum" else None
     if isinstance(p, ShardingPlaceholder | Shard):
         return shard(p.dim % ndim) if ndim else None
     return None
