@@ -32,13 +32,24 @@ embeddings (no vocabulary-parallel embedding or head); a parameter read inside a
 anything but its linears breaks the region; a fused projection chunked along its features
 (one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row split of its weight
 would mix the pieces (Megatron interleaves them); no sequence parallelism.
+
+Pipelines (``pp > 1``) split the step as Megatron does: traced at the shape of one
+microbatch, it is cut into one layer per repeated block (`autoplan.graph.cut`: the embedding
+joins the first, the head and the loss the last), and stage ``s`` of ``pp`` gets a contiguous
+run of equally many layers (the first stages one more when ``pp`` does not divide the count).
+Each stage runs on ``dp * tp`` devices and is placed as above on its own graph
+(`stage_graph`), where the tensors it receives are inputs: split along dim 0 on dp like the
+batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
+so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
+Stages are priced as the planner prices its own (`autoplan.inter_op.price_pipeline`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +58,13 @@ from torch import nn
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.graph.capture import capture
+from autoplan.graph.capture import as_tuple, capture, microbatch
+from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
-from autoplan.graph.layers import Layers
+from autoplan.graph.layers import Layers, block_of
+from autoplan.inter_op import check_schedule, price_pipeline
 from autoplan.intra_op import IntraOpResult, build_problem, step_cost
-from autoplan.plan.assemble import make_plan
+from autoplan.plan.assemble import make_pipeline_plan, make_plan
 from autoplan.plan.schema import Plan
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
@@ -266,8 +279,12 @@ def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
     return placed
 
 
-def _strategies(graph: Graph, dp: int, tp: int, zero_stage: int) -> dict[str, NodeStrategies]:
-    """Each node's one strategy in the baseline, on mesh `_mesh_shape(dp, tp)`."""
+def _strategies(
+    graph: Graph, dp: int, tp: int, zero_stage: int, sent: Collection[str] = ()
+) -> dict[str, NodeStrategies]:
+    """Each node's one strategy in the baseline, on mesh `_mesh_shape(dp, tp)`. On a pipeline
+    stage's graph, the tensors received are inputs (seeded as the batch is: the `_boundary`
+    placement) and the output reads those ``sent`` on in the `_boundary` placement."""
     tp_seeds = _tp_seeds(graph, tp) if tp > 1 else {}
     seeds = [_dp_seeds(graph, dp, tp, zero_stage, tp_seeds)] if dp > 1 else []
     seeds += [tp_seeds] if tp > 1 else []
@@ -280,6 +297,13 @@ def _strategies(graph: Graph, dp: int, tp: int, zero_stage: int) -> dict[str, No
             output=tuple(r[0] for r in rules) if node.outputs else (),
             inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
         )
+        if node.kind == OUTPUT:
+            inputs = zip(node.refs, strategy.inputs, strict=True)
+            strategy = Strategy(
+                (), tuple(_boundary(dp, tp) if r.name in sent else spec for r, spec in inputs)
+            )
+            space[node.name] = NodeStrategies(node.name, (strategy,), "output")
+            continue
         allowed = node_strategies(node, graph, mesh_shape)
         if strategy not in allowed.strategies:
             raise AutoplanError(
@@ -291,6 +315,10 @@ def _strategies(graph: Graph, dp: int, tp: int, zero_stage: int) -> dict[str, No
     return space
 
 
+def _assignment(space: Mapping[str, NodeStrategies]) -> dict[str, Strategy]:
+    return {name: ns.strategies[0] for name, ns in space.items()}
+
+
 def _text(*specs: Spec) -> str:
     return ", ".join("(" + ", ".join(s) + ")" for s in specs)
 
@@ -298,6 +326,12 @@ def _text(*specs: Spec) -> str:
 def _mesh_shape(dp: int, tp: int) -> tuple[int, ...]:
     """``(dp, tp)`` when both are > 1, else the one that is (``(1,)`` on a single device)."""
     return tuple(n for n in (dp, tp) if n > 1) or (1,)
+
+
+def _boundary(dp: int, tp: int) -> Spec:
+    """How tensors cross pipeline stages on mesh `_mesh_shape(dp, tp)`: each dp group's slice
+    of the batch, whole on tp (as Megatron keeps the residual stream between blocks)."""
+    return (shard(0),) * (dp > 1) + (R,) * (tp > 1) or (R,)
 
 
 def _check_options(
@@ -319,12 +353,7 @@ def _check_options(
             f"has {cluster.num_devices} devices; choose degrees whose product is "
             f"{cluster.num_devices}"
         )
-    if pp > 1:
-        raise AutoplanError(
-            f"pp={pp}: pipeline baselines need the pipeline planner, which is not wired to "
-            "baselines yet; use pp=1"
-        )
-    if num_microbatches not in (None, 1):
+    if pp == 1 and num_microbatches not in (None, 1):
         raise AutoplanError(
             f"num_microbatches={num_microbatches} applies to pipeline stages (pp > 1); with "
             "pp=1 leave it out"
@@ -347,6 +376,141 @@ def _check_options(
         raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
 
 
+def _check_pipeline(
+    cluster: Cluster,
+    example_inputs: Any,
+    example_target: Any,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int,
+    schedule: str,
+) -> None:
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise AutoplanError(
+            f"num_microbatches must be a positive integer, got {num_microbatches!r}"
+        )
+    if schedule == "1F1B" and num_microbatches < pp:
+        raise AutoplanError(
+            f"schedule 1F1B needs at least as many microbatches as stages, but "
+            f"num_microbatches={num_microbatches} < pp={pp}; use more microbatches or GPipe"
+        )
+    size, per_node = dp * tp, cluster.devices_per_node
+    if per_node % size and size % per_node:
+        raise AutoplanError(
+            f"a pipeline stage of dp * tp = {size} devices would straddle the nodes of cluster "
+            f"{cluster.name!r} ({per_node} devices each); choose dp * tp dividing {per_node} "
+            "or a multiple of it"
+        )
+    named = [(f"input {i}", x) for i, x in enumerate(as_tuple(example_inputs))]
+    for what, x in [*named, ("the target", example_target)]:
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            continue
+        batch = x.shape[0]
+        if batch % num_microbatches:
+            raise AutoplanError(
+                f"num_microbatches={num_microbatches} does not divide the batch (dim 0, size "
+                f"{batch}) of {what}; use a divisor of {batch}"
+            )
+        if batch // num_microbatches % dp:
+            raise AutoplanError(
+                f"dp={dp} does not divide the microbatches of {what} ({batch} in "
+                f"{num_microbatches} microbatches of {batch // num_microbatches}); use a batch "
+                f"that is a multiple of dp * num_microbatches = {dp * num_microbatches}"
+            )
+
+
+def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
+    """Megatron's split: one layer per block (without repeated blocks, runs of ops of about
+    equal FLOPs, see `autoplan.graph.cut`) in ``pp`` contiguous runs of equal length, the
+    first ones one layer longer when ``pp`` does not divide the layer count."""
+    blocks = {b for n in graph if n.kind == OP and (b := block_of(n)) is not None}
+    layers = cut_layers(graph, len(blocks) or DEFAULT_MAX_LAYERS)
+    if len(layers) < pp:
+        names = ", ".join(layer.name for layer in layers)
+        raise AutoplanError(
+            f"pp={pp}, but the model has {len(layers)} layer(s) to split into stages ({names}); "
+            f"use pp <= {len(layers)}"
+        )
+    size, extra = divmod(len(layers), pp)
+    bounds = [s * size + min(s, extra) for s in range(pp + 1)]
+    return [layers[start:stop] for start, stop in itertools.pairwise(bounds)]
+
+
+def _one_stage(
+    graph: Graph, cluster: Cluster, dp: int, tp: int, zero_stage: int, optimizer: str, limit: float
+) -> Plan:
+    space = _strategies(graph, dp, tp, zero_stage)
+    mesh_shape = _mesh_shape(dp, tp)
+    costs = StepCosts(cluster, mesh_shape, optimizer)
+    problem, _ = build_problem(graph, Layers(blocks={}, canonical={}), space, costs, limit)
+    choice = (0,) * problem.num_groups
+    solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
+    assignment = _assignment(space)
+    result = IntraOpResult(mesh_shape, assignment, solution, problem)
+    rules = {name: ns.source for name, ns in space.items()}
+    return make_plan(
+        graph, cluster, result, step_cost(graph, assignment, costs), rules, (mesh_shape,)
+    )
+
+
+def _pipelined(
+    graph: Graph,
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int,
+    schedule: str,
+    zero_stage: int,
+    optimizer: str,
+    limit: float,
+) -> Plan:
+    """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
+    own graph as a one-stage baseline is."""
+    groups = _split_layers(graph, pp)
+    stages = []  # each stage as one layer, the unit `price_pipeline` prices
+    for s, group in enumerate(groups):
+        members = {name for layer in group for name in layer.nodes}
+        stages.append(Layer(f"stage {s}", tuple(n.name for n in graph if n.name in members)))
+    shared = shared_params(graph, stages)
+    if shared:
+        name, readers = next(iter(shared.items()))
+        raise AutoplanError(
+            f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
+            "which cannot share it; use pp=1 or untie the weights"
+        )
+    assignments = []
+    for s, group in enumerate(groups):
+        stage = stage_graph(graph, stages, s, s + 1)
+        try:
+            assignments.append(
+                _assignment(_strategies(stage.graph, dp, tp, zero_stage, stage.sent))
+            )
+        except AutoplanError as e:
+            names = ", ".join(layer.name for layer in group)
+            raise AutoplanError(f"pipeline stage {s} ({names}): {e}") from e
+    mesh_shape = _mesh_shape(dp, tp)
+    pipe = price_pipeline(
+        graph,
+        tuple(stages),
+        cluster,
+        mesh_shape=mesh_shape,
+        boundary=_boundary(dp, tp),
+        assignments=assignments,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        memory_limit=limit,
+    )
+    plan = make_pipeline_plan(pipe, cluster, (mesh_shape,))
+    named = (
+        replace(st, layers=tuple(layer.name for layer in group))
+        for st, group in zip(plan.stages, groups, strict=True)
+    )
+    return replace(plan, stages=tuple(named), solver=replace(plan.solver, status="baseline"))
+
+
 def baseline(
     model: nn.Module,
     example_inputs: Any,
@@ -357,6 +521,7 @@ def baseline(
     pp: int = 1,
     num_microbatches: int | None = None,
     zero_stage: int = 0,
+    schedule: str = "1F1B",
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     optimizer: str = "adamw",
@@ -364,40 +529,44 @@ def baseline(
 ) -> Plan:
     """The conventional plan of ``model`` on ``cluster``: Megatron tensor parallelism over
     ``tp`` devices (the module docstring says which linears it splits) and data parallelism
-    over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D if one is 1).
+    over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D if one is 1),
+    in ``pp`` pipeline stages.
 
     ``zero_stage=3`` stores parameters, with their gradients and optimizer state, split along
     the dp axis and gathers each before use (ZeRO-3 / FSDP); a parameter with no dim divisible
     by ``dp`` stays replicated (with a warning). Stages 1 and 2 (only the optimizer state, or
     it and the gradients, split) cannot be written in a plan, whose storage placement covers a
-    parameter together with its gradient and optimizer state: they raise an error. ``pp > 1``
-    needs the pipeline planner and raises an error for now. ``dp * tp * pp`` must equal the
-    cluster's device count. Time and memory are predicted by the planner's cost model; a
-    baseline that does not fit in ``memory_fraction`` of device memory raises
-    `InfeasiblePlanError`.
+    parameter together with its gradient and optimizer state: they raise an error.
+
+    ``pp > 1`` splits the step, traced at the shape of one of ``num_microbatches`` (default
+    ``pp``) microbatches, into ``pp`` stages of equal layer counts (the module docstring says
+    how), run with ``schedule`` ("1F1B" or "GPipe"); on mesh ``("pp", dp, tp)``.
+
+    ``dp * tp * pp`` must equal the cluster's device count. Time and memory are predicted by
+    the planner's cost model; a baseline that does not fit in ``memory_fraction`` of device
+    memory raises `InfeasiblePlanError`.
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     _check_options(cluster, dp, tp, pp, num_microbatches, zero_stage, optimizer, memory_fraction)
-    graph = capture(model, example_inputs, loss_fn, example_target)
-    space = _strategies(graph, dp, tp, zero_stage)
-    mesh_shape = _mesh_shape(dp, tp)
-    costs = StepCosts(cluster, mesh_shape, optimizer)
+    schedule = check_schedule(schedule)
     limit = cluster.device.memory_bytes * memory_fraction
-    problem, _ = build_problem(graph, Layers(blocks={}, canonical={}), space, costs, limit)
-    choice = (0,) * problem.num_groups
-    check = evaluate(problem, choice)
-    if not check.feasible:
+    degrees = f"dp={dp} tp={tp}"
+    if pp == 1:
+        graph = capture(model, example_inputs, loss_fn, example_target)
+        plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit)
+    else:
+        count = pp if num_microbatches is None else num_microbatches
+        _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
+        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+        graph = capture(model, inputs, loss_fn, target)
+        plan = _pipelined(graph, cluster, dp, tp, pp, count, schedule, zero_stage, optimizer, limit)
+        degrees += f" pp={pp} num_microbatches={count}"
+    need = plan.predicted.peak_memory_bytes
+    if need > limit:
         raise InfeasiblePlanError(
-            f"the baseline dp={dp} tp={tp} zero_stage={zero_stage} needs "
-            f"{check.memory / GiB:.2f} GiB per device, but a device of cluster {cluster.name!r} "
-            f"offers {limit / GiB:.2f} GiB ({memory_fraction:.0%} of "
-            f"{cluster.device.memory_bytes / GiB:.0f} GiB)"
+            f"the baseline {degrees} zero_stage={zero_stage} needs {need / GiB:.2f} GiB per "
+            f"device, but a device of cluster {cluster.name!r} offers {limit / GiB:.2f} GiB "
+            f"({memory_fraction:.0%} of {cluster.device.memory_bytes / GiB:.0f} GiB)"
         )
-    solution = IntraOpSolution(choice, check.objective, "baseline", 0.0, 0, 0)
-    assignment = {name: ns.strategies[0] for name, ns in space.items()}
-    result = IntraOpResult(mesh_shape, assignment, solution, problem)
-    rules = {name: ns.source for name, ns in space.items()}
-    return make_plan(
-        graph, cluster, result, step_cost(graph, assignment, costs), rules, (mesh_shape,)
-    )
+    return plan

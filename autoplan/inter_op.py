@@ -545,45 +545,6 @@ def _pipeline(
     )
 
 
-def placed_pipeline(
-    graph: Graph,
-    layers: tuple[Layer, ...],
-    ranges: Sequence[tuple[int, int]],
-    place: Callable[[int, StageGraph], tuple[dict[str, Strategy], dict[str, str]]],
-    cluster: Cluster,
-    mesh_shape: tuple[int, ...],
-    boundary: Spec,
-    *,
-    num_microbatches: int,
-    schedule: str,
-    optimizer: str,
-    memory_limit: float,
-) -> PipelinePlan:
-    """A pipeline whose placements are given, priced as the planner prices its own: stage
-    ``s`` runs layers ``ranges[s]`` on a ``mesh_shape`` submesh, placed as ``place(s, its
-    stage graph)`` says (node -> strategy, node -> rule); it must receive and send in the
-    ``boundary`` placement. Baselines use it."""
-    costs = StepCosts(_stage_cluster(cluster, math.prod(mesh_shape)), mesh_shape, optimizer)
-    stages = []
-    for s, (start, stop) in enumerate(ranges):
-        stage = stage_graph(graph, layers, start, stop)
-        assignment, rules = place(s, stage)
-        output = stage.graph.nodes[-1]
-        assert all(assignment[n].output == boundary for n in stage.received)
-        assert all(
-            spec == boundary
-            for r, spec in zip(output.refs, assignment[output.name].inputs, strict=True)
-            if r.name in stage.sent
-        )
-        step = step_cost(stage.graph, assignment, costs)
-        send_s = _send_time(cluster, _sent_bytes(stage, mesh_shape, boundary))
-        stats = _SolverStats(0.0, 0, 0, 0)  # nothing was solved
-        stages.append(_priced(start, stop, stage, assignment, step, rules, costs, send_s, stats))
-    return _pipeline(
-        graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit
-    )
-
-
 def price_pipeline(
     graph: Graph,
     layers: tuple[Layer, ...],

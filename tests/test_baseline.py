@@ -1,8 +1,10 @@
 """Baselines: Megatron's column/row linears are found from the graph alone, data parallelism
-and ZeRO-3 are placed as written, bad degrees are refused, and the plan prices like any plan."""
+and ZeRO-3 are placed as written, pipelines split the blocks evenly into stages placed the
+same way, bad degrees are refused, and the plan prices like any plan."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,11 +15,18 @@ from torch import nn
 import autoplan
 from autoplan.baseline import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.graph.capture import capture
-from autoplan.plan.schema import Plan
+from autoplan.graph.capture import capture, microbatch
+from autoplan.plan.schema import CollectivePlan, Plan
 from autoplan.workload import Workload
 from tests.conftest import example
-from tests.distributed.cases import GPT, MLP_SMALL_BATCH, gpt_megatron, mlp_megatron, zero3
+from tests.distributed.cases import (
+    GPT,
+    MLP_LARGE_BATCH,
+    MLP_SMALL_BATCH,
+    gpt_megatron,
+    mlp_megatron,
+    zero3,
+)
 
 
 def _baseline(w: Workload, cluster: autoplan.Cluster, **options: Any) -> Plan:
@@ -28,6 +37,12 @@ def _baseline(w: Workload, cluster: autoplan.Cluster, **options: Any) -> Plan:
         loss_fn=w.loss_fn,
         example_target=w.example_target,
         **options,
+    )
+
+
+def _estimate(plan: Plan, w: Workload, cluster: autoplan.Cluster) -> Plan:
+    return autoplan.estimate(
+        plan, cluster, w.model, w.example_inputs, loss_fn=w.loss_fn, example_target=w.example_target
     )
 
 
@@ -218,7 +233,17 @@ def test_normalized_tied_or_bypassed_linears_are_not_split(cpu4: autoplan.Cluste
     ("options", "message"),
     [
         ({"dp": 2, "tp": 1}, r"dp \* tp \* pp = 2 \* 1 \* 1 = 2, but cluster 'cpu-gloo-4' has 4"),
-        ({"dp": 1, "tp": 2, "pp": 2}, "pipeline baselines need the pipeline planner"),
+        ({"dp": 1, "tp": 2, "pp": 2, "num_microbatches": 0}, "must be a positive integer"),
+        (
+            {"dp": 1, "tp": 2, "pp": 2, "num_microbatches": 3},
+            r"=3 does not divide .* size 8\) of input 0",
+        ),
+        (
+            {"dp": 2, "tp": 1, "pp": 2, "num_microbatches": 8},
+            "dp=2 does not divide the microbatches",
+        ),
+        ({"dp": 1, "tp": 2, "pp": 2, "num_microbatches": 1}, "1F1B needs at least as many"),
+        ({"dp": 1, "tp": 2, "pp": 2, "schedule": "zb"}, "schedule 'zb' is not known"),
         ({"dp": 0, "tp": 4}, "dp must be a positive integer"),
         ({"dp": 4, "tp": 1, "zero_stage": 1}, "zero_stage=1 cannot be written in a plan"),
         ({"dp": 4, "tp": 1, "zero_stage": 2}, "zero_stage=2 cannot be written in a plan"),
@@ -251,9 +276,7 @@ def test_a_baseline_is_priced_like_any_plan(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", **GPT)
     plan = _baseline(w, cpu4, dp=2, tp=2)
     assert plan.solver.status == "baseline" and plan.solver.num_variables == 0
-    again = autoplan.estimate(
-        plan, cpu4, w.model, w.example_inputs, loss_fn=w.loss_fn, example_target=w.example_target
-    )
+    again = _estimate(plan, w, cpu4)
     assert again.predicted == plan.predicted and again.collectives == plan.collectives
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.predicted.comm_s > 0 and plan.predicted.compute_s > 0
@@ -275,3 +298,135 @@ def test_a_large_gpt_on_meta_tensor_parallel_needs_less_memory_than_data_paralle
     # each device keeps a quarter of every block's linears (with gradients and Adam state),
     # which outweighs its 4x larger batch slice of the activations outside the split linears
     assert megatron.predicted.peak_memory_bytes < replicas.predicted.peak_memory_bytes
+
+
+# ---------------------------------------------------------------- pipelines (pp > 1)
+
+
+def _one_microbatch(
+    w: Workload, cluster: autoplan.Cluster, num_microbatches: int, **options: Any
+) -> Plan:
+    """The one-stage baseline of one microbatch on half of ``cluster`` (one of two stages)."""
+    return autoplan.baseline(
+        w.model,
+        microbatch(w.example_inputs, num_microbatches),
+        dataclasses.replace(cluster, devices_per_node=cluster.num_devices // 2),
+        loss_fn=w.loss_fn,
+        example_target=microbatch(w.example_target, num_microbatches),
+        **options,
+    )
+
+
+def _check_stages_price_as_one_microbatch(plan: Plan, one: Plan) -> None:
+    """Two stages whose boundary costs nothing (it is laid out as the step keeps it there)
+    add up to the one-stage baseline of their microbatch; the pipeline then adds the send
+    to stage 0, the bubble and, once per step, gradient sync and optimizer update."""
+    assert plan.predicted.compute_s == pytest.approx(one.predicted.compute_s, rel=1e-12)
+    assert plan.predicted.comm_s == pytest.approx(one.predicted.comm_s, rel=1e-12)
+
+    def key(c: CollectivePlan) -> tuple[str, str, str, int]:
+        return (c.kind, c.axis, c.phase, c.bytes)
+
+    assert sorted(map(key, plan.collectives)) == sorted(map(key, one.collectives))
+    first, last = (s.predicted for s in plan.stages)
+    assert first is not None and last is not None
+    assert first.time_s > first.forward_s + first.backward_s  # the send to stage 1
+    assert last.time_s == pytest.approx(last.forward_s + last.backward_s)  # sends nothing
+    assert plan.pipeline is not None
+    times = [first.time_s, last.time_s]
+    bubble = sum(times) + (plan.pipeline.num_microbatches - 1) * max(times)
+    assert plan.predicted.step_time_s > bubble
+
+
+def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", **GPT)
+    plan = _baseline(w, cpu4, dp=1, tp=2, pp=2)
+    assert plan.mesh.axes == ("pp", "tp") and plan.mesh.shape == (2, 2)
+    assert plan.pipeline is not None and plan.solver.status == "baseline"
+    assert (plan.pipeline.schedule, plan.pipeline.num_microbatches) == ("1F1B", 2)  # pp
+    first, last = plan.stages
+    assert (first.ranks, last.ranks) == ((0, 1), (2, 3))
+    assert (first.layers, last.layers) == (("blocks.0",), ("blocks.1",))
+    assert first.received == () and first.sent == last.received and last.sent == ()
+    assert first.boundary == last.boundary == {"tp": "R"}
+    module = {plan.nodes[n].module: s for s, st in enumerate(plan.stages) for n in st.nodes}
+    assert module["tok_emb.weight"] == module["blocks.0.mlp.fc.weight"] == 0
+    assert module["blocks.1.attn.q.weight"] == module["head.weight"] == 1
+    # the stage boundary is between blocks: every block keeps its Megatron split
+    megatron = _storage(gpt_megatron(w)["pin"])
+    assert {name: p.storage["tp"] for name, p in plan.params.items()} == megatron
+    for s in (0, 1):
+        activations = [c for c in plan.collectives if c.stage == s and c.phase != "grad_sync"]
+        assert len(activations) == 4 and {(c.kind, c.axis) for c in activations} == {
+            ("all_reduce", "tp")
+        }
+    _check_stages_price_as_one_microbatch(plan, _one_microbatch(w, cpu4, 2, dp=1, tp=2))
+    assert _estimate(plan, w, cpu4) == plan  # re-priced from the document: the same numbers
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Cluster) -> None:
+    w = example("gpt", **{**GPT, "batch_size": 8})
+    plan = _baseline(w, a100, dp=2, tp=2, pp=2)
+    assert plan.mesh.axes == ("pp", "dp", "tp") and plan.mesh.shape == (2, 2, 2)
+    assert [st.ranks for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(st.boundary == {"dp": "S(0)", "tp": "R"} for st in plan.stages)
+    megatron = _storage(gpt_megatron(w)["pin"])
+    for name, p in plan.params.items():
+        assert p.storage == {"dp": "R", "tp": megatron[name]}, name
+    for n in plan.nodes.values():
+        if n.op in ("aten.linear.default", "aten.scaled_dot_product_attention.default"):
+            assert n.output["dp"] == "S(0)"  # each dp group: its slice of the microbatch
+    for s in (0, 1):  # each stage synchronizes its own parameters' gradients, on dp
+        assert {c.axis for c in plan.collectives if c.stage == s and c.phase == "grad_sync"} == {
+            "dp"
+        }
+    _check_stages_price_as_one_microbatch(plan, _one_microbatch(w, a100, 2, dp=2, tp=2))
+    assert _estimate(plan, w, a100) == plan
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_layers_split_evenly_and_regions_stay_inside_stages(cpu4: autoplan.Cluster) -> None:
+    w = example("mlp", **MLP_SMALL_BATCH)  # layers.0 ... layers.5, one layer each
+    four = _baseline(w, cpu4, dp=1, tp=1, pp=4, num_microbatches=8, schedule="gpipe")
+    assert four.pipeline is not None and four.pipeline.schedule == "GPipe"
+    assert [st.layers for st in four.stages] == [
+        ("layers.0", "layers.1"),
+        ("layers.2", "layers.3"),
+        ("layers.4",),
+        ("layers.5",),
+    ]
+    # one model-wide split pairs (0, 1), (2, 3), (4, 5); stages of 0-2 and 3-5 cut the
+    # middle pair, whose halves stay replicated
+    two = _baseline(w, cpu4, dp=1, tp=2, pp=2)
+    storage = {name: p.storage["tp"] for name, p in two.params.items()}
+    split = {"layers.0.weight": "S(0)", "layers.1.weight": "S(1)", "layers.2.weight": "R"}
+    split |= {"layers.3.weight": "S(0)", "layers.4.weight": "S(1)", "layers.5.weight": "R"}
+    assert {k: v for k, v in storage.items() if k.endswith("weight")} == split
+
+
+def test_pipeline_schedule_sets_the_activations_in_flight(cpu4: autoplan.Cluster) -> None:
+    w = example("mlp", **MLP_LARGE_BATCH)
+    one_f_one_b = _baseline(w, cpu4, dp=2, tp=1, pp=2, num_microbatches=4, zero_stage=3)
+    gpipe = _baseline(w, cpu4, dp=2, tp=1, pp=2, num_microbatches=4, zero_stage=3, schedule="GPipe")
+    assert all(p.storage == {"dp": "S(0)"} for p in gpipe.params.values())
+    assert gpipe.predicted.step_time_s == one_f_one_b.predicted.step_time_s
+    for a, b in zip(gpipe.stages, one_f_one_b.stages, strict=True):
+        assert a.predicted is not None and b.predicted is not None
+        assert a.predicted.memory_bytes > b.predicted.memory_bytes  # 4 microbatches, not 2 or 1
+
+
+def test_pipeline_refusals(cpu4: autoplan.Cluster) -> None:
+    with pytest.raises(AutoplanError, match=r"pp=4, but the model has 2 layer\(s\)"):
+        _baseline(example("gpt", **GPT), cpu4, dp=1, tp=1, pp=4)
+    three = example("mlp", **MLP_SMALL_BATCH, num_layers=3)  # stage 1 is the last linear
+    with pytest.raises(AutoplanError, match=r"stage 1 \(layers.2\): tp=2, but .* no linears"):
+        _baseline(three, cpu4, dp=1, tp=2, pp=2)
+    tied = _workload(Tied(32, 16), torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
+    with pytest.raises(AutoplanError, match=r"read by pipeline stages \[0, 1\] \(tied weights\)"):
+        _baseline(tied, cpu4, dp=2, tp=1, pp=2)
+    straddling = dataclasses.replace(cpu4, num_nodes=2, devices_per_node=3)
+    with pytest.raises(AutoplanError, match="stage of dp \\* tp = 2 devices would straddle"):
+        _baseline(example("gpt", **{**GPT, "batch_size": 6}), straddling, dp=2, tp=1, pp=3)
+    with pytest.raises(InfeasiblePlanError, match="dp=1 tp=2 pp=2 num_microbatches=2 zero_stage"):
+        _baseline(example("gpt", **GPT), cpu4, dp=1, tp=2, pp=2, memory_fraction=1e-6)

@@ -117,8 +117,7 @@ CASES = [
     Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
     Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
-    # not GPT's shapes: DTensor's sharding cache would hand these parameters the stage mesh
-    # of gpt-pipeline-2x2 (equal by value, other process groups), hiding their collectives' axis
+    # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",
         "gpt",
