@@ -68,6 +68,29 @@ def _pins(pairs: Sequence[str]) -> dict[str, Any]:
     return pins
 
 
+def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    pipe = parser.add_mutually_exclusive_group()
+    pipe.add_argument(
+        "--pipeline",
+        action="store_true",
+        default=None,
+        help="require pipeline stages (default: weighed across nodes, or if one stage won't fit)",
+    )
+    pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
+    parser.add_argument("--stages", type=int, help="number of pipeline stages")
+    parser.add_argument("--microbatches", type=int, help="microbatches per step (pipelines)")
+    parser.add_argument("--schedule", default="1F1B", help="pipeline schedule: 1F1B, GPipe")
+
+
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "pipeline": args.pipeline,
+        "num_stages": args.stages,
+        "num_microbatches": args.microbatches,
+        "schedule": args.schedule,
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoplan", description=__doc__)
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results")
@@ -86,17 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
-    pipe = p.add_mutually_exclusive_group()
-    pipe.add_argument(
-        "--pipeline",
-        action="store_true",
-        default=None,
-        help="require pipeline stages (default: weighed across nodes, or if one stage won't fit)",
-    )
-    pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
-    p.add_argument("--stages", type=int, help="number of pipeline stages")
-    p.add_argument("--microbatches", type=int, help="microbatches per step (pipelines)")
-    p.add_argument("--schedule", default="1F1B", help="pipeline schedule: 1F1B (default), GPipe")
+    _pipeline_arguments(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
     s = sub.add_parser("show", help="summarize a plan file")
@@ -120,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--nproc", type=int, help="processes to start (default: the cluster's devices)")
     r.add_argument("--plan", help="train with this plan instead of planning")
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
+    _pipeline_arguments(r)
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
     )
@@ -185,10 +199,7 @@ def _plan(args: argparse.Namespace) -> None:
         pin=_pins(args.pin),
         optimizer=args.optimizer,
         time_limit_s=args.time_limit,
-        pipeline=args.pipeline,
-        num_stages=args.stages,
-        num_microbatches=args.microbatches,
-        schedule=args.schedule,
+        **_pipeline_options(args),
     )
     result.save(args.output)
     print(summary(result))
@@ -273,7 +284,13 @@ def _train(args: argparse.Namespace) -> int:
     options = _options(args.set)
     workload = load_workload(args.workload, **options)
     step, records = train(
-        workload, cluster, args.steps, args.lr, plan=args.plan, mesh_shape=_mesh(args.mesh)
+        workload,
+        cluster,
+        args.steps,
+        args.lr,
+        plan=args.plan,
+        mesh_shape=_mesh(args.mesh),
+        **_pipeline_options(args),
     )
     rank0 = dist.get_rank() == 0
     if rank0:

@@ -194,7 +194,9 @@ def summary(plan: Plan) -> str:
         "parameters (as used by ops; storage when it differs):",
         *_param_lines(plan),
         "",
-        "collectives per step:",
+        "collectives per step:"
+        if plan.pipeline is None
+        else "collectives (all stages; forward and backward ones once per microbatch):",
     ]
     totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for c in plan.collectives:
@@ -210,7 +212,8 @@ def summary(plan: Plan) -> str:
     out += [
         "",
         f"predicted step time: {fmt_time(pr.step_time_s)}  (compute {fmt_time(pr.compute_s)}, "
-        f"communication {fmt_time(pr.comm_s)}; no overlap assumed)",
+        f"communication {fmt_time(pr.comm_s)}"
+        + ("; no overlap assumed)" if plan.pipeline is None else " per microbatch, all stages)"),
         f"predicted memory per device: {fmt_bytes(pr.peak_memory_bytes)} of "
         f"{fmt_bytes(pr.memory_limit_bytes)} allowed",
         f"solver: {so.status}, {so.num_groups} decision groups, {so.num_variables} variables, "
