@@ -57,8 +57,8 @@ def plan(
     Pipelining: ``pipeline`` None weighs pipelines against a single stage and keeps the
     faster when the cluster has several nodes or one stage does not fit; True requires a
     pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by default the
-    fewest that keep the bubble under a third: twice the stages) and ``schedule`` ("1F1B"
-    or "GPipe") narrow the search;
+    fewest that keep the bubble under a third: twice the most stages tried) and
+    ``schedule`` ("1F1B" or "GPipe") narrow the search;
     the step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
     """
     start = time.perf_counter()
@@ -188,7 +188,7 @@ def _plan_pipelined(
         microbatch_graph,
         cluster,
         batch=batch,
-        microbatches=[num_microbatches] if num_microbatches else None,
+        num_microbatches=num_microbatches,
         schedule=schedule,
         optimizer=optimizer,
         memory_limit=memory_limit,

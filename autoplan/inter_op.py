@@ -389,10 +389,11 @@ def _send_time(cluster: Cluster, nbytes: float) -> float:
     return 2 * collective_time(cluster, "send_recv", nbytes, 2, link)
 
 
-def default_microbatches(batch: int, num_stages: int) -> int | None:
-    """The fewest microbatches that keep the 1F1B bubble at or below a third of the step
-    (``B >= 2 S``) and divide the batch; None if the batch is too small."""
-    return next((b for b in range(2 * num_stages, batch + 1) if batch % b == 0), None)
+def default_microbatches(batch: int, max_stages: int) -> int:
+    """One microbatch count for the whole search, as Alpa takes one: the fewest that keep the
+    1F1B bubble of the deepest pipeline tried at or below a third of the step (``B >= 2 S``)
+    and divide the batch, or one sample per microbatch."""
+    return next((b for b in range(2 * max_stages, batch + 1) if batch % b == 0), batch)
 
 
 def plan_pipeline(
@@ -400,7 +401,7 @@ def plan_pipeline(
     cluster: Cluster,
     *,
     batch: int,
-    microbatches: Sequence[int] | None,
+    num_microbatches: int | None,
     schedule: str,
     optimizer: str,
     memory_limit: float,
@@ -410,33 +411,34 @@ def plan_pipeline(
     num_stages: int | None = None,
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``num_stages`` if given), or None
-    if none fits. ``microbatches``: the counts to try (by default, for each number of stages,
-    `default_microbatches`, as Alpa takes the count as given rather than searching it)."""
+    if none fits. The step is traced once, at the shape of one of ``num_microbatches``
+    microbatches (by default `default_microbatches`)."""
+    sizes = [
+        size
+        for size in stage_sizes(cluster)
+        if num_stages is None or cluster.num_devices // size == num_stages
+    ]
+    if not sizes or batch < 2:
+        return None
+    deepest = cluster.num_devices // min(sizes)
+    count = num_microbatches or default_microbatches(batch, min(deepest, max_layers))
+    graph = graph_for(count)
+    layers = cut_layers(graph, max_layers)
+    shared = shared_params(graph, layers)
+    if shared:
+        name, readers = next(iter(shared.items()))
+        log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
+        return None
     best: PipelinePlan | None = None
-    traced: dict[int, tuple[Graph, tuple[Layer, ...]]] = {}
-    for size in stage_sizes(cluster):
-        stages = cluster.num_devices // size
-        if num_stages is not None and stages != num_stages:
+    for size in sizes:
+        if cluster.num_devices // size > len(layers):
             continue
-        counts = microbatches or [c for c in [default_microbatches(batch, stages)] if c]
-        for b in counts:
-            if b not in traced:
-                graph = graph_for(b)
-                traced[b] = (graph, cut_layers(graph, max_layers))
-                shared = shared_params(graph, traced[b][1])
-                if shared:
-                    name, readers = next(iter(shared.items()))
-                    log.info("no pipeline: %s is read by layers %s (tied weights)", name, readers)
-                    return None
-            graph, layers = traced[b]
-            if stages > len(layers):
-                continue
-            found = _best_for_size(
-                graph, layers, cluster, size, b, schedule, optimizer, memory_limit,
-                time_limit_s, meshes,
-            )  # fmt: skip
-            if found is not None and (best is None or found.step_time_s < best.step_time_s):
-                best = found
+        found = _best_for_size(
+            graph, layers, cluster, size, count, schedule, optimizer, memory_limit,
+            time_limit_s, meshes,
+        )  # fmt: skip
+        if found is not None and (best is None or found.step_time_s < best.step_time_s):
+            best = found
     return best
 
 
