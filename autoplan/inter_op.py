@@ -531,7 +531,10 @@ def _pipeline(
     memory_limit: float,
 ) -> PipelinePlan:
     step = pipeline_step_time(stages, num_microbatches)
-    busy = num_microbatches * sum(s.time_s for s in stages) / len(stages)
+    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
+    times = [s.time_s + s.send_s for s in stages]
+    scheduled = sum(times) + (num_microbatches - 1) * max(times)
+    busy = num_microbatches * sum(times) / len(times)
     return PipelinePlan(
         graph=graph,
         layers=layers,
@@ -542,7 +545,7 @@ def _pipeline(
         boundary=boundary,
         stages=stages,
         step_time_s=step,
-        bubble_fraction=max(0.0, 1.0 - busy / step) if step > 0 else 0.0,
+        bubble_fraction=max(0.0, 1.0 - busy / scheduled) if scheduled > 0 else 0.0,
         memory_limit=memory_limit,
     )
 

@@ -126,6 +126,12 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     assert all(s.predicted is not None and s.predicted.memory_bytes <= limit for s in plan.stages)
     assert sorted(n for s in plan.stages for n in s.nodes) == sorted(plan.nodes)
     assert autoplan.Plan.from_json(plan.to_json()) == plan
+    times = [s.predicted.time_s for s in plan.stages if s.predicted is not None]
+    count, stages = plan.pipeline.num_microbatches, len(times)
+    scheduled = sum(times) + (count - 1) * max(times)
+    bubble = plan.pipeline.bubble_fraction
+    assert bubble == pytest.approx(1 - count * sum(times) / stages / scheduled)
+    assert bubble >= (stages - 1) / (stages + count - 1) - 1e-12  # equal stages idle least
 
 
 def test_pipeline_options_are_checked(cpu4: autoplan.Cluster) -> None:
