@@ -1,0 +1,727 @@
+"""Cost-model fidelity: does a plan's predicted step time (`plan.predicted.step_time_s`) match
+the step time measured when the plan is trained, and does it rank plans as they really rank?
+
+On 4 local CPU ranks (gloo), with the profiled cluster file costmodels/cpu-gloo-4-profiled.json,
+every plan of the MLP and GPT examples below (data parallel, Megatron tensor parallel, ZeRO-3,
+2-D, pipelines, the planner's own choice and `autoplan.baseline`'s plans) is planned on rank 0,
+broadcast, built, and trained, all in one torchrun job. A step is timed as the slowest rank's
+wall time after a barrier; the plans of one model are measured in interleaved rounds (a few
+steps of each plan per round), so that a change in the machine's load touches every plan
+alike, and each plan's figure is the median over all its timed steps.
+
+    python benchmarks/fidelity.py            # starts torchrun itself; ~5 minutes on 2 cores
+    python benchmarks/fidelity.py --render   # only rewrite fidelity.md from fidelity.json
+
+Prints one line per plan, and writes benchmarks/results/fidelity.json and .md: each plan's
+predicted and measured time and their ratio (measured / predicted), the median absolute relative
+error (|predicted - measured| / measured), the Spearman rank correlation (per model and pooled),
+the planner's own plan against the fastest measured one, and how busy the machine was (load
+average before, during and after; the CPU share other processes took while measuring).
+Targets (issue 5): rank correlation >= 0.9, median error <= 15%, own plan within 1.10x of the
+fastest measured plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import autoplan  # noqa: E402
+from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.graph.ir import INPUT  # noqa: E402
+from autoplan.workload import Workload, load_workload  # noqa: E402
+from benchmarks.results_io import RESULTS, write_results  # noqa: E402
+from tests.distributed.cases import (  # noqa: E402
+    data_parallel,
+    gpt_megatron,
+    mlp_megatron,
+    zero3,
+)
+
+CLUSTER = "costmodels/cpu-gloo-4-profiled.json"
+WORLD = 4
+WARMUP = 2  # untimed steps right after a plan is built
+ROUNDS = 4  # interleaved rounds over a model's plans
+STEPS = 5  # timed steps per plan per round, after one untimed step (caches after a switch)
+LR = 1e-4
+# Same workload for every plan of a model, so that the plans can be ranked. Sizes give steps of
+# ~0.1-1 s: far above gloo's ~ms latencies and the scheduler noise of 4 ranks on 2 cores.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp": ("examples/mlp.py", {"batch_size": 1024, "hidden": 512, "num_layers": 6}),
+    "gpt": (
+        "examples/gpt.py",
+        {"size": "small", "num_layers": 4, "batch_size": 8, "seq_len": 128},
+    ),
+}
+DISTINCT = 0.10  # measured times further apart than this are "really" ordered (see iqr_s)
+BUSY_ELSEWHERE = 0.05  # other processes' CPU share above which a measurement is suspect
+TARGETS = {"spearman": 0.9, "median_error": 0.15, "own_vs_fastest": 1.10}
+
+MakePlan = Callable[[Workload, autoplan.Cluster], autoplan.Plan]
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    name: str
+    how: str  # how the plan is obtained, for the reader
+    make: MakePlan
+
+
+def _forced(options: Callable[[Workload], dict[str, Any]]) -> MakePlan:
+    def make(w: Workload, cluster: autoplan.Cluster) -> autoplan.Plan:
+        return autoplan.plan(
+            w.model,
+            w.example_inputs,
+            cluster,
+            loss_fn=w.loss_fn,
+            example_target=w.example_target,
+            **options(w),
+        )
+
+    return make
+
+
+def _baseline(dp: int, tp: int, zero_stage: int = 0) -> MakePlan:
+    def make(w: Workload, cluster: autoplan.Cluster) -> autoplan.Plan:
+        return autoplan.baseline(
+            w.model,
+            w.example_inputs,
+            cluster,
+            loss_fn=w.loss_fn,
+            example_target=w.example_target,
+            dp=dp,
+            tp=tp,
+            zero_stage=zero_stage,
+        )
+
+    return make
+
+
+def plan_specs(model: str) -> list[PlanSpec]:
+    megatron = mlp_megatron if model == "mlp" else gpt_megatron
+    flat = {"mesh_shape": (WORLD,)}
+    return [
+        PlanSpec("own", "autoplan.plan(), nothing forced", _forced(lambda w: {})),
+        PlanSpec(
+            "dp", "pins: inputs S(0), params R", _forced(lambda w: {**flat, **data_parallel(w)})
+        ),
+        PlanSpec("tp", "pins: Megatron column/row", _forced(lambda w: {**flat, **megatron(w)})),
+        PlanSpec(
+            "zero3", "pins: params stored S(0), used R", _forced(lambda w: {**flat, **zero3(w)})
+        ),
+        PlanSpec(
+            "2x2",
+            "mesh_shape=(2, 2), planner's sharding",
+            _forced(lambda w: {"mesh_shape": (2, 2)}),
+        ),
+        PlanSpec(
+            "pp4",
+            "pipeline: 4 stages of 1 rank, 4 microbatches, 1F1B",
+            _forced(lambda w: {"pipeline": True, "num_stages": 4, "num_microbatches": 4}),
+        ),
+        PlanSpec(
+            "pp2x2",
+            "pipeline: 2 stages on mesh (2,), 4 microbatches, 1F1B",
+            _forced(lambda w: {"num_stages": 2, "num_microbatches": 4, "mesh_shape": (2,)}),
+        ),
+        PlanSpec(
+            "pp2x2-gpipe",
+            "pipeline: 2 stages on mesh (2,), 2 microbatches, GPipe",
+            _forced(
+                lambda w: {
+                    "num_stages": 2,
+                    "num_microbatches": 2,
+                    "schedule": "GPipe",
+                    "mesh_shape": (2,),
+                }
+            ),
+        ),
+        PlanSpec("base-dp4", "autoplan.baseline(dp=4, tp=1)", _baseline(dp=4, tp=1)),
+        PlanSpec("base-tp4", "autoplan.baseline(dp=1, tp=4)", _baseline(dp=1, tp=4)),
+        PlanSpec("base-dp2tp2", "autoplan.baseline(dp=2, tp=2)", _baseline(dp=2, tp=2)),
+        PlanSpec(
+            "base-zero3",
+            "autoplan.baseline(dp=4, tp=1, zero_stage=3)",
+            _baseline(dp=4, tp=1, zero_stage=3),
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------- describing plans
+
+
+def axis_role(plan: autoplan.Plan, axis: str) -> str:
+    """What a stage mesh axis does, read from the placements (the plan's own axis names follow
+    the costliest op, and a pipeline's stage axis is always called "tp")."""
+    params = [p for p in plan.params.values() if p.shape]
+    numel = [float(np.prod(p.shape)) for p in params]
+    total = sum(numel) or 1.0
+    used_split = sum(n for p, n in zip(params, numel, strict=True) if p.placements[axis] != "R")
+    stored_only = sum(
+        n
+        for p, n in zip(params, numel, strict=True)
+        if p.placements[axis] == "R" and p.storage[axis] != "R"
+    )
+    if stored_only > total / 2:
+        return "zero"
+    if used_split > total / 2:
+        return "tp"
+    inputs = [n for n in plan.nodes.values() if n.op == INPUT]
+    boundaries = [s.boundary.get(axis) for s in plan.stages if s.boundary]
+    if any(n.output[axis] == "S(0)" for n in inputs) or "S(0)" in boundaries:
+        return "dp"
+    return "R"
+
+
+def layout(plan: autoplan.Plan) -> str:
+    """E.g. "tp4", "dp2 x tp2", "pp2 x dp2": the mesh by what each axis really does."""
+    parts = []
+    if plan.pipeline is not None:
+        parts.append(f"pp{len(plan.stages)}")
+    stage_shape = plan.mesh.shape[1:] if plan.pipeline is not None else plan.mesh.shape
+    for axis, size in zip(plan.stage_axes, stage_shape, strict=True):
+        if size > 1:
+            parts.append(f"{axis_role(plan, axis)}{size}")
+    return " x ".join(parts)
+
+
+def decisions(plan: autoplan.Plan) -> str:
+    """The plan's decisions without its predictions or solver statistics, to spot duplicates."""
+    pipe = plan.pipeline
+    return json.dumps(
+        {
+            "mesh": [plan.mesh.axes, plan.mesh.shape],
+            "params": {k: [dict(p.storage), dict(p.placements)] for k, p in plan.params.items()},
+            "nodes": {
+                k: [dict(n.output), [dict(i) for i in n.inputs]] for k, n in plan.nodes.items()
+            },
+            "stages": [[s.ranks, s.nodes, dict(s.boundary)] for s in plan.stages],
+            "pipeline": None if pipe is None else [pipe.schedule, pipe.num_microbatches],
+        },
+        sort_keys=True,
+    )
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def ranks(values: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing the mean of their ranks (as Spearman's rho needs)."""
+    x = np.asarray(values, dtype=float)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tied = x == v
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks."""
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def order_agreement(predicted: Sequence[float], measured: Sequence[float], margin: float) -> str:
+    """Of the pairs of plans whose measured times differ by more than ``margin`` (relative to
+    the faster), how many the prediction orders the same way: rank correlation without the
+    pairs that measurement noise cannot order either."""
+    agree = total = 0
+    for i in range(len(measured)):
+        for j in range(i + 1, len(measured)):
+            fast, slow = sorted((measured[i], measured[j]))
+            if slow <= fast * (1 + margin):
+                continue
+            total += 1
+            agree += (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0
+    return f"{agree} of {total}"
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Errors and rank correlations over the measured, distinct plans; own vs fastest."""
+    summary: dict[str, Any] = {}
+    counted = [r for r in rows if "measured_s" in r and not r.get("same_as")]
+    groups = {m: [r for r in counted if r["model"] == m] for m in MODELS}
+    groups["all"] = counted
+    for name, group in groups.items():
+        predicted = [r["predicted_s"] for r in group]
+        measured = [r["measured_s"] for r in group]
+        errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+        summary[name] = {
+            "plans": len(group),
+            "spearman": round(spearman(predicted, measured), 3),
+            "median_abs_rel_error": round(statistics.median(errors), 3) if errors else None,
+            "pairs_ordered_right": order_agreement(predicted, measured, DISTINCT),
+        }
+    for model in MODELS:
+        measured_rows = [r for r in rows if r["model"] == model and "measured_s" in r]
+        if not measured_rows:
+            continue
+        fastest = min(measured_rows, key=lambda r: r["measured_s"])
+        predicted_best = min(measured_rows, key=lambda r: r["predicted_s"])
+        own = next((r for r in measured_rows if r["plan"] == "own"), None)
+        # on one node the planner weighs pipelines only when one stage does not fit
+        single = [r for r in measured_rows if not r["layout"].startswith("pp")]
+        fastest_single = min(single, key=lambda r: r["measured_s"])
+        summary[model].update(
+            fastest=fastest["plan"],
+            own_layout=own["layout"] if own else None,
+            own_vs_fastest=round(own["measured_s"] / fastest["measured_s"], 3) if own else None,
+            fastest_single_stage=fastest_single["plan"],
+            own_vs_fastest_single_stage=(
+                round(own["measured_s"] / fastest_single["measured_s"], 3) if own else None
+            ),
+            predicted_fastest=predicted_best["plan"],
+            predicted_fastest_vs_fastest=round(
+                predicted_best["measured_s"] / fastest["measured_s"], 3
+            ),
+        )
+    return summary
+
+
+def verdicts(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for model in MODELS:
+        s = summary.get(model)
+        if not s or "fastest" not in s:
+            continue
+        for key, target, better in (
+            ("spearman", TARGETS["spearman"], "ge"),
+            ("median_abs_rel_error", TARGETS["median_error"], "le"),
+            ("own_vs_fastest", TARGETS["own_vs_fastest"], "le"),
+        ):
+            value = s[key]
+            met = value is not None and (value >= target if better == "ge" else value <= target)
+            sign = ">=" if better == "ge" else "<="
+            lines.append(
+                f"{model}: {key} = {value} (target {sign} {target}): {'met' if met else 'MISSED'}"
+            )
+    s = summary["all"]
+    lines.append(
+        f"all plans pooled: spearman = {s['spearman']}, median_abs_rel_error = "
+        f"{s['median_abs_rel_error']} (the targets are judged per model: pooling two models "
+        "whose step times differ ~3x rewards ranking the models, not the plans)"
+    )
+    return lines
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+class CpuShare:
+    """The share of the machine's CPU time that processes other than this job's ranks took
+    while it measured (from /proc: all CPUs' busy time less the ranks' own user + system
+    time). The load average cannot say this, since the ranks themselves add up to 4 to it."""
+
+    def __init__(self) -> None:
+        pids: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        self.pids = [int(p) for p in pids]
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        ticks = os.sysconf("SC_CLK_TCK")
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        busy = sum(fields) - fields[3] - fields[4]  # less idle and iowait
+        ours = 0.0
+        for pid in self.pids:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            after_name = stat[stat.rindex(")") + 2 :].split()
+            ours += float(after_name[11]) + float(after_name[12])  # utime, stime
+        return time.time(), busy / ticks, ours / ticks
+
+    def foreign(self) -> float:
+        """Other processes' CPU seconds per second of wall time per CPU, since construction."""
+        (t0, busy0, ours0), (t1, busy1, ours1) = self.start, self._sample()
+        return round(
+            max(0.0, (busy1 - busy0) - (ours1 - ours0)) / ((t1 - t0) * (os.cpu_count() or 1)), 3
+        )
+
+
+def make_plans(
+    model: str, w: Workload, cluster: autoplan.Cluster
+) -> list[tuple[PlanSpec, str | None, str]]:
+    """On rank 0: (spec, plan JSON or None, error) for every plan of ``model``; broadcast."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        made = []
+        for spec in plan_specs(model):
+            start = time.perf_counter()
+            try:
+                text, error = spec.make(w, cluster).to_json(), ""
+            except AutoplanError as e:
+                text, error = None, f"{type(e).__name__}: {e}"
+            print(
+                f"  planned {model}/{spec.name} in {time.perf_counter() - start:.1f} s", flush=True
+            )
+            made.append((spec.name, text, error))
+        box[0] = made
+    dist.broadcast_object_list(box, src=0)
+    by_name = {s.name: s for s in plan_specs(model)}
+    return [(by_name[name], text, error) for name, text, error in box[0]]
+
+
+def plain_reference(w: Workload, cluster: autoplan.Cluster) -> dict[str, float]:
+    """The compute part of the cost model, checked alone: rank 0 trains the model with plain
+    torch (one process, one thread, no DTensor, no collectives) while the other ranks sleep in
+    a barrier; the prediction is the model planned for one device, scaled to the whole core a
+    lone process gets (the profile's curves are per rank with every rank busy at once)."""
+    found: dict[str, float] = {}
+    if dist.get_rank() == 0:
+        one = dataclasses.replace(cluster, devices_per_node=1, name=f"{cluster.name}[:1]")
+        plan = autoplan.plan(
+            w.model, w.example_inputs, one, loss_fn=w.loss_fn, example_target=w.example_target
+        )
+        model = copy.deepcopy(w.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        loss_fn = w.loss_fn
+        assert loss_fn is not None
+        times = []
+        for i in range(WARMUP + 2 * STEPS):
+            start = time.perf_counter()
+            loss_fn(model(*w.example_inputs), w.example_target).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - start)
+        share = min(1.0, (os.cpu_count() or 1) / WORLD)  # of a core, per busy rank
+        found = {
+            "plain_torch_s": round(statistics.median(times), 5),
+            "plain_predicted_s": round(plan.predicted.step_time_s * share, 5),
+        }
+    dist.barrier()
+    return found
+
+
+def timed(step: autoplan.Step, w: Workload, count: int) -> tuple[list[float], list[float]]:
+    """This rank's wall time and CPU time (all its threads) of ``count`` steps, each started
+    after a barrier. A rank waiting in gloo sleeps, so its CPU time is its compute and
+    framework work, not its waiting."""
+    times, cpu = [], []
+    for _ in range(count):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step(w.example_inputs, w.example_target)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return times, cpu
+
+
+def across_ranks(times: tuple[list[float], list[float]]) -> list[tuple[float, float]]:
+    """Per step: the slowest rank's wall time, and the CPU time of all ranks together."""
+    wall = torch.tensor(times[0], dtype=torch.float64)
+    cpu = torch.tensor(times[1], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    return list(zip(wall.tolist(), cpu.tolist(), strict=True))
+
+
+def measure_model(
+    model: str, cluster: autoplan.Cluster
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every plan of ``model``, measured; and how (rank 0 only): the load average before and
+    after each round, the CPU share other processes took meanwhile, the plain-torch check."""
+    path, options = MODELS[model]
+    w = load_workload(ROOT / path, **options)
+    made = make_plans(model, w, cluster)
+    reference = plain_reference(w, cluster)
+    rows: list[dict[str, Any]] = []
+    steps: dict[str, autoplan.Step] = {}
+    seen: dict[str, str] = {}  # decisions -> first plan name
+    for spec, text, error in made:
+        row: dict[str, Any] = {"model": model, "plan": spec.name, "how": spec.how}
+        rows.append(row)
+        if text is None:
+            row["error"] = error
+            continue
+        plan = autoplan.Plan.from_json(text)
+        key = decisions(plan)
+        row.update(
+            layout=layout(plan),
+            predicted_s=round(plan.predicted.step_time_s, 5),
+            pred_compute_s=round(plan.predicted.compute_s, 5),
+            pred_comm_s=round(plan.predicted.comm_s, 5),
+        )
+        if key in seen:
+            row["same_as"] = seen[key]  # measured once, under the first name
+            continue
+        seen[key] = spec.name
+        torch.manual_seed(0)
+        step = autoplan.parallelize(
+            copy.deepcopy(w.model),
+            cluster,
+            example_inputs=w.example_inputs,
+            loss_fn=w.loss_fn,
+            example_target=w.example_target,
+            optimizer_options={"lr": LR},
+            plan=plan,
+        )
+        timed(step, w, WARMUP)
+        steps[spec.name] = step
+    per_plan: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+    loads = [load()]
+    share = CpuShare()
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            timed(step, w, 1)  # caches and allocator after the switch from another plan
+            per_plan[name] += across_ranks(timed(step, w, STEPS))
+        loads.append(load())
+    foreign = share.foreign() if dist.get_rank() == 0 else 0.0
+    by_name = {r["plan"]: r for r in rows}
+    for row in rows:
+        source = row.get("same_as", row["plan"])
+        if source not in per_plan:
+            continue
+        times = [wall for wall, _ in per_plan[source]]
+        cpu = statistics.median(c for _, c in per_plan[source])
+        measured = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        row.update(
+            measured_s=round(measured, 5),
+            iqr_s=round(q3 - q1, 5),
+            ratio=round(measured / row["predicted_s"], 3),
+            cpu_s=round(cpu, 4),
+            busy=round(cpu / (measured * (os.cpu_count() or 1)), 2),
+        )
+        if row.get("same_as"):
+            row["measured_s_note"] = f"measured once as {source}"
+            assert by_name[source]["measured_s"] == row["measured_s"]
+    if dist.get_rank() == 0:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    about = {"load_average": loads, "cpu_share_of_other_processes": foreign, **reference}
+    if dist.get_rank() == 0:
+        print(f"  {model}: {json.dumps(about)}", flush=True)
+    return rows, about
+
+
+CAUSES = """\
+## Why the targets are missed
+
+From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
+`autoplan/inter_op.py`), the columns above, and checks run by hand on the same host on the same
+day with no other process using the CPU (the figures quoted from those checks are labelled "by
+hand"). No constant was tuned for this benchmark.
+
+1. **Compute is priced right; the executor's own CPU work is not priced at all.** The "compute
+   alone" lines above check the roofline and the profiled curves by themselves: plain torch in
+   one process runs within ~12% of the prediction. Yet every distributed plan measures above its
+   prediction, and `busy` shows each step keeps the 2 cores ~85-95% busy: here a step's time is
+   its CPU work divided by 2 cores, and the plans do far more CPU work than the ops and
+   collectives the model charges. By hand, for GPT base-dp4 (no forward collectives), forward +
+   backward + optimizer timed apart: the forward took 0.16 CPU-s over the 4 ranks where plain
+   torch needs ~0.10 for the same work, the AdamW step 0.13 CPU-s where 4 plain replicas need
+   ~0.04. The missing term is the executor's per-op work: DTensor dispatch and sharding
+   propagation on every op (torch.profiler, by hand: ~4,500 aten calls per rank per step for GPT
+   tp4 against ~3,300 for plain torch), the graph interpreter and its gradient hooks,
+   redistribution copies (all-gather, then chunk and cat on CPU), and AdamW's ~10 per-parameter
+   ops each going through DTensor. A fully replicated tiny GPT (2 layers, dim 64, no
+   collectives; by hand) measures ~40 ms per step for a predicted 7 ms, where plain torch takes
+   ~5 ms. Plans with more sharded ops and redistributions (tp4, 2x2, pp2 x tp2) pay more of it
+   than data parallelism does, which reorders them against base-dp4.
+
+2. **Four ranks share two cores, so a rank that waits gives its core away.** The profile's
+   curves are measured with every rank busy at once (half a core each), and a pipeline's bubble
+   is charged as idle time (`inter_op.pipeline_step_time`: sum(t) + (B-1) max(t) + the gradient
+   sync). On this host a rank waiting in gloo sleeps (by hand: 0.009 CPU-s over a 3 s wait), and
+   the ranks still busy run at a whole core. So the pipelines whose ranks wait most and run few
+   DTensor ops (pp4: one device per stage; GPipe with 2 microbatches) have ratios ~1.1-1.2, as
+   low as pure data parallelism's, and measure as the fastest plans while they are predicted
+   mid-pack (pp2x2, 4 microbatches of tensor-parallel stages, runs 4x the sharded ops and falls
+   back with the TP plans, cause 1). This costs most of the rank correlation, and it is why the
+   planner's own plan misses the own-vs-fastest target although it measures within ~0-12% of the
+   fastest single-stage plan (on one node the planner weighs pipelines only when one stage does
+   not fit). On GPUs a bubble is idle silicon and this does not arise; for CPU ranks the cost
+   model would need to know how many ranks share a core.
+
+3. **Small collectives cost less inside a step than in the profile.** The profile times each
+   collective alone, back to back: a 1 KB all_reduce over 4 ranks ~5 ms. In a step DTensor
+   issues functional (asynchronous) collectives and waits later, so gradient all-reduces overlap
+   each other and the rest of backward; the cost model adds every collective serially. By hand
+   (torch.profiler), GPT base-dp4's 59 all-reduces, priced 0.34 s, kept rank 0 in `wait_tensor`
+   for 0.20 s in all. This misleads the ILP on the pinned GPT plans: with only the DP pins
+   (inputs S(0), parameters R) it keeps the residual stream and layer norms replicated and
+   splits the MLP along the sequence, trading ~35 small layer-norm and bias gradient all-reduces
+   for 1 MB all-gathers and replicated compute, predicted faster than base-dp4 and measured much
+   slower; with the ZeRO-3 pins it runs q, k and v replicated, predicted ~12% faster than
+   base-zero3 and measured no faster (within the noise). So the "dp" and "zero3" rows are not
+   pure data parallelism and ZeRO-3 (their layout column reads only parameters and inputs);
+   base-dp4 and base-zero3 are.
+
+4. **The profile itself is noisy.** Three profiles of this host within an hour gave a 1024^3
+   float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
+   181 and 128 ms. The profile that was committed (95 ms, 261 ms) was ~1.8-2x slower than the
+   quiet ones, so it was replaced by the quietest re-profile (same command). With the old file
+   every prediction was ~1.5x higher, which happened to offset cause 1: at low load the MLP's
+   single-stage plans measured 0.6-0.77x their prediction, its pipelines 0.4-0.5x. The profile's
+   smallest points are not reliable either: one slow first timing, spread by the isotonic
+   regression, puts a floor (0.1 ms in this file, 0.5 ms in another profile) under every matmul
+   below ~4 MFLOP, so every small op and parameter update is priced at least that.
+
+5. **Noise and near-ties.** Across three quiet runs of this benchmark the same plan measured
+   within ~15% (most within 10%), and iqr_s is 10-25% of the median. The MLP's plans mostly
+   measure within ~20% of each other, so Spearman's rho over them is largely noise;
+   `pairs_ordered_right` counts only pairs measured more than 10% apart.
+
+What would close the gap (not done here): a profiled per-op executor term (DTensor dispatch,
+optimizer per parameter), overlap of asynchronous collectives with backward, and for CPU
+clusters the number of ranks per core (idle ranks speed up the others); in the profiler, more
+repeats at small sizes and a discarded first timing.
+"""
+
+
+def write(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    summary = summarize(rows)
+    found = verdicts(summary)
+    for model, about in meta["measuring"].items():
+        share = about["cpu_share_of_other_processes"]
+        if share > BUSY_ELSEWHERE:
+            found.append(
+                f"WARNING: other processes took {share:.0%} of the machine's CPU while {model} "
+                "was measured: its measured times are inflated; measure again on a quiet machine"
+            )
+    columns = [
+        "model",
+        "plan",
+        "layout",
+        "predicted_s",
+        "measured_s",
+        "ratio",
+        "iqr_s",
+        "pred_compute_s",
+        "pred_comm_s",
+        "cpu_s",
+        "busy",
+        "same_as",
+        "how",
+        "error",
+    ]
+    write_results(
+        "fidelity", "Cost-model fidelity: predicted vs measured step time", meta, rows, columns
+    )
+    path = RESULTS / "fidelity.json"
+    results = json.loads(path.read_text())
+    path.write_text(json.dumps({"summary": summary, "verdicts": found, **results}, indent=1) + "\n")
+    md = RESULTS / "fidelity.md"
+    lines = ["", "## Targets", ""] + [f"- {v}" for v in found]
+    for model in MODELS:
+        s = summary.get(model, {})
+        if "fastest" in s:
+            lines.append(
+                f"- {model}: fastest measured plan {s['fastest']}; the plan predicted fastest "
+                f"({s['predicted_fastest']}) measured {s['predicted_fastest_vs_fastest']}x it; "
+                f"the planner's own plan ({s['own_layout']}) measured "
+                f"{s['own_vs_fastest_single_stage']}x the fastest single-stage plan "
+                f"({s['fastest_single_stage']}), the kind it searches on one node; "
+                f"{s['pairs_ordered_right']} pairs of plans measured more than "
+                f"{DISTINCT:.0%} apart are ordered right by the prediction"
+            )
+    for model, about in meta["measuring"].items():
+        if "plain_torch_s" in about:
+            lines.append(
+                f"- {model}, compute alone: plain torch in one process takes "
+                f"{about['plain_torch_s']} s per step; the cost model predicts "
+                f"{about['plain_predicted_s']} s for it"
+            )
+    md.write_text(md.read_text() + "\n".join(lines) + "\n\n" + CAUSES)
+    return {**summary, "verdicts": found}
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--render"]:  # rewrite fidelity.md (and the summary) from fidelity.json
+        results = json.loads((RESULTS / "fidelity.json").read_text())
+        print("\n".join(write(results["rows"], results["meta"])["verdicts"]))
+        return
+    if "RANK" not in os.environ:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={WORLD}",
+            __file__,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "FIDELITY_STARTED": str(time.time())}
+        sys.exit(subprocess.run(cmd, env=env).returncode)
+    started = float(os.environ.get("FIDELITY_STARTED", time.time()))
+    load_before = load()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cluster = autoplan.Cluster.load(ROOT / CLUSTER)
+    rows: list[dict[str, Any]] = []
+    measuring: dict[str, dict[str, Any]] = {}
+    for model in MODELS:
+        model_rows, measuring[model] = measure_model(model, cluster)
+        rows += model_rows
+    if dist.get_rank() == 0:
+        meta = {
+            "command": "python benchmarks/fidelity.py",
+            "ranks": WORLD,
+            "backend": "gloo",
+            "cluster": CLUSTER,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "workloads": {m: f"{path} {options}" for m, (path, options) in MODELS.items()},
+            "steps": (
+                f"per plan: {WARMUP} warm-up steps, then {ROUNDS} interleaved rounds of 1 untimed "
+                f"+ {STEPS} timed steps; a step is the slowest rank's wall time after a barrier; "
+                "measured_s is the median, iqr_s the interquartile range"
+            ),
+            "ratio": "measured_s / predicted_s; error = |predicted_s - measured_s| / measured_s",
+            "cpu_s": (
+                "CPU seconds of all ranks together per step (median); gloo waits sleep, so this "
+                "is compute and framework work; busy = cpu_s / (cores x measured_s), the share "
+                "of the machine the step kept busy"
+            ),
+            "same_as": (
+                "the same decisions as an earlier plan: measured once, left out of the statistics"
+            ),
+            "load_average_1_5_15min": {"before": load_before, "after": load()},
+            "measuring": measuring,
+            "measuring_keys": (
+                "load_average: 1/5/15-min load before and after each round (this job's own "
+                "threads count, so it says little); cpu_share_of_other_processes: the CPU "
+                "share taken by other processes while the plans were measured (from /proc; "
+                f"above {BUSY_ELSEWHERE} the figures are suspect); plain_torch_s: the model "
+                "trained by plain torch in one process, one thread, the others idle; "
+                "plain_predicted_s: the cost model's time for that (planned for one device, "
+                "at a whole core)"
+            ),
+            "wall_s": round(time.time() - started, 1),
+        }
+        summary = write(rows, meta)
+        print(json.dumps({k: v for k, v in summary.items() if k != "verdicts"}, indent=1))
+        print("\n".join(summary["verdicts"]))
+        print(f"wall time {meta['wall_s']} s; results in {RESULTS}/fidelity.{{json,md}}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
