@@ -429,6 +429,11 @@ def plan_pipeline(
         name, readers = next(iter(shared.items()))
         log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
         return None
+    if num_stages is not None and num_stages > len(layers):
+        raise AutoplanError(
+            f"num_stages={num_stages}, but the step has only {len(layers)} layer(s) to divide "
+            f"({', '.join(layer.name for layer in layers)}); use at most {len(layers)} stages"
+        )
     best: PipelinePlan | None = None
     for size in sizes:
         if cluster.num_devices // size > len(layers):

@@ -140,5 +140,7 @@ def test_pipeline_options_are_checked(cpu4: autoplan.Cluster) -> None:
         plan_workload(w, cpu4, pipeline=True, num_microbatches=4)
     with pytest.raises(AutoplanError, match="num_stages=3"):
         plan_workload(w, cpu4, num_stages=3)
+    with pytest.raises(AutoplanError, match="only 2 layer"):
+        plan_workload(w, cpu4, num_stages=4, num_microbatches=2)
     with pytest.raises(AutoplanError, match="schedule"):
         plan_workload(w, cpu4, pipeline=True, schedule="zigzag")
