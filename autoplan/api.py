@@ -17,11 +17,11 @@ from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.graph.layers import find_layers
-from autoplan.inter_op import GraphForMicrobatches, check_schedule, plan_pipeline
+from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
 from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import Plan
+from autoplan.plan.schema import Plan, check_schedule
 from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,7 @@ def plan_graph(
     ``microbatch_graph(count)``, the step traced on one of ``count`` microbatches."""
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    if optimizer not in OPTIMIZER_STATE:
-        raise AutoplanError(
-            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
-        )
-    if not 0 < memory_fraction <= 1:
-        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    check_budget(optimizer, memory_fraction)
     schedule = check_schedule(schedule)
     if pipeline is not False and (pipeline or num_stages or num_microbatches):
         pipeline = True
@@ -132,12 +127,12 @@ def plan_graph(
             graph, cluster, mesh_shape, pin, optimizer, memory_limit, memory_fraction,
             time_limit_s,
         )  # fmt: skip
-    piped = None
+    piped, weighed = None, False
     # by default pipelines are weighed across nodes, or when one stage does not fit: inside
     # a node intra-op sharding is as fast, and planning stays quick
     auto = cluster.num_nodes > 1 or not isinstance(single, Plan)
-    weigh = bool(pipeline) or (pipeline is None and auto)
-    if weigh and microbatch_graph is not None:
+    if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
+        weighed = True
         piped = _plan_pipelined(
             graph, microbatch_graph, cluster, mesh_shape, optimizer, memory_limit, time_limit_s,
             num_stages, num_microbatches, schedule, max_layers,
@@ -151,11 +146,21 @@ def plan_graph(
                 f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
                 "lighter optimizer"
             )
-        tried = weigh and microbatch_graph is not None
-        raise InfeasiblePlanError(f"{single} No pipeline fits either.") if tried else single
+        raise InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
     if isinstance(single, Plan) and single.predicted.step_time_s <= piped.predicted.step_time_s:
         return single
     return piped
+
+
+def check_budget(optimizer: str, memory_fraction: float) -> None:
+    """What every plan's memory depends on: a known optimizer (its state per parameter) and
+    the share of device memory a plan may use."""
+    if optimizer not in OPTIMIZER_STATE:
+        raise AutoplanError(
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
+        )
+    if not 0 < memory_fraction <= 1:
+        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
 
 
 def _plan_pipelined(
@@ -199,8 +204,7 @@ def _plan_pipelined(
     )
     if found is None:
         return None
-    tried = tuple(m for m in (meshes or [found.mesh_shape]))
-    return make_pipeline_plan(found, cluster, tried)
+    return make_pipeline_plan(found, cluster, tuple(meshes or [found.mesh_shape]))
 
 
 def _plan_one_stage(

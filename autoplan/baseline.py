@@ -56,19 +56,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.api import check_budget
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.graph.layers import Layers, block_of
-from autoplan.inter_op import check_schedule, price_pipeline
+from autoplan.inter_op import price_pipeline
 from autoplan.intra_op import IntraOpResult, build_problem, step_cost
 from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import Plan
+from autoplan.plan.schema import Plan, check_schedule
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
-from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
+from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, axis_rules, node_strategies
@@ -368,12 +369,7 @@ def _check_options(
         raise AutoplanError(f"zero_stage must be 0 or 3, got {zero_stage!r}")
     if zero_stage == 3 and dp == 1:
         raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
-    if optimizer not in OPTIMIZER_STATE:
-        raise AutoplanError(
-            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
-        )
-    if not 0 < memory_fraction <= 1:
-        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    check_budget(optimizer, memory_fraction)
 
 
 def _check_pipeline(

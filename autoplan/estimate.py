@@ -16,7 +16,7 @@ from autoplan.errors import PlanFormatError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
-from autoplan.inter_op import price_pipeline
+from autoplan.inter_op import boundary_assignment, price_pipeline
 from autoplan.intra_op import step_cost
 from autoplan.plan.assemble import (
     collective_plans,
@@ -57,11 +57,8 @@ def _stage_assignment(plan: Plan, s: int, stage: StageGraph) -> dict[str, Strate
     axes = plan.stage_axes
     boundary = _spec(plan.stages[s].boundary, axes) if plan.stages[s].boundary else ()
     whole = assignment_of(plan, Graph(tuple(n for n in stage.graph if n.name in stage.nodes), ""))
-    output = stage.graph.nodes[-1]
-    final = whole.get(output.name)
-    sent_inputs = tuple(boundary for _ in stage.sent)
-    whole[output.name] = Strategy((), sent_inputs + (final.inputs if final else ()))
-    whole.update({name: Strategy(boundary, ()) for name in stage.received})
+    final = whole.get(stage.graph.nodes[-1].name)
+    whole.update(boundary_assignment(stage, boundary, final.inputs if final else ()))
     return whole
 
 

@@ -1,12 +1,11 @@
 """Inter-operator planning: pipeline stages on submeshes, by Alpa's stage DP over intra-op plans.
 
-For each candidate microbatch count ``B`` the step is traced at the microbatch's shape and cut
-into layers (`autoplan.graph.cut`). For each stage size (a submesh of ``|m|`` devices: part of
-a node or whole nodes), each logical mesh of it and each boundary placement (how the tensors
-passed between stages are laid out on a stage's mesh: replicated, or split along the batch),
-`solve_stages` (`autoplan.solve.dp`) chooses the layer ranges; the cost of a range is the
-intra-op ILP's plan of that range as a graph of its own (`solve_mesh`), memoized by structure,
-so identical ranges (the same number of identical blocks) are solved once.
+The step is traced once, at the shape of one of ``B`` microbatches, and cut into layers
+(`autoplan.graph.cut`). For each stage size (a submesh of ``|m|`` devices: part of a node or
+whole nodes), each logical mesh of it and each boundary placement (how the tensors passed
+between stages are laid out on a stage's mesh: replicated, or split along the batch),
+`solve_stages` (`autoplan.solve.dp`) chooses the layer ranges; a range costs the sum of its
+layers' intra-op ILP plans (`_StageSolver`), each layer solved once per structure.
 
 Stages are uniform: every stage gets the same submesh and logical mesh, because
 torch.distributed.pipelining pairs rank ``i`` of one stage with rank ``i`` of the next, and
@@ -42,6 +41,7 @@ from autoplan.solve.dp import (
     StageCost,
     StageProblem,
     Submesh,
+    pipeline_time,
     solve_stages,
 )
 from autoplan.strategies.costs import StepCosts
@@ -89,11 +89,6 @@ class PipelinePlan:
         in_flight = self.num_microbatches if self.schedule == "GPipe" else len(self.stages) - s
         stage = self.stages[s]
         return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
-
-
-def pipeline_step_time(stages: Sequence[SolvedStage], num_microbatches: int) -> float:
-    times = [s.time_s + s.send_s for s in stages]
-    return sum(times) + (num_microbatches - 1) * max(times) + max(s.extra_s for s in stages)
 
 
 def stage_sizes(cluster: Cluster) -> list[int]:
@@ -222,14 +217,11 @@ class _StageSolver:
             own = set(part.stage.nodes)
             assignment.update({k: v for k, v in part.assignment.items() if k in own})
             rules.update({k: v for k, v in part.rules.items() if k in own})
-        for name in stage.received:
-            assignment[name] = Strategy(self.boundary, ())
-            rules[name] = "boundary"
         output = stage.graph.nodes[-1]
         replicated = tuple(R for _ in self.costs.mesh_shape)
-        assignment[output.name] = Strategy(
-            (), tuple(self.boundary if r.name in stage.sent else replicated for r in output.refs)
-        )
+        loss = tuple(replicated for _ in output.refs[len(stage.sent) :])
+        assignment.update(boundary_assignment(stage, self.boundary, loss))
+        rules.update(dict.fromkeys(stage.received, "boundary"))
         rules[output.name] = "output"
         step = step_cost(stage.graph, assignment, self.costs)
         stats = [p.solver for p in parts]
@@ -305,6 +297,18 @@ class _StageSolver:
         )  # fmt: skip
 
 
+def boundary_assignment(
+    stage: StageGraph, boundary: Spec, loss_inputs: tuple[Spec, ...]
+) -> dict[str, Strategy]:
+    """The strategies of a stage graph's own nodes: what it receives arrives in the boundary
+    placement, and its output reads what it sends in that placement, then the loss (the last
+    stage) as ``loss_inputs``."""
+    found = {name: Strategy(boundary, ()) for name in stage.received}
+    output = stage.graph.nodes[-1]
+    found[output.name] = Strategy((), tuple(boundary for _ in stage.sent) + loss_inputs)
+    return found
+
+
 def _pin_boundary(
     space: dict[str, NodeStrategies], stage: StageGraph, boundary: Spec
 ) -> dict[str, NodeStrategies]:
@@ -340,18 +344,9 @@ def _priced(
     solver: _SolverStats,
 ) -> SolvedStage:
     graph = stage.graph
-    mesh = costs.mesh_shape
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     extra += sum(
-        collective_time(
-            costs.cluster,
-            p.collective.kind,
-            p.collective.nbytes,
-            mesh[p.collective.axis],
-            costs.links[p.collective.axis],
-        )
-        for _, _, p in step.collectives
-        if p.phase == "grad_sync"
+        costs.collective_s(p.collective) for _, _, p in step.collectives if p.phase == "grad_sync"
     )
     static = sum(
         costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
@@ -535,10 +530,11 @@ def _pipeline(
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
 ) -> PipelinePlan:
-    step = pipeline_step_time(stages, num_microbatches)
-    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
     times = [s.time_s + s.send_s for s in stages]
-    scheduled = sum(times) + (num_microbatches - 1) * max(times)
+    scheduled = pipeline_time(times, num_microbatches)
+    # gradient sync and the optimizer update run once, after the last microbatch
+    step = scheduled + max(s.extra_s for s in stages)
+    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
     busy = num_microbatches * sum(times) / len(times)
     return PipelinePlan(
         graph=graph,
@@ -583,12 +579,3 @@ def price_pipeline(
     return _pipeline(
         graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit
     )
-
-
-def check_schedule(schedule: str) -> str:
-    from autoplan.plan.schema import SCHEDULES
-
-    by_lower = {s.lower(): s for s in SCHEDULES}
-    if schedule.lower() not in by_lower:
-        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
-    return by_lower[schedule.lower()]

@@ -549,7 +549,7 @@ hand"). No constant was tuned for this benchmark.
 
 2. **Four ranks share two cores, so a rank that waits gives its core away.** The profile's
    curves are measured with every rank busy at once (half a core each), and a pipeline's bubble
-   is charged as idle time (`inter_op.pipeline_step_time`: sum(t) + (B-1) max(t) + the gradient
+   is charged as idle time (`inter_op._pipeline`: sum(t) + (B-1) max(t) + the gradient
    sync). On this host a rank waiting in gloo sleeps (by hand: 0.009 CPU-s over a 3 s wait), and
    the ranks still busy run at a whole core. So the pipelines whose ranks wait most and run few
    DTensor ops (pp4: one device per stage; GPipe with 2 microbatches) have ratios ~1.1-1.2, as

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from autoplan.errors import AutoplanError
+from autoplan.graph.ir import PARAM
+
 PLAN_VERSION = 2  # 2: pipeline stages (Stage.layers ... predicted, Plan.pipeline)
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
@@ -53,6 +56,14 @@ class Stage:
 
 
 SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
+
+
+def check_schedule(schedule: str) -> str:
+    """The schedule's name as plans write it ("gpipe" -> "GPipe"); an unknown one is an error."""
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    if schedule.lower() not in by_lower:
+        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+    return by_lower[schedule.lower()]
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,15 @@ class Plan:
     solver: SolverInfo
     pipeline: Pipeline | None = None
     version: int = PLAN_VERSION
+
+    def param_stages(self) -> dict[str, int]:
+        """The stage holding each parameter and buffer, by FQN."""
+        return {
+            self.nodes[name].module: s
+            for s, stage in enumerate(self.stages)
+            for name in stage.nodes
+            if self.nodes[name].op == PARAM
+        }
 
     @property
     def stage_axes(self) -> tuple[str, ...]:

@@ -107,11 +107,12 @@ class StepCosts:
         )
 
     def internal_time(self, node: Node, strategy: Strategy) -> float:
-        return sum(
-            collective_time(
-                self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
-            )
-            for c in self.internal(node, strategy)
+        return sum(self.collective_s(c) for c in self.internal(node, strategy))
+
+    def collective_s(self, c: Collective) -> float:
+        """Seconds of one collective along its mesh axis."""
+        return collective_time(
+            self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
         )
 
     def node_memory(self, node: Node, strategy: Strategy) -> float:
@@ -140,12 +141,7 @@ class StepCosts:
             for c in redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
             if self.mesh_shape[c.axis] > 1
         )
-        seconds = sum(
-            collective_time(
-                self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
-            )
-            for c in found
-        )
+        seconds = sum(self.collective_s(c) for c in found)
         return found, seconds
 
     def forward(
