@@ -27,7 +27,6 @@ from autoplan.execute.step import (
     sync_gradients_on_arrival,
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
-from autoplan.graph.ir import PARAM
 from autoplan.plan.schema import Plan
 
 log = logging.getLogger(__name__)
@@ -143,8 +142,8 @@ class Step:
         )
         self.plan = plan
         if plan.pipeline is not None:
-            stage = plan.stages[self.mesh["pp"].get_local_rank()]
-            params = {plan.nodes[n].module for n in stage.nodes if plan.nodes[n].op == PARAM}
+            index = self.mesh["pp"].get_local_rank()
+            params = {fqn for fqn, s in plan.param_stages().items() if s == index}
             materialize(
                 self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
             )

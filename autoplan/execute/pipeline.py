@@ -25,9 +25,8 @@ from torch.export import ExportedProgram
 
 from autoplan.execute.interpreter import PlanInterpreter
 from autoplan.execute.placements import to_dtensor
-from autoplan.execute.step import Placeholders, _global_loss
+from autoplan.execute.step import Placeholders, _global_loss, gradient_to_storage
 from autoplan.graph.capture import as_tuple
-from autoplan.graph.ir import PARAM
 from autoplan.plan.schema import Plan
 
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
@@ -49,18 +48,16 @@ class StageModule(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        self.index = index
-        self.stage = plan.stages[index]
+        stage = plan.stages[index]
         self.mesh = mesh
         self.interpreter = PlanInterpreter(ep, plan, mesh, index)
         self.placeholders = Placeholders(ep, plan, mesh)
         self.is_first = index == 0
         self.is_last = index == len(plan.stages) - 1
-        boundary = to_dtensor(self.stage.boundary, plan.stage_axes) if self.stage.boundary else ()
-        self._boundary = boundary
+        self._boundary = to_dtensor(stage.boundary, plan.stage_axes) if stage.boundary else ()
         metas = {n.name: n.meta["val"] for n in ep.graph.nodes if "val" in n.meta}
-        self._received = [(name, metas[name]) for name in self.stage.received]
-        self._sent = [metas[name] for name in self.stage.sent]
+        self._received = [(name, metas[name]) for name in stage.received]
+        self._sent = [metas[name] for name in stage.sent]
         self._loss = metas[next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name]
 
     def _local(self, meta: torch.Tensor) -> torch.Tensor:
@@ -159,11 +156,7 @@ class PipelineRunner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on every rank: each stage gathers its own and
         its first rank broadcasts them."""
-        owner = {}
-        for s, stage in enumerate(self.plan.stages):
-            for name in stage.nodes:
-                if self.plan.nodes[name].op == PARAM:
-                    owner[self.plan.nodes[name].module] = s
+        owner = self.plan.param_stages()
         out = {}
         device = self.mesh.device_type
         for fqn, tensor in self.module.model.state_dict().items():
@@ -180,12 +173,8 @@ class PipelineRunner:
     def _sync_gradients(self) -> None:
         axes = self.plan.stage_axes
         for fqn, param in self.module.model.named_parameters():
-            grad = param.grad
-            if not isinstance(grad, DTensor):
-                continue
             storage = to_dtensor(self.plan.params[fqn].storage, axes)
-            if tuple(grad.placements) != storage:
-                param.grad = grad.redistribute(self.mesh, storage)
+            gradient_to_storage(param, storage, self.mesh, async_op=False)
 
 
 def batch_args(inputs: Any, target: Any) -> tuple[Any, ...]:

@@ -201,13 +201,21 @@ def sync_gradients_on_arrival(module: ParallelModule, plan: Plan, mesh: DeviceMe
         storage = to_dtensor(plan.params[fqn].storage, axes)
 
         def hook(p: torch.Tensor, storage: tuple[Any, ...] = storage) -> None:
-            grad = p.grad
-            if isinstance(grad, DTensor) and tuple(grad.placements) != storage:
-                # asynchronous, as DDP's bucket reductions are: the rest of backward runs
-                # while it is in flight, and the optimizer waits for it when it reads it
-                p.grad = grad.redistribute(mesh, storage, async_op=True)
+            # asynchronous, as DDP's bucket reductions are: the rest of backward runs while
+            # it is in flight, and the optimizer waits for it when it reads it
+            gradient_to_storage(p, storage, mesh, async_op=True)
 
         param.register_post_accumulate_grad_hook(hook)
+
+
+def gradient_to_storage(
+    param: torch.Tensor, storage: tuple[Any, ...], mesh: DeviceMesh, async_op: bool
+) -> None:
+    """Reduce ``param``'s gradient to the parameter's storage placement (the plan's grad_sync
+    all-reduce or reduce-scatter), if it is not there already."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != storage:
+        param.grad = grad.redistribute(mesh, storage, async_op=async_op)
 
 
 def make_optimizer(
