@@ -1,4 +1,4 @@
-"""Planning benchmark: GPT 1.3B .. 175B on simulated A100 and H100 clusters of 8 to 1024 GPUs.
+"""Planning benchmark: GPT 125M .. 175B on simulated A100 and H100 clusters of 8 to 1024 GPUs.
 
 Prints, and writes to benchmarks/results/plan_gpt.json and .md: tracing and planning time,
 the plan's shape (mesh, pipeline stages, microbatches, predicted bubble), ILP size and the
@@ -85,8 +85,8 @@ def run(size: str, gpus: int, kind: str) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="1.3b,7b,175b")
-    parser.add_argument("--gpus", default="8,64,1024")
+    parser.add_argument("--sizes", default="125m,1.3b,7b,175b")
+    parser.add_argument("--gpus", default="8,64,512,1024")
     parser.add_argument("--clusters", default="a100,h100")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
