@@ -22,6 +22,7 @@ from autoplan.graph.layers import Layers, block_of
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
 from autoplan.strategies.costs import Phased, StepCosts
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
@@ -225,16 +226,34 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
                 grad = grad_spec(s.inputs[i], s.output)
             needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
+    syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
     for (name, index, _), (user, i, grad) in needs.items():
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
         seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
         found += [(user, name, Phased(c, "forward")) for c in fwd]
-        if grad is not None:
-            seconds, bwd = costs.gradient(tensor, grad, assignment[name])
-            comm += seconds
-            phase = "grad_sync" if producer.kind == PARAM else "backward"
-            found += [(user, name, Phased(c, phase)) for c in bwd]
+        if grad is None:
+            continue
+        seconds, bwd = costs.gradient(tensor, grad, assignment[name])
+        if producer.kind == PARAM:
+            syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
+            continue
+        comm += seconds
+        found += [(user, name, Phased(c, "backward")) for c in bwd]
+    # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
+    # reduce-scatters, a parameter used in several placements) are reduced one by one
+    bucketed: list[GradientSync] = []
+    for name, entries in syncs.items():
+        if len(entries) == 1 and entries[0][1].bucket_axes is not None:
+            bucketed.append(entries[0][1])
+            continue
+        for user, sync in entries:
+            comm += sum(costs.collective_s(c) for c in sync.collectives)
+            found += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
+    for i, bucket in enumerate(make_buckets(bucketed[::-1])):
+        for c in bucket.collectives():
+            comm += costs.collective_s(c)
+            found.append((GRADIENTS, f"bucket{i}", Phased(c, "grad_sync", bucket.params)))
     return StepCost(compute, comm, memory, tuple(found))
 
 

@@ -18,13 +18,13 @@ from torch.export import ExportedProgram
 from autoplan.api import plan_graph
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
     OptimizerFactory,
     ParallelModule,
     make_optimizer,
     materialize,
-    sync_gradients_on_arrival,
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
 from autoplan.plan.schema import Plan
@@ -153,7 +153,7 @@ class Step:
         else:
             materialize(self._model, plan, self.mesh, self._init_fn)
             self.module = ParallelModule(self._model, ep, plan, self.mesh)
-            sync_gradients_on_arrival(self.module, plan, self.mesh)
+            GradientReducer(dict(self.module.named_parameters()), plan, 0, self.mesh).on_arrival()
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)

@@ -8,6 +8,8 @@ upgrade that moves one fails there, not deep inside a plan or a training run.
 - `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
   op, which torch 2.13 has no rule for.
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
+- `queue_backward_callback`: run a function when the current backward ends, as DDP and FSDP
+  do to wait for their gradient reductions (execute/gradients.py).
 - `TorchDispatchMode` and the functional collective ops: record the collectives a step
   really issues, as torch's own CommDebugMode does (execute/comms.py).
 """
@@ -29,6 +31,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import register_single_di
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
+queue_backward_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 __all__ = [
     "FUNCTIONAL_COLLECTIVES",
@@ -37,6 +40,7 @@ __all__ = [
     "ShardingPlaceholder",
     "TensorMeta",
     "TorchDispatchMode",
+    "queue_backward_callback",
     "register_single_dim_strategy",
     "resolve_process_group",
     "single_dim_strategy_funcs",

@@ -17,6 +17,8 @@ from autoplan.baseline import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.plan.schema import CollectivePlan, Plan
+from autoplan.strategies.costs import StepCosts
+from autoplan.strategies.placement import Collective
 from autoplan.workload import Workload
 from tests.conftest import example
 from tests.distributed.cases import (
@@ -303,6 +305,10 @@ def test_a_large_gpt_on_meta_tensor_parallel_needs_less_memory_than_data_paralle
 # ---------------------------------------------------------------- pipelines (pp > 1)
 
 
+def _half(cluster: autoplan.Cluster) -> autoplan.Cluster:
+    return dataclasses.replace(cluster, devices_per_node=cluster.num_devices // 2)
+
+
 def _one_microbatch(
     w: Workload, cluster: autoplan.Cluster, num_microbatches: int, **options: Any
 ) -> Plan:
@@ -310,24 +316,47 @@ def _one_microbatch(
     return autoplan.baseline(
         w.model,
         microbatch(w.example_inputs, num_microbatches),
-        dataclasses.replace(cluster, devices_per_node=cluster.num_devices // 2),
+        _half(cluster),
         loss_fn=w.loss_fn,
         example_target=microbatch(w.example_target, num_microbatches),
         **options,
     )
 
 
-def _check_stages_price_as_one_microbatch(plan: Plan, one: Plan) -> None:
+def _bucket_s(plan: Plan, cluster: autoplan.Cluster) -> float:
+    """Seconds of the plan's gradient buckets (all on a stage's mesh)."""
+    axes = plan.stage_axes
+    costs = StepCosts(cluster, plan.mesh.shape[-len(axes) :], "adamw")
+    return sum(
+        costs.collective_s(Collective(c.kind, axes.index(c.axis), c.bytes))
+        for c in plan.collectives
+        if c.params
+    )
+
+
+def _check_stages_price_as_one_microbatch(
+    plan: Plan, one: Plan, cluster: autoplan.Cluster, half: autoplan.Cluster
+) -> None:
     """Two stages whose boundary costs nothing (it is laid out as the step keeps it there)
-    add up to the one-stage baseline of their microbatch; the pipeline then adds the send
-    to stage 0, the bubble and, once per step, gradient sync and optimizer update."""
+    add up to the one-stage baseline of their microbatch, except that each stage buckets its
+    own gradients; the pipeline then adds the send to stage 0, the bubble and, once per step,
+    gradient sync and optimizer update."""
     assert plan.predicted.compute_s == pytest.approx(one.predicted.compute_s, rel=1e-12)
-    assert plan.predicted.comm_s == pytest.approx(one.predicted.comm_s, rel=1e-12)
+    assert plan.predicted.comm_s - _bucket_s(plan, cluster) == pytest.approx(
+        one.predicted.comm_s - _bucket_s(one, half), rel=1e-12
+    )
 
     def key(c: CollectivePlan) -> tuple[str, str, str, int]:
         return (c.kind, c.axis, c.phase, c.bytes)
 
-    assert sorted(map(key, plan.collectives)) == sorted(map(key, one.collectives))
+    def unbucketed(p: Plan) -> list[tuple[str, str, str, int]]:
+        return sorted(key(c) for c in p.collectives if not c.params)
+
+    def bucketed(p: Plan) -> list[tuple[str, str]]:
+        return sorted((c.axis, name) for c in p.collectives for name in c.params)
+
+    assert unbucketed(plan) == unbucketed(one)
+    assert bucketed(plan) == bucketed(one)
     first, last = (s.predicted for s in plan.stages)
     assert first is not None and last is not None
     assert first.time_s > first.forward_s + first.backward_s  # the send to stage 1
@@ -360,7 +389,9 @@ def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
         assert len(activations) == 4 and {(c.kind, c.axis) for c in activations} == {
             ("all_reduce", "tp")
         }
-    _check_stages_price_as_one_microbatch(plan, _one_microbatch(w, cpu4, 2, dp=1, tp=2))
+    _check_stages_price_as_one_microbatch(
+        plan, _one_microbatch(w, cpu4, 2, dp=1, tp=2), cpu4, _half(cpu4)
+    )
     assert _estimate(plan, w, cpu4) == plan  # re-priced from the document: the same numbers
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -381,7 +412,9 @@ def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Clus
         assert {c.axis for c in plan.collectives if c.stage == s and c.phase == "grad_sync"} == {
             "dp"
         }
-    _check_stages_price_as_one_microbatch(plan, _one_microbatch(w, a100, 2, dp=2, tp=2))
+    _check_stages_price_as_one_microbatch(
+        plan, _one_microbatch(w, a100, 2, dp=2, tp=2), a100, _half(a100)
+    )
     assert _estimate(plan, w, a100) == plan
     assert Plan.from_json(plan.to_json()) == plan
 

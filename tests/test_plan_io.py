@@ -37,7 +37,7 @@ def test_two_runs_give_byte_identical_json(plan: autoplan.Plan, cpu4: autoplan.C
 
 def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
     doc = json.loads(plan.to_json())
-    assert doc["version"] == 2
+    assert doc["version"] == 3
     for key in (
         "provenance",
         "mesh",
@@ -58,10 +58,12 @@ def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
 _COLLECTIVE = {
     "kind": "all_reduce",
     "bytes": 4,
-    "axis": "dp0",
+    "axis": "tp0",
     "phase": "forward",
     "node": "output",
     "tensor": "x",
+    "stage": 0,
+    "params": [],
 }
 
 
@@ -81,9 +83,19 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
             "params.head.weight.placements",
         ),
         (lambda d: d["predicted"].pop("comm_s"), "predicted.comm_s"),
-        (lambda d: d["collectives"].append(dict(_COLLECTIVE, axis="zz")), "collectives[]"),
-        (lambda d: d["collectives"].append(dict(_COLLECTIVE, node="nope")), "collectives[]"),
+        (lambda d: d["collectives"].append(dict(_COLLECTIVE, axis="zz")), "collectives[].axis"),
+        (lambda d: d["collectives"].append(dict(_COLLECTIVE, node="nope")), "collectives[].node"),
         (lambda d: d.update(nodes=[]), "nodes"),
+        (
+            lambda d: d["collectives"].append(dict(_COLLECTIVE, node="x", params=["tok_emb_w"])),
+            "collectives[].node",
+        ),
+        (
+            lambda d: d["collectives"].append(
+                dict(_COLLECTIVE, node="gradients", phase="grad_sync", params=["output"])
+            ),
+            "collectives[].params",
+        ),
         (
             lambda d: d["params"]["head.weight"]["storage"].update(
                 tp=d["params"]["head.weight"]["storage"].pop("dp0", "R")

@@ -23,9 +23,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
+from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import PlanInterpreter
 from autoplan.execute.placements import to_dtensor
-from autoplan.execute.step import Placeholders, _global_loss, gradient_to_storage
+from autoplan.execute.step import Placeholders, _global_loss
 from autoplan.graph.capture import as_tuple
 from autoplan.plan.schema import Plan
 
@@ -132,6 +133,8 @@ class PipelineRunner:
         schedule = SCHEDULE_CLASSES[plan.pipeline.schedule]
         self.schedule = schedule(stage, self.num_microbatches, loss_fn=_loss_is_output)
         self._last_rank = plan.stages[-1].ranks[0]
+        mine = {fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)}
+        self.gradients = GradientReducer(mine, plan, self.index, self.mesh)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
@@ -146,7 +149,7 @@ class PipelineRunner:
             self.schedule.step(target=torch.zeros(self.num_microbatches), losses=losses)
         else:
             self.schedule.step()
-        self._sync_gradients()
+        self.gradients.reduce_now()
         loss = torch.zeros(())
         if self.module.is_last:
             loss = torch.stack([x.detach() for x in losses]).mean()
@@ -169,12 +172,6 @@ class PipelineRunner:
             dist.broadcast(whole, src=self.plan.stages[s].ranks[0])
             out[fqn] = whole.clone()
         return out
-
-    def _sync_gradients(self) -> None:
-        axes = self.plan.stage_axes
-        for fqn, param in self.module.model.named_parameters():
-            storage = to_dtensor(self.plan.params[fqn].storage, axes)
-            gradient_to_storage(param, storage, self.mesh, async_op=False)
 
 
 def batch_args(inputs: Any, target: Any) -> tuple[Any, ...]:

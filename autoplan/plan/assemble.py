@@ -70,6 +70,7 @@ def collective_plans(step: StepCost, axes: tuple[str, ...]) -> tuple[CollectiveP
             phase=p.phase,
             node=consumer,
             tensor=producer,
+            params=p.params,
         )
         for consumer, producer, p in step.collectives
     )

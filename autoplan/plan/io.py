@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
+from autoplan.graph.ir import PARAM
 from autoplan.plan.schema import (
     PLAN_VERSION,
     SCHEDULES,
@@ -30,6 +32,7 @@ from autoplan.plan.schema import (
     Stage,
     StagePredicted,
 )
+from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 
 
@@ -186,12 +189,15 @@ def _read_plan(doc: _Field) -> Plan:
             node=f["node"].text(),
             tensor=f["tensor"].text(),
             stage=f["stage"].integer(),
+            params=tuple(p.text() for p in f["params"].elements()),
         )
         if c.axis not in axes:
             raise f["axis"].fail(f"a mesh axis of a stage ({', '.join(axes)})")
         if c.stage >= len(stages):
             raise f["stage"].fail(f"a stage index below {len(stages)}")
-        if c.node not in nodes and not (c.node == SEND and pipeline is not None):
+        if c.params:
+            _check_bucket(f, c, nodes)
+        elif c.node not in nodes and not (c.node == SEND and pipeline is not None):
             raise f["node"].fail(f"the name of a node in nodes (or {SEND!r}: a stage's send)")
         collectives.append(c)
     pr = doc["predicted"]
@@ -217,6 +223,17 @@ def _read_plan(doc: _Field) -> Plan:
     return Plan(
         provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver, pipeline
     )
+
+
+def _check_bucket(f: _Field, c: CollectivePlan, nodes: Mapping[str, NodePlan]) -> None:
+    """A gradient bucket: an all-reduce of parameters' gradients, issued by no op."""
+    if c.node != GRADIENTS:
+        raise f["node"].fail(f"{GRADIENTS!r} for a gradient bucket (one with params)")
+    if c.kind != "all_reduce" or c.phase != "grad_sync":
+        raise f["kind"].fail("an all_reduce of phase grad_sync for a gradient bucket")
+    for i, name in enumerate(c.params):
+        if name not in nodes or nodes[name].op != PARAM:
+            raise f["params"].elements()[i].fail("the name of a parameter node in nodes")
 
 
 def _read_stage(f: _Field, axes: tuple[str, ...]) -> Stage:

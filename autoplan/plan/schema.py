@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import PARAM
 
-PLAN_VERSION = 2  # 2: pipeline stages (Stage.layers ... predicted, Plan.pipeline)
+PLAN_VERSION = 3  # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -96,9 +96,12 @@ class CollectivePlan:
     bytes: int  # per device: the gathered output for all_gather, else the input
     axis: str
     phase: str  # forward | backward | grad_sync
-    node: str  # the op (or output) that needs the redistribution
-    tensor: str  # the node whose output is redistributed
+    node: str  # the op (or output) that needs the redistribution; "gradients" for a bucket
+    tensor: str  # the node whose output is redistributed; a bucket's name ("bucket0")
     stage: int = 0  # issued on that stage's mesh, once per microbatch (grad_sync: per step)
+    # a gradient bucket: the parameter nodes whose gradients it all-reduces together, in the
+    # order of its flat buffer (strategies/buckets.py); empty for every other collective
+    params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from functools import lru_cache
 from autoplan.cluster import Cluster, Link
 from autoplan.costmodel import collective_time, compute_time
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
+from autoplan.strategies.buckets import BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
     R,
@@ -42,6 +43,7 @@ class Phased:
 
     collective: Collective
     phase: str  # "forward" | "backward" | "grad_sync"
+    params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
 class StepCosts:
@@ -60,6 +62,10 @@ class StepCosts:
         )
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
+        self._full_bucket_s = tuple(
+            self.collective_s(Collective("all_reduce", a, BUCKET_BYTES))
+            for a in range(len(mesh_shape))
+        )
 
     # ------------------------------------------------------------------ nodes
 
@@ -182,5 +188,21 @@ class StepCosts:
         seconds, _ = self.forward(tensor, src, dst, index)
         if producer.needs_grad and consumer.kind != OUTPUT:
             grad = grad_spec(dst.inputs[index], dst.output)
-            seconds += self.gradient(tensor, grad, src)[0]
+            grad_s, found = self.gradient(tensor, grad, src)
+            if producer.kind == PARAM:
+                grad_s = self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
+            seconds += grad_s
         return seconds / fan_out
+
+    def grad_sync_s(self, sync: GradientSync) -> float:
+        """A parameter's gradient synchronization as the ILP prices it, before buckets exist:
+        a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
+        of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
+        if sync.bucket_axes is None:
+            return sum(self.collective_s(c) for c in sync.collectives)
+        return sum(
+            self.collective_s(c)
+            if c.nbytes >= BUCKET_BYTES
+            else self._full_bucket_s[c.axis] * c.nbytes / BUCKET_BYTES
+            for c in sync.collectives
+        )

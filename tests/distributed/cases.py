@@ -32,6 +32,13 @@ def data_parallel(w: Workload) -> dict[str, Any]:
     return {"pin": {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(_params(w), "R")}}
 
 
+def dp_2x2(w: Workload) -> dict[str, Any]:
+    """Data parallel along both axes of a (2, 2) mesh."""
+    split, whole = ("S(0)", "S(0)"), ("R", "R")
+    params = dict.fromkeys(_params(w), whole)
+    return {"mesh_shape": (2, 2), "pin": {"input:0": split, "target": split, **params}}
+
+
 def zero3(w: Workload) -> dict[str, Any]:
     sharded = {n: {"storage": "S(0)", "use": "R"} for n in _params(w)}
     return {"pin": {"input:0": "S(0)", "target": "S(0)", **sharded}}
@@ -101,6 +108,8 @@ CASES = [
     Case("mlp-tp", "mlp", MLP_SMALL_BATCH, lambda w: {"mesh_shape": (4,), **mlp_megatron(w)}),
     Case("mlp-2x2", "mlp", {"batch_size": 256, "hidden": 256}, own((2, 2))),
     Case("mlp-zero3", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **zero3(w)}),
+    # data parallel on both axes: each gradient bucket is all-reduced along both
+    Case("mlp-dp-2x2", "mlp", MLP_LARGE_BATCH, dp_2x2),
     Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
     Case("gpt-dp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **data_parallel(w)}),
     Case("gpt-tp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **gpt_megatron(w)}),

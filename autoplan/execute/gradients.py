@@ -1,0 +1,175 @@
+"""Gradient synchronization as the plan lists it: each gradient brought to its parameter's
+storage placement, the plan's gradient buckets as one all-reduce each.
+
+A bucket's gradients (local shards) are copied into one flat buffer, which DTensor all-reduces
+along the bucket's axes (a Partial -> Replicate redistribute, as for a single gradient), and
+each gradient becomes a view of its slice. DTensor has no bucketed reduction of its own (DDP
+and FSDP each write theirs over plain tensors), so the bucketing is ours; the collective is
+still DTensor's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.execute.placements import to_dtensor
+from autoplan.plan.schema import Plan
+from autoplan.torch_private import queue_backward_callback
+
+
+@dataclass
+class _Bucket:
+    name: str
+    fqns: tuple[str, ...]  # in the order of the flat buffer
+    axes: tuple[str, ...]
+    mesh: DeviceMesh | None = None  # the stage's mesh sliced to ``axes``
+    arrived: set[str] = field(default_factory=set)
+    reduced: torch.Tensor | None = None  # the flat buffer, all-reduced (asynchronously)
+
+
+def gradient_to_storage(
+    param: torch.Tensor, storage: tuple[Any, ...], mesh: DeviceMesh, async_op: bool
+) -> None:
+    """Reduce ``param``'s gradient to the parameter's storage placement (the plan's grad_sync
+    all-reduce or reduce-scatter), if it is not there already."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != storage:
+        param.grad = grad.redistribute(mesh, storage, async_op=async_op)
+
+
+class GradientReducer:
+    """The gradient synchronization of one stage's parameters (DTensors, by FQN)."""
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], plan: Plan, stage: int, mesh: DeviceMesh
+    ) -> None:
+        self.params = dict(params)
+        self.mesh = mesh
+        self.axes = plan.stage_axes
+        self.storage = {f: to_dtensor(plan.params[f].storage, self.axes) for f in self.params}
+        buckets: dict[str, _Bucket] = {}
+        for c in plan.collectives:
+            if c.stage == stage and c.params:
+                fqns = tuple(plan.nodes[name].module for name in c.params)
+                bucket = buckets.setdefault(c.tensor, _Bucket(c.tensor, fqns, ()))
+                bucket.axes += (c.axis,)
+        for bucket in buckets.values():
+            bucket.mesh = mesh[bucket.axes]
+        self.buckets = list(buckets.values())  # issued in this order on every rank
+        self.bucket_of = {fqn: b for b in self.buckets for fqn in b.fqns}
+        self._issued = 0
+        self._callback_queued = False
+
+    def on_arrival(self) -> None:
+        """Reduce each gradient as soon as backward has accumulated it, asynchronously (a
+        bucket once all its gradients are in), and wait for them all when backward ends."""
+        for fqn, param in self.params.items():
+
+            def hook(p: torch.Tensor, fqn: str = fqn) -> None:
+                self._arrived(fqn, p)
+
+            param.register_post_accumulate_grad_hook(hook)
+
+    def reduce_now(self) -> None:
+        """Reduce every gradient now (a pipeline's, after its schedule)."""
+        for fqn, param in self.params.items():
+            if fqn not in self.bucket_of:
+                gradient_to_storage(param, self.storage[fqn], self.mesh, async_op=False)
+        self._finish()
+
+    def _arrived(self, fqn: str, param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            queue_backward_callback(self._finish)
+            self._callback_queued = True
+        bucket = self.bucket_of.get(fqn)
+        if bucket is None:
+            # asynchronous, as DDP's bucket reductions are: the rest of backward runs while
+            # it is in flight, and the optimizer waits for it when it reads it
+            gradient_to_storage(param, self.storage[fqn], self.mesh, async_op=True)
+            return
+        bucket.arrived.add(fqn)
+        # in plan order, so that every rank issues the same collectives in the same order
+        while self._issued < len(self.buckets):
+            nxt = self.buckets[self._issued]
+            if len(nxt.arrived) < len(nxt.fqns):
+                break
+            self._issue(nxt)
+
+    def _finish(self) -> None:
+        """Issue the buckets not issued yet, then give every bucketed parameter its reduced
+        gradient."""
+        self._callback_queued = False
+        while self._issued < len(self.buckets):
+            self._issue(self.buckets[self._issued])
+        self._issued = 0
+        for bucket in self.buckets:
+            self._unpack(bucket)
+
+    @torch.no_grad()
+    def _issue(self, bucket: _Bucket) -> None:
+        assert bucket.mesh is not None
+        dims = [self.axes.index(a) for a in bucket.axes]
+        shards: list[torch.Tensor] = []
+        partial: list[Placement] = []
+        for fqn in bucket.fqns:
+            grad = self.params[fqn].grad
+            if not isinstance(grad, DTensor):
+                raise RuntimeError(
+                    f"backward ended without a gradient for {fqn}, which the plan reduces in "
+                    f"{bucket.name}; run the step's forward and backward as a whole"
+                )
+            partial = partial or [grad.placements[d] for d in dims]
+            self._check(fqn, tuple(grad.placements), dims, partial)
+            shards.append(grad.to_local())
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        placed = DTensor.from_local(flat, bucket.mesh, partial, run_check=False)
+        reduced = placed.redistribute(bucket.mesh, [Replicate()] * len(dims), async_op=True)
+        bucket.reduced = reduced.to_local()
+        self._issued += 1
+
+    def _check(
+        self, fqn: str, got: tuple[Placement, ...], dims: list[int], partial: list[Placement]
+    ) -> None:
+        """A bucket's gradients are partial (all with the same reduction) along its axes and
+        placed as their storage along the others."""
+        expected = list(self.storage[fqn])
+        for i, p in zip(dims, partial, strict=True):
+            expected[i] = p
+        if not all(isinstance(p, Partial) for p in partial) or tuple(expected) != got:
+            raise RuntimeError(
+                f"the gradient of {fqn} is placed {got}, but the plan buckets it as partial "
+                f"along {[self.axes[i] for i in dims]} and stored {self.storage[fqn]}: the "
+                "planner and the executor disagree (a bug)"
+            )
+
+    @torch.no_grad()
+    def _unpack(self, bucket: _Bucket) -> None:
+        reduced, offset = bucket.reduced, 0
+        assert reduced is not None
+        for fqn in bucket.fqns:
+            param = self.params[fqn]
+            local = _local(param)
+            piece = reduced[offset : offset + local.numel()].view(local.shape)
+            param.grad = DTensor.from_local(
+                piece,
+                self.mesh,
+                self.storage[fqn],
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+            offset += local.numel()
+        bucket.reduced = None
+        bucket.arrived.clear()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    assert isinstance(param, DTensor)
+    return param.to_local()

@@ -1,0 +1,84 @@
+"""Gradient buckets: which gradients share one all-reduce, in which order, and what they cost."""
+
+from __future__ import annotations
+
+import autoplan
+from autoplan.strategies.buckets import BUCKET_BYTES, Bucket, GradientSync, make_buckets
+from autoplan.strategies.costs import StepCosts
+from autoplan.strategies.placement import Collective
+from tests.conftest import plan_example
+
+
+def _sync(
+    name: str, nbytes: int, axes: tuple[int, ...] = (0,), dtype: str = "float32"
+) -> GradientSync:
+    return GradientSync(name, dtype, tuple(Collective("all_reduce", a, nbytes) for a in axes))
+
+
+def test_buckets_fill_in_backward_order_up_to_the_cap() -> None:
+    syncs = [_sync(f"p{i}", 40) for i in range(5)]
+    assert make_buckets(syncs, cap=100) == [
+        Bucket(("p0", "p1"), (0,), 80),
+        Bucket(("p2", "p3"), (0,), 80),
+        Bucket(("p4",), (0,), 40),
+    ]
+
+
+def test_a_gradient_larger_than_the_cap_has_a_bucket_of_its_own() -> None:
+    syncs = [_sync("a", 30), _sync("big", 500), _sync("c", 30)]
+    assert [b.params for b in make_buckets(syncs, cap=100)] == [("a",), ("big",), ("c",)]
+
+
+def test_buckets_hold_one_dtype_and_one_set_of_axes_and_come_in_the_order_they_fill() -> None:
+    syncs = [
+        _sync("p0", 4),
+        _sync("p1", 4, axes=(1,)),
+        _sync("p2", 4, axes=(1, 0)),
+        _sync("p3", 2, dtype="bfloat16"),
+        _sync("p4", 4),
+    ]
+    assert make_buckets(syncs, cap=100) == [
+        Bucket(("p1",), (1,), 4),
+        Bucket(("p2",), (0, 1), 4),
+        Bucket(("p3",), (0,), 2),
+        Bucket(("p0", "p4"), (0,), 8),  # its last gradient arrives last
+    ]
+
+
+def test_only_all_reduce_gradients_are_bucketed() -> None:
+    assert _sync("w", 8, axes=(0, 1)).bucket_axes == (0, 1)
+    zero = GradientSync("w", "float32", (Collective("reduce_scatter", 0, 8),))
+    assert zero.bucket_axes is None
+    assert GradientSync("w", "float32", ()).bucket_axes is None
+
+
+def test_the_ilp_prices_a_bucketable_gradient_at_its_share_of_a_full_bucket(
+    cpu4: autoplan.Cluster,
+) -> None:
+    costs = StepCosts(cpu4, (4,), "adamw")
+    full = costs.collective_s(Collective("all_reduce", 0, BUCKET_BYTES))
+    small = _sync("b", 1024)
+    assert costs.grad_sync_s(small) == full * 1024 / BUCKET_BYTES
+    assert costs.grad_sync_s(small) < costs.collective_s(small.collectives[0])  # no latency
+    big = _sync("w", 2 * BUCKET_BYTES)
+    assert costs.grad_sync_s(big) == costs.collective_s(big.collectives[0])
+    zero = GradientSync("w", "float32", (Collective("reduce_scatter", 0, 1024),))
+    assert costs.grad_sync_s(zero) == costs.collective_s(zero.collectives[0])
+
+
+def test_a_data_parallel_mlp_reduces_all_its_gradients_in_one_bucket(
+    cpu4: autoplan.Cluster,
+) -> None:
+    plan = plan_example("mlp", cpu4, (4,), batch_size=65536, hidden=32)
+    (bucket,) = [c for c in plan.collectives if c.phase == "grad_sync"]
+    assert (bucket.kind, bucket.axis, bucket.node, bucket.tensor) == (
+        "all_reduce",
+        "dp",
+        "gradients",
+        "bucket0",
+    )
+    # backward produces the last layer's gradients first (each layer's weight is first used
+    # by its transpose, then its bias by the addmm)
+    expected = [f"layers.{i}.{p}" for i in reversed(range(6)) for p in ("bias", "weight")]
+    assert [plan.nodes[n].module for n in bucket.params] == expected
+    assert bucket.bytes == sum(4 * (32 * 32 + 32) for _ in range(6))
