@@ -6,6 +6,14 @@ mirror of these redistributions and of DTensor's op rules). Ops that create tens
 (``arange``) get replicated outputs. If DTensor's rule places an output differently from
 the plan, the output is moved to the plan's placement and the difference is logged: the
 plan's collectives list then misses that move, which the fidelity tests catch.
+
+Ops whose planned inputs and output are all replicated or split (no partial sums) and whose
+local result is the local shard of the whole result (matmuls, element-wise ops, layer norm,
+attention, embedding lookups, transposes; views with their shapes made local) run on local
+tensors, as plain torch: DTensor would only add its dispatch to them. A run of such ops stays
+local; it meets DTensor where a tensor must be redistributed or a DTensor op reads it
+(``from_local``/``to_local``, whose backward places each gradient as the planner's
+`grad_spec` says).
 """
 
 from __future__ import annotations
@@ -13,17 +21,19 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
 from autoplan.plan.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
+from autoplan.strategies.placement import grad_spec, shard_factors
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +47,10 @@ def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
     return value
 
 
-_MEAN = 1  # torch's Reduction.MEAN
-_SUM = 2
+_NONE, _MEAN, _SUM = 0, 1, 2  # torch's Reduction
 # DTensor runs these by decomposition, and on a split batch the backward of the mean divides
 # by the local element count (gradients n times too large); a sum over the global count is
-# exact. torch 2.13.0.
+# exact, on DTensors and (as a partial sum) on local shards alike. torch 2.13.0.
 _ELEMENTWISE_LOSSES = {
     torch.ops.aten.mse_loss.default,
     torch.ops.aten.l1_loss.default,
@@ -50,17 +59,66 @@ _ELEMENTWISE_LOSSES = {
 }
 
 
-def _call_op(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if target in _ELEMENTWISE_LOSSES and isinstance(args[0], DTensor):
-        reduction = args[2] if len(args) > 2 else kwargs.get("reduction", _MEAN)
-        if reduction == _MEAN:
-            rest = args[3:] if len(args) > 3 else ()
-            summed = target(args[0], args[1], _SUM, *rest, **kwargs)
-            return summed / args[0].numel()
+def _reduction(node: torch.fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", _MEAN)
+
+
+def _call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    target: Any = node.target
+    if target in _ELEMENTWISE_LOSSES and _reduction(node) == _MEAN:
+        rest = {k: v for k, v in kwargs.items() if k != "reduction"}
+        summed = target(args[0], args[1], _SUM, *args[3:], **rest)
+        return summed / node.args[0].meta["val"].numel()  # type: ignore[union-attr]
     return target(*args, **kwargs)
 
 
-Placed = dict[tuple[str, tuple[Placement, ...]], Any]  # (tensor, placement) -> redistributed
+Placed = dict[tuple[Any, ...], Any]  # (tensor, placement[, gradient placement]) -> placed
+
+_aten = torch.ops.aten
+# the local result of these on local shards is the local shard of the result, for any plan
+# without partial sums (DTensor's rules for them change no argument)
+_LOCAL_OPS = {
+    _aten.linear.default,
+    _aten.addmm.default,
+    _aten.mm.default,
+    _aten.bmm.default,
+    _aten.matmul.default,
+    _aten.add.Tensor,
+    _aten.sub.Tensor,
+    _aten.mul.Tensor,
+    _aten.div.Tensor,
+    _aten.neg.default,
+    _aten.relu.default,
+    _aten.gelu.default,
+    _aten.silu.default,
+    _aten.tanh.default,
+    _aten.sigmoid.default,
+    _aten.layer_norm.default,
+    _aten.softmax.int,
+    _aten.log_softmax.int,
+    _aten.scaled_dot_product_attention.default,
+    _aten.embedding.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.flatten.using_ints,
+}
+_MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
+# views whose size argument (args[1]) is the global shape: made local from the planned output
+_SHAPED_VIEWS = {
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._unsafe_view.default,
+    _aten.expand.default,
+}
+
+
+@dataclass(frozen=True)
+class _Local:
+    """A tensor kept as this rank's shard, placed as the plan says."""
+
+    tensor: torch.Tensor
+    placements: tuple[Placement, ...]
 
 
 class PlanInterpreter:
@@ -79,10 +137,49 @@ class PlanInterpreter:
         self.boundary = to_dtensor(plan.stages[stage].boundary, axes) if self.sent else ()
         self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
         self.outputs: dict[str, tuple[Placement, ...]] = {}
+        # the gradient placement of each input, as the planner has it (for local ops)
+        self.grads: dict[str, list[tuple[Placement, ...]]] = {}
+        self.local: set[str] = set()
         for name, node in plan.nodes.items():
             self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
             if node.output:
                 self.outputs[name] = to_dtensor(node.output, axes)
+                out = tuple(node.output[a] for a in axes)
+                specs = [tuple(i[a] for a in axes) for i in node.inputs]
+                self.grads[name] = [
+                    to_dtensor(dict(zip(axes, grad_spec(i, out), strict=True)), axes) for i in specs
+                ]
+        self.local_shape: dict[str, tuple[int, ...]] = {}
+        for fx_node in self.graph.nodes:
+            if self._runs_locally(fx_node):
+                self.local.add(fx_node.name)
+                if fx_node.target in _SHAPED_VIEWS:
+                    spec = tuple(plan.nodes[fx_node.name].output[a] for a in axes)
+                    shape = tuple(fx_node.meta["val"].shape)
+                    factors = shard_factors(spec, len(shape), tuple(mesh.shape))
+                    self.local_shape[fx_node.name] = tuple(
+                        n // f for n, f in zip(shape, factors, strict=True)
+                    )
+
+    def _runs_locally(self, node: torch.fx.Node) -> bool:
+        if node.name not in self.nodes or node.name not in self.outputs:
+            return False
+        if node.target not in _LOCAL_OPS | _SHAPED_VIEWS | _ELEMENTWISE_LOSSES | _MULTI_OUTPUT:
+            return False
+        val = node.meta.get("val")
+        values = val if node.target in _MULTI_OUTPUT else [val]
+        if not isinstance(values, list | tuple) or not all(
+            isinstance(v, torch.Tensor) for v in values
+        ):
+            return False
+        inputs, out = self.inputs[node.name], self.outputs[node.name]
+        if any(isinstance(p, Partial) for ps in inputs for p in ps):
+            return False
+        if node.target in _ELEMENTWISE_LOSSES and _reduction(node) != _NONE:
+            # the loss of this rank's shards is a partial sum along the axes they are split on
+            split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(out))]
+            return tuple(out) == tuple(Partial() if s else Replicate() for s in split)
+        return not any(isinstance(p, Partial) for p in out)
 
     def _place(self, value: Any, target: Sequence[Placement]) -> Any:
         if not isinstance(value, DTensor):
@@ -108,27 +205,77 @@ class PlanInterpreter:
             if node.op == "output":
                 if self.sent:
                     break
-                return _map_tensors(node.args[0], lambda n: env[n.name])
+                return _map_tensors(node.args[0], lambda n: self._dtensor(n.name, env, placed))
             if node.target is operator.getitem:
                 if node.args[0].name in env:
                     env[node.name] = env[node.args[0].name][node.args[1]]
+            elif node.name in self.local:
+                env[node.name] = self._call_local(node, env, placed)
             elif node.name in self.nodes:
                 env[node.name] = self._call(node, env, placed)
-        return tuple(self._place(env[name], self.boundary) for name in self.sent)
+        return tuple(
+            self._place(self._dtensor(name, env, placed), self.boundary) for name in self.sent
+        )
+
+    def _dtensor(self, name: str, env: dict[str, Any], placed: Placed) -> Any:
+        """``name``'s value as a DTensor (one per local tensor: backward then reduces the
+        gradients of all its DTensor users once)."""
+        value = env[name]
+        if not isinstance(value, _Local):
+            return value
+        key = (name, "dtensor")
+        if key not in placed:
+            placed[key] = DTensor.from_local(
+                value.tensor, self.mesh, value.placements, run_check=False
+            )
+        return placed[key]
+
+    def _placed(
+        self, name: str, target: tuple[Placement, ...], env: dict[str, Any], placed: Placed
+    ) -> Any:
+        """``name``'s value redistributed to ``target`` (once per tensor and placement)."""
+        key = (name, target)
+        if key not in placed:
+            placed[key] = self._place(self._dtensor(name, env, placed), target)
+        return placed[key]
+
+    def _call_local(
+        self, node: torch.fx.Node, env: dict[str, Any], placed: Placed
+    ) -> _Local | list[_Local]:
+        """Run ``node`` on this rank's shards, its output placed as planned."""
+        targets = iter(zip(self.inputs[node.name], self.grads[node.name], strict=True))
+
+        def fetch(n: torch.fx.Node) -> Any:
+            target, grad = (tuple(t) for t in next(targets))
+            value = env[n.name]
+            if isinstance(value, _Local) and value.placements == target == grad:
+                return value.tensor  # nothing to move in forward or backward
+            key = (n.name, target, grad)
+            if key not in placed:
+                dt = self._placed(n.name, target, env, placed)
+                # backward: the local gradient is placed as the planner says it is
+                placed[key] = dt.to_local(grad_placements=grad) if isinstance(dt, DTensor) else dt
+            return placed[key]
+
+        args = _map_tensors(node.args, fetch)
+        kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
+        if node.name in self.local_shape:
+            args = (args[0], list(self.local_shape[node.name]), *args[2:])
+        out = _call_op(node, args, kwargs)
+        placements = tuple(self.outputs[node.name])
+        if isinstance(out, list | tuple):  # broadcast_tensors
+            return [_Local(t, placements) for t in out]
+        return _Local(out, placements)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
         targets = iter(self.inputs[node.name])
 
         def fetch(n: torch.fx.Node) -> Any:
-            target = tuple(next(targets))
-            key = (n.name, target)
-            if key not in placed:
-                placed[key] = self._place(env[n.name], target)
-            return placed[key]
+            return self._placed(n.name, tuple(next(targets)), env, placed)
 
         args = _map_tensors(node.args, fetch)
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
-        out = _call_op(node.target, args, kwargs)
+        out = _call_op(node, args, kwargs)
         planned = self.outputs.get(node.name)
         if planned is None:
             return out
