@@ -88,6 +88,18 @@ def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) ->
         assert four[name]["shape"] == [2, 2]
 
 
+def test_comm_free_ops_run_on_local_shards(results: dict[int, dict[str, Any]]) -> None:
+    four = results[4]
+    assert four["mlp-dp"]["dtensor_ops"] == []
+    # arange creates a tensor; cross-entropy's mean needs the global target weight
+    assert four["gpt-dp"]["dtensor_ops"] == [
+        "aten.arange.default",
+        "aten.cross_entropy_loss.default",
+    ]
+    # a row split's output is a partial sum: DTensor runs it (and its bias)
+    assert four["mlp-tp"]["dtensor_ops"] == ["aten.linear.default"]
+
+
 def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         ranks = r["errors"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import operator
 import os
 import sys
 from collections import Counter
@@ -90,7 +91,25 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "planned_not_issued": sorted({m for missing, _ in mismatches for m in missing}),
         "issued_not_planned": sorted({m for _, extra in mismatches for m in extra}),
         "num_collectives": sum(want.values()),
+        "dtensor_ops": _dtensor_ops(step),
     }
+
+
+def _dtensor_ops(step: autoplan.Step) -> list[str]:
+    """The ops of this rank's stage that run as DTensor ops (the others run on local shards)."""
+    module = step.pipeline.module if step.pipeline is not None else step.module
+    assert module is not None
+    interpreter = module.interpreter
+    return sorted(
+        {
+            str(n.target)
+            for n in interpreter.graph.nodes
+            if n.name in interpreter.nodes
+            and n.op == "call_function"
+            and n.target is not operator.getitem
+            and n.name not in interpreter.local
+        }
+    )
 
 
 def first_step(
