@@ -526,74 +526,62 @@ CAUSES = """\
 ## Why the targets are missed
 
 From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
-`autoplan/inter_op.py`), the columns above, and checks run by hand on the same host on the same
-day with no other process using the CPU (the figures quoted from those checks are labelled "by
-hand"). No constant was tuned for this benchmark.
+`autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
+from those are labelled "by hand"; scripts of the kind of `benchmarks/step_vs_torch.py`,
+timing forward, backward and optimizer apart on 4 ranks). No constant was tuned for this
+benchmark.
 
-1. **Compute is priced right; the executor's own CPU work is not priced at all.** The "compute
-   alone" lines above check the roofline and the profiled curves by themselves: plain torch in
-   one process runs within ~12% of the prediction. Yet every distributed plan measures above its
-   prediction, and `busy` shows each step keeps the 2 cores ~85-95% busy: here a step's time is
-   its CPU work divided by 2 cores, and the plans do far more CPU work than the ops and
-   collectives the model charges. By hand, for GPT base-dp4 (no forward collectives), forward +
-   backward + optimizer timed apart: the forward took 0.16 CPU-s over the 4 ranks where plain
-   torch needs ~0.10 for the same work, the AdamW step 0.13 CPU-s where 4 plain replicas need
-   ~0.04. The missing term is the executor's per-op work: DTensor dispatch and sharding
-   propagation on every op (torch.profiler, by hand: ~4,500 aten calls per rank per step for GPT
-   tp4 against ~3,300 for plain torch), the graph interpreter and its gradient hooks,
-   redistribution copies (all-gather, then chunk and cat on CPU), and AdamW's ~10 per-parameter
-   ops each going through DTensor. A fully replicated tiny GPT (2 layers, dim 64, no
-   collectives; by hand) measures ~40 ms per step for a predicted 7 ms, where plain torch takes
-   ~5 ms. Plans with more sharded ops and redistributions (tp4, 2x2, pp2 x tp2) pay more of it
-   than data parallelism does, which reorders them against base-dp4.
+1. **Compute is priced right; the executor's own CPU work is not priced.** The "compute
+   alone" lines check the roofline and the profiled curves by themselves: plain torch in one
+   process runs within ~12% of the prediction, and by hand, 4 ranks each running plain torch on
+   a quarter of GPT's batch at once (no communication) take 0.18-0.19 s a step where GPT dp4 is
+   predicted 0.156 s of compute. Yet every plan measures above its prediction, and `busy` shows
+   the 2 cores ~85-95% busy: a step's time here is its CPU work over 2 cores. What the model
+   leaves out is the executor's CPU work beside the ops: DTensor's dispatch for the ops that
+   need it (row-split linears and everything around partial sums, cross-entropy,
+   redistributions), the `from_local`/`to_local` edges of local runs and each parameter's
+   DTensor gradient (by hand with torch.profiler: ~1.5 ms a parameter on this host, ~57
+   parameters in GPT), the flat copy of each gradient bucket, and the optimizer over DTensors.
+   Data-parallel MLP takes 75 ms of CPU a rank and step where DDP takes 65 ms (by hand).
+   Tensor-parallel plans keep more ops on DTensor than data parallelism does, so they pay more
+   (ratios 1.5-1.8 against 1.4-1.7).
 
 2. **Four ranks share two cores, so a rank that waits gives its core away.** The profile's
    curves are measured with every rank busy at once (half a core each), and a pipeline's bubble
-   is charged as idle time (`inter_op._pipeline`: sum(t) + (B-1) max(t) + the gradient
-   sync). On this host a rank waiting in gloo sleeps (by hand: 0.009 CPU-s over a 3 s wait), and
-   the ranks still busy run at a whole core. So the pipelines whose ranks wait most and run few
-   DTensor ops (pp4: one device per stage; GPipe with 2 microbatches) have ratios ~1.1-1.2, as
-   low as pure data parallelism's, and measure as the fastest plans while they are predicted
-   mid-pack (pp2x2, 4 microbatches of tensor-parallel stages, runs 4x the sharded ops and falls
-   back with the TP plans, cause 1). This costs most of the rank correlation, and it is why the
-   planner's own plan misses the own-vs-fastest target although it measures within ~0-12% of the
-   fastest single-stage plan (on one node the planner weighs pipelines only when one stage does
-   not fit). On GPUs a bubble is idle silicon and this does not arise; for CPU ranks the cost
-   model would need to know how many ranks share a core.
+   is charged as idle time (`inter_op._pipeline`: sum(t) + (B-1) max(t) + the gradient sync).
+   On this host a rank waiting in gloo sleeps, and the ranks still busy run at a whole core. So
+   the pipelines whose ranks wait most (pp4: one device per stage; GPipe with 2 microbatches)
+   have ratios ~1.1, and measure as the fastest plans while they are predicted mid-pack. This
+   costs most of the rank correlation, and it is why the planner's own plan (data parallel, the
+   fastest single-stage plan measured) is 1.10-1.13x the fastest plan: on one node the planner
+   weighs pipelines only when one stage does not fit. On GPUs a bubble is idle silicon and this
+   does not arise; for CPU ranks the cost model would need to know how many ranks share a core.
 
-3. **Small collectives cost less inside a step than in the profile.** The profile times each
-   collective alone, back to back: a 1 KB all_reduce over 4 ranks ~5 ms. In a step DTensor
-   issues functional (asynchronous) collectives and waits later, so gradient all-reduces overlap
-   each other and the rest of backward; the cost model adds every collective serially. By hand
-   (torch.profiler), GPT base-dp4's 59 all-reduces, priced 0.34 s, kept rank 0 in `wait_tensor`
-   for 0.20 s in all. This misleads the ILP on the pinned GPT plans: with only the DP pins
-   (inputs S(0), parameters R) it keeps the residual stream and layer norms replicated and
-   splits the MLP along the sequence, trading ~35 small layer-norm and bias gradient all-reduces
-   for 1 MB all-gathers and replicated compute, predicted faster than base-dp4 and measured much
-   slower; with the ZeRO-3 pins it runs q, k and v replicated, predicted ~12% faster than
-   base-zero3 and measured no faster (within the noise). So the "dp" and "zero3" rows are not
-   pure data parallelism and ZeRO-3 (their layout column reads only parameters and inputs);
-   base-dp4 and base-zero3 are.
+3. **A collective in a step waits for the slowest rank.** The profile times each collective
+   alone, the ranks entering together. In a step the ranks reach a collective at different
+   times (the OS shares 2 cores among 4 processes), and the all-reduce of GPT's one 14.7 MB
+   gradient bucket, 36 ms alone (by hand; 35 ms predicted), keeps backward ~70-100 ms longer
+   than plain torch's.
 
 4. **The profile itself is noisy.** Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
-   181 and 128 ms. The profile that was committed (95 ms, 261 ms) was ~1.8-2x slower than the
-   quiet ones, so it was replaced by the quietest re-profile (same command). With the old file
-   every prediction was ~1.5x higher, which happened to offset cause 1: at low load the MLP's
-   single-stage plans measured 0.6-0.77x their prediction, its pipelines 0.4-0.5x. The profile's
-   smallest points are not reliable either: one slow first timing, spread by the isotonic
-   regression, puts a floor (0.1 ms in this file, 0.5 ms in another profile) under every matmul
-   below ~4 MFLOP, so every small op and parameter update is priced at least that.
+   181 and 128 ms; the committed file is the quietest. The profile's smallest points are not
+   reliable either: one slow first timing, spread by the isotonic regression, puts a floor
+   (0.1 ms in this file) under every matmul below ~4 MFLOP.
 
-5. **Noise and near-ties.** Across three quiet runs of this benchmark the same plan measured
-   within ~15% (most within 10%), and iqr_s is 10-25% of the median. The MLP's plans mostly
-   measure within ~20% of each other, so Spearman's rho over them is largely noise;
-   `pairs_ordered_right` counts only pairs measured more than 10% apart.
+5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
+   (most within 10%), and iqr_s is 10-25% of the median. The MLP's plans mostly measure within
+   ~20% of each other, so Spearman's rho over them is largely noise; `pairs_ordered_right`
+   counts only pairs measured more than 10% apart.
 
-What would close the gap (not done here): a profiled per-op executor term (DTensor dispatch,
-optimizer per parameter), overlap of asynchronous collectives with backward, and for CPU
-clusters the number of ranks per core (idle ranks speed up the others); in the profiler, more
-repeats at small sizes and a discarded first timing.
+What changed since the last run: gradients are all-reduced in buckets (one 25 MB bucket holds
+all of either model's), priced as such, so data parallelism is no longer charged ~60 small
+all-reduces and the planner picks it for both models (own vs fastest 1.22 -> 1.13 for the MLP,
+1.54 -> 1.10 for GPT); and comm-free ops run on local shards, not as DTensor ops.
+
+What would close the gap (not done here): a profiled executor term (per DTensor op, per
+parameter, per bucket byte), and for CPU clusters the number of ranks per core (idle ranks
+speed up the others); in the profiler, more repeats at small sizes and a discarded first timing.
 """
 
 

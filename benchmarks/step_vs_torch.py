@@ -36,27 +36,36 @@ from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
 
-WARMUP, STEPS, LR = 3, 15, 1e-4
+WARMUP, ROUNDS, STEPS_PER_ROUND, LR = 3, 5, 4, 1e-4
 SETUPS = {  # (batch, hidden): compute-heavy enough that per-op overheads are visible but small
     "data parallel": {"batch_size": 8192, "hidden": 256, "num_layers": 6},
     "tensor parallel": {"batch_size": 64, "hidden": 2048, "num_layers": 6},
 }
+Step = Callable[[], Any]
 
 
-def _time(step: Callable[[], Any]) -> float:
-    """Median seconds of one step, ranks aligned by a barrier before each."""
-    times = []
-    for i in range(WARMUP + STEPS):
+def _timed(step: Step, times: list[float], count: int) -> None:
+    """Run ``count`` steps, each after a barrier that aligns the ranks, appending their times."""
+    for _ in range(count):
         dist.barrier()
         start = time.perf_counter()
         step()
-        elapsed = time.perf_counter() - start
-        if i >= WARMUP:
-            times.append(elapsed)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
 
 
-def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> float:
+def _median_times(steps: dict[str, Step]) -> dict[str, float]:
+    """Median seconds of one step of each, measured in interleaved rounds (a few steps of each
+    per round), so that a change in the machine's load touches them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        _timed(step, [], WARMUP)
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            _timed(step, times[name], STEPS_PER_ROUND)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> Step:
     step = autoplan.parallelize(
         copy.deepcopy(w.model),
         cluster,
@@ -67,10 +76,10 @@ def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> f
         mesh_shape=(4,),
         **pins,
     )
-    return _time(lambda: step(w.example_inputs, w.example_target))
+    return lambda: step(w.example_inputs, w.example_target)
 
 
-def _torch_step_time(model: nn.Module, w: Workload, x: torch.Tensor, y: torch.Tensor) -> float:
+def _torch_step(model: nn.Module, w: Workload, x: torch.Tensor, y: torch.Tensor) -> Step:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = w.loss_fn
     assert loss_fn is not None
@@ -80,17 +89,17 @@ def _torch_step_time(model: nn.Module, w: Workload, x: torch.Tensor, y: torch.Te
         opt.step()
         opt.zero_grad()
 
-    return _time(step)
+    return step
 
 
-def _ddp(w: Workload, bucket_cap_mb: float = 25.0) -> float:
+def _ddp(w: Workload, bucket_cap_mb: float = 25.0) -> Step:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = (t.chunk(world)[rank] for t in (w.example_inputs[0], w.example_target))
     model = DistributedDataParallel(copy.deepcopy(w.model), bucket_cap_mb=bucket_cap_mb)
-    return _torch_step_time(model, w, x, y)
+    return _torch_step(model, w, x, y)
 
 
-def _tensor_parallel(w: Workload) -> float:
+def _tensor_parallel(w: Workload) -> Step:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = copy.deepcopy(w.model)
     plan = {
@@ -98,7 +107,7 @@ def _tensor_parallel(w: Workload) -> float:
         for i in range(len(model.layers))  # type: ignore[arg-type]
     }
     parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
-    return _torch_step_time(model, w, w.example_inputs[0], w.example_target)
+    return _torch_step(model, w, w.example_inputs[0], w.example_target)
 
 
 def main() -> None:
@@ -116,9 +125,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     cluster = autoplan.Cluster.load(ROOT / "costmodels/cpu-gloo-4.json")
     rows = []
-    # DDP with (almost) no bucketing: one all-reduce per parameter, as autoplan issues them;
-    # it shows how much of the data-parallel gap is DDP's overlapped bucketing
-    baselines: dict[str, list[tuple[str, Callable[[Workload], float]]]] = {
+    # DDP with (almost) no bucketing, one all-reduce per parameter: what DDP gains by its buckets
+    baselines: dict[str, list[tuple[str, Callable[[Workload], Step]]]] = {
         "data parallel": [
             ("DistributedDataParallel", _ddp),
             ("DistributedDataParallel, buckets off", lambda w: _ddp(w, bucket_cap_mb=1e-4)),
@@ -128,9 +136,11 @@ def main() -> None:
     for name, size in SETUPS.items():
         w = load_workload(ROOT / "examples/mlp.py", **size)
         pins = data_parallel(w) if name == "data parallel" else mlp_megatron(w)
-        ours = _autoplan(w, pins, cluster)
-        for baseline, measure in baselines[name]:
-            theirs = measure(w)
+        steps = {"autoplan": _autoplan(w, pins, cluster)}
+        steps.update((baseline, make(w)) for baseline, make in baselines[name])
+        seconds = _median_times(steps)
+        ours = seconds.pop("autoplan")
+        for baseline, theirs in seconds.items():
             rows.append(
                 {
                     "strategy": name,
@@ -150,7 +160,8 @@ def main() -> None:
             "backend": "gloo",
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__,
-            "steps": f"median of {STEPS} after {WARMUP} warm-up",
+            "steps": f"median of {ROUNDS} interleaved rounds of {STEPS_PER_ROUND} steps of "
+            f"each, after {WARMUP} warm-up",
             "target": "ratio <= 1.10",
         }
         columns = ["strategy", "autoplan_s", "torch", "torch_s", "ratio"]
