@@ -147,3 +147,8 @@ def test_render_png_writes_a_png(pipelined: autoplan.Plan, tmp_path: Path) -> No
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000
+
+
+def test_summary_counts_the_gradient_buckets(cpu4: autoplan.Cluster) -> None:
+    plan = plan_example("mlp", cpu4, (4,), batch_size=65536, hidden=32)
+    assert "  (12 gradients all-reduced in 1 bucket(s), up to 25.00 MiB each)" in summary(plan)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from autoplan.plan.schema import Pipeline, Placements, Plan, Stage
 from autoplan.plan.timeline import simulate
+from autoplan.strategies.buckets import BUCKET_BYTES
 
 _INDEX = re.compile(r"\.(\d+)\.")
 GIB = 2**30
@@ -208,6 +209,12 @@ def summary(plan: Plan) -> str:
     for (phase, kind, axis), (count, nbytes) in sorted(totals.items()):
         out.append(
             f"  {phase:<10} {kind:<15} axis {axis:<5} {count:>5} x, {fmt_bytes(nbytes):>11} in all"
+        )
+    buckets = {(c.stage, c.tensor): len(c.params) for c in plan.collectives if c.params}
+    if buckets:
+        out.append(
+            f"  ({sum(buckets.values())} gradients all-reduced in {len(buckets)} bucket(s), "
+            f"up to {fmt_bytes(BUCKET_BYTES)} each)"
         )
     out += [
         "",
