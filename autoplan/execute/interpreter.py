@@ -7,13 +7,11 @@ mirror of these redistributions and of DTensor's op rules). Ops that create tens
 the plan, the output is moved to the plan's placement and the difference is logged: the
 plan's collectives list then misses that move, which the fidelity tests catch.
 
-Ops whose planned inputs and output are all replicated or split (no partial sums) and whose
-local result is the local shard of the whole result (matmuls, element-wise ops, layer norm,
-attention, embedding lookups, transposes; views with their shapes made local) run on local
-tensors, as plain torch: DTensor would only add its dispatch to them. A run of such ops stays
-local; it meets DTensor where a tensor must be redistributed or a DTensor op reads it
-(``from_local``/``to_local``, whose backward places each gradient as the planner's
-`grad_spec` says).
+The ops `execute/ops.py` finds local (no partial sums, the local result the local shard of
+the result) run on this rank's shards as plain torch: DTensor would only add its dispatch to
+them. A run of such ops stays local; it meets DTensor where a tensor must be redistributed or
+a DTensor op reads it (``from_local``/``to_local``, whose backward places each gradient as
+the planner's `grad_spec` says).
 """
 
 from __future__ import annotations
@@ -26,14 +24,15 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
+from autoplan.execute.ops import SHAPED_VIEWS, call_op, local_shape, runs_locally
 from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
 from autoplan.plan.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
-from autoplan.strategies.placement import grad_spec, shard_factors
+from autoplan.strategies.placement import grad_spec
 
 log = logging.getLogger(__name__)
 
@@ -47,70 +46,7 @@ def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
     return value
 
 
-_NONE, _MEAN, _SUM = 0, 1, 2  # torch's Reduction
-# DTensor runs these by decomposition, and on a split batch the backward of the mean divides
-# by the local element count (gradients n times too large); a sum over the global count is
-# exact, on DTensors and (as a partial sum) on local shards alike. torch 2.13.0.
-_ELEMENTWISE_LOSSES = {
-    torch.ops.aten.mse_loss.default,
-    torch.ops.aten.l1_loss.default,
-    torch.ops.aten.smooth_l1_loss.default,
-    torch.ops.aten.huber_loss.default,
-}
-
-
-def _reduction(node: torch.fx.Node) -> Any:
-    return node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", _MEAN)
-
-
-def _call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    target: Any = node.target
-    if target in _ELEMENTWISE_LOSSES and _reduction(node) == _MEAN:
-        rest = {k: v for k, v in kwargs.items() if k != "reduction"}
-        summed = target(args[0], args[1], _SUM, *args[3:], **rest)
-        return summed / node.args[0].meta["val"].numel()  # type: ignore[union-attr]
-    return target(*args, **kwargs)
-
-
 Placed = dict[tuple[Any, ...], Any]  # (tensor, placement[, gradient placement]) -> placed
-
-_aten = torch.ops.aten
-# the local result of these on local shards is the local shard of the result, for any plan
-# without partial sums (DTensor's rules for them change no argument)
-_LOCAL_OPS = {
-    _aten.linear.default,
-    _aten.addmm.default,
-    _aten.mm.default,
-    _aten.bmm.default,
-    _aten.matmul.default,
-    _aten.add.Tensor,
-    _aten.sub.Tensor,
-    _aten.mul.Tensor,
-    _aten.div.Tensor,
-    _aten.neg.default,
-    _aten.relu.default,
-    _aten.gelu.default,
-    _aten.silu.default,
-    _aten.tanh.default,
-    _aten.sigmoid.default,
-    _aten.layer_norm.default,
-    _aten.softmax.int,
-    _aten.log_softmax.int,
-    _aten.scaled_dot_product_attention.default,
-    _aten.embedding.default,
-    _aten.t.default,
-    _aten.transpose.int,
-    _aten.permute.default,
-    _aten.flatten.using_ints,
-}
-_MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
-# views whose size argument (args[1]) is the global shape: made local from the planned output
-_SHAPED_VIEWS = {
-    _aten.view.default,
-    _aten.reshape.default,
-    _aten._unsafe_view.default,
-    _aten.expand.default,
-}
 
 
 @dataclass(frozen=True)
@@ -149,37 +85,15 @@ class PlanInterpreter:
                 self.grads[name] = [
                     to_dtensor(dict(zip(axes, grad_spec(i, out), strict=True)), axes) for i in specs
                 ]
-        self.local_shape: dict[str, tuple[int, ...]] = {}
+        self.local_shape: dict[str, list[int]] = {}  # a local view's size argument
         for fx_node in self.graph.nodes:
-            if self._runs_locally(fx_node):
-                self.local.add(fx_node.name)
-                if fx_node.target in _SHAPED_VIEWS:
-                    spec = tuple(plan.nodes[fx_node.name].output[a] for a in axes)
-                    shape = tuple(fx_node.meta["val"].shape)
-                    factors = shard_factors(spec, len(shape), tuple(mesh.shape))
-                    self.local_shape[fx_node.name] = tuple(
-                        n // f for n, f in zip(shape, factors, strict=True)
-                    )
-
-    def _runs_locally(self, node: torch.fx.Node) -> bool:
-        if node.name not in self.nodes or node.name not in self.outputs:
-            return False
-        if node.target not in _LOCAL_OPS | _SHAPED_VIEWS | _ELEMENTWISE_LOSSES | _MULTI_OUTPUT:
-            return False
-        val = node.meta.get("val")
-        values = val if node.target in _MULTI_OUTPUT else [val]
-        if not isinstance(values, list | tuple) or not all(
-            isinstance(v, torch.Tensor) for v in values
-        ):
-            return False
-        inputs, out = self.inputs[node.name], self.outputs[node.name]
-        if any(isinstance(p, Partial) for ps in inputs for p in ps):
-            return False
-        if node.target in _ELEMENTWISE_LOSSES and _reduction(node) != _NONE:
-            # the loss of this rank's shards is a partial sum along the axes they are split on
-            split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(out))]
-            return tuple(out) == tuple(Partial() if s else Replicate() for s in split)
-        return not any(isinstance(p, Partial) for p in out)
+            name = fx_node.name
+            if name not in self.nodes or name not in self.outputs:
+                continue
+            if runs_locally(fx_node, self.inputs[name], self.outputs[name]):
+                self.local.add(name)
+                if fx_node.target in SHAPED_VIEWS:
+                    self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh)
 
     def _place(self, value: Any, target: Sequence[Placement]) -> Any:
         if not isinstance(value, DTensor):
@@ -260,8 +174,8 @@ class PlanInterpreter:
         args = _map_tensors(node.args, fetch)
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
         if node.name in self.local_shape:
-            args = (args[0], list(self.local_shape[node.name]), *args[2:])
-        out = _call_op(node, args, kwargs)
+            args = (args[0], self.local_shape[node.name], *args[2:])
+        out = call_op(node, args, kwargs)
         placements = tuple(self.outputs[node.name])
         if isinstance(out, list | tuple):  # broadcast_tensors
             return [_Local(t, placements) for t in out]
@@ -275,7 +189,7 @@ class PlanInterpreter:
 
         args = _map_tensors(node.args, fetch)
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
-        out = _call_op(node, args, kwargs)
+        out = call_op(node, args, kwargs)
         planned = self.outputs.get(node.name)
         if planned is None:
             return out

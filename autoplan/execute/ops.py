@@ -1,0 +1,112 @@
+"""How the executor runs an op: which ops run on this rank's shards as plain torch (the
+others run as DTensor ops), and the losses it runs as sums.
+
+An op runs locally when its planned inputs and output have no partial sums and its result on
+local shards is the local shard of its result: matmuls, element-wise ops, layer norm,
+attention, embedding lookups and transposes (DTensor's rules for them change no argument),
+views (their shape argument made local), and mean-reduced element-wise losses, whose local sum
+over the global element count is a partial sum along the axes their inputs are split on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+NONE, MEAN, SUM = 0, 1, 2  # torch's Reduction
+# DTensor runs these by decomposition, and on a split batch the backward of the mean divides
+# by the local element count (gradients n times too large); a sum over the global count is
+# exact, on DTensors and (as a partial sum) on local shards alike. torch 2.13.0.
+ELEMENTWISE_LOSSES = {
+    torch.ops.aten.mse_loss.default,
+    torch.ops.aten.l1_loss.default,
+    torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.huber_loss.default,
+}
+
+
+def reduction(node: torch.fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", MEAN)
+
+
+def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    target: Any = node.target
+    if target in ELEMENTWISE_LOSSES and reduction(node) == MEAN:
+        rest = {k: v for k, v in kwargs.items() if k != "reduction"}
+        summed = target(args[0], args[1], SUM, *args[3:], **rest)
+        return summed / node.args[0].meta["val"].numel()  # type: ignore[union-attr]
+    return target(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+# the local result of these on local shards is the local shard of the result, for any plan
+# without partial sums (DTensor's rules for them change no argument)
+LOCAL_OPS = {
+    _aten.linear.default,
+    _aten.addmm.default,
+    _aten.mm.default,
+    _aten.bmm.default,
+    _aten.matmul.default,
+    _aten.add.Tensor,
+    _aten.sub.Tensor,
+    _aten.mul.Tensor,
+    _aten.div.Tensor,
+    _aten.neg.default,
+    _aten.relu.default,
+    _aten.gelu.default,
+    _aten.silu.default,
+    _aten.tanh.default,
+    _aten.sigmoid.default,
+    _aten.layer_norm.default,
+    _aten.softmax.int,
+    _aten.log_softmax.int,
+    _aten.scaled_dot_product_attention.default,
+    _aten.embedding.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.flatten.using_ints,
+}
+MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
+# views whose size argument (args[1]) is the global shape: made local from the planned output
+SHAPED_VIEWS = {
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._unsafe_view.default,
+    _aten.expand.default,
+}
+
+
+def runs_locally(
+    node: torch.fx.Node,
+    inputs: Sequence[Sequence[Placement]],
+    output: Sequence[Placement],
+) -> bool:
+    """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
+    if node.target not in LOCAL_OPS | SHAPED_VIEWS | ELEMENTWISE_LOSSES | MULTI_OUTPUT:
+        return False
+    val = node.meta.get("val")
+    values = val if node.target in MULTI_OUTPUT else [val]
+    if not isinstance(values, list | tuple) or not all(isinstance(v, torch.Tensor) for v in values):
+        return False
+    if any(isinstance(p, Partial) for ps in inputs for p in ps):
+        return False
+    if node.target in ELEMENTWISE_LOSSES and reduction(node) != NONE:
+        # the loss of this rank's shards is a partial sum along the axes they are split on
+        split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
+        return tuple(output) == tuple(Partial() if s else Replicate() for s in split)
+    return not any(isinstance(p, Partial) for p in output)
+
+
+def local_shape(node: torch.fx.Node, output: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
+    """This rank's shape of ``node``'s output (a view's size argument, made local)."""
+    shape = list(node.meta["val"].shape)
+    for placement, size in zip(output, mesh.shape, strict=True):
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= size
+    return shape
