@@ -100,6 +100,12 @@ def test_comm_free_ops_run_on_local_shards(results: dict[int, dict[str, Any]]) -
     assert four["mlp-tp"]["dtensor_ops"] == ["aten.linear.default"]
 
 
+def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, Any]]) -> None:
+    for world, r in results.items():
+        for layout, diff in r["accumulation"].items():
+            assert diff <= TOLERANCE, (world, layout, diff)
+
+
 def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         ranks = r["errors"]

@@ -66,15 +66,28 @@ class GradientReducer:
         self.bucket_of = {fqn: b for b in self.buckets for fqn in b.fqns}
         self._issued = 0
         self._callback_queued = False
+        self._earlier: dict[str, torch.Tensor] = {}  # gradients of earlier backward passes
 
     def on_arrival(self) -> None:
         """Reduce each gradient as soon as backward has accumulated it, asynchronously (a
-        bucket once all its gradients are in), and wait for them all when backward ends."""
+        bucket once all its gradients are in), and wait for them all when backward ends.
+
+        Several backward passes before an optimizer step accumulate, as in one process: a
+        gradient already reduced is set aside while backward computes the new one, which is
+        reduced alone and then added to it."""
         for fqn, param in self.params.items():
+
+            def set_aside(grad: torch.Tensor, fqn: str = fqn) -> torch.Tensor:
+                param = self.params[fqn]
+                if param.grad is not None:
+                    self._earlier[fqn] = param.grad
+                    param.grad = None
+                return grad
 
             def hook(p: torch.Tensor, fqn: str = fqn) -> None:
                 self._arrived(fqn, p)
 
+            param.register_hook(set_aside)  # runs before the gradient is accumulated
             param.register_post_accumulate_grad_hook(hook)
 
     def reduce_now(self) -> None:
@@ -111,6 +124,10 @@ class GradientReducer:
         self._issued = 0
         for bucket in self.buckets:
             self._unpack(bucket)
+        for fqn, earlier in self._earlier.items():
+            param = self.params[fqn]
+            param.grad = earlier if param.grad is None else earlier + param.grad
+        self._earlier.clear()
 
     @torch.no_grad()
     def _issue(self, bucket: _Bucket) -> None:

@@ -25,7 +25,15 @@ from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
-from tests.distributed.cases import CASES, Case, cluster  # noqa: E402
+from tests.distributed.cases import (  # noqa: E402
+    CASES,
+    MLP_LARGE_BATCH,
+    Case,
+    cluster,
+    data_parallel,
+    mlp_megatron,
+    zero3,
+)
 
 STEPS = 3
 # Adam turns a gradient element of ~1e-10 into a step of ~lr, so float32 rounding noise (a few
@@ -205,6 +213,37 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     return found
 
 
+def accumulation(c: autoplan.Cluster) -> dict[str, float]:
+    """Two backward passes before the optimizer step, as in one process: the largest gradient
+    difference from one process's accumulated gradients, per layout."""
+    w = load_workload(ROOT / "examples/mlp.py", **MLP_LARGE_BATCH)
+    assert w.loss_fn is not None
+    ref = copy.deepcopy(w.model)
+    for _ in range(2):
+        w.loss_fn(ref(*w.example_inputs), w.example_target).backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+    layouts = {"dp": data_parallel(w), "zero3": zero3(w), "tp": mlp_megatron(w)}
+    found = {}
+    for name, pins in layouts.items():
+        step = autoplan.parallelize(
+            copy.deepcopy(w.model),
+            c,
+            example_inputs=w.example_inputs,
+            loss_fn=w.loss_fn,
+            example_target=w.example_target,
+            mesh_shape=(world_size(),),
+            **pins,
+        )
+        assert step.module is not None
+        for _ in range(2):
+            step.module(w.example_inputs, w.example_target).backward()
+        found[name] = max(
+            (p.grad.full_tensor() - expected[n]).abs().max().item()  # type: ignore[union-attr]
+            for n, p in step.module.named_parameters()
+        )
+    return found
+
+
 def world_size() -> int:
     return dist.get_world_size()
 
@@ -220,6 +259,7 @@ def main() -> None:
         if case.world == world:
             torch.manual_seed(0)
             results[case.name] = run_case(case, c)
+    results["accumulation"] = accumulation(c)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)
