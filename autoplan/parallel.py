@@ -32,8 +32,25 @@ from autoplan.plan.schema import Plan
 log = logging.getLogger(__name__)
 
 
+class _Planned(logging.Filter):
+    """Drops DTensor's warnings about collectives the plan chose and priced: gloo's all-to-all
+    run as an all-gather (the cost model prices it so), and a redistribution over two mesh
+    axes run as one collective per axis (the plan lists one per axis)."""
+
+    KNOWN = ("CPU process group does not support alltoall yet", "While redistributing from")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.KNOWN)
+
+
+_PLANNED = _Planned()
+
+
 def init_distributed(cluster: Cluster) -> None:
     """Join the process group torchrun describes (gloo on CPU clusters, NCCL on GPUs)."""
+    for name in ("_collective_utils", "_redistribute"):
+        # added once: a logger does not add a filter it has
+        logging.getLogger(f"torch.distributed.tensor.{name}").addFilter(_PLANNED)
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
