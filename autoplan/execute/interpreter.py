@@ -93,7 +93,7 @@ class PlanInterpreter:
             if runs_locally(fx_node, self.inputs[name], self.outputs[name]):
                 self.local.add(name)
                 if fx_node.target in SHAPED_VIEWS:
-                    self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh)
+                    self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh.shape)
 
     def _place(self, value: Any, target: Sequence[Placement]) -> Any:
         if not isinstance(value, DTensor):

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -103,10 +102,12 @@ def runs_locally(
     return not any(isinstance(p, Partial) for p in output)
 
 
-def local_shape(node: torch.fx.Node, output: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
+def local_shape(
+    node: torch.fx.Node, output: Sequence[Placement], mesh_shape: Sequence[int]
+) -> list[int]:
     """This rank's shape of ``node``'s output (a view's size argument, made local)."""
     shape = list(node.meta["val"].shape)
-    for placement, size in zip(output, mesh.shape, strict=True):
+    for placement, size in zip(output, mesh_shape, strict=True):
         if isinstance(placement, Shard):
             shape[placement.dim] //= size
     return shape

@@ -1,0 +1,51 @@
+"""Which ops the executor runs on local shards (execute/ops.py), on a small exported graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoplan.execute.ops import local_shape, runs_locally
+
+R, P, S0, S1 = (Replicate(),), (Partial(),), (Shard(0),), (Shard(1),)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).view(8, 2, 3).relu()
+        return F.mse_loss(h.flatten(1), y)
+
+
+def _nodes() -> dict[str, torch.fx.Node]:
+    ep = torch.export.export(_Tiny(), (torch.randn(8, 6), torch.randn(8, 6)))
+    ops = [n for n in ep.graph.nodes if str(n.target).startswith("aten.")]
+    return {str(n.target).split(".")[1]: n for n in ops}
+
+
+def test_ops_without_partial_sums_run_locally() -> None:
+    nodes = _nodes()
+    assert runs_locally(nodes["linear"], [S0, R, R], S0)  # data parallel
+    assert runs_locally(nodes["linear"], [R, S0, S0], S1)  # column split
+    assert not runs_locally(nodes["linear"], [S1, S1, P], P)  # row split: a partial sum
+    assert runs_locally(nodes["relu"], [S0], S0)
+    assert not runs_locally(nodes["relu"], [P], P)
+
+
+def test_a_mean_loss_runs_locally_as_a_partial_sum_along_split_axes() -> None:
+    loss = _nodes()["mse_loss"]
+    assert runs_locally(loss, [S0, S0], P)
+    assert runs_locally(loss, [R, R], R)
+    assert not runs_locally(loss, [S0, S0], R)  # the plan would need the sum whole
+
+
+def test_a_view_gets_its_local_shape() -> None:
+    view = _nodes()["view"]
+    assert runs_locally(view, [S0], S0)
+    assert local_shape(view, S0, (4,)) == [2, 2, 3]
+    assert local_shape(view, (Shard(0), Shard(2)), (2, 3)) == [4, 2, 1]
