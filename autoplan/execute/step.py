@@ -202,6 +202,9 @@ def make_optimizer(
             f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZERS)} or a callable"
         )
     # foreach: each update op is one DTensor dispatch over all parameters rather than one per
-    # parameter (torch picks it by default only on GPUs); the arithmetic is the same
-    defaults = {"lr": 1e-3, "foreach": True}
+    # parameter (torch picks it by default only on GPUs); the arithmetic is the same. A fused
+    # optimizer the user asks for excludes it.
+    defaults: dict[str, Any] = {"lr": 1e-3}
+    if not options.get("fused"):
+        defaults["foreach"] = True
     return OPTIMIZERS[optimizer](params, **(defaults | dict(options)))
