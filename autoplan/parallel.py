@@ -269,6 +269,11 @@ def parallelize(
     step (its norm reductions are not in the plan's list of collectives). ``plan_options``
     go to `autoplan.plan` (``mesh_shape``, ``pin``, ``pipeline`` ...).
     """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise AutoplanError(
+            "the model's parameters are already DTensors: it was parallelized before (they are "
+            "replaced in place); pass a freshly built model"
+        )
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     step = Step(

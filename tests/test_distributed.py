@@ -118,6 +118,9 @@ def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
             assert (
                 seen["wrong_shape"].startswith("AutoplanError") and "(4, 16)" in seen["wrong_shape"]
             )
+            # a parameter frozen after planning: its gradient bucket never fills
+            assert seen["frozen"].startswith("AutoplanError") and "requires_grad" in seen["frozen"]
+            assert seen["twice"].startswith("AutoplanError") and "already" in seen["twice"]
             assert seen["lazy"] == "ok"  # planned at the first call, then trained
             assert seen["meta"] == "ok"  # built shard by shard from a meta model, then trained
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.errors import AutoplanError
 from autoplan.execute.placements import to_dtensor
 from autoplan.plan.schema import Plan
 from autoplan.torch_private import queue_backward_callback
@@ -138,9 +139,10 @@ class GradientReducer:
         for fqn in bucket.fqns:
             grad = self.params[fqn].grad
             if not isinstance(grad, DTensor):
-                raise RuntimeError(
-                    f"backward ended without a gradient for {fqn}, which the plan reduces in "
-                    f"{bucket.name}; run the step's forward and backward as a whole"
+                raise AutoplanError(
+                    f"backward produced no gradient for {fqn}, which the plan reduces in "
+                    f"{bucket.name}: a parameter must keep the requires_grad it had when the "
+                    "step was planned (plan again after freezing or unfreezing parameters)"
                 )
             partial = partial or [grad.placements[d] for d in dims]
             self._check(fqn, tuple(grad.placements), dims, partial)

@@ -191,6 +191,28 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         found["wrong_shape"] = "no error"
     except AutoplanError as e:
         found["wrong_shape"] = f"{type(e).__name__}: {e}"
+    again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
+    frozen = autoplan.parallelize(
+        again.model,
+        c,
+        example_inputs=again.example_inputs,
+        loss_fn=again.loss_fn,
+        example_target=again.example_target,
+        mesh_shape=(world_size(),),
+        **data_parallel(again),
+    )
+    assert frozen.module is not None
+    frozen.module.get_parameter("layers.0.weight").requires_grad_(False)  # after planning
+    try:
+        frozen(again.example_inputs, again.example_target)
+        found["frozen"] = "no error"
+    except AutoplanError as e:
+        found["frozen"] = f"{type(e).__name__}: {e}"
+    try:  # the same model again: its parameters are DTensors now
+        autoplan.parallelize(again.model, c, example_inputs=again.example_inputs)
+        found["twice"] = "no error"
+    except AutoplanError as e:
+        found["twice"] = f"{type(e).__name__}: {e}"
     fresh = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
     losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]
