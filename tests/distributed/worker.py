@@ -24,6 +24,7 @@ import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
+from autoplan.execute.step import OPTIMIZERS  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
@@ -266,6 +267,40 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
     return found
 
 
+def optimizers(c: autoplan.Cluster) -> dict[str, float]:
+    """SGD with momentum and Adam (foreach over DTensors) on data- and tensor-parallel plans:
+    the largest parameter difference from one process after 3 steps."""
+    w = load_workload(ROOT / "examples/mlp.py", **MLP_LARGE_BATCH)
+    assert w.loss_fn is not None
+    found = {}
+    for name, options in (("sgd", {"lr": 0.1, "momentum": 0.9}), ("adam", {"lr": LR})):
+        ref = copy.deepcopy(w.model)
+        optimizer = OPTIMIZERS[name](ref.parameters(), **options)  # type: ignore[arg-type]
+        for _ in range(STEPS):
+            w.loss_fn(ref(*w.example_inputs), w.example_target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for layout, pins in (("dp", data_parallel(w)), ("tp", mlp_megatron(w))):
+            step = autoplan.parallelize(
+                copy.deepcopy(w.model),
+                c,
+                example_inputs=w.example_inputs,
+                loss_fn=w.loss_fn,
+                example_target=w.example_target,
+                optimizer=name,
+                optimizer_options=options,
+                mesh_shape=(world_size(),),
+                **pins,
+            )
+            for _ in range(STEPS):
+                step(w.example_inputs, w.example_target)
+            params = step.state_dict()
+            found[f"{name}-{layout}"] = max(
+                (params[n] - v).abs().max().item() for n, v in ref.state_dict().items()
+            )
+    return found
+
+
 def world_size() -> int:
     return dist.get_world_size()
 
@@ -282,6 +317,7 @@ def main() -> None:
             torch.manual_seed(0)
             results[case.name] = run_case(case, c)
     results["accumulation"] = accumulation(c)
+    results["optimizers"] = optimizers(c)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)
