@@ -48,9 +48,15 @@ def workload(case: Case) -> Workload:
     return load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
 
 
-def reference(w: Workload, max_grad_norm: float | None) -> dict[str, Any]:
+def reference(
+    w: Workload,
+    max_grad_norm: float | None = None,
+    optimizer: str = "adamw",
+    options: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """``w`` trained ``STEPS`` steps in this process alone: losses, first gradients, params."""
     model = copy.deepcopy(w.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = OPTIMIZERS[optimizer](model.parameters(), **(options or {"lr": LR}))  # type: ignore[arg-type]
     losses, grads = [], {}
     for i in range(STEPS):
         loss = w.loss_fn(model(*w.example_inputs), w.example_target)  # type: ignore[misc]
@@ -65,15 +71,24 @@ def reference(w: Workload, max_grad_norm: float | None) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": dict(model.state_dict())}
 
 
-def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
-    w = workload(case)
-    ref = reference(w, case.max_grad_norm)
-    step = autoplan.parallelize(
+def parallel(w: Workload, c: autoplan.Cluster, **options: Any) -> autoplan.Step:
+    """`autoplan.parallelize` on a copy of ``w``'s model, with its inputs, loss and target."""
+    return autoplan.parallelize(
         copy.deepcopy(w.model),
         c,
         example_inputs=w.example_inputs,
         loss_fn=w.loss_fn,
         example_target=w.example_target,
+        **options,
+    )
+
+
+def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
+    w = workload(case)
+    ref = reference(w, case.max_grad_norm)
+    step = parallel(
+        w,
+        c,
         optimizer_options={"lr": LR},
         max_grad_norm=case.max_grad_norm,
         **case.plan_options(w),
@@ -248,15 +263,7 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
     layouts = {"dp": data_parallel(w), "zero3": zero3(w), "tp": mlp_megatron(w)}
     found = {}
     for name, pins in layouts.items():
-        step = autoplan.parallelize(
-            copy.deepcopy(w.model),
-            c,
-            example_inputs=w.example_inputs,
-            loss_fn=w.loss_fn,
-            example_target=w.example_target,
-            mesh_shape=(world_size(),),
-            **pins,
-        )
+        step = parallel(w, c, mesh_shape=(world_size(),), **pins)
         assert step.module is not None
         for _ in range(2):
             step.module(w.example_inputs, w.example_target).backward()
@@ -271,22 +278,13 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     """SGD with momentum and Adam (foreach over DTensors) on data- and tensor-parallel plans:
     the largest parameter difference from one process after 3 steps."""
     w = load_workload(ROOT / "examples/mlp.py", **MLP_LARGE_BATCH)
-    assert w.loss_fn is not None
     found = {}
     for name, options in (("sgd", {"lr": 0.1, "momentum": 0.9}), ("adam", {"lr": LR})):
-        ref = copy.deepcopy(w.model)
-        optimizer = OPTIMIZERS[name](ref.parameters(), **options)  # type: ignore[arg-type]
-        for _ in range(STEPS):
-            w.loss_fn(ref(*w.example_inputs), w.example_target).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        ref = reference(w, optimizer=name, options=options)["params"]
         for layout, pins in (("dp", data_parallel(w)), ("tp", mlp_megatron(w))):
-            step = autoplan.parallelize(
-                copy.deepcopy(w.model),
+            step = parallel(
+                w,
                 c,
-                example_inputs=w.example_inputs,
-                loss_fn=w.loss_fn,
-                example_target=w.example_target,
                 optimizer=name,
                 optimizer_options=options,
                 mesh_shape=(world_size(),),
@@ -296,7 +294,7 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
                 step(w.example_inputs, w.example_target)
             params = step.state_dict()
             found[f"{name}-{layout}"] = max(
-                (params[n] - v).abs().max().item() for n, v in ref.state_dict().items()
+                (params[n] - v).abs().max().item() for n, v in ref.items()
             )
     return found
 
