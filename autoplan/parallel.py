@@ -28,6 +28,7 @@ from autoplan.execute.step import (
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
 from autoplan.plan.schema import Plan
+from autoplan.torch_private import wait_collective
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +187,15 @@ class Step:
         else:
             assert self.module is not None
             loss = self.module(inputs, target)
-            loss.backward()
+            # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
+            # all-reduce, which is only read after the optimizer step
+            loss.backward(torch.ones((), dtype=loss.dtype, device=loss.device))
         if self.max_grad_norm is not None:
             self.clip_gradients(self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # long done by now; waited for here so that no step leaves a collective behind
+        return wait_collective(loss.detach())
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most ``max_norm`` (as

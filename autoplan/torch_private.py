@@ -8,6 +8,8 @@ upgrade that moves one fails there, not deep inside a plan or a training run.
 - `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
   op, which torch 2.13 has no rule for.
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
+- `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
+  bucket is waited for once rather than at each of its gradients' slices.
 - `queue_backward_callback`: run a function when the current backward ends, as DDP and FSDP
   do to wait for their gradient reductions (execute/gradients.py).
 - `TorchDispatchMode` and the functional collective ops: record the collectives a step
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
@@ -44,6 +47,7 @@ __all__ = [
     "register_single_dim_strategy",
     "resolve_process_group",
     "single_dim_strategy_funcs",
+    "wait_collective",
 ]
 
 
@@ -51,3 +55,8 @@ def single_dim_strategy_funcs() -> dict[Any, Any]:
     """DTensor's registry: ATen op -> its single-dim strategy."""
     funcs: dict[Any, Any] = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
     return funcs
+
+
+def wait_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor: a functional collective's pending result waited for."""
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor

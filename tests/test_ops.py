@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan.execute.ops import local_shape, runs_locally
+from autoplan.execute.step import local_shard
 
 R, P, S0, S1 = (Replicate(),), (Partial(),), (Shard(0),), (Shard(1),)
 
@@ -49,3 +50,18 @@ def test_a_view_gets_its_local_shape() -> None:
     assert runs_locally(view, [S0], S0)
     assert local_shape(view, S0, (4,)) == [2, 2, 3]
     assert local_shape(view, (Shard(0), Shard(2)), (2, 3)) == [4, 2, 1]
+
+
+def test_a_batch_split_evenly_is_sliced_locally_as_dtensor_shards_it() -> None:
+    batch = torch.arange(8 * 6.0).view(8, 6)
+    mesh_shape = (2, 2)
+    for placements in [(Shard(0), Shard(0)), (Shard(0), Replicate()), (Shard(1), Shard(0))]:
+        for coordinate in ([0, 0], [0, 1], [1, 0], [1, 1]):
+            expected = batch
+            for axis, p in enumerate(placements):
+                if isinstance(p, Shard):  # DTensor splits mesh axis by axis, like torch.chunk
+                    expected = expected.chunk(mesh_shape[axis], p.dim)[coordinate[axis]]
+            got = local_shard(batch, placements, mesh_shape, coordinate)
+            assert got is not None and torch.equal(got, expected)
+            assert got.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr()  # a view
+    assert local_shard(torch.ones(6, 3), (Shard(0), Shard(0)), mesh_shape, [0, 0]) is None

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan.errors import AutoplanError
 from autoplan.execute.placements import to_dtensor
 from autoplan.plan.schema import Plan
-from autoplan.torch_private import queue_backward_callback
+from autoplan.torch_private import queue_backward_callback, wait_collective
 
 
 @dataclass
@@ -170,8 +170,8 @@ class GradientReducer:
 
     @torch.no_grad()
     def _unpack(self, bucket: _Bucket) -> None:
-        reduced, offset = bucket.reduced, 0
-        assert reduced is not None
+        assert bucket.reduced is not None
+        reduced, offset = wait_collective(bucket.reduced), 0  # once, not at every slice
         for fqn in bucket.fqns:
             param = self.params[fqn]
             local = _local(param)

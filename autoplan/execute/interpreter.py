@@ -50,8 +50,9 @@ Placed = dict[tuple[Any, ...], Any]  # (tensor, placement[, gradient placement])
 
 
 @dataclass(frozen=True)
-class _Local:
-    """A tensor kept as this rank's shard, placed as the plan says."""
+class Local:
+    """A tensor kept as this rank's shard, placed as the plan says (as ``run``'s input: a
+    batch sliced locally)."""
 
     tensor: torch.Tensor
     placements: tuple[Placement, ...]
@@ -135,7 +136,7 @@ class PlanInterpreter:
         """``name``'s value as a DTensor (one per local tensor: backward then reduces the
         gradients of all its DTensor users once)."""
         value = env[name]
-        if not isinstance(value, _Local):
+        if not isinstance(value, Local):
             return value
         key = (name, "dtensor")
         if key not in placed:
@@ -155,14 +156,14 @@ class PlanInterpreter:
 
     def _call_local(
         self, node: torch.fx.Node, env: dict[str, Any], placed: Placed
-    ) -> _Local | list[_Local]:
+    ) -> Local | list[Local]:
         """Run ``node`` on this rank's shards, its output placed as planned."""
         targets = iter(zip(self.inputs[node.name], self.grads[node.name], strict=True))
 
         def fetch(n: torch.fx.Node) -> Any:
             target, grad = (tuple(t) for t in next(targets))
             value = env[n.name]
-            if isinstance(value, _Local) and value.placements == target == grad:
+            if isinstance(value, Local) and value.placements == target == grad:
                 return value.tensor  # nothing to move in forward or backward
             key = (n.name, target, grad)
             if key not in placed:
@@ -178,8 +179,8 @@ class PlanInterpreter:
         out = call_op(node, args, kwargs)
         placements = tuple(self.outputs[node.name])
         if isinstance(out, list | tuple):  # broadcast_tensors
-            return [_Local(t, placements) for t in out]
-        return _Local(out, placements)
+            return [Local(t, placements) for t in out]
+        return Local(out, placements)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
         targets = iter(self.inputs[node.name])

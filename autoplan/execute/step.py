@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.errors import AutoplanError
-from autoplan.execute.interpreter import PlanInterpreter
+from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import to_dtensor
 from autoplan.graph.capture import as_tuple
 from autoplan.plan.schema import Plan
@@ -94,6 +95,9 @@ class Placeholders:
         }
         self.plan = plan
         self.mesh = mesh
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None  # every rank of a stage is on its mesh
+        self.coordinate = coordinate
 
     def values(self, module: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
         """Placeholder name -> value: ``module``'s parameters and buffers that the plan's
@@ -108,8 +112,12 @@ class Placeholders:
         axes = self.plan.stage_axes
         for placeholder, arg in zip(self.user_inputs, args, strict=bool(args)):
             spec = to_dtensor(self.plan.nodes[placeholder].output, axes)
-            values[placeholder] = distribute_tensor(
-                arg.to(self.mesh.device_type), self.mesh, spec, src_data_rank=None
+            device = self.mesh.device_type
+            shard = local_shard(arg, spec, self.mesh.shape, self.coordinate)
+            values[placeholder] = (
+                distribute_tensor(arg.to(device), self.mesh, spec, src_data_rank=None)
+                if shard is None
+                else Local(shard.to(device), spec)
             )
         return values
 
@@ -134,6 +142,24 @@ class Placeholders:
                     f"input {i} is {got}, but the plan was made for {shape} {dtype}; pass batches "
                     "of the planned shape (or plan again for this shape)"
                 )
+
+
+def local_shard(
+    tensor: torch.Tensor,
+    placements: tuple[Placement, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: Sequence[int],
+) -> torch.Tensor | None:
+    """The shard of ``tensor`` at ``coordinate`` of the mesh as a view, where every split is
+    even (DTensor's shard then, taken without its copy); None where one is not."""
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            dim, parts = placement.dim, mesh_shape[i]
+            if tensor.shape[dim] % parts:
+                return None
+            size = tensor.shape[dim] // parts
+            tensor = tensor.narrow(dim, coordinate[i] * size, size)
+    return tensor
 
 
 def materialize(
