@@ -17,7 +17,7 @@ def _sync(
 
 def test_buckets_fill_in_backward_order_up_to_the_cap() -> None:
     syncs = [_sync(f"p{i}", 40) for i in range(5)]
-    assert make_buckets(syncs, cap=100) == [
+    assert make_buckets(syncs, cap=100, first_cap=100) == [
         Bucket(("p0", "p1"), (0,), 80),
         Bucket(("p2", "p3"), (0,), 80),
         Bucket(("p4",), (0,), 40),
@@ -26,7 +26,17 @@ def test_buckets_fill_in_backward_order_up_to_the_cap() -> None:
 
 def test_a_gradient_larger_than_the_cap_has_a_bucket_of_its_own() -> None:
     syncs = [_sync("a", 30), _sync("big", 500), _sync("c", 30)]
-    assert [b.params for b in make_buckets(syncs, cap=100)] == [("a",), ("big",), ("c",)]
+    assert [b.params for b in make_buckets(syncs, cap=100, first_cap=100)] == [
+        ("a",),
+        ("big",),
+        ("c",),
+    ]
+
+
+def test_the_first_bucket_of_each_axes_and_dtype_is_smaller_as_in_ddp() -> None:
+    syncs = [_sync(f"p{i}", 40) for i in range(4)] + [_sync("h", 20, dtype="bfloat16")]
+    buckets = make_buckets(syncs, cap=100, first_cap=50)
+    assert [b.params for b in buckets] == [("p0",), ("p1", "p2"), ("p3",), ("h",)]
 
 
 def test_buckets_hold_one_dtype_and_one_set_of_axes_and_come_in_the_order_they_fill() -> None:
@@ -37,7 +47,7 @@ def test_buckets_hold_one_dtype_and_one_set_of_axes_and_come_in_the_order_they_f
         _sync("p3", 2, dtype="bfloat16"),
         _sync("p4", 4),
     ]
-    assert make_buckets(syncs, cap=100) == [
+    assert make_buckets(syncs, cap=100, first_cap=100) == [
         Bucket(("p1",), (1,), 4),
         Bucket(("p2",), (0, 1), 4),
         Bucket(("p3",), (0,), 2),

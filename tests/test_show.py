@@ -151,4 +151,5 @@ def test_render_png_writes_a_png(pipelined: autoplan.Plan, tmp_path: Path) -> No
 
 def test_summary_counts_the_gradient_buckets(cpu4: autoplan.Cluster) -> None:
     plan = plan_example("mlp", cpu4, (4,), batch_size=65536, hidden=32)
-    assert "  (12 gradients all-reduced in 1 bucket(s), up to 25.00 MiB each)" in summary(plan)
+    line = "  (12 gradients all-reduced in 1 bucket(s), up to 25.00 MiB each, the first 1.00 MiB)"
+    assert line in summary(plan)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from autoplan.plan.schema import Pipeline, Placements, Plan, Stage
 from autoplan.plan.timeline import simulate
-from autoplan.strategies.buckets import BUCKET_BYTES
+from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 _INDEX = re.compile(r"\.(\d+)\.")
 GIB = 2**30
@@ -214,7 +214,7 @@ def summary(plan: Plan) -> str:
     if buckets:
         out.append(
             f"  ({sum(buckets.values())} gradients all-reduced in {len(buckets)} bucket(s), "
-            f"up to {fmt_bytes(BUCKET_BYTES)} each)"
+            f"up to {fmt_bytes(BUCKET_BYTES)} each, the first {fmt_bytes(FIRST_BUCKET_BYTES)})"
         )
     out += [
         "",

@@ -6,6 +6,8 @@ it once per parameter (a bias of 1 KB as much as a weight of 1 MB). So a gradien
 synchronization is only all-reduces (partial on some axes, stored replicated there) joins a
 bucket of gradients with the same axes and dtype. Buckets fill in backward order (the reverse
 of the parameters' first use), up to `BUCKET_BYTES`, and are issued in the order they fill.
+As in DDP, the first bucket of each axes and dtype is smaller (`FIRST_BUCKET_BYTES`), so that
+communication starts early in backward, overlapping the rest of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from autoplan.strategies.placement import Collective
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 GRADIENTS = "gradients"  # the `node` of a bucket's collectives in a plan: no op issues them
 
 
@@ -46,15 +49,22 @@ class GradientSync:
         return axes if len(set(axes)) == len(axes) else None
 
 
-def make_buckets(backward_order: Sequence[GradientSync], cap: int = BUCKET_BYTES) -> list[Bucket]:
+def make_buckets(
+    backward_order: Sequence[GradientSync],
+    cap: int = BUCKET_BYTES,
+    first_cap: int = FIRST_BUCKET_BYTES,
+) -> list[Bucket]:
     """Group bucketable gradients (``bucket_axes`` not None), given in the order backward
-    produces them, into buckets of at most ``cap`` bytes (a larger gradient has one of its
-    own); the buckets come in the order backward fills them."""
+    produces them, into buckets of at most ``cap`` bytes, the first of each axes and dtype at
+    most ``first_cap`` (a larger gradient has one of its own); the buckets come in the order
+    backward fills them."""
     open_: dict[tuple[tuple[int, ...], str], tuple[list[str], int]] = {}
     done: list[tuple[int, Bucket]] = []  # (position of the last gradient, bucket)
+    closed: set[tuple[tuple[int, ...], str]] = set()
 
     def close(key: tuple[tuple[int, ...], str], last: int) -> None:
         params, nbytes = open_.pop(key)
+        closed.add(key)
         done.append((last, Bucket(tuple(params), key[0], nbytes)))
 
     last_of: dict[tuple[tuple[int, ...], str], int] = {}
@@ -63,7 +73,8 @@ def make_buckets(backward_order: Sequence[GradientSync], cap: int = BUCKET_BYTES
         assert axes is not None, f"{sync.param}: not an all-reduce gradient"
         key = (axes, sync.dtype)
         nbytes = sync.collectives[0].nbytes
-        if key in open_ and open_[key][1] + nbytes > cap:
+        limit = cap if key in closed else first_cap
+        if key in open_ and open_[key][1] + nbytes > limit:
             close(key, last_of[key])
         params, total = open_.get(key, ([], 0))
         open_[key] = ([*params, sync.param], total + nbytes)
