@@ -36,7 +36,7 @@ from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
 
-WARMUP, ROUNDS, STEPS_PER_ROUND, LR = 3, 5, 4, 1e-4
+WARMUP, ROUNDS, STEPS_PER_ROUND, LR = 3, 10, 4, 1e-4
 # (strategy, MLP): the first of each compute-heavy enough that per-op overheads are visible
 # but small; the second data-parallel MLP has 16x the FLOPs per sample, to show how much of
 # the ratio is a fixed cost per step
@@ -57,16 +57,23 @@ def _timed(step: Step, times: list[float], count: int) -> None:
         times.append(time.perf_counter() - start)
 
 
-def _median_times(steps: dict[str, Step]) -> dict[str, float]:
-    """Median seconds of one step of each, measured in interleaved rounds (a few steps of each
-    per round), so that a change in the machine's load touches them alike."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+def _rounds(steps: dict[str, Step]) -> dict[str, list[float]]:
+    """Per round, the median seconds of one step of each, measured in interleaved rounds (a
+    few steps of each per round), so that a change in the machine's load touches them alike."""
+    rounds: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         _timed(step, [], WARMUP)
     for _ in range(ROUNDS):
         for name, step in steps.items():
-            _timed(step, times[name], STEPS_PER_ROUND)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times: list[float] = []
+            _timed(step, times, STEPS_PER_ROUND)
+            rounds[name].append(statistics.median(times))
+    return rounds
+
+
+def _iqr(values: list[float]) -> str:
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return f"{q1:.3f}-{q3:.3f}"
 
 
 def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> Step:
@@ -142,17 +149,21 @@ def main() -> None:
         pins = data_parallel(w) if name == "data parallel" else mlp_megatron(w)
         steps = {"autoplan": _autoplan(w, pins, cluster)}
         steps.update((baseline, make(w)) for baseline, make in baselines[name])
-        seconds = _median_times(steps)
-        ours = seconds.pop("autoplan")
-        for baseline, theirs in seconds.items():
+        rounds = _rounds(steps)
+        ours = rounds.pop("autoplan")
+        for baseline, theirs in rounds.items():
+            # the ratio of each round (measured minutes apart at most), then their median:
+            # the machine's load drifts between rounds more than within one
+            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
             rows.append(
                 {
                     "strategy": name,
                     "mlp": f"batch {size['batch_size']}, hidden {size['hidden']}",
-                    "autoplan_s": round(ours, 5),
+                    "autoplan_s": round(statistics.median(ours), 5),
                     "torch": baseline,
-                    "torch_s": round(theirs, 5),
-                    "ratio": round(ours / theirs, 3),
+                    "torch_s": round(statistics.median(theirs), 5),
+                    "ratio": round(statistics.median(ratios), 3),
+                    "ratio_iqr": _iqr(ratios),
                 }
             )
             if dist.get_rank() == 0:
@@ -164,11 +175,13 @@ def main() -> None:
             "backend": "gloo",
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__,
-            "steps": f"median of {ROUNDS} interleaved rounds of {STEPS_PER_ROUND} steps of "
-            f"each, after {WARMUP} warm-up",
+            "steps": f"{ROUNDS} interleaved rounds of {STEPS_PER_ROUND} steps of each, after "
+            f"{WARMUP} warm-up; *_s: median over rounds of each round's median step",
+            "ratio": "median over rounds of autoplan's round median / torch's; ratio_iqr: the "
+            "interquartile range of those per-round ratios",
             "target": "ratio <= 1.10",
         }
-        columns = ["strategy", "mlp", "autoplan_s", "torch", "torch_s", "ratio"]
+        columns = ["strategy", "mlp", "autoplan_s", "torch", "torch_s", "ratio", "ratio_iqr"]
         write_results("step_vs_torch", "autoplan vs torch, step time", meta, rows, columns)
     dist.destroy_process_group()
 
