@@ -20,6 +20,8 @@ from autoplan.torch_private import (
 )
 
 _functional = FUNCTIONAL_COLLECTIVES
+# c10d's in-place all-reduce (a gradient bucket's; execute/gradients.py): tensors, group, ...
+_C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default
 # functional collective -> (our kind, index of its group-name argument)
 _KINDS = {
     _functional.all_reduce.default: ("all_reduce", 2),
@@ -38,7 +40,8 @@ class Issued:
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """A dispatch mode that notes every functional collective DTensor issues on ``mesh``."""
+    """A dispatch mode that notes every functional collective DTensor issues on ``mesh``, and
+    the in-place all-reduces of gradient buckets."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         super().__init__()
@@ -58,18 +61,24 @@ class CollectiveRecorder(TorchDispatchMode):
             self._op = str(func)
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        if func in _KINDS:
+        if func is _C10D_ALL_REDUCE:
+            (flat,) = args[0]
+            group = dist.ProcessGroup.unbox(args[1])
+            self._note("all_reduce", group, flat.numel() * flat.element_size(), "bucket")
+        elif func in _KINDS:
             kind, group_arg = _KINDS[func]
             tensor: torch.Tensor = args[0]
             nbytes = tensor.numel() * tensor.element_size()
             if kind == "all_gather":
                 nbytes *= int(args[1])
-            group = resolve_process_group(args[group_arg])
-            ranks = tuple(dist.get_process_group_ranks(group))
-            axis = self.axis_of.get(ranks, str(args[group_arg]))
-            self.issued.append(Issued(kind, axis, nbytes, self._op))
+            self._note(kind, resolve_process_group(args[group_arg]), nbytes, self._op)
             self._op = "redistribute"
         return out
+
+    def _note(self, kind: str, group: dist.ProcessGroup, nbytes: int, op: str) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        axis = self.axis_of.get(ranks, f"ranks {list(ranks)}")
+        self.issued.append(Issued(kind, axis, nbytes, op))
 
 
 def planned(plan: Plan) -> Counter[tuple[str, str, int]]:
