@@ -37,13 +37,15 @@ from benchmarks.results_io import write_results  # noqa: E402
 from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND, LR = 3, 10, 4, 1e-4
-# (strategy, MLP): the first of each compute-heavy enough that per-op overheads are visible
-# but small; the second data-parallel MLP has 16x the FLOPs per sample, to show how much of
-# the ratio is a fixed cost per step
-SETUPS = [
-    ("data parallel", {"batch_size": 8192, "hidden": 256, "num_layers": 6}),
-    ("data parallel", {"batch_size": 2048, "hidden": 1024, "num_layers": 6}),
-    ("tensor parallel", {"batch_size": 64, "hidden": 2048, "num_layers": 6}),
+# (strategy, example, its options): the first MLP of each strategy compute-heavy enough that
+# per-op overheads are visible but small; the second data-parallel MLP has 16x the FLOPs per
+# sample, to show how much of the ratio is a fixed cost per step; the GPT has many more
+# parameters (57), ops and a loss that needs its global token count
+SETUPS: list[tuple[str, str, dict[str, Any]]] = [
+    ("data parallel", "mlp", {"batch_size": 8192, "hidden": 256, "num_layers": 6}),
+    ("data parallel", "mlp", {"batch_size": 2048, "hidden": 1024, "num_layers": 6}),
+    ("data parallel", "gpt", {"size": "small", "num_layers": 4, "batch_size": 8, "seq_len": 128}),
+    ("tensor parallel", "mlp", {"batch_size": 64, "hidden": 2048, "num_layers": 6}),
 ]
 Step = Callable[[], Any]
 
@@ -144,8 +146,8 @@ def main() -> None:
         ],
         "tensor parallel": [("parallelize_module Colwise/Rowwise", _tensor_parallel)],
     }
-    for name, size in SETUPS:
-        w = load_workload(ROOT / "examples/mlp.py", **size)
+    for name, example, size in SETUPS:
+        w = load_workload(ROOT / f"examples/{example}.py", **size)
         pins = data_parallel(w) if name == "data parallel" else mlp_megatron(w)
         steps = {"autoplan": _autoplan(w, pins, cluster)}
         steps.update((baseline, make(w)) for baseline, make in baselines[name])
@@ -158,7 +160,7 @@ def main() -> None:
             rows.append(
                 {
                     "strategy": name,
-                    "mlp": f"batch {size['batch_size']}, hidden {size['hidden']}",
+                    "model": f"{example} " + ", ".join(f"{k} {v}" for k, v in size.items()),
                     "autoplan_s": round(statistics.median(ours), 5),
                     "torch": baseline,
                     "torch_s": round(statistics.median(theirs), 5),
@@ -181,7 +183,7 @@ def main() -> None:
             "interquartile range of those per-round ratios",
             "target": "ratio <= 1.10",
         }
-        columns = ["strategy", "mlp", "autoplan_s", "torch", "torch_s", "ratio", "ratio_iqr"]
+        columns = ["strategy", "model", "autoplan_s", "torch", "torch_s", "ratio", "ratio_iqr"]
         write_results("step_vs_torch", "autoplan vs torch, step time", meta, rows, columns)
     dist.destroy_process_group()
 
