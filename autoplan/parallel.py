@@ -171,7 +171,8 @@ class Step:
         else:
             materialize(self._model, plan, self.mesh, self._init_fn)
             self.module = ParallelModule(self._model, ep, plan, self.mesh)
-            GradientReducer(dict(self.module.named_parameters()), plan, 0, self.mesh).on_arrival()
+            reducer = GradientReducer(dict(self.module.named_parameters()), plan, 0, self.mesh)
+            reducer.on_arrival(self.module.local_leaves(reducer.accepts_local))
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)

@@ -100,6 +100,19 @@ def test_comm_free_ops_run_on_local_shards(results: dict[int, dict[str, Any]]) -
     assert four["mlp-tp"]["dtensor_ops"] == ["aten.linear.default"]
 
 
+def test_parameters_read_only_by_local_ops_train_as_local_leaves(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    four = results[4]
+    for name in ("mlp-dp", "gpt-dp"):  # every parameter: its gradient goes to a bucket as is
+        leaves, params = four[name]["local_leaves"]
+        assert leaves == params > 0, four[name]
+    leaves, params = four["mlp-tp"]["local_leaves"]
+    assert 0 < leaves < params  # column splits (no sync); row splits run as DTensor ops
+    for name in ("mlp-zero3", "gpt-zero3"):  # used whole, stored sharded: DTensor gathers them
+        assert four[name]["local_leaves"][0] == 0
+
+
 def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         for layout, diff in r["accumulation"].items():

@@ -52,10 +52,21 @@ Placed = dict[tuple[Any, ...], Any]  # (tensor, placement[, gradient placement])
 @dataclass(frozen=True)
 class Local:
     """A tensor kept as this rank's shard, placed as the plan says (as ``run``'s input: a
-    batch sliced locally)."""
+    batch sliced locally, or a parameter's local leaf). ``grad`` is the placement its
+    gradient may have (a leaf's: partial where its gradient bucket reduces it), None for the
+    same as ``placements``."""
 
     tensor: torch.Tensor
     placements: tuple[Placement, ...]
+    grad: tuple[Placement, ...] | None = None
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node``'s tensor inputs in the order the plan lists them: args, then kwargs."""
+    found: list[torch.fx.Node] = []
+    for value in [node.args, *node.kwargs.values()]:
+        _map_tensors(value, found.append)
+    return found
 
 
 class PlanInterpreter:
@@ -95,6 +106,25 @@ class PlanInterpreter:
                 self.local.add(name)
                 if fx_node.target in SHAPED_VIEWS:
                     self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh.shape)
+
+    def local_gradient(self, placeholder: str) -> tuple[Placement, ...] | None:
+        """The placement of ``placeholder``'s gradient where every op that reads it runs
+        locally on it as stored (its placement, the same gradient placement for each use),
+        else None: then it can be a plain local leaf of autograd, no DTensor on its path."""
+        grads: set[tuple[Placement, ...]] = set()
+        (source,) = [n for n in self.graph.nodes if n.name == placeholder]
+        for node in source.users:
+            if node.name not in self.local:
+                return None
+            uses = zip(
+                _tensor_inputs(node), self.inputs[node.name], self.grads[node.name], strict=True
+            )
+            for source, target, grad in uses:
+                if source.name == placeholder:
+                    if tuple(target) != self.outputs[placeholder]:
+                        return None
+                    grads.add(tuple(grad))
+        return grads.pop() if len(grads) == 1 else None
 
     def _place(self, value: Any, target: Sequence[Placement]) -> Any:
         if not isinstance(value, DTensor):
@@ -163,7 +193,11 @@ class PlanInterpreter:
         def fetch(n: torch.fx.Node) -> Any:
             target, grad = (tuple(t) for t in next(targets))
             value = env[n.name]
-            if isinstance(value, Local) and value.placements == target == grad:
+            if (
+                isinstance(value, Local)
+                and value.placements == target
+                and (value.grad or value.placements) == grad
+            ):
                 return value.tensor  # nothing to move in forward or backward
             key = (n.name, target, grad)
             if key not in placed:

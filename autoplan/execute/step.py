@@ -72,6 +72,27 @@ class ParallelModule(nn.Module):
         self.interpreter = PlanInterpreter(ep, plan, mesh)
         self.placeholders = Placeholders(ep, plan, mesh)
 
+    def local_leaves(
+        self, accepts: Callable[[str, tuple[Placement, ...]], bool]
+    ) -> dict[str, torch.Tensor]:
+        """Give the step a plain local leaf (sharing its storage) for each parameter that
+        every op reading it runs locally on as stored, where ``accepts(fqn, gradient
+        placement)`` (the gradient reducer's); returns them by FQN."""
+        named = dict(self.named_parameters())
+        leaves: dict[str, torch.Tensor] = {}
+        for placeholder, fqn in self.placeholders.params.items():
+            param = named.get(fqn)
+            if not isinstance(param, DTensor) or not param.requires_grad:
+                continue
+            grad = self.interpreter.local_gradient(placeholder)
+            stored = tuple(param.placements)
+            if grad is None or stored != self.interpreter.outputs[placeholder]:
+                continue
+            if accepts(fqn, grad):
+                leaves[fqn] = param.to_local().detach().requires_grad_()
+                self.placeholders.leaves[placeholder] = Local(leaves[fqn], stored, grad)
+        return leaves
+
     def forward(self, inputs: Any, target: Any = None) -> torch.Tensor:
         args = as_tuple(inputs) + (() if target is None else (target,))
         self.placeholders.check(args)
@@ -95,6 +116,7 @@ class Placeholders:
         }
         self.plan = plan
         self.mesh = mesh
+        self.leaves: dict[str, Local] = {}  # parameters' local leaves, by placeholder
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of a stage is on its mesh
         self.coordinate = coordinate
@@ -107,7 +129,9 @@ class Placeholders:
         named: dict[str, torch.Tensor] = dict(module.named_parameters())
         named.update(module.named_buffers())
         for placeholder, fqn in {**self.params, **self.buffers}.items():
-            if fqn in named:
+            if placeholder in self.leaves:
+                values[placeholder] = self.leaves[placeholder]
+            elif fqn in named:
                 values[placeholder] = named[fqn]
         axes = self.plan.stage_axes
         for placeholder, arg in zip(self.user_inputs, args, strict=bool(args)):

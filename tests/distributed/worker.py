@@ -119,7 +119,15 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "issued_not_planned": sorted({m for _, extra in mismatches for m in extra}),
         "num_collectives": sum(want.values()),
         "dtensor_ops": _dtensor_ops(step),
+        "local_leaves": _local_leaves(step),
     }
+
+
+def _local_leaves(step: autoplan.Step) -> list[int]:
+    """How many of this rank's parameters train as plain local leaves, and how many in all."""
+    if step.module is None:
+        return [0, sum(1 for _ in step.pipeline.parameters())] if step.pipeline else [0, 0]
+    return [len(step.module.placeholders.leaves), len(list(step.module.parameters()))]
 
 
 def _dtensor_ops(step: autoplan.Step) -> list[str]:
