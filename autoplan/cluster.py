@@ -75,7 +75,6 @@ FALLBACK_DTYPE = "float32"
 
 _TOP_FIELDS = (
     "backend",
-    "cores_per_node",
     "device",
     "devices_per_node",
     "inter_node",
@@ -168,8 +167,6 @@ class Cluster:
     """`num_nodes` nodes of `devices_per_node` identical devices.
 
     `intra_node` links devices of one node, `inter_node` devices of different nodes.
-    `cores_per_node`, for CPU ranks, is the CPU cores a node's ranks share (None where every
-    device computes on its own, as GPUs do); see `core_share`.
     `source` says where the numbers come from; `measured` holds profiled curves as JSON (`{}`
     if the cluster was not profiled) and `curves` the same, validated. Build one with
     `Cluster.load` or `Cluster.from_dict`, which validate every field.
@@ -184,7 +181,6 @@ class Cluster:
     backend: str
     source: str
     measured: Mapping[str, Any]
-    cores_per_node: int | None = None
     curves: Measured = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -207,7 +203,6 @@ class Cluster:
                 self.backend,
                 self.source,
                 copy.deepcopy(dict(self.measured)),
-                self.cores_per_node,
             ),
         )
 
@@ -229,18 +224,6 @@ class Cluster:
                 f"({self.num_nodes} node(s) x {self.devices_per_node} devices)"
             )
         return rank // self.devices_per_node
-
-    @property
-    def core_share(self) -> float:
-        """How many times faster a rank computes alone than with all of its node's ranks busy:
-        ranks per core where a node has more ranks than cores, else 1.
-
-        Compute curves and constants are for every rank busy at once (the profile measures
-        them so); a rank that waits (in a pipeline's bubble, say) gives its core to the
-        others, up to one core each."""
-        if self.cores_per_node is None:
-            return 1.0
-        return max(1.0, self.devices_per_node / self.cores_per_node)
 
     def with_nodes(self, num_nodes: int) -> Cluster:
         """The same cluster with `num_nodes` nodes."""
@@ -324,9 +307,7 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data; `Cluster.from_dict(c.to_dict()) == c`."""
         d = self.device
-        cores = {} if self.cores_per_node is None else {"cores_per_node": self.cores_per_node}
         return {
-            **cores,
             "name": self.name,
             "backend": self.backend,
             "num_nodes": self.num_nodes,
@@ -384,7 +365,6 @@ class Cluster:
             )
         measured = _get(top, "measured", where)
         _measured(measured, where)  # checked here so that errors name the file
-        cores = top.get("cores_per_node")
         return cls(
             name=_string(_get(top, "name", where), "name", where),
             device=device,
@@ -397,9 +377,6 @@ class Cluster:
             backend=backend,
             source=_string(_get(top, "source", where), "source", where),
             measured=measured,
-            cores_per_node=(
-                None if cores is None else _positive_int(cores, "cores_per_node", where)
-            ),
         )
 
     @classmethod

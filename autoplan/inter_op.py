@@ -16,12 +16,7 @@ Times. A stage's time per microbatch covers its forward and backward, the collec
 them, and the send of its boundary tensors (and their gradients) to the next stage. The
 gradient synchronization and optimizer update run once per step: the DP amortizes them as
 ``extra / B`` per microbatch; the predicted step time adds them once, after the last
-microbatch: ``sum(t) + (B - 1) * max(t) + max(extra)``. Where ranks share CPU cores
-(`Cluster.core_share` k > 1), a rank idle in the bubble gives its core to the busy ones, so
-the schedule takes ``max(B * mean(t), (sum(t) + (B - 1) * max(t)) / k)``: all the ranks' work
-at the all-busy speed the costs are measured at, or the schedule's critical path at up to k
-times that speed, whichever is longer. (The stage DP still minimizes the 1F1B formula; the
-search compares the pipelines it finds by this time.) Memory: a stage's parameters,
+microbatch: ``sum(t) + (B - 1) * max(t) + max(extra)``. Memory: a stage's parameters,
 gradients and optimizer state once, plus the activations of each microbatch in flight
 (1F1B: ``S - s`` for stage ``s``; GPipe: all ``B``).
 """
@@ -473,9 +468,8 @@ def _best_for_size(
             if solved is None:
                 continue
             found = _pipeline(
-                graph, layers, num_microbatches, schedule, costs, boundary, solved, memory_limit,
-                cluster.core_share,
-            )  # fmt: skip
+                graph, layers, num_microbatches, schedule, costs, boundary, solved, memory_limit
+            )
             log.info(
                 "pipeline %d x %s, %d microbatches, boundary %s: %.4g s per step",
                 len(solved),
@@ -535,12 +529,9 @@ def _pipeline(
     boundary: Spec,
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
-    core_share: float,
 ) -> PipelinePlan:
     times = [s.time_s + s.send_s for s in stages]
     scheduled = pipeline_time(times, num_microbatches)
-    if core_share > 1:  # see the module docstring
-        scheduled = max(num_microbatches * sum(times) / len(times), scheduled / core_share)
     # gradient sync and the optimizer update run once, after the last microbatch
     step = scheduled + max(s.extra_s for s in stages)
     # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
@@ -586,6 +577,5 @@ def price_pipeline(
         no_solver = _SolverStats(0.0, 0, 0, 0)
         stages.append(_priced(s, s + 1, stage, assignment, step, rules, costs, send, no_solver))
     return _pipeline(
-        graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit,
-        cluster.core_share,
-    )  # fmt: skip
+        graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit
+    )

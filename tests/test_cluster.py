@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -113,21 +112,9 @@ def test_fingerprint() -> None:
 
 
 def test_pickle_and_deepcopy() -> None:
-    cluster = dataclasses.replace(_toy().with_nodes(2), cores_per_node=3)
+    cluster = _toy().with_nodes(2)
     assert pickle.loads(pickle.dumps(cluster)) == cluster
     assert copy.deepcopy(cluster) == cluster
-
-
-def test_ranks_that_share_cores() -> None:
-    gpus = _toy()
-    assert gpus.cores_per_node is None and gpus.core_share == 1.0
-    assert "cores_per_node" not in gpus.to_dict()  # files without it keep their fingerprint
-    cpus = Cluster.from_dict({**gpus.to_dict(), "cores_per_node": 2})
-    assert cpus.cores_per_node == 2 and cpus.fingerprint() != gpus.fingerprint()
-    per_node = gpus.devices_per_node
-    assert cpus.core_share == max(1.0, per_node / 2)
-    assert dataclasses.replace(cpus, devices_per_node=8).core_share == 4.0
-    assert dataclasses.replace(cpus, devices_per_node=1).core_share == 1.0  # a core each
 
 
 def test_frozen_mappings() -> None:
@@ -178,7 +165,6 @@ def test_missing_dtype_names_path(tmp_path: Path) -> None:
         (("num_nodes",), True, r"num_nodes.*integer"),
         (("backend",), "mpi", r"backend.*gloo, nccl"),
         (("measured",), [], r"measured.*object"),
-        (("cores_per_node",), 0, r"cores_per_node.*integer >= 1"),
     ],
 )
 def test_bad_values(path: tuple[str, ...], value: Any, expected: str) -> None:

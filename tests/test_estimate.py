@@ -113,21 +113,3 @@ def test_a_pipelined_plan_is_estimated_stage_by_stage(cpu4: autoplan.Cluster) ->
     assert priced.nodes == plan.nodes and priced.mesh == plan.mesh  # decisions unchanged
     sends = [s.predicted.time_s for s in priced.stages if s.predicted is not None]
     assert sends[0] > plan.stages[0].predicted.time_s  # type: ignore[union-attr]
-
-
-def test_ranks_that_share_cores_speed_up_in_the_pipeline_bubble(cpu4: autoplan.Cluster) -> None:
-    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
-    plan = plan_workload(w, cpu4, pipeline=True, num_stages=2, num_microbatches=4)
-    assert plan.pipeline is not None and cpu4.core_share == 1.0
-    times = [s.predicted.time_s for s in plan.stages if s.predicted is not None]
-    count = plan.pipeline.num_microbatches
-    scheduled = sum(times) + (count - 1) * max(times)
-    once = plan.predicted.step_time_s - scheduled  # gradient sync and optimizer, once a step
-    shared = dataclasses.replace(cpu4, cores_per_node=2)  # 4 ranks on 2 cores: k = 2
-    args = (w.model, w.example_inputs)
-    kw = {"loss_fn": w.loss_fn, "example_target": w.example_target}
-    priced = autoplan.estimate(plan, shared, *args, **kw)
-    # all the work at the all-busy speed, or the critical path at twice it
-    expected = max(count * sum(times) / len(times), scheduled / 2) + once
-    assert priced.predicted.step_time_s == pytest.approx(expected)
-    assert priced.predicted.step_time_s < plan.predicted.step_time_s

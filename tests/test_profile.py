@@ -8,7 +8,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -95,7 +94,6 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert not caplog.records  # measured here, so the fingerprint matches this machine
     assert (cluster.name, cluster.backend) == ("two-ranks", "gloo")
     assert (cluster.num_nodes, cluster.devices_per_node) == (1, 2)
-    assert cluster.cores_per_node == len(os.sched_getaffinity(0))  # CPU ranks share them
     assert cluster.measured["fingerprint"] == machine_fingerprint("gloo").to_dict()
     curves = cluster.curves
     dims = [16, 23, 32, 45]  # n grows by sqrt(2) up to --max-matmul-dim

@@ -122,7 +122,6 @@ def _profile(
         memory_bytes=_memory_bytes(device, per_node),
         measured={"fingerprint": fingerprint, **measured},
         how=how,
-        cores_per_node=_cores(device),
     )
 
 
@@ -252,13 +251,6 @@ def _memory_bytes(device: torch.device, per_node: int) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node
-
-
-def _cores(device: torch.device) -> int | None:
-    """The CPU cores CPU ranks share (those this process may run on); None for GPUs."""
-    if device.type != "cpu":
-        return None
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _size(task: Task, done: int) -> str:

@@ -40,7 +40,6 @@ def fitted_cluster(
     memory_bytes: int,
     measured: Mapping[str, Any],
     how: str,
-    cores_per_node: int | None = None,
 ) -> Cluster:
     """A cluster whose constants are fitted to `measured` (the `measured` section it keeps);
     `how` says how the curves were measured and starts the cluster's `source`."""
@@ -75,7 +74,6 @@ def fitted_cluster(
         intra_node=intra,
         inter_node=fits.get("inter", intra),
         backend=backend,
-        cores_per_node=cores_per_node,
         source=(
             f"{how} Constants fitted to the curves (autoplan/profile/fit.py): largest matmul's "
             f"rate per dtype ({rates}), largest float32 element-wise op's rate "
