@@ -527,41 +527,47 @@ CAUSES = """\
 
 From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
 `autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
-from those are labelled "by hand"; scripts of the kind of `benchmarks/step_vs_torch.py`,
-timing forward, backward and optimizer apart on 4 ranks). No constant was tuned for this
-benchmark.
+from those are labelled "by hand": scripts of the kind of `benchmarks/step_vs_torch.py` that
+time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler). No constant was
+tuned for this benchmark.
 
-1. **Compute is priced right; the executor's own CPU work is not priced.** The "compute
-   alone" lines check the roofline and the profiled curves by themselves: plain torch in one
-   process runs within ~12% of the prediction, and by hand, 4 ranks each running plain torch on
-   a quarter of GPT's batch at once (no communication) take 0.18-0.19 s a step where GPT dp4 is
-   predicted 0.156 s of compute. Yet every plan measures above its prediction, and `busy` shows
-   the 2 cores ~85-95% busy: a step's time here is its CPU work over 2 cores. What the model
-   leaves out is the executor's CPU work beside the ops: DTensor's dispatch for the ops that
-   need it (row-split linears and everything around partial sums, cross-entropy,
-   redistributions), the `from_local`/`to_local` edges of local runs and each parameter's
-   DTensor gradient (by hand with torch.profiler: ~1.5 ms a parameter on this host, ~57
-   parameters in GPT), the flat copy of each gradient bucket, and the optimizer over DTensors.
-   Data-parallel MLP takes 75 ms of CPU a rank and step where DDP takes 65 ms (by hand).
-   Tensor-parallel plans keep more ops on DTensor than data parallelism does, so they pay more
-   (ratios 1.5-1.8 against 1.4-1.7).
+1. **Compute is priced right; the work around it is not.** The "compute alone" lines check
+   the roofline and the profiled curves by themselves: plain torch in one process runs within
+   ~7% of the prediction. Every single-stage plan measures 1.1-1.6x its prediction, and `busy`
+   shows the 2 cores ~85-95% busy: a step's time here is its CPU work over 2 cores. By hand,
+   for data-parallel GPT, per rank and step: 4 ranks each training plain torch on a quarter
+   of the batch at once (no communication) use ~95 ms of CPU (one process alone: 92 ms);
+   DDP ~113 ms (gloo's all-reduce is CPU work too); autoplan ~124 ms, down from ~145 ms. What
+   the model leaves out is that CPU work beyond the ops:
+   - the collectives' own CPU work (gloo reduces and copies on the CPU the ranks compute on);
+   - DTensor's dispatch for the ops that need it (row-split linears and everything around
+     partial sums, cross-entropy, redistributions): tensor-parallel plans keep more ops on
+     DTensor, and their ratios are the highest (1.4-1.6);
+   - the optimizer over DTensors: foreach AdamW over GPT's 57 parameters takes 13.6 ms where
+     torch's default loop over plain tensors takes 8.5 ms (by hand, one process);
+   - two collectives that block backward in data-parallel GPT: cross-entropy's total-weight
+     all-reduce, and the position embedding's gradient all-reduce (131 KB), which the planner
+     prefers to bucketing that parameter's gradient (1 MB) but which no bucket overlaps.
+   The executor got leaner since the last run (parameters read only by local ops are plain
+   local leaves, buckets are all-reduced in place, the batch is sliced without a copy): the
+   single-stage plans measure ~15-25% faster, and their ratios fell from 1.4-1.9 to 1.1-1.6.
 
-2. **Four ranks share two cores, so a rank that waits gives its core away.** The profile's
-   curves are measured with every rank busy at once (half a core each), and a pipeline's bubble
-   is charged as idle time (`inter_op._pipeline`: sum(t) + (B-1) max(t) + the gradient sync).
-   On this host a rank waiting in gloo sleeps, and the ranks still busy run at a whole core. So
-   the pipelines whose ranks wait most (pp4: one device per stage; GPipe with 2 microbatches)
-   have ratios ~1.1, and measure as the fastest plans while they are predicted mid-pack. This
-   costs most of the rank correlation, and it is why the planner's own plan (data parallel, the
-   fastest single-stage plan measured) is 1.10-1.13x the fastest plan: on one node the planner
-   weighs pipelines only when one stage does not fit. On GPUs a bubble is idle silicon and this
-   does not arise; for CPU ranks the cost model would need to know how many ranks share a core.
+2. **Pipelines hide that work in their bubbles.** pp4 and the 2-microbatch GPipe, the plans
+   whose ranks wait most, measure within 0-15% of their prediction (1F1B formula, idle time
+   charged), while the single-stage plans are 30-60% over theirs. Gloo's waits sleep (by hand:
+   a rank blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a waiting rank's core goes
+   to the others. A model of that (a rank alone running k = ranks/cores times faster: the step
+   at least all ranks' work over the cores, at least the critical path at k times the speed)
+   was tried and reverted: it predicted the pipelines 1.5-2.1x too fast, because their ranks
+   do CPU work in the bubble that the model does not price (point 1, per microbatch, and the
+   sends between stages). The uneven ratios (1.0-1.15 for those pipelines, 1.1-1.6 for the
+   rest) cost most of the rank correlation; the planner's own plan is nevertheless the fastest
+   plan measured for both models (the pipelines it would weigh are not faster here).
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
    alone, the ranks entering together. In a step the ranks reach a collective at different
-   times (the OS shares 2 cores among 4 processes), and the all-reduce of GPT's one 14.7 MB
-   gradient bucket, 36 ms alone (by hand; 35 ms predicted), keeps backward ~70-100 ms longer
-   than plain torch's.
+   times (the OS shares 2 cores among 4 processes); a collective that blocks (point 1's two)
+   waits for the last rank to arrive: ~20-40 ms a step on rank 0 (by hand, torch.profiler).
 
 4. **The profile itself is noisy.** Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
@@ -570,18 +576,15 @@ benchmark.
    (0.1 ms in this file) under every matmul below ~4 MFLOP.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
-   (most within 10%), and iqr_s is 10-25% of the median. The MLP's plans mostly measure within
+   (most within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within
    ~20% of each other, so Spearman's rho over them is largely noise; `pairs_ordered_right`
    counts only pairs measured more than 10% apart.
 
-What changed since the last run: gradients are all-reduced in buckets (one 25 MB bucket holds
-all of either model's), priced as such, so data parallelism is no longer charged ~60 small
-all-reduces and the planner picks it for both models (own vs fastest 1.22 -> 1.13 for the MLP,
-1.54 -> 1.10 for GPT); and comm-free ops run on local shards, not as DTensor ops.
-
-What would close the gap (not done here): a profiled executor term (per DTensor op, per
-parameter, per bucket byte), and for CPU clusters the number of ranks per core (idle ranks
-speed up the others); in the profiler, more repeats at small sizes and a discarded first timing.
+What would close the gap (not done here): a profiled term for the CPU work around the ops
+(per DTensor op, per collective byte on CPU ranks, per microbatch), priced so that it fills a
+pipeline's bubble before it lengthens the step; in the planner, the cost of a collective that
+blocks backward against one a bucket overlaps; in the profiler, more repeats at small sizes
+and a discarded first timing.
 """
 
 
