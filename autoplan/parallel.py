@@ -190,7 +190,7 @@ class Step:
             loss = self.module(inputs, target)
             # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
             # all-reduce, which is only read after the optimizer step
-            loss.backward(torch.ones((), dtype=loss.dtype, device=loss.device))
+            loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
         if self.max_grad_norm is not None:
             self.clip_gradients(self.max_grad_norm)
         self.optimizer.step()

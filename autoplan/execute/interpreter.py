@@ -119,8 +119,8 @@ class PlanInterpreter:
             uses = zip(
                 _tensor_inputs(node), self.inputs[node.name], self.grads[node.name], strict=True
             )
-            for source, target, grad in uses:
-                if source.name == placeholder:
+            for read, target, grad in uses:
+                if read.name == placeholder:
                     if tuple(target) != self.outputs[placeholder]:
                         return None
                     grads.add(tuple(grad))
