@@ -110,6 +110,24 @@ CASES = [
     Case("mlp-zero3", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **zero3(w)}),
     # data parallel on both axes: each gradient bucket is all-reduced along both
     Case("mlp-dp-2x2", "mlp", MLP_LARGE_BATCH, dp_2x2),
+    # clipping reads the gradients that buckets (data parallel) and local leaves (column
+    # splits) give back, and DTensor's (row splits)
+    Case(
+        "mlp-dp-clip",
+        "mlp",
+        MLP_LARGE_BATCH,
+        lambda w: {"mesh_shape": (4,), **data_parallel(w)},
+        4,
+        0.05,
+    ),
+    Case(
+        "mlp-tp-clip",
+        "mlp",
+        MLP_SMALL_BATCH,
+        lambda w: {"mesh_shape": (4,), **mlp_megatron(w)},
+        4,
+        0.05,
+    ),
     Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
     Case("gpt-dp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **data_parallel(w)}),
     Case("gpt-tp", "gpt", GPT, lambda w: {"mesh_shape": (4,), **gpt_megatron(w)}),
