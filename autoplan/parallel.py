@@ -239,8 +239,9 @@ def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
     if got.graph_fingerprint != graph_fingerprint:
         raise PlanFormatError(
-            f"the plan was made for another model or input shapes (graph fingerprint "
-            f"{got.graph_fingerprint}, this one {graph_fingerprint}); plan again for this model"
+            f"the plan was made for another model, input shapes or set of frozen parameters "
+            f"(graph fingerprint {got.graph_fingerprint}, this one {graph_fingerprint}); plan "
+            "again for this model"
         )
     if got.cluster_fingerprint != cluster.fingerprint():
         raise PlanFormatError(

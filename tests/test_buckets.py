@@ -6,7 +6,7 @@ import autoplan
 from autoplan.strategies.buckets import BUCKET_BYTES, Bucket, GradientSync, make_buckets
 from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import Collective
-from tests.conftest import plan_example
+from tests.conftest import example, plan_example, plan_workload
 
 
 def _sync(
@@ -92,3 +92,23 @@ def test_a_data_parallel_mlp_reduces_all_its_gradients_in_one_bucket(
     expected = [f"layers.{i}.{p}" for i in reversed(range(6)) for p in ("bias", "weight")]
     assert [plan.nodes[n].module for n in bucket.params] == expected
     assert bucket.bytes == sum(4 * (32 * 32 + 32) for _ in range(6))
+
+
+def test_a_frozen_parameter_has_no_gradient_to_reduce_or_store(cpu4: autoplan.Cluster) -> None:
+    pins = {"input:0": "S(0)", "target": "S(0)"}
+    trained = plan_workload(
+        example("mlp", batch_size=64, hidden=32), cpu4, pin=pins, mesh_shape=(4,)
+    )
+    w = example("mlp", batch_size=64, hidden=32)
+    w.model.get_parameter("layers.0.weight").requires_grad_(False)
+    frozen = plan_workload(w, cpu4, pin=pins, mesh_shape=(4,))
+    assert trained.provenance.graph_fingerprint != frozen.provenance.graph_fingerprint
+
+    def bucketed(plan: autoplan.Plan) -> set[str]:
+        return {plan.nodes[p].module for c in plan.collectives for p in c.params}
+
+    assert "layers.0.weight" in bucketed(trained)
+    assert bucketed(frozen) == bucketed(trained) - {"layers.0.weight"}
+    # its gradient and optimizer state are not stored: 32 x 32 floats x (1 + 2 AdamW moments)
+    saved = trained.predicted.peak_memory_bytes - frozen.predicted.peak_memory_bytes
+    assert saved == 32 * 32 * 4 * 3

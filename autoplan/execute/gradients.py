@@ -120,6 +120,8 @@ class GradientReducer:
                 self._arrived(fqn)
 
             leaf = self.leaves.get(fqn, param)
+            if not leaf.requires_grad:  # frozen: no gradient to reduce
+                continue
             leaf.register_hook(set_aside)  # runs before the gradient is accumulated
             leaf.register_post_accumulate_grad_hook(hook)
 

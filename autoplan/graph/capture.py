@@ -132,11 +132,16 @@ def capture(
 
 def graph_from_export(ep: ExportedProgram) -> Graph:
     kinds: dict[str, tuple[str, str, bool]] = {}
+    frozen: list[str] = []
     for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
         target = (spec.target or name).removeprefix(_WRAPPED)
         if spec.kind == InputKind.PARAMETER:
-            kinds[name] = (PARAM, target, True)
+            # a frozen parameter has no gradient: nothing to reduce, store or update
+            trains = ep.state_dict[spec.target].requires_grad
+            kinds[name] = (PARAM, target, trains)
+            if not trains:
+                frozen.append(target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             kinds[name] = (PARAM, target, False)
         else:
@@ -149,7 +154,7 @@ def graph_from_export(ep: ExportedProgram) -> Graph:
         node = _convert(fx_node, kinds, done)
         done[node.name] = node
     nodes = tuple(done.values())
-    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes))
+    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen))
 
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:
@@ -242,10 +247,14 @@ def _convert(
     )
 
 
-def _fingerprint(nodes: Sequence[Node]) -> str:
-    doc = [
+def _fingerprint(nodes: Sequence[Node], frozen: Sequence[str]) -> str:
+    """A hash of the graph, and of which parameters are frozen, if any (a plan for other
+    trainable parameters reduces other gradients)."""
+    doc: list[Any] = [
         [n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target]
         for n in nodes
     ]
+    if frozen:
+        doc.append(["frozen", sorted(frozen)])
     text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -22,6 +22,7 @@ class Case:
     plan_options: Callable[[Workload], dict[str, Any]]
     world: int = 4
     max_grad_norm: float | None = None  # clip gradients to this global norm
+    frozen: tuple[str, ...] = ()  # parameters that do not train (requires_grad False)
 
 
 def _params(w: Workload) -> list[str]:
@@ -110,6 +111,14 @@ CASES = [
     Case("mlp-zero3", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **zero3(w)}),
     # data parallel on both axes: each gradient bucket is all-reduced along both
     Case("mlp-dp-2x2", "mlp", MLP_LARGE_BATCH, dp_2x2),
+    # frozen before planning: no gradient, no bucket slot, no update
+    Case(
+        "mlp-dp-frozen",
+        "mlp",
+        MLP_LARGE_BATCH,
+        lambda w: {"mesh_shape": (4,), **data_parallel(w)},
+        frozen=("layers.0.weight",),
+    ),
     # clipping reads the gradients that buckets (data parallel) and local leaves (column
     # splits) give back, and DTensor's (row splits)
     Case(

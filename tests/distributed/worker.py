@@ -45,7 +45,10 @@ LR = 1e-4
 
 
 def workload(case: Case) -> Workload:
-    return load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
+    w = load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
+    for name in case.frozen:
+        w.model.get_parameter(name).requires_grad_(False)
+    return w
 
 
 def reference(
@@ -64,7 +67,7 @@ def reference(
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         if i == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -162,8 +165,10 @@ def first_step(
     diffs = [
         (p.grad.full_tensor() - reference[n]).abs().max().item()  # type: ignore[union-attr]
         for n, p in named
-        if isinstance(p, DTensor)
+        if isinstance(p, DTensor) and p.requires_grad
     ]
+    # a frozen parameter gets no gradient here, as in one process
+    assert all(p.grad is None for _, p in named if not p.requires_grad)
     diff = torch.tensor(max(diffs, default=0.0))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     assert step.optimizer is not None
