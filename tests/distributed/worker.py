@@ -221,15 +221,7 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     except AutoplanError as e:
         found["wrong_shape"] = f"{type(e).__name__}: {e}"
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
-    frozen = autoplan.parallelize(
-        again.model,
-        c,
-        example_inputs=again.example_inputs,
-        loss_fn=again.loss_fn,
-        example_target=again.example_target,
-        mesh_shape=(world_size(),),
-        **data_parallel(again),
-    )
+    frozen = parallel(again, c, mesh_shape=(world_size(),), **data_parallel(again))
     assert frozen.module is not None
     frozen.module.get_parameter("layers.0.weight").requires_grad_(False)  # after planning
     try:
@@ -237,8 +229,8 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         found["frozen"] = "no error"
     except AutoplanError as e:
         found["frozen"] = f"{type(e).__name__}: {e}"
-    try:  # the same model again: its parameters are DTensors now
-        autoplan.parallelize(again.model, c, example_inputs=again.example_inputs)
+    try:  # a parallelized model again: its parameters are DTensors now
+        autoplan.parallelize(frozen.module, c, example_inputs=again.example_inputs)
         found["twice"] = "no error"
     except AutoplanError as e:
         found["twice"] = f"{type(e).__name__}: {e}"
