@@ -12,8 +12,9 @@ upgrade that moves one fails there, not deep inside a plan or a training run.
   bucket is waited for once rather than at each of its gradients' slices.
 - `queue_backward_callback`: run a function when the current backward ends, as DDP and FSDP
   do to wait for their gradient reductions (execute/gradients.py).
-- `TorchDispatchMode` and the functional collective ops: record the collectives a step
-  really issues, as torch's own CommDebugMode does (execute/comms.py).
+- `TorchDispatchMode`, the functional collective ops and c10d's in-place all-reduce op (with
+  the process group its arguments box): record the collectives a step really issues, as
+  torch's own CommDebugMode does (execute/comms.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
@@ -34,9 +36,11 @@ from torch.distributed.tensor._ops.single_dim_strategy import register_single_di
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
+C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default  # (tensors, boxed group, op, ...)
 queue_backward_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 __all__ = [
+    "C10D_ALL_REDUCE",
     "FUNCTIONAL_COLLECTIVES",
     "MaskPartial",
     "RuntimeSchemaInfo",
@@ -47,6 +51,7 @@ __all__ = [
     "register_single_dim_strategy",
     "resolve_process_group",
     "single_dim_strategy_funcs",
+    "unbox_process_group",
     "wait_collective",
 ]
 
@@ -60,3 +65,9 @@ def single_dim_strategy_funcs() -> dict[Any, Any]:
 def wait_collective(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a plain tensor: a functional collective's pending result waited for."""
     return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def unbox_process_group(boxed: Any) -> dist.ProcessGroup:
+    """The process group a c10d op's arguments carry as a TorchScript object."""
+    group: dist.ProcessGroup = dist.ProcessGroup.unbox(boxed)
+    return group

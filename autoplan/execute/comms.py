@@ -14,14 +14,14 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.plan.schema import Plan
 from autoplan.torch_private import (
+    C10D_ALL_REDUCE,
     FUNCTIONAL_COLLECTIVES,
     TorchDispatchMode,
     resolve_process_group,
+    unbox_process_group,
 )
 
 _functional = FUNCTIONAL_COLLECTIVES
-# c10d's in-place all-reduce (a gradient bucket's; execute/gradients.py): tensors, group, ...
-_C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default
 # functional collective -> (our kind, index of its group-name argument)
 _KINDS = {
     _functional.all_reduce.default: ("all_reduce", 2),
@@ -61,9 +61,9 @@ class CollectiveRecorder(TorchDispatchMode):
             self._op = str(func)
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        if func is _C10D_ALL_REDUCE:
+        if func is C10D_ALL_REDUCE:  # a gradient bucket's (execute/gradients.py)
             (flat,) = args[0]
-            group = dist.ProcessGroup.unbox(args[1])
+            group = unbox_process_group(args[1])
             self._note("all_reduce", group, flat.numel() * flat.element_size(), "bucket")
         elif func in _KINDS:
             kind, group_arg = _KINDS[func]
