@@ -543,11 +543,13 @@ tuned for this benchmark.
    - DTensor's dispatch for the ops that need it (row-split linears and everything around
      partial sums, cross-entropy, redistributions): tensor-parallel plans keep more ops on
      DTensor, and their ratios are the highest (1.4-1.6);
-   - the optimizer over DTensors: foreach AdamW over GPT's 57 parameters takes 13.6 ms where
-     torch's default loop over plain tensors takes 8.5 ms (by hand, one process);
+   - the optimizer over DTensors: foreach AdamW over GPT's 57 parameters takes ~11 ms where
+     torch's default loop over plain tensors takes ~8 ms (one core,
+     `benchmarks/results/executor_costs.md`);
    - two collectives that block backward in data-parallel GPT: cross-entropy's total-weight
-     all-reduce, and the position embedding's gradient all-reduce (131 KB), which the planner
-     prefers to bucketing that parameter's gradient (1 MB) but which no bucket overlaps.
+     all-reduce, and the position embedding's activation-gradient all-reduce (131 KB): the
+     planner cannot keep that gradient partial up to its parameter's bucket, so no bucket
+     overlaps it.
    The executor got leaner since the last run (parameters read only by local ops are plain
    local leaves, buckets are all-reduced in place, the batch is sliced without a copy): the
    single-stage plans measure ~15-25% faster, and their ratios fell from 1.4-1.9 to 1.1-1.6.
