@@ -46,6 +46,7 @@ def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
         n.name: Strategy(
             output=_spec(plan.nodes[n.name].output, axes) if n.outputs else (),
             inputs=tuple(_spec(p, axes) for p in plan.nodes[n.name].inputs),
+            grad=_spec(plan.nodes[n.name].grad, axes) if plan.nodes[n.name].grad else None,
         )
         for n in graph
     }

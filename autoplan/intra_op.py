@@ -220,11 +220,11 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
         compute += costs.node_time(node, s)
         memory += costs.node_memory(node, s)
         comm += costs.internal_time(node, s)
-        found += [(node.name, node.name, Phased(c, "backward")) for c in costs.internal(node, s)]
+        found += [(node.name, node.name, p) for p in costs.internal(node, s)]
         for i, ref in enumerate(node.refs):
             grad = None
             if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
-                grad = grad_spec(s.inputs[i], s.output)
+                grad = grad_spec(s.inputs[i], s.output, s.grad)
             needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
     syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
     for (name, index, _), (user, i, grad) in needs.items():

@@ -7,7 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan.execute.ops import local_shape, runs_locally
+from autoplan.execute.ops import (
+    CROSS_ENTROPY,
+    local_cross_entropy,
+    local_shape,
+    local_total_weight,
+    runs_locally,
+)
 from autoplan.execute.step import local_shard
 
 R, P, S0, S1 = (Replicate(),), (Partial(),), (Shard(0),), (Shard(1),)
@@ -65,3 +71,33 @@ def test_a_batch_split_evenly_is_sliced_locally_as_dtensor_shards_it() -> None:
             assert got is not None and torch.equal(got, expected)
             assert got.untyped_storage().data_ptr() == batch.untyped_storage().data_ptr()  # a view
     assert local_shard(torch.ones(6, 3), (Shard(0), Shard(0)), mesh_shape, [0, 0]) is None
+
+
+class _Classifier(nn.Module):
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, **self.options)  # type: ignore[arg-type]
+
+
+def test_cross_entropy_of_shards_over_the_global_total_weight_is_the_mean() -> None:
+    """Summed over the shards of a split batch, each shard's cross-entropy over the total
+    weight of all targets is torch's mean, with class weights, ignored targets and label
+    smoothing alike; the total weight is the sum of the shards' parts."""
+    torch.manual_seed(0)
+    logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    target[[1, 6]] = -100
+    weight = torch.rand(5) + 0.5
+    for options in [{}, {"weight": weight}, {"label_smoothing": 0.1, "weight": weight}]:
+        ep = torch.export.export(_Classifier(**options), (logits, target))
+        (node,) = [n for n in ep.graph.nodes if n.target is CROSS_ENTROPY]
+        assert runs_locally(node, [S0, S0, *([R] if options.get("weight") is not None else [])], P)
+        w = options.get("weight")
+        shards = list(zip(logits.chunk(4), target.chunk(4), strict=True))
+        total = sum(local_total_weight(node, t, w) for _, t in shards)
+        kwargs = {"weight": w} if w is not None else {}
+        summed = sum(local_cross_entropy(node, (x, t), kwargs, total) for x, t in shards)
+        expected = F.cross_entropy(logits, target, **options)  # type: ignore[arg-type]
+        torch.testing.assert_close(summed, expected)

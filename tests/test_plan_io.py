@@ -37,7 +37,7 @@ def test_two_runs_give_byte_identical_json(plan: autoplan.Plan, cpu4: autoplan.C
 
 def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
     doc = json.loads(plan.to_json())
-    assert doc["version"] == 3
+    assert doc["version"] == 4
     for key in (
         "provenance",
         "mesh",
@@ -95,6 +95,10 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
                 dict(_COLLECTIVE, node="gradients", phase="grad_sync", params=["output"])
             ),
             "collectives[].params",
+        ),
+        (
+            lambda d: d["nodes"]["output"].update(grad=dict.fromkeys(d["mesh"]["axes"], "P")),
+            "nodes.output.grad",
         ),
         (
             lambda d: d["params"]["head.weight"]["storage"].update(

@@ -135,6 +135,23 @@ def test_pins_force_replication_and_zero3(cpu4: autoplan.Cluster) -> None:
     assert sum(c.bytes for c in scatters) == param_bytes
 
 
+def test_data_parallel_gpt_reduces_position_embedding_gradient_in_its_bucket(
+    cpu4: autoplan.Cluster,
+) -> None:
+    """The position embedding of ``arange`` is replicated work whose gradient is a partial sum
+    (each rank's batch): it stays partial through the embedding's backward into the weight's
+    bucket, as under DDP, instead of an all-reduce of the activation's gradient mid-backward."""
+    w = example("gpt", size="tiny", num_layers=2, batch_size=4)
+    names = [n for n, _ in w.model.named_parameters()]
+    pin = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(names, "R")}
+    plan = plan_workload(w, cpu4, mesh_shape=(4,), pin=pin)
+    kept = {n.module: n.grad for n in plan.nodes.values() if n.grad}
+    assert kept == {"pos_emb": {"dp": "P"}}
+    backward = [c for c in plan.collectives if c.phase == "backward"]
+    assert all(c.bytes == 4 for c in backward), backward  # the loss's scalars at most
+    assert "p_model_pos_emb_weight" in {p for c in plan.collectives for p in c.params}
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

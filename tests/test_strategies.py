@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from autoplan.graph.capture import capture
 from autoplan.graph.ir import Ref, TensorInfo
 from autoplan.strategies import dtensor_rules
 from autoplan.strategies.placement import Collective, grad_spec, is_valid, redistribute
 from autoplan.strategies.rules import _view_dim_map, own_rule
+from autoplan.strategies.space import strategy_space
+from tests.conftest import example
 
 
 def test_redistribute_by_hand() -> None:
@@ -54,6 +57,25 @@ def test_gradient_placements() -> None:
     # an input read as partial gets a replicated gradient; a split one a split gradient
     assert grad_spec(("P",), ("P",)) == ("R",)
     assert grad_spec(("S(0)",), ("S(0)",)) == ("S(0)",)
+    # a replicated op that keeps its output's gradient partial hands its inputs partial ones
+    assert grad_spec(("R", "R"), ("R", "R"), ("P", "R")) == ("P", "R")
+
+
+def test_only_replicated_ops_whose_inputs_they_alone_read_keep_gradients_partial() -> None:
+    w = example("gpt", size="tiny", num_layers=2, batch_size=2)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    space = strategy_space(graph, (4,))
+    kept = {n for n, ns in space.items() if any(s.grad is not None for s in ns.strategies)}
+    # the position embedding reads its weight alone, as the final layer norm its input;
+    # arange needs no gradient; a block's first layer norm shares its input with the
+    # residual add
+    assert graph.node("embedding_1").module_path == "pos_emb"
+    assert {"embedding", "embedding_1", "layer_norm_4"} <= kept
+    assert graph.fan_out("add") == 2 and "layer_norm" not in kept and "arange" not in kept
+    (strategy,) = [s for s in space["embedding_1"].strategies if s.grad is not None]
+    assert strategy.grad == ("P",) and strategy.output == ("R",)
+    assert all(i == ("R",) for i in strategy.inputs)
+    assert not any(s.grad for ns in strategy_space(graph, (1,)).values() for s in ns.strategies)
 
 
 def test_uneven_or_missing_dims_are_invalid() -> None:

@@ -23,12 +23,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
-from autoplan.execute.ops import SHAPED_VIEWS, call_op, local_shape, runs_locally
+from autoplan.execute.ops import (
+    CROSS_ENTROPY,
+    MEAN,
+    SHAPED_VIEWS,
+    call_op,
+    class_weights,
+    local_cross_entropy,
+    local_shape,
+    local_total_weight,
+    reduction,
+    runs_locally,
+)
 from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
 from autoplan.plan.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
@@ -87,25 +99,46 @@ class PlanInterpreter:
         self.outputs: dict[str, tuple[Placement, ...]] = {}
         # the gradient placement of each input, as the planner has it (for local ops)
         self.grads: dict[str, list[tuple[Placement, ...]]] = {}
+        # replicated ops that keep their output's gradient partial: where they keep it
+        self.kept: dict[str, tuple[Placement, ...]] = {}
         self.local: set[str] = set()
         for name, node in plan.nodes.items():
             self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
             if node.output:
                 self.outputs[name] = to_dtensor(node.output, axes)
                 out = tuple(node.output[a] for a in axes)
+                kept = tuple(node.grad[a] for a in axes) if node.grad else None
                 specs = [tuple(i[a] for a in axes) for i in node.inputs]
                 self.grads[name] = [
-                    to_dtensor(dict(zip(axes, grad_spec(i, out), strict=True)), axes) for i in specs
+                    to_dtensor(dict(zip(axes, grad_spec(i, out, kept), strict=True)), axes)
+                    for i in specs
                 ]
+                if node.grad:
+                    self.kept[name] = to_dtensor(node.grad, axes)
         self.local_shape: dict[str, list[int]] = {}  # a local view's size argument
         for fx_node in self.graph.nodes:
             name = fx_node.name
             if name not in self.nodes or name not in self.outputs:
                 continue
-            if runs_locally(fx_node, self.inputs[name], self.outputs[name]):
+            # a replicated op run whole on every rank is exact on local tensors, and only so
+            # does its backward keep a partial gradient partial
+            if name in self.kept or runs_locally(fx_node, self.inputs[name], self.outputs[name]):
                 self.local.add(name)
                 if fx_node.target in SHAPED_VIEWS:
                     self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh.shape)
+
+        # local mean cross-entropies, by each tensor their total weight needs (target, weights)
+        self.weighed: dict[str, list[torch.fx.Node]] = {}
+        for fx_node in self.graph.nodes:
+            loss = fx_node.target is CROSS_ENTROPY and reduction(fx_node) == MEAN
+            if loss and fx_node.name in self.local:
+                for needed in self._weight_inputs(fx_node):
+                    self.weighed.setdefault(needed.name, []).append(fx_node)
+
+    @staticmethod
+    def _weight_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+        weights = class_weights(node)
+        return [node.args[1], *([weights] if weights is not None else [])]
 
     def local_gradient(self, placeholder: str) -> tuple[Placement, ...] | None:
         """The placement of ``placeholder``'s gradient where every op that reads it runs
@@ -144,6 +177,17 @@ class PlanInterpreter:
         # one redistribution per (tensor, placement), shared by every op that needs it, so
         # backward reduces the summed gradient once, as the plan counts it
         placed: Placed = {}
+        totals: dict[str, _Summed] = {}  # a cross-entropy's total weight, summing
+
+        def weigh(name: str) -> None:
+            """Start summing the total weight of each loss that ``name`` completes."""
+            for loss in self.weighed.get(name, ()):
+                needed = self._weight_inputs(loss)
+                if loss.name not in totals and all(n.name in env for n in needed):
+                    totals[loss.name] = self._total_weight(loss, env, placed)
+
+        for name in values:
+            weigh(name)
         for node in self.graph.nodes:
             if node.op == "placeholder" or node.name in env:
                 continue
@@ -155,9 +199,12 @@ class PlanInterpreter:
                 if node.args[0].name in env:
                     env[node.name] = env[node.args[0].name][node.args[1]]
             elif node.name in self.local:
-                env[node.name] = self._call_local(node, env, placed)
+                total = totals.get(node.name)
+                total_weight = total.value() if total is not None else None
+                env[node.name] = self._call_local(node, env, placed, total_weight)
             elif node.name in self.nodes:
                 env[node.name] = self._call(node, env, placed)
+            weigh(node.name)
         return tuple(
             self._place(self._dtensor(name, env, placed), self.boundary) for name in self.sent
         )
@@ -170,8 +217,13 @@ class PlanInterpreter:
             return value
         key = (name, "dtensor")
         if key not in placed:
+            # backward: the DTensor users' gradients, summed, join the local ones placed alike
             placed[key] = DTensor.from_local(
-                value.tensor, self.mesh, value.placements, run_check=False
+                value.tensor,
+                self.mesh,
+                value.placements,
+                run_check=False,
+                grad_placements=value.grad,
             )
         return placed[key]
 
@@ -184,8 +236,23 @@ class PlanInterpreter:
             placed[key] = self._place(self._dtensor(name, env, placed), target)
         return placed[key]
 
+    def _total_weight(self, loss: torch.fx.Node, env: dict[str, Any], placed: Placed) -> _Summed:
+        """``loss``'s total weight: this rank's part, summed along the axes its target splits."""
+        target, *weights = (
+            _local_value(self._placed(n.name, tuple(p), env, placed))
+            for n, p in zip(self._weight_inputs(loss), self.inputs[loss.name][1:], strict=False)
+        )
+        local = local_total_weight(loss, target, weights[0] if weights else None)
+        placements = self.inputs[loss.name][1]
+        axes = [a for a, p in enumerate(placements) if isinstance(p, Shard)]
+        return _Summed(local, [self.mesh.get_group(a) for a in axes])
+
     def _call_local(
-        self, node: torch.fx.Node, env: dict[str, Any], placed: Placed
+        self,
+        node: torch.fx.Node,
+        env: dict[str, Any],
+        placed: Placed,
+        total: torch.Tensor | None = None,
     ) -> Local | list[Local]:
         """Run ``node`` on this rank's shards, its output placed as planned."""
         targets = iter(zip(self.inputs[node.name], self.grads[node.name], strict=True))
@@ -210,11 +277,15 @@ class PlanInterpreter:
         kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
         if node.name in self.local_shape:
             args = (args[0], self.local_shape[node.name], *args[2:])
-        out = call_op(node, args, kwargs)
+        if node.target is CROSS_ENTROPY:
+            out = local_cross_entropy(node, args, kwargs, total)
+        else:
+            out = call_op(node, args, kwargs)
         placements = tuple(self.outputs[node.name])
+        kept = self.kept.get(node.name)
         if isinstance(out, list | tuple):  # broadcast_tensors
-            return [Local(t, placements) for t in out]
-        return Local(out, placements)
+            return [Local(t, placements, kept) for t in out]
+        return Local(out, placements, kept)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
         targets = iter(self.inputs[node.name])
@@ -253,3 +324,26 @@ class PlanInterpreter:
             return grad
 
         return hook
+
+
+def _local_value(value: Any) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+class _Summed:
+    """A local scalar summed over process groups in place: the first all-reduce starts now
+    (gloo's waits sleep, so it overlaps what the rank does next), the others when it is read.
+    c10d's in-place all-reduce, as the gradient buckets: no autograd, no DTensor."""
+
+    def __init__(self, local: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
+        self.tensor = local
+        self.groups = groups
+        self.work = dist.all_reduce(local, group=groups[0], async_op=True) if groups else None
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            for group in self.groups[1:]:
+                dist.all_reduce(self.tensor, group=group)
+            self.work = None
+        return self.tensor

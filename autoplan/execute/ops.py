@@ -4,8 +4,9 @@ others run as DTensor ops), and the losses it runs as sums.
 An op runs locally when its planned inputs and output have no partial sums and its result on
 local shards is the local shard of its result: matmuls, element-wise ops, layer norm,
 attention, embedding lookups and transposes (DTensor's rules for them change no argument),
-views (their shape argument made local), and mean-reduced element-wise losses, whose local sum
-over the global element count is a partial sum along the axes their inputs are split on.
+views (their shape argument made local), and losses over a split batch: an element-wise loss's
+local sum over the global element count, and cross-entropy's over the global total weight of
+its targets, are partial sums along the axes their inputs are split on.
 """
 
 from __future__ import annotations
@@ -27,10 +28,47 @@ ELEMENTWISE_LOSSES = {
     torch.ops.aten.smooth_l1_loss.default,
     torch.ops.aten.huber_loss.default,
 }
+# cross_entropy_loss(input, target, weight, reduction, ignore_index, label_smoothing): its mean
+# divides by the targets' total weight (their class weights, ignored ones left out), so on a
+# split batch its local sum over the *global* total weight is the partial sum. The executor
+# all-reduces that scalar as soon as the targets are there; DTensor would in backward, where
+# every rank stalls until the last one has finished its forward.
+CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def reduction(node: torch.fx.Node) -> Any:
-    return node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", MEAN)
+    return _arg(node, 3 if node.target is CROSS_ENTROPY else 2, "reduction", MEAN)
+
+
+def class_weights(node: torch.fx.Node) -> Any:
+    """The cross-entropy's class weights: an fx Node, or None."""
+    return _arg(node, 2, "weight", None)
+
+
+def local_total_weight(node: torch.fx.Node, target: torch.Tensor, weight: Any) -> torch.Tensor:
+    """This rank's part of the cross-entropy's total weight, for its local ``target``."""
+    kept = target != _arg(node, 4, "ignore_index", -100)
+    dtype = node.args[0].meta["val"].dtype  # type: ignore[union-attr]
+    if weight is None:
+        return kept.sum().to(dtype)
+    return weight[target[kept]].sum().to(dtype)
+
+
+def local_cross_entropy(
+    node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], total: Any
+) -> torch.Tensor:
+    """The cross-entropy of this rank's shards, summed, over the global ``total`` weight (None
+    for a summed loss)."""
+    logits, target = args[:2]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    ignore_index = _arg(node, 4, "ignore_index", -100)
+    smoothing = _arg(node, 5, "label_smoothing", 0.0)
+    summed = CROSS_ENTROPY(logits, target, weight, SUM, ignore_index, smoothing)
+    return summed if total is None else summed / total
 
 
 def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -71,6 +109,7 @@ LOCAL_OPS = {
     _aten.permute.default,
     _aten.flatten.using_ints,
 }
+LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
 # views whose size argument (args[1]) is the global shape: made local from the planned output
 SHAPED_VIEWS = {
@@ -87,7 +126,7 @@ def runs_locally(
     output: Sequence[Placement],
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
-    if node.target not in LOCAL_OPS | SHAPED_VIEWS | ELEMENTWISE_LOSSES | MULTI_OUTPUT:
+    if node.target not in LOCAL_OPS | SHAPED_VIEWS | LOSSES | MULTI_OUTPUT:
         return False
     val = node.meta.get("val")
     values = val if node.target in MULTI_OUTPUT else [val]
@@ -95,7 +134,9 @@ def runs_locally(
         return False
     if any(isinstance(p, Partial) for ps in inputs for p in ps):
         return False
-    if node.target in ELEMENTWISE_LOSSES and reduction(node) != NONE:
+    if node.target is CROSS_ENTROPY and node.args[1].meta["val"].is_floating_point():  # type: ignore[union-attr]
+        return False  # class probabilities as targets: DTensor's rules
+    if node.target in LOSSES and reduction(node) != NONE:
         # the loss of this rank's shards is a partial sum along the axes they are split on
         split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
         return tuple(output) == tuple(Partial() if s else Replicate() for s in split)

@@ -157,6 +157,7 @@ def _nodes(
             output=_named(assignment[node.name].output, axes) if node.outputs else {},
             inputs=tuple(_named(s, axes) for s in assignment[node.name].inputs),
             rule=rules[node.name],
+            grad=_named(grad, axes) if (grad := assignment[node.name].grad) else {},
         )
         for node in graph
     }

@@ -133,6 +133,19 @@ def plan_from_json(
     return plan
 
 
+def _check_kept_gradient(f: _Field, node: NodePlan) -> None:
+    """A gradient may be kept partial only by an op that is replicated on every axis (each
+    rank runs it whole on the same values): anything else would train on wrong gradients."""
+    placed = [node.output, *node.inputs]
+    if not node.output or any(p != "R" for spec in placed for p in spec.values()):
+        raise f["grad"].fail(
+            "no gradient placement: only an op whose output and inputs are all R may keep "
+            "its gradient partial"
+        )
+    if set(node.grad.values()) - {"R", "P"} or "P" not in node.grad.values():
+        raise f["grad"].fail('"P" on some axes and "R" on the others, or {}')
+
+
 def _read_plan(doc: _Field) -> Plan:
     p = doc["provenance"]
     provenance = Provenance(
@@ -178,7 +191,10 @@ def _read_plan(doc: _Field) -> Plan:
             output=output.placements(axes) if output.obj() else {},
             inputs=tuple(i.placements(axes) for i in f["inputs"].elements()),
             rule=f["rule"].text(),
+            grad=f["grad"].placements(axes) if f["grad"].obj() else {},
         )
+        if nodes[name].grad:
+            _check_kept_gradient(f, nodes[name])
     collectives = []
     for f in doc["collectives"].elements():
         c = CollectivePlan(

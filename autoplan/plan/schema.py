@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import PARAM
 
-PLAN_VERSION = 3  # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets
+# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
+PLAN_VERSION = 4
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -88,6 +89,10 @@ class NodePlan:
     output: Placements
     inputs: tuple[Placements, ...]
     rule: str  # where the strategy came from: ours | dtensor | replicated | storage | data | output
+    # where a replicated op keeps its output's gradient, when partial ("P" on some axis): its
+    # backward then runs on partial sums and passes them on (strategies/space.kept_partial);
+    # empty for the output's placement
+    grad: Placements = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@
   stored shard with its gradient and optimizer state.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
 * An edge's time is the forward redistribution from the producer's placement to the one the
-  consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to the
-  producer's placement. For a parameter that backward step is gradient synchronization: an
-  all-reduce to replicated storage or a reduce-scatter to sharded (ZeRO) storage.
+  consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
+  where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a
+  parameter that backward step is gradient synchronization: an all-reduce to replicated
+  storage or a reduce-scatter to sharded (ZeRO) storage.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from autoplan.strategies.placement import (
     local_numel,
     redistribute,
     shard_dim,
-    without_partial,
 )
 from autoplan.strategies.space import Strategy
 
@@ -94,26 +94,27 @@ class StepCosts:
         moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
         return compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
 
-    def internal(self, node: Node, strategy: Strategy) -> tuple[Collective, ...]:
-        """Collectives an op's own DTensor rule issues, beyond redistributing its inputs.
+    def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
+        """Collectives an op issues beyond redistributing its inputs.
 
-        A batch-split cross-entropy (mean or sum) needs the total target weight summed over
-        the split axes in backward: one scalar all-reduce per such axis.
+        A batch-split cross-entropy with mean reduction divides by its targets' total weight
+        over the whole batch: the executor sums that scalar along the split axes in forward,
+        one all-reduce per axis, as soon as the targets are there (execute/ops.py).
         """
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
         reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
-        if reduction == 0:
+        if reduction != 1:
             return ()
         size = itemsize(node.outputs[0].dtype)
         return tuple(
-            Collective("all_reduce", axis, size)
+            Phased(Collective("all_reduce", axis, size), "forward")
             for axis, p in enumerate(strategy.inputs[0])
             if shard_dim(p) is not None and self.mesh_shape[axis] > 1
         )
 
     def internal_time(self, node: Node, strategy: Strategy) -> float:
-        return sum(self.collective_s(c) for c in self.internal(node, strategy))
+        return sum(self.collective_s(p.collective) for p in self.internal(node, strategy))
 
     def collective_s(self, c: Collective) -> float:
         """Seconds of one collective along its mesh axis."""
@@ -164,7 +165,7 @@ class StepCosts:
     ) -> tuple[float, tuple[Collective, ...]]:
         """Bringing a gradient placed ``grad`` back to the producer's placement."""
         found, seconds = self._redistribute(
-            grad, without_partial(src.output), tensor.shape, itemsize(tensor.dtype)
+            grad, src.grad_target, tensor.shape, itemsize(tensor.dtype)
         )
         return seconds, found
 
@@ -187,7 +188,7 @@ class StepCosts:
         """
         seconds, _ = self.forward(tensor, src, dst, index)
         if producer.needs_grad and consumer.kind != OUTPUT:
-            grad = grad_spec(dst.inputs[index], dst.output)
+            grad = grad_spec(dst.inputs[index], dst.output, dst.grad)
             grad_s, found = self.gradient(tensor, grad, src)
             if producer.kind == PARAM:
                 grad_s = self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))

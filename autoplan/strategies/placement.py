@@ -60,17 +60,20 @@ def local_numel(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...])
     return n
 
 
-def grad_spec(input_spec: Spec, output_spec: Spec) -> Spec:
+def grad_spec(input_spec: Spec, output_spec: Spec, kept: Spec | None = None) -> Spec:
     """Placement of the gradient an op sends back to one of its inputs.
 
     On an axis where the input is replicated but the output is not, each rank computed a
     different part of the output from the same input, so its gradient is a partial sum ("P").
-    The gradient of a partial input is replicated (the sum's gradient reaches every term).
-    Otherwise the gradient is placed like the input.
+    So it is where input and output are replicated and the op keeps its output's gradient
+    partial (``kept``, see `Strategy.grad`): backward is linear in the gradient, and every
+    rank runs it on the same saved values. The gradient of a partial input is replicated (the
+    sum's gradient reaches every term). Otherwise the gradient is placed like the input.
     """
+    kept = kept or (R,) * len(output_spec)
     out = []
-    for i, o in zip(input_spec, output_spec, strict=True):
-        if i == R and o != R:
+    for i, o, k in zip(input_spec, output_spec, kept, strict=True):
+        if i == R and (o != R or k == P):
             out.append(P)
         elif i == P:
             out.append(R)

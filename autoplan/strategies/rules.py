@@ -58,10 +58,10 @@ def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # logits (N, C, ...) / target (N, ...): split the batch; class weights stay replicated.
     # The loss then holds partial sums on that axis (the executor averages by the split).
     logits, target = ins[0], ins[1]
+    classes = len(logits.shape) - len(target.shape)  # 1: class indices; 0: probabilities
     rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
     for d in range(2, len(logits.shape)):
-        rules.append((P, shard(d), shard(d - 1), *[R] * (len(ins) - 2)))
-    del target
+        rules.append((P, shard(d), shard(d - classes), *[R] * (len(ins) - 2)))
     return rules
 
 

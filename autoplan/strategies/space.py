@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
 from autoplan.strategies import dtensor_rules
-from autoplan.strategies.placement import R, Spec, is_valid, replicated, shard
+from autoplan.strategies.placement import P, R, Spec, is_valid, replicated, shard, without_partial
 from autoplan.strategies.rules import AxisRule, own_rule
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 class Strategy:
     output: Spec  # placement of every output of the node
     inputs: tuple[Spec, ...]  # required placement of each tensor input (Node.refs order)
+    # where the output's gradient is kept: None for the output's placement with partial sums
+    # reduced; else P on the axes where a replicated op keeps it partial (see `kept_partial`)
+    grad: Spec | None = None
+
+    @property
+    def grad_target(self) -> Spec:
+        """The placement the gradients of the output's users are brought to and summed in."""
+        return self.grad if self.grad is not None else without_partial(self.output)
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,37 @@ def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> No
     ins = [graph.tensor(r) for r in node.refs]
     rules, source = axis_rules(node, graph)
     strategies = _expand(rules, node, ins, mesh_shape)
-    return NodeStrategies(node.name, tuple(strategies), source)
+    kept = kept_partial(node, graph, mesh_shape)
+    return NodeStrategies(node.name, (*strategies, *kept), source)
+
+
+# ops whose result depends on a random generator: run replicated, each rank would draw its own
+_RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rrelu"}
+
+
+def kept_partial(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """The replicated strategy once more, keeping the output's gradient partial.
+
+    Every rank computes a replicated op on the same values, so its backward, linear in the
+    gradient, can run on a partial gradient and hand partial gradients to its inputs: a
+    parameter-only computation (a position embedding of ``arange``, a weight's view) then
+    passes the partial gradient of its sharded users on to its parameters' buckets, as DDP
+    does, instead of an all-reduce of an activation's gradient in the middle of backward.
+    The executor runs such an op on local tensors.
+
+    Only for an op that alone reads each input it sends a gradient to: a tensor's gradient
+    is reduced once however many of its users hand it partial sums, which the ILP's edges,
+    priced one by one, cannot see when its users disagree.
+    """
+    if not node.needs_grad or all(size == 1 for size in mesh_shape):
+        return []
+    if node.op.split(".")[1:2] and node.op.split(".")[1].rstrip("_") in _RANDOM:
+        return []
+    if any(graph.node(r.name).needs_grad and graph.fan_out(r.name) > 1 for r in node.refs):
+        return []
+    whole = replicated(len(mesh_shape))
+    grad = tuple(P if size > 1 else R for size in mesh_shape)
+    return [Strategy(whole, tuple(whole for _ in node.refs), grad)]
 
 
 def strategy_space(

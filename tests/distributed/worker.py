@@ -120,6 +120,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "num_collectives": sum(want.values()),
         "dtensor_ops": _dtensor_ops(step),
         "local_leaves": _local_leaves(step),
+        "kept": sorted(n.module for n in step.plan.nodes.values() if n.grad),
     }
 
 
