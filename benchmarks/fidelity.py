@@ -211,7 +211,8 @@ def decisions(plan: autoplan.Plan) -> str:
             "mesh": [plan.mesh.axes, plan.mesh.shape],
             "params": {k: [dict(p.storage), dict(p.placements)] for k, p in plan.params.items()},
             "nodes": {
-                k: [dict(n.output), [dict(i) for i in n.inputs]] for k, n in plan.nodes.items()
+                k: [dict(n.output), [dict(i) for i in n.inputs], dict(n.grad)]
+                for k, n in plan.nodes.items()
             },
             "stages": [[s.ranks, s.nodes, dict(s.boundary)] for s in plan.stages],
             "pipeline": None if pipe is None else [pipe.schedule, pipe.num_microbatches],
@@ -533,7 +534,7 @@ tuned for this benchmark.
 
 1. **Compute is priced right; the work around it is not.** The "compute alone" lines check
    the roofline and the profiled curves by themselves: plain torch in one process runs within
-   ~7% of the prediction. Every single-stage plan measures 1.1-1.6x its prediction, and `busy`
+   ~7% of the prediction. Every single-stage plan measures 1.05-1.5x its prediction, and `busy`
    shows the 2 cores ~85-95% busy: a step's time here is its CPU work over 2 cores. By hand,
    for data-parallel GPT, per rank and step: 4 ranks each training plain torch on a quarter
    of the batch at once (no communication) use ~95 ms of CPU (one process alone: 92 ms);
@@ -546,30 +547,34 @@ tuned for this benchmark.
    - the optimizer over DTensors: foreach AdamW over GPT's 57 parameters takes ~11 ms where
      torch's default loop over plain tensors takes ~8 ms (one core,
      `benchmarks/results/executor_costs.md`);
-   - two collectives that block backward in data-parallel GPT: cross-entropy's total-weight
-     all-reduce, and the position embedding's activation-gradient all-reduce (131 KB): the
-     planner cannot keep that gradient partial up to its parameter's bucket, so no bucket
-     overlaps it.
-   The executor got leaner since the last run (parameters read only by local ops are plain
-   local leaves, buckets are all-reduced in place, the batch is sliced without a copy): the
-   single-stage plans measure ~15-25% faster, and their ratios fell from 1.4-1.9 to 1.1-1.6.
+   - what remains of DTensor on the data-parallel path: `arange`, each gradient wrapped as a
+     DTensor for the optimizer.
+   Since the last run, data-parallel GPT's backward has no blocking collective: cross-entropy
+   runs on local shards with its targets' total weight all-reduced in forward, as soon as
+   the targets are there, and the position embedding keeps its gradient partial into its
+   parameter's bucket (`nodes[].grad` in the plan). In this run that did not show against
+   `base-dp4`, the same layout without the kept gradient (its embedding's activation gradient
+   all-reduced mid-backward): 0.252 s against the own plan's 0.258 s, within their iqr.
 
 2. **Pipelines hide that work in their bubbles.** pp4 and the 2-microbatch GPipe, the plans
-   whose ranks wait most, measure within 0-15% of their prediction (1F1B formula, idle time
-   charged), while the single-stage plans are 30-60% over theirs. Gloo's waits sleep (by hand:
+   whose ranks wait most, measure within ~5% of their prediction (1F1B formula, idle time
+   charged), while most single-stage plans are 25-50% over theirs. Gloo's waits sleep (by hand:
    a rank blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a waiting rank's core goes
    to the others. A model of that (a rank alone running k = ranks/cores times faster: the step
    at least all ranks' work over the cores, at least the critical path at k times the speed)
    was tried and reverted: it predicted the pipelines 1.5-2.1x too fast, because their ranks
    do CPU work in the bubble that the model does not price (point 1, per microbatch, and the
-   sends between stages). The uneven ratios (1.0-1.15 for those pipelines, 1.1-1.6 for the
+   sends between stages). The uneven ratios (0.95-1.03 for those pipelines, 1.05-1.5 for the
    rest) cost most of the rank correlation; the planner's own plan is nevertheless the fastest
-   plan measured for both models (the pipelines it would weigh are not faster here).
+   plan measured, or within the noise of it, for both models (the pipelines it would weigh are
+   not faster here).
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
    alone, the ranks entering together. In a step the ranks reach a collective at different
-   times (the OS shares 2 cores among 4 processes); a collective that blocks (point 1's two)
-   waits for the last rank to arrive: ~20-40 ms a step on rank 0 (by hand, torch.profiler).
+   times (the OS shares 2 cores among 4 processes); a collective that blocks (every forward
+   and backward redistribution of a tensor-parallel plan) waits for the last rank to arrive:
+   ~20-40 ms a step on rank 0 in data-parallel GPT before its two went (by hand,
+   torch.profiler).
 
 4. **The profile itself is noisy.** Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
