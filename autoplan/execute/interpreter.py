@@ -9,7 +9,9 @@ plan's collectives list then misses that move, which the fidelity tests catch.
 
 The ops `execute/ops.py` finds local (no partial sums, the local result the local shard of
 the result) run on this rank's shards as plain torch: DTensor would only add its dispatch to
-them. A run of such ops stays local; it meets DTensor where a tensor must be redistributed or
+them; so do the replicated ops that keep their output's gradient partial (the plan's
+``grad``), and cross-entropy, whose targets' total weight is all-reduced as soon as they are
+there. A run of such ops stays local; it meets DTensor where a tensor must be redistributed or
 a DTensor op reads it (``from_local``/``to_local``, whose backward places each gradient as
 the planner's `grad_spec` says).
 """
@@ -63,10 +65,10 @@ Placed = dict[tuple[Any, ...], Any]  # (tensor, placement[, gradient placement])
 
 @dataclass(frozen=True)
 class Local:
-    """A tensor kept as this rank's shard, placed as the plan says (as ``run``'s input: a
-    batch sliced locally, or a parameter's local leaf). ``grad`` is the placement its
-    gradient may have (a leaf's: partial where its gradient bucket reduces it), None for the
-    same as ``placements``."""
+    """A tensor kept as this rank's shard, placed as the plan says (a local op's output, or
+    ``run``'s input: a batch sliced locally, a parameter's local leaf). ``grad`` is the
+    placement its gradient may have (partial where a leaf's bucket reduces it, or where a
+    replicated op keeps it so), None for the same as ``placements``."""
 
     tensor: torch.Tensor
     placements: tuple[Placement, ...]
