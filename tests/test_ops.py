@@ -101,3 +101,16 @@ def test_cross_entropy_of_shards_over_the_global_total_weight_is_the_mean() -> N
         summed = sum(local_cross_entropy(node, (x, t), kwargs, total) for x, t in shards)
         expected = F.cross_entropy(logits, target, **options)  # type: ignore[arg-type]
         torch.testing.assert_close(summed, expected)
+
+
+def test_cross_entropy_per_element_runs_locally_as_the_local_shard() -> None:
+    torch.manual_seed(0)
+    logits, target = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    ep = torch.export.export(_Classifier(reduction="none"), (logits, target))
+    (node,) = [n for n in ep.graph.nodes if n.target is CROSS_ENTROPY]
+    assert runs_locally(node, [S0, S0], S0)
+    shards = [  # the node's other arguments as the interpreter passes them
+        local_cross_entropy(node, (x, t, *node.args[2:]), {}, None)
+        for x, t in zip(logits.chunk(4), target.chunk(4), strict=True)
+    ]
+    torch.testing.assert_close(torch.cat(shards), F.cross_entropy(logits, target, reduction="none"))

@@ -61,8 +61,10 @@ def local_total_weight(node: torch.fx.Node, target: torch.Tensor, weight: Any) -
 def local_cross_entropy(
     node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], total: Any
 ) -> torch.Tensor:
-    """The cross-entropy of this rank's shards, summed, over the global ``total`` weight (None
-    for a summed loss)."""
+    """The cross-entropy of this rank's shards: per element (reduction none), else summed
+    over the global ``total`` weight (None for a summed loss)."""
+    if reduction(node) == NONE:
+        return CROSS_ENTROPY(*args, **kwargs)  # its local result is the local shard
     logits, target = args[:2]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     ignore_index = _arg(node, 4, "ignore_index", -100)
