@@ -136,7 +136,8 @@ def kept_partial(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> list[
     """
     if not node.needs_grad or all(size == 1 for size in mesh_shape):
         return []
-    if node.op.split(".")[1:2] and node.op.split(".")[1].rstrip("_") in _RANDOM:
+    name = node.op.split(".")[1] if "." in node.op else node.op
+    if name.rstrip("_") in _RANDOM:
         return []
     if any(graph.node(r.name).needs_grad and graph.fan_out(r.name) > 1 for r in node.refs):
         return []
