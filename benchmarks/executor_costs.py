@@ -5,9 +5,9 @@ DTensor runs its full dispatch with nothing to communicate):
   DTensor AccumulateGrad) against a plain tensor: why parameters that only local ops read are
   plain local leaves (execute/gradients.py);
 - AdamW over a small GPT's parameters: torch's default loop over plain tensors (what DDP
-  runs), foreach over plain tensors and over DTensors (autoplan's default), fused over
-  DTensors, and how far fused's parameters end from the default loop's after 3 steps (why
-  fused is not the default: parity with one process is 1e-5).
+  runs unless told otherwise), foreach over plain tensors and over DTensors (autoplan's
+  default for SGD), fused over DTensors (its default for Adam and AdamW), and how far each
+  ends from the default loop after 3 steps.
 
     python benchmarks/executor_costs.py
 
@@ -104,8 +104,8 @@ def _adamw(mesh: DeviceMesh) -> list[dict[str, Any]]:
     variants = [
         ("loop over plain tensors (torch's default on CPU)", False, {"foreach": False}),
         ("foreach over plain tensors", False, {"foreach": True}),
-        ("foreach over DTensors (autoplan's default)", True, {"foreach": True}),
-        ("fused over DTensors", True, {"fused": True}),
+        ("foreach over DTensors", True, {"foreach": True}),
+        ("fused over DTensors (autoplan's default)", True, {"fused": True}),
     ]
     for name, as_dtensor, options in variants:
         ps = params(as_dtensor)

@@ -124,9 +124,11 @@ def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, 
             assert diff <= TOLERANCE, (world, layout, diff)
 
 
-def test_other_optimizers_train_like_one_process(results: dict[int, dict[str, Any]]) -> None:
+def test_optimizers_train_like_one_process(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
-        assert set(r["optimizers"]) == {"sgd-dp", "sgd-tp", "adam-dp", "adam-tp"}
+        assert set(r["optimizers"]) == {
+            f"{run}-{layout}" for run in ("sgd", "adam", "adamw-foreach") for layout in ("dp", "tp")
+        }
         for case, diff in r["optimizers"].items():
             assert diff <= TOLERANCE, (world, case, diff)
 

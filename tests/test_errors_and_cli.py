@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import autoplan
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
-from autoplan.execute.step import make_optimizer
 from tests.conftest import ROOT, example, plan_workload
 
 
@@ -106,13 +104,3 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```bash\n{ci}\n```" in readme
-
-
-def test_optimizer_defaults_and_refusals() -> None:
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    adamw = make_optimizer("adamw", params, {})
-    assert adamw.defaults["foreach"] is True and adamw.defaults["lr"] == 1e-3
-    fused = make_optimizer("adamw", params, {"fused": True, "lr": 0.1})  # foreach would clash
-    assert fused.defaults["fused"] is True and not fused.defaults["foreach"]
-    with pytest.raises(AutoplanError, match="optimizer 'lion' is not known"):
-        make_optimizer("lion", params, {})

@@ -103,8 +103,13 @@ MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
 
+# mlp-own's seed: with seed 0, one ReLU input at the third step is 1.8e-8 in one process,
+# within float32 rounding of zero. The parallel run, summing in another order, finds it
+# negative; that unit's gradients then differ by their whole value, and Adam makes of it a
+# step of ~lr (1.2e-4, past the tolerance) under the fused kernel; by luck not under foreach.
+# A tie, not an error: seeds 1-3, and seed 0 at four other learning rates, end within 4e-7.
 CASES = [
-    Case("mlp-own", "mlp", {"batch_size": 4, "hidden": 1024}, own((4,))),
+    Case("mlp-own", "mlp", {"batch_size": 4, "hidden": 1024, "seed": 1}, own((4,))),
     Case("mlp-dp", "mlp", MLP_LARGE_BATCH, lambda w: {"mesh_shape": (4,), **data_parallel(w)}),
     Case("mlp-tp", "mlp", MLP_SMALL_BATCH, lambda w: {"mesh_shape": (4,), **mlp_megatron(w)}),
     Case("mlp-2x2", "mlp", {"batch_size": 256, "hidden": 256}, own((2, 2))),
