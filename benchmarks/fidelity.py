@@ -532,40 +532,39 @@ from those are labelled "by hand": scripts of the kind of `benchmarks/step_vs_to
 time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler). No constant was
 tuned for this benchmark.
 
-1. **Compute is priced right; the work around it is not.** The "compute alone" lines check
-   the roofline and the profiled curves by themselves: plain torch in one process runs within
-   ~7% of the prediction. Every single-stage plan measures 1.05-1.5x its prediction, and `busy`
-   shows the 2 cores ~85-95% busy: a step's time here is its CPU work over 2 cores. By hand,
-   for data-parallel GPT, per rank and step: 4 ranks each training plain torch on a quarter
-   of the batch at once (no communication) use ~95 ms of CPU (one process alone: 92 ms);
-   DDP ~113 ms (gloo's all-reduce is CPU work too); autoplan ~124 ms, down from ~145 ms. What
-   the model leaves out is that CPU work beyond the ops:
+1. **Compute is priced right; the work around it is not.** The "compute alone" lines check the
+   roofline and the profiled curves by themselves: plain torch in one process ran within ~7% of
+   the prediction in the last session's run, 14-16% over it in this one, on a slower host
+   (point 4). Every single-stage plan measures 1.35-1.83x its prediction here (1.05-1.5x in the
+   last session's run), and `busy` shows the 2 cores ~85-95% busy: a step's time here is its
+   CPU work over 2 cores. By hand, for data-parallel GPT, per rank and step: 4 ranks each
+   training plain torch on a quarter of the batch at once (no communication) use ~95 ms of CPU
+   (one process alone: 92 ms); DDP ~113 ms (gloo's all-reduce is CPU work too); autoplan ~124
+   ms, down from ~145 ms. What the model leaves out is that CPU work beyond the ops:
    - the collectives' own CPU work (gloo reduces and copies on the CPU the ranks compute on);
    - DTensor's dispatch for the ops that need it (row-split linears and everything around
      partial sums, cross-entropy, redistributions): tensor-parallel plans keep more ops on
-     DTensor, and their ratios are the highest (1.4-1.6);
-   - the optimizer over DTensors: foreach AdamW over GPT's 57 parameters takes ~11 ms where
-     torch's default loop over plain tensors takes ~8 ms (one core,
-     `benchmarks/results/executor_costs.md`);
+     DTensor, and their ratios are among the highest (1.5-1.8 here);
    - what remains of DTensor on the data-parallel path: `arange`, each gradient wrapped as a
-     DTensor for the optimizer.
-   Since the last run, data-parallel GPT's backward has no blocking collective: cross-entropy
-   runs on local shards with its targets' total weight all-reduced in forward, as soon as
-   the targets are there, and the position embedding keeps its gradient partial into its
-   parameter's bucket (`nodes[].grad` in the plan). In this run that did not show against
-   `base-dp4`, the same layout without the kept gradient (its embedding's activation gradient
-   all-reduced mid-backward): 0.252 s against the own plan's 0.258 s, within their iqr.
+     DTensor for the optimizer, and the optimizer's one dispatch.
+   Since the last run, Adam(W) runs torch's fused kernel (3.8 ms over GPT's 57 parameters on
+   one core, where foreach over DTensors took ~11 ms: `benchmarks/results/executor_costs.md`),
+   and gradient buckets keep their buffers from step to step; `benchmarks/step_vs_torch.py`
+   measured data-parallel GPT at 1.04x DDP after these, 1.145x before. This run does not show
+   it against the last (the own GPT plan measured 0.256 s, 0.258 s then), because the host
+   itself was slower: see point 4.
 
 2. **Pipelines hide that work in their bubbles.** pp4 and the 2-microbatch GPipe, the plans
-   whose ranks wait most, measure within ~5% of their prediction (1F1B formula, idle time
-   charged), while most single-stage plans are 25-50% over theirs. Gloo's waits sleep (by hand:
+   whose ranks wait most, measure 1.13-1.23x their prediction (1F1B formula, idle time
+   charged; within ~5% in the last session's run), while the single-stage plans are 35-83%
+   over theirs. Gloo's waits sleep (by hand:
    a rank blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a waiting rank's core goes
    to the others. A model of that (a rank alone running k = ranks/cores times faster: the step
    at least all ranks' work over the cores, at least the critical path at k times the speed)
    was tried and reverted: it predicted the pipelines 1.5-2.1x too fast, because their ranks
    do CPU work in the bubble that the model does not price (point 1, per microbatch, and the
-   sends between stages). The uneven ratios (0.95-1.03 for those pipelines, 1.05-1.5 for the
-   rest) cost most of the rank correlation; the planner's own plan is nevertheless the fastest
+   sends between stages). The uneven ratios (1.13-1.23 for those pipelines, 1.35-1.83 for
+   the rest) cost most of the rank correlation; the planner's own plan is nevertheless the fastest
    plan measured, or within the noise of it, for both models (the pipelines it would weigh are
    not faster here).
 
@@ -576,7 +575,15 @@ tuned for this benchmark.
    ~20-40 ms a step on rank 0 in data-parallel GPT before its two went (by hand,
    torch.profiler).
 
-4. **The profile itself is noisy.** Three profiles of this host within an hour gave a 1024^3
+4. **The host's speed drifts, and the profile is noisy.** Plain torch in one process, the
+   "compute alone" lines, took 0.112 s (MLP) and 0.288 s (GPT) a step in the last session's
+   run, 0.110 s and 0.324 s in a run earlier today, and 0.139 s and 0.336 s in this one,
+   against the profile's 0.120 s and 0.295 s; no other process took CPU time meanwhile (the
+   host's other tenants do not show in /proc). The plans move with it: the own GPT plan
+   measured 0.333 s in today's first run and 0.256 s in this one, so the median errors moved
+   from 25% (both models, last session) to 31% and 42% in the first run and 36% and 32% here,
+   while Spearman's rho, which a uniform drift leaves alone, went from 0.51 and 0.745 to 0.59
+   and 0.76, then 0.57 and 0.81. Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
    181 and 128 ms; the committed file is the quietest. The profile's smallest points are not
    reliable either: one slow first timing, spread by the isotonic regression, puts a floor
