@@ -274,6 +274,12 @@ def parallelize(
     and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
     step (its norm reductions are not in the plan's list of collectives). ``plan_options``
     go to `autoplan.plan` (``mesh_shape``, ``pin``, ``pipeline`` ...).
+
+    ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
+    ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
+    ``foreach=True``, SGD runs foreach), or a callable that makes one from the parameters.
+    The gradients of bucketed parameters are views of their bucket's buffer, valid until the
+    next backward pass.
     """
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise AutoplanError(
