@@ -267,6 +267,7 @@ def make_optimizer(
     return made
 
 
+@torch.no_grad()  # to_local without autograd's bookkeeping
 def _contiguous_gradients(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     """Every gradient's local shard contiguous: torch's fused CPU Adam(W) reads a gradient's
     memory in order whatever its strides (a strided one gives a silently wrong update; see
