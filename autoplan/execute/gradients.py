@@ -3,12 +3,12 @@ storage placement, the plan's gradient buckets as one all-reduce each.
 
 A bucket's gradients (local shards) are copied into one flat buffer, which is all-reduced
 along the bucket's axes, and each gradient becomes a view of its slice. The buffer is the
-bucket's for the whole run, as DDP's are. A fresh one each step is new pages for the kernel to
-map and zero: in a profile of data-parallel GPT on 4 CPU ranks sharing 2 cores, packing its
-14 MB took ~20 ms a step so, ~1 ms into the kept buffer. A gradient so stays valid until the
-next backward pass, which writes over it. DTensor has no
-bucketed reduction of its own (DDP and FSDP each write theirs over plain tensors), so the
-bucketing is ours. The collective is torch's: along one axis, c10d's in-place all-reduce on
+bucket's for the whole run, as DDP's are: a fresh one each step is new pages for the kernel to
+map and zero (in a profile of data-parallel GPT on 4 CPU ranks sharing 2 cores, packing its
+14 MB took ~20 ms a step into a fresh buffer, ~1 ms into the kept one). A gradient therefore
+stays valid only until the next backward pass writes over it. DTensor has no bucketed
+reduction of its own (DDP and FSDP each write theirs over plain tensors), so the bucketing is
+ours. The collective is torch's: along one axis, c10d's in-place all-reduce on
 the axis's group, as DDP's reducer issues it (DTensor's redistribute is a functional,
 out-of-place all-reduce: one more copy of the whole bucket, ~5% of a data-parallel GPT step
 on 4 CPU ranks); along several axes, DTensor's Partial -> Replicate redistribute, one
@@ -229,11 +229,11 @@ class GradientReducer:
         else:
             torch.cat(pieces, out=bucket.flat)
         flat = bucket.flat
-        partial = [Partial()] * len(dims)  # a sum, as the plan's "P" always is
         if len(dims) == 1:  # see the module docstring
             bucket.work = dist.all_reduce(flat, group=bucket.mesh.get_group(), async_op=True)
             bucket.reduced = flat
         else:
+            partial = [Partial()] * len(dims)  # a sum, as the plan's "P" always is
             placed = DTensor.from_local(flat, bucket.mesh, partial, run_check=False)
             reduced = placed.redistribute(bucket.mesh, [Replicate()] * len(dims), async_op=True)
             bucket.reduced = reduced.to_local()

@@ -271,19 +271,22 @@ def make_optimizer(
 def _contiguous_gradients(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     """Every gradient's local shard contiguous: torch's fused CPU Adam(W) reads a gradient's
     memory in order whatever its strides (a strided one gives a silently wrong update; see
-    tests/test_errors_and_cli.py). Autograd keeps a gradient strided as its parameter, but a
+    tests/test_optimizer.py). Autograd keeps a gradient strided as its parameter, but a
     DTensor's local shard may come strided out of a redistribution."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
-            if isinstance(grad, DTensor) and not grad.to_local().is_contiguous():
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if local is None or local.is_contiguous():
+                continue
+            if isinstance(grad, DTensor):
                 param.grad = DTensor.from_local(
-                    grad.to_local().contiguous(),
+                    local.contiguous(),
                     grad.device_mesh,
                     grad.placements,
                     run_check=False,
                     shape=grad.shape,
                     stride=grad.stride(),
                 )
-            elif grad is not None and not grad.is_contiguous():
-                param.grad = grad.contiguous()
+            else:
+                param.grad = local.contiguous()
