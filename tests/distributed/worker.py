@@ -10,6 +10,7 @@ import operator
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,15 @@ def _text(counter: Counter[tuple[str, str, int]]) -> list[str]:
     ]
 
 
+def _error_of(call: Callable[[], Any]) -> str:
+    """The AutoplanError ``call`` raises, as "Type: message", or "no error"."""
+    try:
+        call()
+    except AutoplanError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     """Each error as every rank saw it: rank 0 gathers them."""
     found: dict[str, str] = {}
@@ -196,8 +206,8 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         loss_fn=small.loss_fn,
         example_target=small.example_target,
     )
-    try:
-        autoplan.parallelize(
+    found["other_model"] = _error_of(
+        lambda: autoplan.parallelize(
             other.model,
             c,
             example_inputs=other.example_inputs,
@@ -205,9 +215,7 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
             example_target=other.example_target,
             plan=plan,
         )
-        found["other_model"] = "no error"
-    except AutoplanError as e:
-        found["other_model"] = f"{type(e).__name__}: {e}"
+    )
     step = autoplan.parallelize(
         small.model,
         c,
@@ -216,25 +224,17 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         example_target=small.example_target,
         plan=plan,
     )
-    try:
-        step(torch.randn(4, 16), torch.randn(4, 16))
-        found["wrong_shape"] = "no error"
-    except AutoplanError as e:
-        found["wrong_shape"] = f"{type(e).__name__}: {e}"
+    found["wrong_shape"] = _error_of(lambda: step(torch.randn(4, 16), torch.randn(4, 16)))
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     frozen = parallel(again, c, mesh_shape=(world_size(),), **data_parallel(again))
     assert frozen.module is not None
     frozen.module.get_parameter("layers.0.weight").requires_grad_(False)  # after planning
-    try:
-        frozen(again.example_inputs, again.example_target)
-        found["frozen"] = "no error"
-    except AutoplanError as e:
-        found["frozen"] = f"{type(e).__name__}: {e}"
-    try:  # a parallelized model again: its parameters are DTensors now
-        autoplan.parallelize(frozen.module, c, example_inputs=again.example_inputs)
-        found["twice"] = "no error"
-    except AutoplanError as e:
-        found["twice"] = f"{type(e).__name__}: {e}"
+    found["frozen"] = _error_of(lambda: frozen(again.example_inputs, again.example_target))
+    # a parallelized model again: its parameters are DTensors now
+    module = frozen.module
+    found["twice"] = _error_of(
+        lambda: autoplan.parallelize(module, c, example_inputs=again.example_inputs)
+    )
     fresh = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
     losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]
