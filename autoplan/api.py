@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -236,7 +237,7 @@ def _plan_one_stage(
             StepCosts(cluster, m, optimizer),
             memory_limit,
             time_limit_s,
-            lambda space: apply_pins(space, graph, pins),
+            functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
         if not isinstance(found, MeshPlan):
             needs[m] = found

@@ -45,7 +45,7 @@ from autoplan.solve.dp import (
     solve_stages,
 )
 from autoplan.strategies.costs import StepCosts
-from autoplan.strategies.placement import R, Spec, is_valid, local_numel
+from autoplan.strategies.placement import R, Spec, is_valid, local_numel, on_mesh
 from autoplan.strategies.space import NodeStrategies, Strategy
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,11 @@ def boundary_specs(mesh_shape: tuple[int, ...], spans_nodes: bool = False) -> li
     axes (data parallel across nodes first), or replicated (a tensor-parallel stage) unless
     the outer axis spans nodes, where slow links leave only data parallelism."""
     first = 1 if spans_nodes else 0
-    return [
-        tuple("S(0)" if a < split else R for a in range(len(mesh_shape)))
+    specs = (
+        on_mesh(tuple("S(0)" if a < split else R for a in range(len(mesh_shape))), mesh_shape)
         for split in range(first, len(mesh_shape) + 1)
-    ]
+    )
+    return list(dict.fromkeys(specs))
 
 
 @dataclass(frozen=True)

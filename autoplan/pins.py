@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.graph.layers import Layers
-from autoplan.strategies.placement import Spec, is_placement
+from autoplan.strategies.placement import Spec, is_placement, on_mesh
 from autoplan.strategies.space import NodeStrategies
 
 Pin = str | Sequence[str] | Mapping[str, str | Sequence[str]]
@@ -90,32 +90,35 @@ def keep_sharing_consistent(layers: Layers, pins: Mapping[str, ParsedPin]) -> La
 
 
 def apply_pins(
-    space: dict[str, NodeStrategies], graph: Graph, pins: Mapping[str, ParsedPin]
+    space: dict[str, NodeStrategies],
+    graph: Graph,
+    pins: Mapping[str, ParsedPin],
+    mesh_shape: tuple[int, ...],
 ) -> dict[str, NodeStrategies]:
-    """Keep only the strategies that agree with the pins (on nodes present in ``space``)."""
+    """Keep only the strategies that agree with the pins (on nodes present in ``space``). A
+    pin's placement on an axis of size 1 is met by "R" there (`on_mesh`)."""
     out = dict(space)
     for name, pin in pins.items():
         if name not in space:
             continue  # a copy of a repeated layer: its representative carries the same pin
-        num_axes = len(space[name].strategies[0].output)
         for spec in (pin.storage, pin.use):
-            if spec is not None and len(spec) != num_axes:
+            if spec is not None and len(spec) != len(mesh_shape):
                 raise AutoplanError(
                     f"pin for {pin.param!r} gives {len(spec)} placement(s) but the mesh has "
-                    f"{num_axes} axis(es); give one placement per axis"
+                    f"{len(mesh_shape)} axis(es); give one placement per axis"
                 )
         if pin.storage is not None:
-            out[name] = _keep(
-                space[name], lambda s, spec=pin.storage: s.output == spec, pin, "stored"
-            )
+            stored = on_mesh(pin.storage, mesh_shape)
+            out[name] = _keep(space[name], lambda s, spec=stored: s.output == spec, pin, "stored")
         if pin.use is not None:
+            used = on_mesh(pin.use, mesh_shape)
             for user in graph.users(name):
                 if user not in out:
                     continue
                 slots = [i for i, r in enumerate(graph.node(user).refs) if r.name == name]
                 out[user] = _keep(
                     out[user],
-                    lambda s, spec=pin.use, slots=slots: all(s.inputs[i] == spec for i in slots),
+                    lambda s, spec=used, slots=slots: all(s.inputs[i] == spec for i in slots),
                     pin,
                     f"read by {user}",
                 )

@@ -79,6 +79,7 @@ def test_stage_sizes_and_boundaries() -> None:
     a100 = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=4)
     assert stage_sizes(a100) == [1, 2, 4, 8, 16]  # 32 devices in 2 or more uniform stages
     assert boundary_specs((8,)) == [("R",), ("S(0)",)]
+    assert boundary_specs((1,)) == [("R",)]  # one rank: a split is the whole tensor
     assert boundary_specs((32,), spans_nodes=True) == [("S(0)",)]
     assert boundary_specs((4, 8), spans_nodes=True) == [("S(0)", "R"), ("S(0)", "S(0)")]
 
@@ -144,3 +145,17 @@ def test_pipeline_options_are_checked(cpu4: autoplan.Cluster) -> None:
         plan_workload(w, cpu4, num_stages=4, num_microbatches=2)
     with pytest.raises(AutoplanError, match="schedule"):
         plan_workload(w, cpu4, pipeline=True, schedule="zigzag")
+
+
+def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> None:
+    # On one rank every placement is the whole tensor, and the ILP would pick among them at
+    # no cost; the executor would then run the ops it picked "P" or "S" through DTensor, for
+    # nothing. Only "R" is offered there, so the plan says what runs: plain local ops.
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    plan = plan_workload(w, cpu4, pipeline=True, num_stages=4, num_microbatches=4)
+    assert len(plan.stages) == 4 and plan.mesh.shape[1:] == (1,)
+    specs = [n.output for n in plan.nodes.values()] + [
+        spec for n in plan.nodes.values() for spec in n.inputs
+    ]
+    specs += [s.boundary for s in plan.stages if s.boundary]
+    assert all(set(spec.values()) <= {"R"} for spec in specs)

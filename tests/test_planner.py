@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -133,6 +134,16 @@ def test_pins_force_replication_and_zero3(cpu4: autoplan.Cluster) -> None:
     assert sum(c.bytes for c in gathers if c.tensor.startswith("p_")) == param_bytes
     assert {c.kind for c in scatters} == {"reduce_scatter"}
     assert sum(c.bytes for c in scatters) == param_bytes
+
+
+def test_pins_on_one_device_are_met_replicated(cpu4: autoplan.Cluster) -> None:
+    one = dataclasses.replace(cpu4, devices_per_node=1, name="one")
+    w = example("mlp", batch_size=64, hidden=32)
+    pin = {n: {"storage": "S(0)", "use": "R"} for n, _ in w.model.named_parameters()}
+    plan = plan_workload(w, one, pin={"input:0": "S(0)", **pin})
+    assert plan.mesh.shape == (1,)
+    assert all(set(p.storage.values()) == {"R"} for p in plan.params.values())
+    assert all(set(n.output.values()) <= {"R"} for n in plan.nodes.values())
 
 
 def test_data_parallel_gpt_reduces_position_embedding_gradient_in_its_bucket(

@@ -33,6 +33,12 @@ def replicated(num_axes: int) -> Spec:
     return (R,) * num_axes
 
 
+def on_mesh(spec: Spec, mesh_shape: tuple[int, ...]) -> Spec:
+    """``spec`` with "R" on every axis of size 1: on one rank, a split or a partial sum is the
+    whole tensor, so every placement there is the same, and "R" is the one written."""
+    return tuple(R if size == 1 else p for p, size in zip(spec, mesh_shape, strict=True))
+
+
 def shard_factors(spec: Spec, ndim: int, mesh_shape: tuple[int, ...]) -> list[int]:
     """How many pieces each tensor dim is cut into."""
     factors = [1] * ndim

@@ -48,9 +48,10 @@ def _all_shardings(shape: tuple[int, ...]) -> list[str]:
 
 def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     options = _all_shardings(info.shape)
+    per_axis = [options if size > 1 else [R] for size in mesh_shape]
     return [
         Strategy(spec, ())
-        for spec in itertools.product(options, repeat=len(mesh_shape))
+        for spec in itertools.product(*per_axis)
         if is_valid(spec, info.shape, mesh_shape)
     ]
 
@@ -79,12 +80,13 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
 def _expand(
     rules: Sequence[AxisRule], node: Node, ins: Sequence[TensorInfo], mesh_shape: tuple[int, ...]
 ) -> list[Strategy]:
-    """Product of per-axis rules over the mesh, keeping only evenly splittable ones."""
-    num_axes = len(mesh_shape)
+    """Product of per-axis rules over the mesh, keeping only evenly splittable ones. An axis
+    of size 1 takes only the replicated rule (`on_mesh`)."""
     all_r: AxisRule = (R,) * (1 + len(ins))
-    per_axis = list(dict.fromkeys([all_r, *rules]))
+    rules = list(dict.fromkeys([all_r, *rules]))
+    per_axis = [rules if size > 1 else [all_r] for size in mesh_shape]
     found: list[Strategy] = []
-    for combo in itertools.product(per_axis, repeat=num_axes):
+    for combo in itertools.product(*per_axis):
         out = tuple(c[0] for c in combo)
         inputs = tuple(tuple(c[i + 1] for c in combo) for i in range(len(ins)))
         if not all(is_valid(out, o.shape, mesh_shape) for o in node.outputs):
