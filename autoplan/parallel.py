@@ -23,6 +23,7 @@ from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
     OptimizerFactory,
     ParallelModule,
+    local_leaves,
     make_optimizer,
     materialize,
 )
@@ -172,7 +173,10 @@ class Step:
             materialize(self._model, plan, self.mesh, self._init_fn)
             self.module = ParallelModule(self._model, ep, plan, self.mesh)
             reducer = GradientReducer(dict(self.module.named_parameters()), plan, 0, self.mesh)
-            reducer.on_arrival(self.module.local_leaves(reducer.accepts_local))
+            module = self.module
+            reducer.on_arrival(
+                local_leaves(module, module.placeholders, module.interpreter, reducer.accepts_local)
+            )
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)

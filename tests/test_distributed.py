@@ -116,6 +116,13 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     assert 0 < leaves < params  # column splits (no sync); row splits run as DTensor ops
     for name in ("mlp-zero3", "gpt-zero3"):  # used whole, stored sharded: DTensor gathers them
         assert four[name]["local_leaves"][0] == 0
+    # a pipeline stage's too, in every microbatch (the cases' parity checks their mean): all
+    # of a one-rank stage's, a tensor-parallel stage's column splits
+    leaves, params = results[2]["gpt-1f1b-2"]["local_leaves"]
+    assert leaves == params > 0
+    assert four["gpt-pipeline-2x2"]["axes"] == ["pp", "tp"]
+    leaves, params = four["gpt-pipeline-2x2"]["local_leaves"]
+    assert 0 < leaves < params
 
 
 def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, Any]]) -> None:

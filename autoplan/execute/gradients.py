@@ -15,7 +15,7 @@ on 4 CPU ranks); along several axes, DTensor's Partial -> Replicate redistribute
 all-reduce per axis in mesh order, as the plan lists them.
 
 A parameter whose every use runs locally on its stored shard has a plain local leaf in the
-step (`ParallelModule.local_leaves`): autograd accumulates its gradient as a plain tensor,
+step (`autoplan.execute.step.local_leaves`): autograd accumulates its gradient as a plain tensor,
 which goes into its bucket as it is (or, where it needs no synchronization, becomes the
 parameter's gradient). A DTensor on that path would cost ~0.08 ms a parameter and step on
 one CPU core (its to_local's backward and a DTensor AccumulateGrad; see
@@ -106,13 +106,12 @@ class GradientReducer:
     def on_arrival(self, leaves: Mapping[str, torch.Tensor]) -> None:
         """Reduce each gradient as soon as backward has accumulated it, asynchronously (a
         bucket once all its gradients are in), and wait for them all when backward ends.
-        ``leaves``: the parameters' local leaves (`accepts_local`), whose gradients are
-        plain local tensors.
+        ``leaves``: as `use_leaves` takes them.
 
         Several backward passes before an optimizer step accumulate, as in one process: a
         gradient already reduced is set aside while backward computes the new one, which is
         reduced alone and then added to it."""
-        self.leaves = dict(leaves)
+        self.use_leaves(leaves)
         for fqn, param in self.params.items():
 
             def set_aside(grad: torch.Tensor, fqn: str = fqn) -> torch.Tensor:
@@ -133,10 +132,20 @@ class GradientReducer:
             leaf.register_hook(set_aside)  # runs before the gradient is accumulated
             leaf.register_post_accumulate_grad_hook(hook)
 
+    def use_leaves(self, leaves: Mapping[str, torch.Tensor]) -> None:
+        """The parameters' local leaves (`accepts_local`), whose gradients are plain local
+        tensors, by FQN."""
+        self.leaves = dict(leaves)
+
     def reduce_now(self) -> None:
         """Reduce every gradient now (a pipeline's, after its schedule)."""
         for fqn, param in self.params.items():
-            if fqn not in self.bucket_of:
+            if fqn in self.bucket_of:
+                continue
+            if fqn in self.leaves:
+                if self.leaves[fqn].grad is not None:
+                    param.grad = self._as_dtensor(fqn, self._take_local(fqn))  # as stored
+            else:
                 gradient_to_storage(param, self.storage[fqn], self.mesh, async_op=False)
         self._finish()
 

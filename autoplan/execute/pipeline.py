@@ -5,8 +5,10 @@ mesh as its own DeviceMesh. Tensors cross stages as local shards laid out as the
 boundary placement: rank ``i`` of a stage sends to rank ``i`` of the next (the "pp" group of
 its column), so the pipelining library only ever sees plain tensors. The batch (and the
 target, which travels with the activations to the loss) enters the first stage; the last
-stage returns each microbatch's loss, and the schedule's gradient scaling turns the sum of
-microbatch gradients into the batch mean's.
+stage returns each microbatch's loss, and the sum of the microbatches' gradients over their
+count is the batch mean's. A parameter that every op of its stage reads locally as stored
+trains as a plain local leaf, as in a one-stage step (`autoplan.execute.step.local_leaves`):
+no DTensor on its path in any microbatch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.export import ExportedProgram
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import PlanInterpreter
 from autoplan.execute.placements import to_dtensor
-from autoplan.execute.step import Placeholders, _global_loss
+from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.graph.capture import as_tuple
 from autoplan.plan.schema import Plan
 
@@ -131,10 +133,20 @@ class PipelineRunner:
             group=pp.get_group(),
         )
         schedule = SCHEDULE_CLASSES[plan.pipeline.schedule]
-        self.schedule = schedule(stage, self.num_microbatches, loss_fn=_loss_is_output)
+        # the schedule would scale only the parameters' own gradients, not the local leaves'
+        # (`run` scales both)
+        self.schedule = schedule(
+            stage, self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
+        )
         self._last_rank = plan.stages[-1].ranks[0]
         mine = {fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)}
         self.gradients = GradientReducer(mine, plan, self.index, self.mesh)
+        module = self.module
+        self.gradients.use_leaves(
+            local_leaves(
+                module.model, module.placeholders, module.interpreter, self.gradients.accepts_local
+            )
+        )
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
@@ -149,12 +161,22 @@ class PipelineRunner:
             self.schedule.step(target=torch.zeros(self.num_microbatches), losses=losses)
         else:
             self.schedule.step()
+        self._mean_of_microbatches()
         self.gradients.reduce_now()
         loss = torch.zeros(())
         if self.module.is_last:
             loss = torch.stack([x.detach() for x in losses]).mean()
         dist.broadcast(loss, src=self._last_rank)
         return loss
+
+    @torch.no_grad()
+    def _mean_of_microbatches(self) -> None:
+        """Each microbatch's loss is its mean: the summed gradients over their count are
+        the batch mean's."""
+        leaves = self.gradients.leaves.values()
+        for tensor in [*leaves, *self.parameters()]:
+            if tensor.grad is not None:
+                tensor.grad.div_(self.num_microbatches)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on every rank: each stage gathers its own and

@@ -72,33 +72,37 @@ class ParallelModule(nn.Module):
         self.interpreter = PlanInterpreter(ep, plan, mesh)
         self.placeholders = Placeholders(ep, plan, mesh)
 
-    def local_leaves(
-        self, accepts: Callable[[str, tuple[Placement, ...]], bool]
-    ) -> dict[str, torch.Tensor]:
-        """Give the step a plain local leaf (sharing its storage) for each parameter that
-        every op reading it runs locally on as stored, where ``accepts(fqn, gradient
-        placement)`` (the gradient reducer's); returns them by FQN."""
-        named = dict(self.named_parameters())
-        leaves: dict[str, torch.Tensor] = {}
-        for placeholder, fqn in self.placeholders.params.items():
-            param = named.get(fqn)
-            if not isinstance(param, DTensor) or not param.requires_grad:
-                continue
-            grad = self.interpreter.local_gradient(placeholder)
-            stored = tuple(param.placements)
-            if grad is None or stored != self.interpreter.outputs[placeholder]:
-                continue
-            if accepts(fqn, grad):
-                leaves[fqn] = param.to_local().detach().requires_grad_()
-                self.placeholders.leaves[placeholder] = Local(leaves[fqn], stored, grad)
-        return leaves
-
     def forward(self, inputs: Any, target: Any = None) -> torch.Tensor:
         args = as_tuple(inputs) + (() if target is None else (target,))
         self.placeholders.check(args)
         values = self.placeholders.values(self, args)
         (out,) = self.interpreter.run(values)  # a train step has one output: the loss
         return _global_loss(out)
+
+
+def local_leaves(
+    model: nn.Module,
+    placeholders: Placeholders,
+    interpreter: PlanInterpreter,
+    accepts: Callable[[str, tuple[Placement, ...]], bool],
+) -> dict[str, torch.Tensor]:
+    """Give the step a plain local leaf (sharing its storage) for each parameter of ``model``
+    that every op reading it runs locally on as stored, where ``accepts(fqn, gradient
+    placement)`` (the gradient reducer's); returns them by FQN."""
+    named = dict(model.named_parameters())
+    leaves: dict[str, torch.Tensor] = {}
+    for placeholder, fqn in placeholders.params.items():
+        param = named.get(fqn)
+        if not isinstance(param, DTensor) or not param.requires_grad:
+            continue
+        grad = interpreter.local_gradient(placeholder)
+        stored = tuple(param.placements)
+        if grad is None or stored != interpreter.outputs[placeholder]:
+            continue
+        if accepts(fqn, grad):
+            leaves[fqn] = param.to_local().detach().requires_grad_()
+            placeholders.leaves[placeholder] = Local(leaves[fqn], stored, grad)
+    return leaves
 
 
 class Placeholders:

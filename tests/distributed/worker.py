@@ -127,8 +127,9 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
 
 def _local_leaves(step: autoplan.Step) -> list[int]:
     """How many of this rank's parameters train as plain local leaves, and how many in all."""
-    if step.module is None:
-        return [0, sum(1 for _ in step.pipeline.parameters())] if step.pipeline else [0, 0]
+    if step.pipeline is not None:
+        return [len(step.pipeline.gradients.leaves), len(step.pipeline.parameters())]
+    assert step.module is not None
     return [len(step.module.placeholders.leaves), len(list(step.module.parameters()))]
 
 
