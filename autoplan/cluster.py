@@ -75,6 +75,7 @@ FALLBACK_DTYPE = "float32"
 
 _TOP_FIELDS = (
     "backend",
+    "cores_per_node",
     "device",
     "devices_per_node",
     "inter_node",
@@ -181,6 +182,8 @@ class Cluster:
     backend: str
     source: str
     measured: Mapping[str, Any]
+    # CPU ranks: the cores a node's ranks share (None: every rank has a device of its own)
+    cores_per_node: int | None = None
     curves: Measured = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +206,7 @@ class Cluster:
                 self.backend,
                 self.source,
                 copy.deepcopy(dict(self.measured)),
+                self.cores_per_node,
             ),
         )
 
@@ -224,6 +228,22 @@ class Cluster:
                 f"({self.num_nodes} node(s) x {self.devices_per_node} devices)"
             )
         return rank // self.devices_per_node
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's ranks are more than its cores (CPU ranks, `cores_per_node`)."""
+        return self.cores_per_node is not None and self.cores_per_node < self.devices_per_node
+
+    def rank_speed(self, busy_ranks: int) -> float:
+        """How fast a rank computes while ``busy_ranks`` ranks of its node compute, relative
+        to all of them at once (as the profile measures and the device's constants say).
+        Ranks that share fewer cores than they are (`cores_per_node`) each get a core's share:
+        a rank whose neighbours wait (in a pipeline's bubble; gloo's waits sleep) runs
+        faster, up to a whole core. 1.0 where every rank has a device of its own."""
+        if self.cores_per_node is None:
+            return 1.0
+        cores, ranks = self.cores_per_node, self.devices_per_node
+        return min(1.0, cores / max(1, busy_ranks)) / min(1.0, cores / ranks)
 
     def with_nodes(self, num_nodes: int) -> Cluster:
         """The same cluster with `num_nodes` nodes."""
@@ -307,6 +327,7 @@ class Cluster:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data; `Cluster.from_dict(c.to_dict()) == c`."""
         d = self.device
+        shared = {} if self.cores_per_node is None else {"cores_per_node": self.cores_per_node}
         return {
             "name": self.name,
             "backend": self.backend,
@@ -324,6 +345,7 @@ class Cluster:
             "inter_node": _link_dict(self.inter_node),
             "source": self.source,
             "measured": copy.deepcopy(dict(self.measured)),
+            **shared,
         }
 
     @classmethod
@@ -377,6 +399,11 @@ class Cluster:
             backend=backend,
             source=_string(_get(top, "source", where), "source", where),
             measured=measured,
+            cores_per_node=(
+                None
+                if top.get("cores_per_node") is None
+                else _positive_int(top["cores_per_node"], "cores_per_node", where)
+            ),
         )
 
     @classmethod

@@ -36,6 +36,7 @@ from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, sta
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
 from autoplan.graph.layers import find_layers, signature
 from autoplan.intra_op import MeshPlan, StepCost, solve_mesh, step_cost
+from autoplan.plan.timeline import simulate
 from autoplan.solve.dp import (
     InfeasibleStagesError,
     StageCost,
@@ -469,7 +470,15 @@ def _best_for_size(
             if solved is None:
                 continue
             found = _pipeline(
-                graph, layers, num_microbatches, schedule, costs, boundary, solved, memory_limit
+                cluster,
+                graph,
+                layers,
+                num_microbatches,
+                schedule,
+                costs,
+                boundary,
+                solved,
+                memory_limit,
             )
             log.info(
                 "pipeline %d x %s, %d microbatches, boundary %s: %.4g s per step",
@@ -522,6 +531,7 @@ def _solve_dp(
 
 
 def _pipeline(
+    cluster: Cluster,
     graph: Graph,
     layers: tuple[Layer, ...],
     num_microbatches: int,
@@ -531,8 +541,27 @@ def _pipeline(
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
 ) -> PipelinePlan:
+    """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
+    ``sum(t) + (B - 1) max(t)``; or, where ranks share fewer cores than they are (CPU ranks on
+    one node, `Cluster.shares_cores`), by simulating the schedule with the stages sharing
+    them (`autoplan.plan.timeline.simulate`), as the DP's formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
     scheduled = pipeline_time(times, num_microbatches)
+    stage_size = math.prod(costs.mesh_shape)
+    if cluster.shares_cores and cluster.num_nodes == 1:
+        # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
+        # Its sends are its CPU work too (gloo), half with each forward, half with each backward
+        steps = [
+            (s.forward_s + s.send_s / 2, s.time_s - s.forward_s + s.send_s / 2) for s in stages
+        ]
+        events = simulate(
+            schedule,
+            len(stages),
+            num_microbatches,
+            steps,
+            lambda running: cluster.rank_speed(running * stage_size),
+        )
+        scheduled = max(e.end for e in events)
     # gradient sync and the optimizer update run once, after the last microbatch
     step = scheduled + max(s.extra_s for s in stages)
     # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
@@ -578,5 +607,13 @@ def price_pipeline(
         no_solver = _SolverStats(0.0, 0, 0, 0)
         stages.append(_priced(s, s + 1, stage, assignment, step, rules, costs, send, no_solver))
     return _pipeline(
-        graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages), memory_limit
+        cluster,
+        graph,
+        layers,
+        num_microbatches,
+        schedule,
+        costs,
+        boundary,
+        tuple(stages),
+        memory_limit,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -165,6 +166,7 @@ def test_missing_dtype_names_path(tmp_path: Path) -> None:
         (("num_nodes",), True, r"num_nodes.*integer"),
         (("backend",), "mpi", r"backend.*gloo, nccl"),
         (("measured",), [], r"measured.*object"),
+        (("cores_per_node",), 0, r"cores_per_node.*>= 1"),
     ],
 )
 def test_bad_values(path: tuple[str, ...], value: Any, expected: str) -> None:
@@ -175,6 +177,17 @@ def test_bad_values(path: tuple[str, ...], value: Any, expected: str) -> None:
     target[path[-1]] = value
     with pytest.raises(ClusterFormatError, match=expected):
         Cluster.from_dict(data)
+
+
+def test_ranks_sharing_cores_run_faster_while_others_wait() -> None:
+    shared = dataclasses.replace(_toy(devices_per_node=4), cores_per_node=2)
+    # all 4 busy: a half core each, as profiled; 2 or fewer busy: a whole core, twice as fast
+    assert [shared.rank_speed(n) for n in (4, 3, 2, 1)] == [1.0, 4 / 3, 2.0, 2.0]
+    assert Cluster.from_dict(shared.to_dict()) == shared
+    own_device = dataclasses.replace(shared, cores_per_node=None)
+    assert "cores_per_node" not in own_device.to_dict()  # files without it keep their hash
+    assert own_device.rank_speed(1) == 1.0
+    assert dataclasses.replace(shared, cores_per_node=4).rank_speed(1) == 1.0
 
 
 def test_unknown_field() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -159,3 +160,21 @@ def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> No
     ]
     specs += [s.boundary for s in plan.stages if s.boundary]
     assert all(set(spec.values()) <= {"R"} for spec in specs)
+
+
+def test_stages_sharing_cores_fill_each_others_bubbles(cpu4: autoplan.Cluster) -> None:
+    # 4 one-rank stages on 2 cores: a rank waiting in the bubble leaves its core to the others
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    options: dict[str, Any] = {"pipeline": True, "num_stages": 4, "num_microbatches": 4}
+    alone = plan_workload(w, cpu4, **options)
+    shared = plan_workload(w, dataclasses.replace(cpu4, cores_per_node=2), **options)
+    assert shared.nodes == alone.nodes  # the same decisions, priced otherwise
+    stages = [s.predicted for s in alone.stages]
+    assert all(s is not None for s in stages)
+    times = [s.time_s for s in stages if s is not None]
+    count = options["num_microbatches"]
+    # each stage's work at a whole core (twice its profiled speed), over the 2 cores
+    work = count * sum(times) / 2 / 2
+    assert work < shared.predicted.step_time_s < alone.predicted.step_time_s
+    every_core = plan_workload(w, dataclasses.replace(cpu4, cores_per_node=4), **options)
+    assert every_core.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)

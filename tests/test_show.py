@@ -51,6 +51,19 @@ def test_durations_stretch_the_slots() -> None:
     assert _steps(events, 1) == [("F", 0, 1, 3), ("B", 0, 3, 7), ("F", 1, 7, 9), ("B", 1, 9, 13)]
 
 
+def test_stages_sharing_processors_run_faster_alone() -> None:
+    # two stages of 1 s steps on processors that run one stage alone at twice the speed of
+    # two at once (CPU ranks sharing cores); GPipe, 2 microbatches, by hand
+    events = simulate("GPipe", 2, 2, [(1.0, 1.0)] * 2, lambda running: 2.0 if running == 1 else 1.0)
+    assert _steps(events, 0) == [("F", 0, 0, 0.5), ("F", 1, 0.5, 1.5), ("B", 0, 2.5, 3.5),
+                                 ("B", 1, 3.5, 4.0)]  # fmt: skip
+    assert _steps(events, 1) == [("F", 0, 0.5, 1.5), ("F", 1, 1.5, 2.0), ("B", 0, 2.0, 2.5),
+                                 ("B", 1, 2.5, 3.5)]  # fmt: skip
+    same = simulate("GPipe", 2, 2, [(1.0, 1.0)] * 2, lambda running: 1.0)
+    assert same == simulate("GPipe", 2, 2, [(1.0, 1.0)] * 2)  # sum + (B - 1) max: 6 s
+    assert max(e.end for e in same) == 6.0
+
+
 def test_1f1b_order_is_torchs() -> None:
     # Schedule1F1B: min(B, S - s) forwards, then backward/forward pairs, then the backwards
     assert stage_order("1F1B", 4, 6, 1) == (

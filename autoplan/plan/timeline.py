@@ -11,12 +11,15 @@ Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelin
 forward of microbatch ``m`` on stage ``s`` after its forward on stage ``s - 1``, the backward
 on stage ``s`` after its backward on stage ``s + 1`` (the last stage's backward follows its own
 forward, which comes before it in the stage's order). Sends take no time. Durations are per
-stage, in seconds, or one unit each (slots: the order without the durations).
+stage, in seconds, or one unit each (slots: the order without the durations). Where stages
+share processors (CPU ranks sharing cores), ``speed`` gives how fast every running step goes
+when so many stages run at once, relative to the durations: a step's time then depends on
+what runs beside it, and the simulation advances from one step's end to the next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
@@ -57,30 +60,42 @@ def simulate(
     num_stages: int,
     num_microbatches: int,
     durations: Sequence[tuple[float, float]] | None = None,
+    speed: Callable[[int], float] | None = None,
 ) -> tuple[Event, ...]:
     """Every step of one training step, by start time then stage. ``durations`` gives each
-    stage's (forward, backward) time per microbatch; without it every step takes one slot."""
+    stage's (forward, backward) time per microbatch; without it every step takes one slot.
+    ``speed(n)``: the speed of each of ``n`` stages running at once (default 1.0)."""
     times = durations if durations is not None else [(1.0, 1.0)] * num_stages
     assert len(times) == num_stages, (len(times), num_stages)
     orders = [stage_order(schedule, num_stages, num_microbatches, s) for s in range(num_stages)]
     ends: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end
-    free = [0.0] * num_stages  # when each stage finishes its last step so far
-    done = [0] * num_stages  # steps of each stage's order placed so far
+    done = [0] * num_stages  # steps of each stage's order finished so far
+    running: dict[int, tuple[float, float]] = {}  # stage -> (its step's start, work left)
     events: list[Event] = []
-    progress = True
-    while progress:
-        progress = False
+    now = 0.0
+    while True:
         for s, order in enumerate(orders):
-            while done[s] < len(order):
-                kind, m = order[done[s]]
-                source = s - 1 if kind == FORWARD else s + 1
-                if 0 <= source < num_stages and (kind, source, m) not in ends:
-                    break  # its input is not computed yet; another stage goes first
-                start = max(free[s], ends.get((kind, source, m), 0.0))
-                end = start + times[s][0 if kind == FORWARD else 1]
-                ends[(kind, s, m)] = free[s] = end
-                events.append(Event(s, kind, m, start, end))
-                done[s] += 1
-                progress = True
+            if s in running or done[s] == len(order):
+                continue
+            kind, m = order[done[s]]
+            source = s - 1 if kind == FORWARD else s + 1
+            if 0 <= source < num_stages and (kind, source, m) not in ends:
+                continue  # its input is not computed yet
+            running[s] = (now, times[s][0 if kind == FORWARD else 1])
+        if not running:
+            break
+        rate = 1.0 if speed is None else speed(len(running))
+        step = min(left for _, left in running.values()) / rate
+        now += step
+        for s, (start, left) in list(running.items()):
+            left -= step * rate
+            if left > 1e-12 * max(1.0, now):
+                running[s] = (start, left)
+                continue
+            kind, m = orders[s][done[s]]
+            ends[(kind, s, m)] = now
+            events.append(Event(s, kind, m, start, now))
+            done[s] += 1
+            del running[s]
     assert done == [len(o) for o in orders], "a schedule's orders never deadlock"
     return tuple(sorted(events, key=lambda e: (e.start, e.stage)))

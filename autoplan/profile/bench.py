@@ -122,6 +122,8 @@ def _profile(
         memory_bytes=_memory_bytes(device, per_node),
         measured={"fingerprint": fingerprint, **measured},
         how=how,
+        # CPU ranks share the host's cores (the ones this process may run on)
+        cores_per_node=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
     )
 
 

@@ -40,6 +40,7 @@ def fitted_cluster(
     memory_bytes: int,
     measured: Mapping[str, Any],
     how: str,
+    cores_per_node: int | None = None,
 ) -> Cluster:
     """A cluster whose constants are fitted to `measured` (the `measured` section it keeps);
     `how` says how the curves were measured and starts the cluster's `source`."""
@@ -82,6 +83,7 @@ def fitted_cluster(
             f"{'' if 'inter' in fits else '; one node, so inter_node repeats intra_node'})."
         ),
         measured=measured,
+        cores_per_node=cores_per_node,
     )
 
 
