@@ -524,49 +524,47 @@ def measure_model(
 
 
 CAUSES = """\
-## Why the targets are missed
+## What is missed, and why
 
 From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
 `autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
 from those are labelled "by hand": scripts of the kind of `benchmarks/step_vs_torch.py` that
-time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler). No constant was
-tuned for this benchmark.
+time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler or cProfile). No
+constant was tuned for this benchmark.
 
-1. **Compute is priced right; the work around it is not.** The "compute alone" lines check the
-   roofline and the profiled curves by themselves: plain torch in one process ran within ~7% of
-   the prediction in the last session's run, 14-16% over it in this one, on a slower host
-   (point 4). Every single-stage plan measures 1.35-1.83x its prediction here (1.05-1.5x in the
-   last session's run), and `busy` shows the 2 cores ~85-95% busy: a step's time here is its
-   CPU work over 2 cores. By hand, for data-parallel GPT, per rank and step: 4 ranks each
-   training plain torch on a quarter of the batch at once (no communication) use ~95 ms of CPU
-   (one process alone: 92 ms); DDP ~113 ms (gloo's all-reduce is CPU work too); autoplan ~124
-   ms, down from ~145 ms. What the model leaves out is that CPU work beyond the ops:
-   - the collectives' own CPU work (gloo reduces and copies on the CPU the ranks compute on);
-   - DTensor's dispatch for the ops that need it (row-split linears and everything around
-     partial sums, cross-entropy, redistributions): tensor-parallel plans keep more ops on
-     DTensor, and their ratios are among the highest (1.5-1.8 here);
-   - what remains of DTensor on the data-parallel path: `arange`, each gradient wrapped as a
-     DTensor for the optimizer, and the optimizer's one dispatch.
-   Since the last run, Adam(W) runs torch's fused kernel (3.8 ms over GPT's 57 parameters on
-   one core, where foreach over DTensors took ~11 ms: `benchmarks/results/executor_costs.md`),
-   and gradient buckets keep their buffers from step to step; `benchmarks/step_vs_torch.py`
-   measured data-parallel GPT at 1.04x DDP after these, 1.145x before. This run does not show
-   it against the last (the own GPT plan measured 0.256 s, 0.258 s then), because the host
-   itself was slower: see point 4.
+1. **The model prices DDP's step; autoplan's own CPU work around the ops is left out.** The
+   "compute alone" lines check the roofline and the profiled curves by themselves: plain torch
+   in one process ran 14% under the prediction (MLP) and 10% over it (GPT) in this run. Every
+   plan measures 1.17-1.91x its prediction, and `busy` shows the 2 cores 80-93% busy: a step's
+   time here is its CPU work over 2 cores. By hand, for the MLP's data-parallel plan on the 4
+   ranks, each rank timed alone after a barrier (median of its own steps): 4 ranks each
+   training plain torch on a quarter of the batch at once, without communication, 52 ms a
+   step, where the model's compute is 59 ms; DDP with fused AdamW 73-79 ms, where the model's
+   compute and all-reduce come to 78 ms; autoplan 82-92 ms. What the model leaves out:
+   - autoplan's CPU work around the ops: DTensor's dispatch for the ops that need it
+     (row-split linears and everything around partial sums, redistributions), the fx
+     interpreter, the gradients' wraps for the optimizer. Tensor-parallel plans keep more ops
+     on DTensor, and their ratios are the highest of the single-stage plans (1.40-1.77 here);
+   - the ranks' skew: this benchmark times a step as its slowest rank, and 4 processes sharing
+     2 cores finish unevenly (the MLP's data-parallel plan measured 0.103 s here, ~0.09 s by
+     each rank's own median by hand).
 
-2. **Pipelines hide that work in their bubbles.** pp4 and the 2-microbatch GPipe, the plans
-   whose ranks wait most, measure 1.13-1.23x their prediction (1F1B formula, idle time
-   charged; within ~5% in the last session's run), while the single-stage plans are 35-83%
-   over theirs. Gloo's waits sleep (by hand:
-   a rank blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a waiting rank's core goes
-   to the others. A model of that (a rank alone running k = ranks/cores times faster: the step
-   at least all ranks' work over the cores, at least the critical path at k times the speed)
-   was tried and reverted: it predicted the pipelines 1.5-2.1x too fast, because their ranks
-   do CPU work in the bubble that the model does not price (point 1, per microbatch, and the
-   sends between stages). The uneven ratios (1.13-1.23 for those pipelines, 1.35-1.83 for
-   the rest) cost most of the rank correlation; the planner's own plan is nevertheless the fastest
-   plan measured, or within the noise of it, for both models (the pipelines it would weigh are
-   not faster here).
+2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
+   blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
+   bubble leaves its core to the others. The 1F1B formula charged that wait at the profiled
+   speed (a half core a rank): pp4 and the 2-microbatch GPipe, whose ranks wait most,
+   measured 1.03-1.26x their prediction in the two runs earlier today, the single-stage plans
+   1.3-1.9x, and Spearman's rho was 0.39-0.56 (MLP) and 0.59-0.79 (GPT). The cluster file now says its cores (`cores_per_node`), and a pipeline on
+   them is priced by simulating its schedule with the running stages sharing the cores
+   (`autoplan/inter_op.py`, `Cluster.rank_speed`). Its pipelines now measure 1.46-1.74x (MLP)
+   and 1.61-1.91x (GPT) their prediction, the same band as the single-stage plans; GPT's
+   rank correlation meets the target, and for both models the plan predicted fastest (the
+   2-stage GPipe) is the fastest measured. The executor's pipelines got faster too: a
+   one-rank stage was planned with splits and partial sums on its axis of size 1 (each the
+   whole tensor), which the executor ran through DTensor, and every stage's parameters went
+   through DTensor in every microbatch; by hand, GPT (seq_len 8) in 4 one-rank stages went
+   from 172 to 78 ms a step. The 4-microbatch 1F1B (pp2x2) keeps the highest ratios: its
+   per-microbatch CPU work (the schedule, the sends, the stage's interpreter) is not priced.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
    alone, the ranks entering together. In a step the ranks reach a collective at different
@@ -576,14 +574,11 @@ tuned for this benchmark.
    torch.profiler).
 
 4. **The host's speed drifts, and the profile is noisy.** Plain torch in one process, the
-   "compute alone" lines, took 0.112 s (MLP) and 0.288 s (GPT) a step in the last session's
-   run, 0.110 s and 0.324 s in a run earlier today, and 0.139 s and 0.336 s in this one,
-   against the profile's 0.120 s and 0.295 s; no other process took CPU time meanwhile (the
-   host's other tenants do not show in /proc). The plans move with it: the own GPT plan
-   measured 0.333 s in today's first run and 0.256 s in this one, so the median errors moved
-   from 25% (both models, last session) to 31% and 42% in the first run and 36% and 32% here,
-   while Spearman's rho, which a uniform drift leaves alone, went from 0.51 and 0.745 to 0.59
-   and 0.76, then 0.57 and 0.81. Three profiles of this host within an hour gave a 1024^3
+   "compute alone" lines, took 0.109, 0.147 and 0.103 s (MLP) and 0.334, 0.358 and 0.324 s
+   (GPT) a step in three runs of this benchmark today, against the profile's 0.120 s and
+   0.295 s; no other process took CPU time meanwhile (the host's other tenants do not show in
+   /proc). The median errors move with it (30-41% today); Spearman's rho, which a uniform
+   drift leaves alone, does not. Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
    181 and 128 ms; the committed file is the quietest. The profile's smallest points are not
    reliable either: one slow first timing, spread by the isotonic regression, puts a floor
@@ -595,10 +590,11 @@ tuned for this benchmark.
    counts only pairs measured more than 10% apart.
 
 What would close the gap (not done here): a profiled term for the CPU work around the ops
-(per DTensor op, per collective byte on CPU ranks, per microbatch), priced so that it fills a
-pipeline's bubble before it lengthens the step; in the planner, the cost of a collective that
-blocks backward against one a bucket overlaps; in the profiler, more repeats at small sizes
-and a discarded first timing.
+(per op run through DTensor and per op run locally, per microbatch of a pipeline), and one for
+the ranks' skew at each blocking collective; in the profiler, more repeats at small sizes and
+a discarded first timing. On one node the planner searches single-stage plans unless asked
+to pipeline (`pipeline=True`); with the pipelines priced as above it would pick the 2-stage
+GPipe here, the fastest measured: its own plan took 1.01x (MLP) and 1.07x (GPT) its time.
 """
 
 
