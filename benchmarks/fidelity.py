@@ -552,19 +552,20 @@ constant was tuned for this benchmark.
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
    bubble leaves its core to the others. The 1F1B formula charged that wait at the profiled
-   speed (a half core a rank): pp4 and the 2-microbatch GPipe, whose ranks wait most,
-   measured 1.03-1.26x their prediction in the two runs earlier today, the single-stage plans
-   1.3-1.9x, and Spearman's rho was 0.39-0.56 (MLP) and 0.59-0.79 (GPT). The cluster file now says its cores (`cores_per_node`), and a pipeline on
-   them is priced by simulating its schedule with the running stages sharing the cores
-   (`autoplan/inter_op.py`, `Cluster.rank_speed`). Its pipelines now measure 1.46-1.74x (MLP)
-   and 1.61-1.91x (GPT) their prediction, the same band as the single-stage plans; GPT's
-   rank correlation meets the target, and for both models the plan predicted fastest (the
-   2-stage GPipe) is the fastest measured. The executor's pipelines got faster too: a
-   one-rank stage was planned with splits and partial sums on its axis of size 1 (each the
-   whole tensor), which the executor ran through DTensor, and every stage's parameters went
-   through DTensor in every microbatch; by hand, GPT (seq_len 8) in 4 one-rank stages went
-   from 172 to 78 ms a step. The 4-microbatch 1F1B (pp2x2) keeps the highest ratios: its
-   per-microbatch CPU work (the schedule, the sends, the stage's interpreter) is not priced.
+   speed (a half core a rank): pp4 and the 2-microbatch GPipe, whose ranks wait most, measured
+   1.03-1.26x their prediction in the two runs earlier today, the single-stage plans 1.3-1.9x,
+   and Spearman's rho was 0.39-0.56 (MLP) and 0.59-0.79 (GPT). The cluster file now says its
+   cores (`cores_per_node`), and a pipeline on them is priced by simulating its schedule with
+   the running stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`). Its
+   pipelines now measure 1.46-1.74x (MLP) and 1.61-1.91x (GPT) their prediction, the same band
+   as the single-stage plans; GPT's rank correlation meets the target, and for both models the
+   plan predicted fastest (the 2-stage GPipe) is the fastest measured. The executor's pipelines
+   got faster too: a one-rank stage was planned with splits and partial sums on its axis of
+   size 1 (each the whole tensor), which the executor ran through DTensor, and every stage's
+   parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8) in 4 one-rank
+   stages went from 172 to 78 ms a step. The 4-microbatch 1F1B (pp2x2) keeps the highest
+   ratios: its per-microbatch CPU work (the schedule, the sends, the stage's interpreter) is
+   not priced.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
    alone, the ranks entering together. In a step the ranks reach a collective at different
