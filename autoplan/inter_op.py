@@ -470,16 +470,9 @@ def _best_for_size(
             if solved is None:
                 continue
             found = _pipeline(
-                cluster,
-                graph,
-                layers,
-                num_microbatches,
-                schedule,
-                costs,
-                boundary,
-                solved,
+                cluster, graph, layers, num_microbatches, schedule, costs, boundary, solved,
                 memory_limit,
-            )
+            )  # fmt: skip
             log.info(
                 "pipeline %d x %s, %d microbatches, boundary %s: %.4g s per step",
                 len(solved),
@@ -547,8 +540,8 @@ def _pipeline(
     them (`autoplan.plan.timeline.simulate`), as the DP's formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
     scheduled = pipeline_time(times, num_microbatches)
-    stage_size = math.prod(costs.mesh_shape)
     if cluster.shares_cores and cluster.num_nodes == 1:
+        stage_size = math.prod(costs.mesh_shape)
         # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
         # Its sends are its CPU work too (gloo), half with each forward, half with each backward
         steps = [
@@ -607,13 +600,6 @@ def price_pipeline(
         no_solver = _SolverStats(0.0, 0, 0, 0)
         stages.append(_priced(s, s + 1, stage, assignment, step, rules, costs, send, no_solver))
     return _pipeline(
-        cluster,
-        graph,
-        layers,
-        num_microbatches,
-        schedule,
-        costs,
-        boundary,
-        tuple(stages),
+        cluster, graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages),
         memory_limit,
-    )
+    )  # fmt: skip
