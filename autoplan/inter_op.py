@@ -539,8 +539,9 @@ def _pipeline(
     one node, `Cluster.shares_cores`), by simulating the schedule with the stages sharing
     them (`autoplan.plan.timeline.simulate`), as the DP's formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
-    scheduled = pipeline_time(times, num_microbatches)
-    if cluster.shares_cores and cluster.num_nodes == 1:
+    if not (cluster.shares_cores and cluster.num_nodes == 1):
+        scheduled = pipeline_time(times, num_microbatches)
+    else:
         stage_size = math.prod(costs.mesh_shape)
         # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
         # Its sends are its CPU work too (gloo), half with each forward, half with each backward

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
 from autoplan.strategies import dtensor_rules
-from autoplan.strategies.placement import P, R, Spec, is_valid, replicated, shard, without_partial
+from autoplan.strategies.placement import (
+    P,
+    R,
+    Spec,
+    is_valid,
+    on_mesh,
+    replicated,
+    shard,
+    without_partial,
+)
 from autoplan.strategies.rules import AxisRule, own_rule
 
 log = logging.getLogger(__name__)
@@ -144,7 +153,7 @@ def kept_partial(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> list[
     if any(graph.node(r.name).needs_grad and graph.fan_out(r.name) > 1 for r in node.refs):
         return []
     whole = replicated(len(mesh_shape))
-    grad = tuple(P if size > 1 else R for size in mesh_shape)
+    grad = on_mesh((P,) * len(mesh_shape), mesh_shape)
     return [Strategy(whole, tuple(whole for _ in node.refs), grad)]
 
 
