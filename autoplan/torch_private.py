@@ -10,6 +10,8 @@ upgrade that moves one fails there, not deep inside a plan or a training run.
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
+- `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
+  directly for the reported loss (execute/step.py).
 - `queue_backward_callback`: run a function when the current backward ends, as DDP and FSDP
   do to wait for their gradient reductions (execute/gradients.py).
 - `TorchDispatchMode`, the functional collective ops and c10d's in-place all-reduce op (with
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
@@ -47,6 +50,7 @@ __all__ = [
     "ShardingPlaceholder",
     "TensorMeta",
     "TorchDispatchMode",
+    "functional_all_reduce",
     "queue_backward_callback",
     "register_single_dim_strategy",
     "resolve_process_group",

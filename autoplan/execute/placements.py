@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -11,17 +12,18 @@ from autoplan.strategies.placement import P, R, shard, shard_dim
 
 
 def to_dtensor(spec: Mapping[str, str], axes: Sequence[str]) -> tuple[Placement, ...]:
-    out: list[Placement] = []
-    for axis in axes:
-        text = spec[axis]
-        d = shard_dim(text)
-        if d is not None:
-            out.append(Shard(d))
-        elif text == P:
-            out.append(Partial())
-        else:
-            out.append(Replicate())
-    return tuple(out)
+    """The DTensor placements of ``spec`` along ``axes``: one object per placement (they are
+    immutable), so that the executor's comparisons of placements, once per op and step, are
+    mostly identity checks."""
+    return tuple(_placement(spec[axis]) for axis in axes)
+
+
+@functools.cache
+def _placement(text: str) -> Placement:
+    d = shard_dim(text)
+    if d is not None:
+        return Shard(d)
+    return Partial() if text == P else Replicate()
 
 
 def from_dtensor(placements: Sequence[Placement]) -> tuple[str, ...]:
