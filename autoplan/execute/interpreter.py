@@ -76,12 +76,55 @@ class Local:
     grad: tuple[Placement, ...] | None = None
 
 
+def _nodes_in(value: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    _map_tensors(value, found.append)
+    return found
+
+
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """``node``'s tensor inputs in the order the plan lists them: args, then kwargs."""
-    found: list[torch.fx.Node] = []
-    for value in [node.args, *node.kwargs.values()]:
-        _map_tensors(value, found.append)
-    return found
+    return _nodes_in([node.args, *node.kwargs.values()])
+
+
+@dataclass(frozen=True)
+class _Arguments:
+    """An op's arguments with its tensor inputs to fill in, in `_tensor_inputs` order (made
+    once per op: the executor fills them for every op of every step)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    # where each tensor input goes: a position in args or a keyword; None where one sits
+    # inside a list (``cat``)
+    slots: tuple[int | str, ...] | None
+
+    @classmethod
+    def of(
+        cls, node: torch.fx.Node, device: torch.device, shape: list[int] | None = None
+    ) -> _Arguments:
+        """``shape``: a local view's size argument, in place of the traced one."""
+        args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
+        # graphs traced on the meta device carry device=meta in factory calls
+        kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
+        places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        if any(not isinstance(v, torch.fx.Node) and _nodes_in(v) for _, v in places):
+            return cls(args, kwargs, None)
+        slots = tuple(where for where, v in places if isinstance(v, torch.fx.Node))
+        return cls(args, kwargs, slots)
+
+    def fill(self, values: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.slots is None:
+            supply = iter(values)
+            args = _map_tensors(self.args, lambda _: next(supply))
+            kwargs = {k: _map_tensors(v, lambda _: next(supply)) for k, v in self.kwargs.items()}
+            return args, kwargs
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for slot, value in zip(self.slots, values, strict=True):
+            if isinstance(slot, int):
+                args[slot] = value
+            else:
+                kwargs[slot] = value
+        return tuple(args), kwargs
 
 
 class PlanInterpreter:
@@ -118,17 +161,23 @@ class PlanInterpreter:
                 ]
                 if node.grad:
                     self.kept[name] = to_dtensor(node.grad, axes)
-        self.local_shape: dict[str, list[int]] = {}  # a local view's size argument
+        self.arguments: dict[str, _Arguments] = {}
+        self.reads: dict[str, list[str]] = {}  # tensor inputs, by op
         for fx_node in self.graph.nodes:
             name = fx_node.name
-            if name not in self.nodes or name not in self.outputs:
+            if name not in self.nodes:
                 continue
+            self.reads[name] = [n.name for n in _tensor_inputs(fx_node)]
+            shape = None
             # a replicated op run whole on every rank is exact on local tensors, and only so
             # does its backward keep a partial gradient partial
-            if name in self.kept or runs_locally(fx_node, self.inputs[name], self.outputs[name]):
+            if name in self.outputs and (
+                name in self.kept or runs_locally(fx_node, self.inputs[name], self.outputs[name])
+            ):
                 self.local.add(name)
-                if fx_node.target in SHAPED_VIEWS:
-                    self.local_shape[name] = local_shape(fx_node, self.outputs[name], mesh.shape)
+                if fx_node.target in SHAPED_VIEWS:  # a local view's size argument
+                    shape = local_shape(fx_node, self.outputs[name], mesh.shape)
+            self.arguments[name] = _Arguments.of(fx_node, self.device, shape)
 
         # the values each node reads for the last time, freed once it has run: a value kept
         # to the end of the step would hold its memory through the whole forward, and every
@@ -179,10 +228,6 @@ class PlanInterpreter:
             return value
         goal = reachable(value.placements, target)
         return value if tuple(value.placements) == goal else value.redistribute(self.mesh, goal)
-
-    def _retarget(self, value: Any) -> Any:
-        # graphs traced on the meta device carry device=meta in factory calls
-        return self.device if isinstance(value, torch.device) else value
 
     def run(self, values: Mapping[str, Any]) -> Any:
         """``values``: the stage's placeholders (parameters, and the batch on the first stage)
@@ -274,11 +319,10 @@ class PlanInterpreter:
         total: torch.Tensor | None = None,
     ) -> Local | list[Local]:
         """Run ``node`` on this rank's shards, its output placed as planned."""
-        targets = iter(zip(self.inputs[node.name], self.grads[node.name], strict=True))
+        name = node.name
 
-        def fetch(n: torch.fx.Node) -> Any:
-            target, grad = next(targets)
-            value = env[n.name]
+        def fetch(read: str, target: tuple[Placement, ...], grad: tuple[Placement, ...]) -> Any:
+            value = env[read]
             if (
                 isinstance(value, Local)
                 and value.placements == target
@@ -286,17 +330,15 @@ class PlanInterpreter:
             ):
                 return value.tensor  # nothing to move in forward or backward
             key = (target, grad)
-            if key not in placed.get(n.name, {}):
-                dt = self._placed(n.name, target, env, placed)
+            if key not in placed.get(read, {}):
+                dt = self._placed(read, target, env, placed)
                 # backward: the local gradient is placed as the planner says it is
                 local = dt.to_local(grad_placements=grad) if isinstance(dt, DTensor) else dt
-                placed[n.name][key] = local
-            return placed[n.name][key]
+                placed[read][key] = local
+            return placed[read][key]
 
-        args = _map_tensors(node.args, fetch)
-        kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
-        if node.name in self.local_shape:
-            args = (args[0], self.local_shape[node.name], *args[2:])
+        reads = zip(self.reads[name], self.inputs[name], self.grads[name], strict=True)
+        args, kwargs = self.arguments[name].fill([fetch(*read) for read in reads])
         if node.target is CROSS_ENTROPY:
             out = local_cross_entropy(node, args, kwargs, total)
         else:
@@ -308,13 +350,10 @@ class PlanInterpreter:
         return Local(out, placements, kept)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Any:
-        targets = iter(self.inputs[node.name])
-
-        def fetch(n: torch.fx.Node) -> Any:
-            return self._placed(n.name, tuple(next(targets)), env, placed)
-
-        args = _map_tensors(node.args, fetch)
-        kwargs = {k: self._retarget(_map_tensors(v, fetch)) for k, v in node.kwargs.items()}
+        reads = zip(self.reads[node.name], self.inputs[node.name], strict=True)
+        args, kwargs = self.arguments[node.name].fill(
+            [self._placed(read, target, env, placed) for read, target in reads]
+        )
         out = call_op(node, args, kwargs)
         planned = self.outputs.get(node.name)
         if planned is None:
