@@ -63,14 +63,17 @@ def _timed(step: Step, times: list[float], count: int) -> None:
 
 def _rounds(steps: dict[str, Step]) -> dict[str, list[float]]:
     """Per round, the median seconds of one step of each, measured in interleaved rounds (a
-    few steps of each per round), so that a change in the machine's load touches them alike."""
+    few steps of each per round), so that a change in the machine's load touches them alike.
+    Each round starts one later in the list, so that none always runs after the same other
+    (two identical autoplan steps measured 2% apart when each kept its place)."""
     rounds: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
     for step in steps.values():
         _timed(step, [], WARMUP)
-    for _ in range(ROUNDS):
-        for name, step in steps.items():
+    for r in range(ROUNDS):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             times: list[float] = []
-            _timed(step, times, STEPS_PER_ROUND)
+            _timed(steps[name], times, STEPS_PER_ROUND)
             rounds[name].append(statistics.median(times))
     return rounds
 
@@ -190,8 +193,9 @@ def main() -> None:
             "backend": "gloo",
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__,
-            "steps": f"{ROUNDS} interleaved rounds of {STEPS_PER_ROUND} steps of each, after "
-            f"{WARMUP} warm-up; *_s: median over rounds of each round's median step",
+            "steps": f"{ROUNDS} interleaved rounds of {STEPS_PER_ROUND} steps of each (each round "
+            f"starting one later in the list), after {WARMUP} warm-up; *_s: median over rounds of "
+            "each round's median step",
             "ratio": "median over rounds of autoplan's round median / torch's; ratio_iqr: the "
             "interquartile range of those per-round ratios",
             "optimizer": "AdamW; autoplan's default is fused, torch's (on CPU) a loop over "
