@@ -1,0 +1,78 @@
+"""How the executor's interpreter walks a graph: the arguments it fills in for each op and
+the values it frees (execute/interpreter.py), on small exported graphs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autoplan.execute.interpreter import Arguments, last_uses
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).relu()
+        both = torch.cat([h, x], dim=1)  # x read again, late, inside a list
+        return both.view(8, 2, 6).sum()
+
+
+def _graph() -> torch.fx.Graph:
+    return torch.export.export(_Residual(), (torch.randn(8, 6),)).graph
+
+
+def _readers(graph: torch.fx.Graph) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for read in node.all_input_nodes:
+            found.setdefault(read.name, []).append(node.name)
+    return found
+
+
+def test_every_value_is_freed_once_by_its_last_reader() -> None:
+    graph = _graph()
+    freed = last_uses(graph)
+    by_value = {value: node for node, values in freed.items() for value in values}
+    assert sum(len(v) for v in freed.values()) == len(by_value)  # none freed twice
+    readers = _readers(graph)
+    assert by_value == {value: names[-1] for value, names in readers.items()}
+    (x,) = [n.name for n in graph.nodes if n.op == "placeholder" and n.name.startswith("x")]
+    cat = next(n.name for n in graph.nodes if n.target is torch.ops.aten.cat.default)
+    assert by_value[x] == cat
+
+
+def test_values_kept_for_later_are_never_freed() -> None:
+    graph = _graph()
+    relu = next(n.name for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+    freed = last_uses(graph, keep=[relu])
+    assert relu not in {value for values in freed.values() for value in values}
+
+
+def test_arguments_are_filled_with_the_tensors_in_order() -> None:
+    nodes = {str(n.target): n for n in _graph().nodes if n.op == "call_function"}
+    linear = nodes["aten.linear.default"]
+    args, kwargs = Arguments.of(linear, torch.device("cpu")).fill(["x", "w", "b"])
+    assert args == ("x", "w", "b") and kwargs == {}
+
+    cat = nodes["aten.cat.default"]  # its tensors sit inside a list
+    args, _ = Arguments.of(cat, torch.device("cpu")).fill(["h", "x"])
+    assert args == (["h", "x"], 1)
+
+    view = nodes["aten.view.default"]  # a local view gets its local size
+    args, _ = Arguments.of(view, torch.device("cpu"), shape=[2, 2, 6]).fill(["both"])
+    assert args == ("both", [2, 2, 6])
+    assert view.args[1] == [8, 2, 6]  # the graph is left as it was
+
+
+def test_factory_calls_traced_on_meta_run_on_the_device() -> None:
+    class _Positions(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.arange(x.shape[1], device=x.device)
+
+    graph = torch.export.export(_Positions(), (torch.randn(2, 3, device="meta"),)).graph
+    (arange,) = [n for n in graph.nodes if n.target is torch.ops.aten.arange.default]
+    args, kwargs = Arguments.of(arange, torch.device("cpu")).fill([])
+    assert kwargs["device"] == torch.device("cpu") and args == tuple(arange.args)
