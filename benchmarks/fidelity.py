@@ -534,38 +534,48 @@ constant was tuned for this benchmark.
 
 1. **The model prices DDP's step; autoplan's own CPU work around the ops is left out.** The
    "compute alone" lines check the roofline and the profiled curves by themselves: plain torch
-   in one process ran 14% under the prediction (MLP) and 10% over it (GPT) in this run. Every
-   plan measures 1.17-1.91x its prediction, and `busy` shows the 2 cores 80-93% busy: a step's
-   time here is its CPU work over 2 cores. By hand, for the MLP's data-parallel plan on the 4
-   ranks, each rank timed alone after a barrier (median of its own steps): 4 ranks each
+   in one process ran 11% under the prediction (MLP) and 9% over it (GPT) in this run. Every
+   plan measures 1.10-1.72x its prediction, and `busy` shows the 2 cores 82-94% busy: a step's
+   time here is its CPU work over 2 cores. How much of that is autoplan's own work shows
+   between this run and the one before it: the executor's changes in between (each value freed
+   after its last reader, an op's arguments worked out once, the gradients' views kept, the
+   loss reduced without DTensor's redistribute) took the data-parallel plans from 1.32x (MLP)
+   and 1.59x (GPT) their prediction to 1.13x and 1.24x, with plain torch as fast in both runs
+   (0.103 and 0.107 s, 0.324 and 0.322 s). By hand, before those changes, for the MLP's
+   data-parallel plan on the 4 ranks, each rank timed alone after a barrier (median of its own
+   steps): 4 ranks each
    training plain torch on a quarter of the batch at once, without communication, 52 ms a
    step, where the model's compute is 59 ms; DDP with fused AdamW 73-79 ms, where the model's
    compute and all-reduce come to 78 ms; autoplan 82-92 ms. What the model leaves out:
    - autoplan's CPU work around the ops: DTensor's dispatch for the ops that need it
      (row-split linears and everything around partial sums, redistributions), the fx
      interpreter, the gradients' wraps for the optimizer. Tensor-parallel plans keep more ops
-     on DTensor, and their ratios are the highest of the single-stage plans (1.40-1.77 here);
+     on DTensor, and their ratios are the highest of the single-stage plans (1.38-1.52 here);
    - the ranks' skew: this benchmark times a step as its slowest rank, and 4 processes sharing
-     2 cores finish unevenly (the MLP's data-parallel plan measured 0.103 s here, ~0.09 s by
-     each rank's own median by hand).
+     2 cores finish unevenly (the MLP's data-parallel plan measured 0.103 s in the run before
+     this one, ~0.09 s by each rank's own median by hand).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
    bubble leaves its core to the others. The 1F1B formula charged that wait at the profiled
    speed (a half core a rank): pp4 and the 2-microbatch GPipe, whose ranks wait most, measured
-   1.03-1.26x their prediction in the two runs earlier today, the single-stage plans 1.3-1.9x,
+   1.03-1.26x their prediction in two runs before the simulation, the single-stage plans 1.3-1.9x,
    and Spearman's rho was 0.39-0.56 (MLP) and 0.59-0.79 (GPT). The cluster file now says its
    cores (`cores_per_node`), and a pipeline on them is priced by simulating its schedule with
-   the running stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`). Its
-   pipelines now measure 1.46-1.74x (MLP) and 1.61-1.91x (GPT) their prediction, the same band
-   as the single-stage plans; GPT's rank correlation meets the target, and for both models the
-   plan predicted fastest (the 2-stage GPipe) is the fastest measured. The executor's pipelines
-   got faster too: a one-rank stage was planned with splits and partial sums on its axis of
-   size 1 (each the whole tensor), which the executor ran through DTensor, and every stage's
-   parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8) in 4 one-rank
-   stages went from 172 to 78 ms a step. The 4-microbatch 1F1B (pp2x2) keeps the highest
-   ratios: its per-microbatch CPU work (the schedule, the sends, the stage's interpreter) is
-   not priced.
+   the running stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`). In the
+   run before this one its pipelines measured 1.46-1.74x (MLP) and 1.61-1.91x (GPT) their
+   prediction, the same band as the single-stage plans, GPT's rank correlation met the target
+   (0.93), and the plan predicted fastest (the 2-stage GPipe) was the fastest measured. The
+   executor's changes since (item 1) made the single-stage plans faster than the pipelines,
+   which measure 1.43-1.66x (MLP) and 1.45-1.72x (GPT) here: the GPipe, still predicted
+   fastest, measures 1.14x (MLP) and 1.07x (GPT) the data-parallel plan, and the rank
+   correlation fell to 0.86 and 0.84. The executor's pipelines got faster before that: a
+   one-rank stage was planned with splits and partial sums on its axis of size 1 (each the
+   whole tensor), which the executor ran through DTensor, and every stage's parameters went
+   through DTensor in every microbatch; by hand, GPT (seq_len 8) in 4 one-rank
+   stages went from 172 to 78 ms a step. The pipelines keep the highest ratios, the
+   4-microbatch 1F1B (pp2x2) above all: their per-microbatch CPU work (the schedule, the
+   sends, the stage's interpreter run once per microbatch) is not priced.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
    alone, the ranks entering together. In a step the ranks reach a collective at different
@@ -575,10 +585,10 @@ constant was tuned for this benchmark.
    torch.profiler).
 
 4. **The host's speed drifts, and the profile is noisy.** Plain torch in one process, the
-   "compute alone" lines, took 0.109, 0.147 and 0.103 s (MLP) and 0.334, 0.358 and 0.324 s
-   (GPT) a step in three runs of this benchmark today, against the profile's 0.120 s and
-   0.295 s; no other process took CPU time meanwhile (the host's other tenants do not show in
-   /proc). The median errors move with it (30-41% today); Spearman's rho, which a uniform
+   "compute alone" lines, took 0.109, 0.147, 0.103 and 0.107 s (MLP) and 0.334, 0.358, 0.324
+   and 0.322 s (GPT) a step in the last four runs of this benchmark, against the profile's
+   0.120 s and 0.295 s; no other process took CPU time meanwhile (the host's other tenants do
+   not show in /proc). The median errors move with it (28-41%); Spearman's rho, which a uniform
    drift leaves alone, does not. Three profiles of this host within an hour gave a 1024^3
    float32 matmul (4 ranks at once) 54, 78 and 53 ms, and a 64 MiB all_reduce over 4 ranks 136,
    181 and 128 ms; the committed file is the quietest. The profile's smallest points are not
@@ -595,7 +605,8 @@ What would close the gap (not done here): a profiled term for the CPU work aroun
 the ranks' skew at each blocking collective; in the profiler, more repeats at small sizes and
 a discarded first timing. On one node the planner searches single-stage plans unless asked
 to pipeline (`pipeline=True`); with the pipelines priced as above it would pick the 2-stage
-GPipe here, the fastest measured: its own plan took 1.01x (MLP) and 1.07x (GPT) its time.
+GPipe here, which measured 1.14x (MLP) and 1.07x (GPT) the planner's own data-parallel plan,
+the fastest measured in this run.
 """
 
 
