@@ -582,7 +582,11 @@ constant was tuned for this benchmark.
    times (the OS shares 2 cores among 4 processes); a collective that blocks (every forward
    and backward redistribution of a tensor-parallel plan) waits for the last rank to arrive:
    ~20-40 ms a step on rank 0 in data-parallel GPT before its two went (by hand,
-   torch.profiler).
+   torch.profiler). Waking from such a wait costs time too when the cores are shared: by hand,
+   two ranks passing a tensor back and forth with 2 ms of work on each side took 4.96 ms a
+   round trip with the other two ranks idle, and 10.9 ms with them computing, where sharing
+   the cores predicts 6 ms: each hand-off waited ~2.4 ms for the scheduler. A pipeline hands
+   off at every send of every microbatch, which is not priced either.
 
 4. **The host's speed drifts, and the profile is noisy.** Plain torch in one process, the
    "compute alone" lines, took 0.109, 0.147, 0.103 and 0.107 s (MLP) and 0.334, 0.358, 0.324
