@@ -48,6 +48,18 @@ def test_meta_model_is_traced_without_memory() -> None:
     assert len(layers.canonical) == 22 * len(layers.blocks["blocks.0"])
 
 
+def test_transcendental_elements_of_gpt() -> None:
+    w = example("gpt", size="tiny", batch_size=2)  # dim 64, 4 heads, vocabulary 128, seq 16
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    counted = {n.op: n.transcendental for n in graph if n.transcendental}
+    assert counted == {
+        "aten.gelu.default": 2 * 16 * 4 * 64,  # the MLP's hidden activations
+        "aten.scaled_dot_product_attention.default": 2 * 4 * 16 * 16,  # the scores
+        "aten.cross_entropy_loss.default": 2 * 16 * 128,  # the logits
+    }
+    assert all(n.transcendental == 0 for n in graph if n.op == "aten.linear.default")
+
+
 def test_same_model_same_fingerprint_other_shape_other_fingerprint() -> None:
     a = example("mlp", batch_size=8, hidden=16)
     b = example("mlp", batch_size=8, hidden=16)

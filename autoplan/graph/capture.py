@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoplan.errors import TraceError
-from autoplan.graph.flops import op_flops
+from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,7 @@ def _convert(
         ),
         needs_grad=needs_grad,
         is_view=is_view,
+        transcendental=0.0 if is_view else transcendental(op, ins, outputs),
     )
 
 

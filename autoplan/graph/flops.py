@@ -4,6 +4,11 @@ Matrix-like ops count 2 FLOPs per multiply-add; their backward computes the grad
 differentiable input, each costing about the forward. Everything else is counted as one FLOP
 per output element (forward and backward), which only matters through the roofline's
 memory-bound term anyway.
+
+Ops that evaluate a transcendental function per element (GELU's erf, SiLU's and softmax's exp)
+are compute-bound where the roofline's one FLOP per element says memory-bound: by hand, GELU's
+forward and backward on a CPU core took ~9x the time of moving their bytes. `transcendental`
+counts those elements, which the cost model prices at the profiled speed of GELU.
 """
 
 from __future__ import annotations
@@ -44,3 +49,22 @@ def op_flops(
         fwd = 2.0 * out_numel * _prod(inputs[1].shape[1:])
         return fwd, fwd * (grads[0] + grads[1])
     return float(out_numel), float(out_numel) if any(grads) else 0.0
+
+
+# one transcendental evaluation per element of the (first) output
+_PER_OUTPUT = {"gelu", "silu", "sigmoid", "tanh", "exp", "log", "erf", "softmax", "log_softmax"}
+_PER_OUTPUT |= {f"_{n}" for n in ("softmax", "log_softmax")}
+
+
+def transcendental(op: str, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo]) -> float:
+    """Elements through which ``op``'s forward evaluates a transcendental function: an
+    activation's or softmax's output, cross-entropy's logits, attention's scores."""
+    name = op.split(".")[1] if op.startswith("aten.") else op
+    if name in _PER_OUTPUT and outputs:
+        return float(outputs[0].numel)
+    if name == "cross_entropy_loss" and inputs:
+        return float(inputs[0].numel)  # log_softmax over the logits
+    if name.startswith(("scaled_dot_product", "_scaled_dot_product")) and len(inputs) > 1:
+        q, k = inputs[0], inputs[1]
+        return float(_prod(q.shape[:-1]) * k.shape[-2])  # softmax over the scores
+    return 0.0

@@ -81,6 +81,8 @@ class Node:
     params: tuple[str, ...]  # FQNs of the parameters and buffers this op reads directly
     needs_grad: bool  # a gradient flows to this node's output in backward
     is_view: bool  # the output aliases an input (no new memory, no compute)
+    # elements through which the forward evaluates a transcendental function (graph/flops.py)
+    transcendental: float = 0.0
 
     @property
     def output(self) -> TensorInfo:
