@@ -18,6 +18,9 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
                       "hosts": [str, ...]},                 # required when anything is measured
       "matmul":      {"<dtype>": [[flops, seconds], ...]},
       "elementwise": {"<dtype>": [[bytes_moved, seconds], ...]},
+      "activation":  {"<dtype>": [[tensor_bytes, seconds], ...]},   # GELU forward + backward
+      "op_overhead": seconds,              # forward + backward of one more op, beyond compute
+      "redistribute_overhead": seconds,    # DTensor's redistribution, beyond its collective
       "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
     }
 
@@ -94,7 +97,9 @@ _DEVICE_FIELDS = (
     "peak_flops",
 )
 _LINK_FIELDS = ("bandwidth", "latency")
-_MEASURED_FIELDS = ("elementwise", "fingerprint", "matmul", *COLLECTIVE_KINDS)
+_BY_DTYPE = ("activation", "elementwise", "matmul")
+_OVERHEADS = ("op_overhead", "redistribute_overhead")
+_MEASURED_FIELDS = (*_BY_DTYPE, "fingerprint", *_OVERHEADS, *COLLECTIVE_KINDS)
 _FINGERPRINT_FIELDS = ("device", "device_count", "driver", "hosts", "torch")
 
 
@@ -536,6 +541,13 @@ def _number(value: Any, path: str, where: str) -> float:
     return float(value)
 
 
+def _seconds(value: Any, path: str, where: str) -> float:
+    number = _number(value, path, where)
+    if number < 0:
+        raise ClusterFormatError(f"{where}: field {path!r} must be >= 0 s, got {value!r}")
+    return number
+
+
 def _positive_float(value: Any, path: str, where: str) -> float:
     number = _number(value, path, where)
     if number <= 0:
@@ -589,7 +601,7 @@ def _measured(value: Any, where: str) -> Measured:
             dtype: _curve(points, f"measured.{section}.{dtype}", where)
             for dtype, points in _section(obj, section, where).items()
         }
-        for section in ("matmul", "elementwise")
+        for section in _BY_DTYPE
     }
     collectives = {}
     for kind in COLLECTIVE_KINDS:
@@ -601,6 +613,11 @@ def _measured(value: Any, where: str) -> Measured:
         matmul=by_dtype["matmul"],
         elementwise=by_dtype["elementwise"],
         collectives=collectives,
+        activation=by_dtype["activation"],
+        **{
+            name: None if obj.get(name) is None else _seconds(obj[name], f"measured.{name}", where)
+            for name in _OVERHEADS
+        },
     )
 
 
@@ -636,9 +653,7 @@ def _curve(value: Any, path: str, where: str) -> Curve:
                 f"{where}: field {point!r} must be a [size, seconds] pair, got {pair!r:.60}"
             )
         x = _positive_float(pair[0], f"{point}[0]", where)
-        s = _number(pair[1], f"{point}[1]", where)
-        if s < 0:
-            raise ClusterFormatError(f"{where}: field '{point}[1]' must be >= 0 s, got {s!r}")
+        s = _seconds(pair[1], f"{point}[1]", where)
         if xs and x <= xs[-1]:
             raise ClusterFormatError(
                 f"{where}: field {point!r}: sizes must increase, but {x!r} follows {xs[-1]!r}"

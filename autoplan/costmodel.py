@@ -19,6 +19,17 @@ Measured: each of the two terms separately takes the `matmul` curve (seconds of 
 the `elementwise` curve (seconds of x bytes moved) of the same dtype (after that fallback)
 when x lies inside it, so t = max(matmul(flops), elementwise(bytes_moved)).
 
+Transcendental work (`activation_time`). An op that evaluates a transcendental function per
+element (GELU, softmax, attention's scores; `autoplan.graph.flops.transcendental`) adds the
+measured time of GELU's forward and backward over that many elements (the `activation` curve, x
+= their bytes; past its ends, at the rate of the nearest end). Unmeasured, it adds nothing: the
+roofline's memory term prices such an op where, as on GPUs, its bandwidth bounds it.
+
+Framework work (`with_overhead`). Each op also costs the framework's work around its compute
+(dispatch, autograd's records, its backward node): the measured `op_overhead` per op, 0 where
+not measured. CPU ranks (gloo) do that work on the core that computes, so it adds; a GPU runs
+kernels while the host queues the next ones, so an op takes at least that long.
+
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:
 
@@ -48,9 +59,11 @@ from autoplan.measured import COLLECTIVE_KINDS, Curve
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "activation_time",
     "analytic_collective_time",
     "collective_time",
     "compute_time",
+    "with_overhead",
 ]
 
 
@@ -71,6 +84,31 @@ def compute_time(cluster: Cluster, flops: float, bytes_moved: float, dtype: str)
         _measured_or(curves.matmul.get(key), flops, compute_s),
         _measured_or(curves.elementwise.get(key), bytes_moved, memory_s),
     )
+
+
+def activation_time(cluster: Cluster, nbytes: float, dtype: str) -> float:
+    """Time (s) of the transcendental work over `nbytes` bytes of elements: the measured
+    `activation` curve of `dtype` (float32's for unlisted dtypes), outside its range at the
+    rate of its nearest end; 0.0 without a curve (the roofline alone)."""
+    curve = cluster.curves.activation.get(cluster.dtype_key(dtype))
+    if nbytes <= 0 or curve is None:
+        return 0.0
+    measured = curve(nbytes)
+    if measured is not None:
+        return measured
+    end = -1 if nbytes > curve.xs[-1] else 0
+    return nbytes * curve.seconds[end] / curve.xs[end]
+
+
+def with_overhead(cluster: Cluster, seconds: float, ops: int = 1) -> float:
+    """`seconds` of compute of `ops` ops with the framework's work around them added (CPU
+    ranks) or as a floor (GPUs); unchanged where `op_overhead` was not measured."""
+    overhead = cluster.curves.op_overhead
+    if overhead is None:
+        return seconds
+    if cluster.backend == "gloo":
+        return seconds + ops * overhead
+    return max(seconds, ops * overhead)
 
 
 def collective_time(

@@ -248,7 +248,7 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             bucketed.append(entries[0][1])
             continue
         for user, sync in entries:
-            comm += sum(costs.collective_s(c) for c in sync.collectives)
+            comm += sum(costs.redistribution_s(c) for c in sync.collectives)
             found += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
         for c in bucket.collectives():

@@ -30,6 +30,7 @@ and its host is one of `hosts`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -152,6 +153,13 @@ class Measured:
     matmul: Mapping[str, Curve]  # dtype -> seconds of a matmul of x FLOPs
     elementwise: Mapping[str, Curve]  # dtype -> seconds of an element-wise op moving x bytes
     collectives: Mapping[tuple[str, str, int], Curve]  # seconds of x bytes (costmodel's nbytes)
+    # dtype -> seconds of GELU's forward and backward over a tensor of x bytes
+    activation: Mapping[str, Curve] = dataclasses.field(default_factory=dict)
+    # seconds one more op adds to a step on top of its compute: forward and backward through
+    # autograd of an op on a tiny tensor (None: not measured)
+    op_overhead: float | None = None
+    # seconds DTensor's redistribution (forward and backward) adds to the collective it issues
+    redistribute_overhead: float | None = None
 
 
 def host_hash(name: str) -> str:

@@ -21,15 +21,21 @@ from autoplan.cli import main
 from autoplan.cluster import REQUIRED_DTYPES, Cluster, Device, Link
 from autoplan.costmodel import (
     COLLECTIVE_KINDS,
+    activation_time,
     analytic_collective_time,
     collective_time,
     compute_time,
+    with_overhead,
 )
 from autoplan.errors import ClusterFormatError
+from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
 from autoplan.measured import Curve, machine_fingerprint, monotone
 from autoplan.profile import Progress
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
+from autoplan.strategies.costs import Phased, StepCosts
+from autoplan.strategies.placement import Collective, P, R
+from autoplan.strategies.space import Strategy
 from tests.conftest import ROOT
 
 MAX_BYTES = 8192
@@ -100,6 +106,10 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     for dtype in REQUIRED_DTYPES:
         assert curves.matmul[dtype].xs == tuple(2.0 * n**3 for n in dims)
         assert curves.elementwise[dtype].xs[-1] <= 3 * MAX_BYTES
+        assert curves.activation[dtype].xs[-1] <= MAX_BYTES
+    # 64 ops forward and backward cost more than 8: one more op costs something
+    assert curves.op_overhead is not None and curves.op_overhead > 0
+    assert curves.redistribute_overhead is not None and curves.redistribute_overhead >= 0
     for kind in COLLECTIVE_KINDS:
         curve = curves.collectives[(kind, "intra", 2)]
         assert curve.xs[0] <= 8 and curve.xs[-1] == MAX_BYTES
@@ -107,7 +117,7 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert set(curves.collectives) == {(kind, "intra", 2) for kind in COLLECTIVE_KINDS}
     # a progress bar with the time left, one line per curve when stderr is not a terminal
     lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
-    assert len(lines) == len(REQUIRED_DTYPES) * 2 + len(COLLECTIVE_KINDS)
+    assert len(lines) == len(REQUIRED_DTYPES) * 3 + 2 + len(COLLECTIVE_KINDS)
     assert all("left" in line and "elapsed" in line for line in lines)
     assert "100%" in lines[-1]
 
@@ -155,6 +165,9 @@ def test_bundled_profile_is_canonical_and_complete() -> None:
     keys = {(kind, "intra", n) for kind in COLLECTIVE_KINDS for n in (2, 4)}
     assert set(cluster.curves.collectives) == keys - {("send_recv", "intra", 4)}
     assert set(cluster.curves.matmul) == set(cluster.curves.elementwise) == set(REQUIRED_DTYPES)
+    assert set(cluster.curves.activation) == set(REQUIRED_DTYPES)
+    assert cluster.curves.op_overhead is not None and cluster.curves.op_overhead > 0
+    assert cluster.curves.redistribute_overhead is not None
 
 
 # ------------------------------------------------------------------ fingerprints
@@ -232,6 +245,10 @@ def _good() -> dict[str, Any]:
         ),
         (lambda m: m["matmul"]["float32"].append([0.0]), "measured.matmul.float32[2]", "pair"),
         (lambda m: m["matmul"]["float32"][0].__setitem__(0, -1), "float32[0][0]", "> 0"),
+        (lambda m: m.update(op_overhead=-1e-6), "measured.op_overhead", ">= 0 s"),
+        (lambda m: m.update(op_overhead="5us"), "measured.op_overhead", "finite number"),
+        (lambda m: m.update(redistribute_overhead=-1), "redistribute_overhead", ">= 0 s"),
+        (lambda m: m.update(activation={"float32": [[8, 2], [4, 3]]}), "activation", "increase"),
     ],
 )
 def test_corrupted_profile_is_refused(corrupt: Any, field: str, says: str, tmp_path: Path) -> None:
@@ -341,6 +358,63 @@ def test_compute_time_uses_curves_inside_and_roofline_outside() -> None:
     # memory-bound part outside its curve, compute part inside its own
     assert compute_time(cluster, 150, 100, "float32") == pytest.approx(20.0)
     assert compute_time(cluster, 0, 0, "float32") == 0.0
+
+
+def test_activation_time_uses_its_curve_and_its_rate_beyond() -> None:
+    cluster = _toy({"fingerprint": _fingerprint(), "activation": {"float32": [[10, 2], [20, 6]]}})
+    assert activation_time(cluster, 10, "float32") == 2.0  # exact at a point
+    assert activation_time(cluster, 15, "float32") == pytest.approx(4.0)
+    assert activation_time(cluster, 15, "int64") == pytest.approx(4.0)  # float32 stands in
+    assert activation_time(cluster, 40, "float32") == pytest.approx(12.0)  # the largest's rate
+    assert activation_time(cluster, 5, "float32") == pytest.approx(1.0)  # the smallest's rate
+    assert activation_time(cluster, 0, "float32") == 0.0
+    assert activation_time(cluster, 15, "bfloat16") == 0.0  # not measured: the roofline alone
+    assert activation_time(_toy({}), 15, "float32") == 0.0
+
+
+def test_op_overhead_adds_on_cpu_ranks_and_is_a_floor_on_gpus() -> None:
+    measured = {"fingerprint": _fingerprint(), "op_overhead": 2.0}
+    cpu = _toy(measured)
+    gpu = dataclasses.replace(_toy(measured), backend="nccl")
+    assert with_overhead(cpu, 5.0) == 7.0
+    assert with_overhead(cpu, 5.0, ops=3) == 11.0
+    assert (with_overhead(gpu, 5.0), with_overhead(gpu, 1.0), with_overhead(gpu, 1.0, 3)) == (
+        5.0,
+        2.0,
+        6.0,
+    )
+    assert with_overhead(_toy({}), 5.0) == 5.0  # not measured
+
+
+def test_step_costs_add_the_measured_overheads() -> None:
+    overheads = {"op_overhead": 0.5, "redistribute_overhead": 3.0}
+    measured = {"fingerprint": _fingerprint(), "activation": {"float32": [[1.0, 0.0], [1e6, 2.0]]}}
+    plain = StepCosts(_toy({}), (4,), "adamw")
+    costs = StepCosts(_toy({**measured, **overheads}), (4,), "adamw")
+    t = TensorInfo((1000,), "float32")
+
+    def op(name: str, **fields: Any) -> Node:
+        base = dict(args=(), kwargs=(), outputs=(t,), flops=1000.0, bwd_flops=1000.0)
+        base |= dict(bytes_moved=8000.0, module_path="", target="", params=(), needs_grad=True)
+        return Node(name, OP, "aten.gelu.default", **(base | {"is_view": False} | fields))
+
+    replicated = Strategy(output=(R,), inputs=((R,),))
+    view = op("v", is_view=True)
+    assert (plain.node_time(view, replicated), costs.node_time(view, replicated)) == (0.0, 0.5)
+    gelu = op("g", transcendental=1000.0)  # 4000 bytes of elements: 0.008 s on the curve
+    expected = plain.node_time(gelu, replicated) + 0.008 + 0.5
+    assert costs.node_time(gelu, replicated) == pytest.approx(expected)
+    param = dataclasses.replace(op("w"), kind=PARAM)
+    assert costs.node_time(param, replicated) == plain.node_time(param, replicated) + 0.5
+    # a redistribution pays DTensor's overhead; a gradient bucket's all-reduce does not
+    all_reduce = Collective("all_reduce", 0, 4000)
+    raw = costs.collective_s(all_reduce)
+    assert raw == plain.collective_s(all_reduce) > 0
+    assert costs.redistribution_s(all_reduce) == raw + 3.0
+    seconds, found = costs.forward(t, Strategy(output=(P,), inputs=()), replicated, 0)
+    assert found == (all_reduce,) and seconds == raw + 3.0
+    assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw
+    assert costs.phased_s(Phased(all_reduce, "backward")) == raw + 3.0
 
 
 # ------------------------------------------------------------------ what is measured, and the fit

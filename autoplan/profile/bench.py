@@ -1,17 +1,20 @@
 """The measurements of `autoplan profile`, run on every rank of a torchrun job.
 
-Every point of every curve is timed the same way (`_Bench._seconds`): all ranks start together
-(barrier), one warm-up call is timed to choose how many calls make one timed run (enough for
-~20 ms, so small sizes are not lost in timer and barrier noise), then `repeats` runs are timed
-and each run's time per call is the slowest rank's (all_reduce MAX), because a step waits for
-its slowest rank; the median run is kept. Every rank runs the operation at once, as in
-training: matmuls and element-wise ops on every device, a collective on all its groups. A run
-of local ops (matmul, element-wise) ends with a barrier inside the clock: ranks that share
-cores (CPU ranks) start their clocks only when scheduled, so without it each would time itself
-alone and miss the contention (the barrier adds its latency, a few % of a run). Collectives
-wait for their group anyway. The decisions (calls per run, when a curve stops) use the agreed
-times, so every rank takes the same path. Sends are timed as a ping-pong between the two ranks
-of a pair, halved.
+Every point of every curve is timed the same way (`_Bench._seconds`): after one untimed call
+(first calls set things up), all ranks start together (barrier), one call is timed to choose how
+many calls make one timed run (enough for ~20 ms, so small sizes are not lost in timer and
+barrier noise; a slow first call timed here left tiny ops ~50x too slow), then `repeats` runs
+are timed and each run's time per call is the slowest rank's (all_reduce MAX), because a step
+waits for its slowest rank; the median run is kept. Every rank runs the operation at once, as in
+training: matmuls and element-wise ops on every device, a collective on all its groups. A run of
+local ops (matmul, element-wise, activation, op chains) ends with a barrier inside the clock:
+ranks that share cores (CPU ranks) start their clocks only when scheduled, so without it each
+would time itself alone and miss the contention (the barrier adds its latency, a few % of a
+run). Collectives wait for their group anyway. The decisions (calls per run, when a curve stops)
+use the agreed times, so every rank takes the same path. Sends are timed as a ping-pong between
+the two ranks of a pair, halved. `op_overhead` is the slope between chains of 8 and 64 tiny ops
+run forward and backward (what one more op adds beyond its compute); `redistribute_overhead`
+what a tiny all-reduce costs through DTensor's redistribution beyond the raw all-reduce.
 
 Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
 """
@@ -30,6 +33,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
@@ -94,6 +99,10 @@ def _profile(
     measured: dict[str, Any] = {}
     for i, task in enumerate(tasks):
         measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
+    measured["op_overhead"] = _op_overhead(measured["op_overhead"][""])
+    measured["redistribute_overhead"] = _redistribute_overhead(
+        measured["redistribute_overhead"][""]
+    )
     seconds = time.perf_counter() - bench.start
     found: list[Any] = [None] * world
     dist.all_gather_object(found, machine_fingerprint(backend))
@@ -112,7 +121,10 @@ def _profile(
         f"ranks, torch {fingerprint['torch']}, {seconds:.0f} s. Each point is the median of "
         f"{settings.repeats} timed runs (slowest rank) after a warm-up, made monotone by "
         f"isotonic regression; a curve ends where a call would pass {settings.max_seconds:g} s "
-        f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}."
+        f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op "
+        f"costs {measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
+        f"redistribution {measured['redistribute_overhead'] * 1e6:.0f} us beyond its "
+        "collective (redistribute_overhead)."
     )
     return fitted_cluster(
         name=name,
@@ -172,9 +184,10 @@ class _Bench:
 
     def _seconds(self, op: _Op) -> float:
         """Median over the timed runs of the slowest rank's seconds per call of `op`."""
+        op.call()  # the first call may set things up (kernels, caches): never timed
         dist.barrier()
-        # the warm-up call alone, without the closing barrier, which may take far longer than
-        # a small op and would leave too few calls per run to outweigh it
+        # one call alone, without the closing barrier, which may take far longer than a small
+        # op and would leave too few calls per run to outweigh it
         first = self._slowest([self._run(op, 1, closing_barrier=False)])[0]
         calls = max(1, min(MAX_CALLS, math.ceil(RUN_SECONDS / max(first, 1e-9))))
         runs = []
@@ -210,6 +223,12 @@ class _Bench:
             out = torch.empty(shape, dtype=dtype, device=device)
             fn = torch.matmul if task.section == "matmul" else torch.add
             return _Op(lambda: fn(a, b, out=out), local=True)
+        if task.section == "activation":
+            return _activation(size, DTYPES[task.key], device)
+        if task.section == "op_overhead":
+            return _chain(size, device)
+        if task.section == "redistribute_overhead":
+            return _redistribution(through_dtensor=size == 1, device=device)
         mine = self._group(task.groups)
         if mine is None:
             return _Op(lambda: None)
@@ -246,6 +265,61 @@ class _Bench:
             self._groups[groups] = dict(zip(groups, handles, strict=True))
         rank = dist.get_rank()
         return next(((g, h) for g, h in self._groups[groups].items() if rank in g), None)
+
+
+def _activation(numel: int, dtype: torch.dtype, device: torch.device) -> _Op:
+    """GELU's forward and backward over `numel` elements (`measured.activation`)."""
+    x, grad = (torch.full((numel,), 0.5, dtype=dtype, device=device) for _ in range(2))
+    out, grad_in = torch.empty_like(x), torch.empty_like(x)
+    aten = torch.ops.aten
+
+    def call() -> None:
+        aten.gelu.out(x, out=out)
+        aten.gelu_backward.grad_input(grad, x, grad_input=grad_in)
+
+    return _Op(call, local=True)
+
+
+def _chain(length: int, device: torch.device) -> _Op:
+    """`length` element-wise ops on a tiny tensor, forward and backward through autograd."""
+    leaf = torch.ones(4, device=device, requires_grad=True)
+
+    def call() -> None:
+        y = leaf
+        for i in range(length):
+            y = y * 1.5 if i % 2 else y + 1.0
+        y.sum().backward()
+        leaf.grad = None
+
+    return _Op(call, local=True)
+
+
+def _redistribution(*, through_dtensor: bool, device: torch.device) -> _Op:
+    """A tiny all-reduce over all ranks: raw, or as DTensor's redistribution from Partial to
+    Replicate with its backward, as the executor issues one."""
+    local = torch.ones(4, device=device, requires_grad=True)
+    if not through_dtensor:
+        return _Op(lambda: dist.all_reduce(local.detach()))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def redistribute() -> None:
+        value = DTensor.from_local(local, mesh, [Partial()], run_check=False)
+        value.redistribute(mesh, [Replicate()]).to_local().sum().backward()
+        local.grad = None
+
+    return _Op(redistribute)
+
+
+def _op_overhead(points: list[list[float]]) -> float:
+    """Seconds one more op adds: the slope between the two chains' times (>= 0)."""
+    (short, t_short), (long, t_long) = points
+    return max(0.0, (t_long - t_short) / (long - short))
+
+
+def _redistribute_overhead(points: list[list[float]]) -> float:
+    """Seconds DTensor's redistribution adds to its all-reduce (>= 0: the curve is monotone)."""
+    (_, raw), (_, through_dtensor) = points
+    return through_dtensor - raw
 
 
 def _memory_bytes(device: torch.device, per_node: int) -> int:

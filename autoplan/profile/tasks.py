@@ -28,6 +28,12 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
 SMALLEST_MATMUL = 16
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
+# redistribute_overhead: what DTensor's redistribution (Partial to Replicate, forward and
+# backward) of a tiny tensor costs beyond the all-reduce it issues; every redistribution of a
+# plan goes through it (execute/interpreter.py), the gradient buckets' all-reduces do not
+# op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
+# one op is the slope between them (what the chain's ends, the loss and backward() cost, drops)
+OVERHEAD_CHAINS = (8, 64)
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,10 @@ class Settings:
 class Task:
     """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster.py`).
 
-    `sizes[i]` is what the operation is built from (matmul: n; element-wise: elements per
-    tensor; collective: bytes) and `xs[i]` the curve's x at that size (FLOPs, bytes moved,
-    the cost model's nbytes). `groups` are the rank groups a collective runs on, all at once.
+    `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation:
+    elements per tensor; collective: bytes; op_overhead: ops in the chain) and `xs[i]` the
+    curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's nbytes, ops).
+    `groups` are the rank groups a collective runs on, all at once.
     """
 
     section: str
@@ -81,6 +88,10 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     """Every curve to measure for `num_nodes` nodes of `devices_per_node` ranks, in order."""
     tasks = [_matmul(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
+    tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
+    tasks.append(Task("op_overhead", "", OVERHEAD_CHAINS, tuple(map(float, OVERHEAD_CHAINS))))
+    # a tiny all-reduce over all ranks: raw (size 0), then through DTensor (size 1)
+    tasks.append(Task("redistribute_overhead", "", (0, 1), (1.0, 2.0)))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
@@ -126,6 +137,12 @@ def _elementwise(dtype: str, settings: Settings) -> Task:
     numels = _powers_of_two(SMALLEST_ELEMENTWISE, settings.max_bytes // size)
     # c = a + b reads two tensors and writes one
     return Task("elementwise", dtype, numels, tuple(3.0 * e * size for e in numels))
+
+
+def _activation(dtype: str, settings: Settings) -> Task:
+    size = ITEMSIZE[dtype]
+    numels = _powers_of_two(SMALLEST_ELEMENTWISE, settings.max_bytes // size)
+    return Task("activation", dtype, numels, tuple(float(e * size) for e in numels))
 
 
 def _collective(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.cluster import Cluster, Link
-from autoplan.costmodel import collective_time, compute_time
+from autoplan.costmodel import activation_time, collective_time, compute_time, with_overhead
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
 from autoplan.strategies.buckets import BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
@@ -85,14 +85,21 @@ class StepCosts:
             size = itemsize(node.output.dtype)
             # update reads param, grad and state, writes param and state
             update_bytes = elems * size * (3 + 2 * self.state_per_elem)
-            return compute_time(self.cluster, 4.0 * elems, update_bytes, node.output.dtype)
-        if node.kind != "op" or node.is_view:
+            update = compute_time(self.cluster, 4.0 * elems, update_bytes, node.output.dtype)
+            return with_overhead(self.cluster, update)  # its gradient's accumulation node
+        if node.kind != "op":
             return 0.0
+        if node.is_view:
+            return with_overhead(self.cluster, 0.0)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
         # backward moves about twice the forward's bytes (grad in, grad out, saved input)
         moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
-        return compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
+        seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
+        transcendental = node.transcendental * itemsize(dtype) / f
+        return with_overhead(
+            self.cluster, seconds + activation_time(self.cluster, transcendental, dtype)
+        )
 
     def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs.
@@ -122,6 +129,19 @@ class StepCosts:
             self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
         )
 
+    def redistribution_s(self, c: Collective) -> float:
+        """Seconds of one collective that the executor issues through DTensor's redistribution
+        (every one but a gradient bucket's all-reduce and the loss's total weight): the
+        collective and the measured `redistribute_overhead`."""
+        seconds = self.collective_s(c)
+        overhead = self.cluster.curves.redistribute_overhead
+        return seconds if overhead is None or seconds == 0.0 else seconds + overhead
+
+    def phased_s(self, p: Phased) -> float:
+        """Seconds of a collective of the step (`intra_op.step_cost`): a gradient bucket's
+        all-reduce (it names the bucket's parameters) as issued, any other as redistributed."""
+        return self.collective_s(p.collective) if p.params else self.redistribution_s(p.collective)
+
     def node_memory(self, node: Node, strategy: Strategy) -> float:
         if node.kind in (PARAM, INPUT):
             info = node.output
@@ -148,7 +168,7 @@ class StepCosts:
             for c in redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
             if self.mesh_shape[c.axis] > 1
         )
-        seconds = sum(self.collective_s(c) for c in found)
+        seconds = sum(self.redistribution_s(c) for c in found)
         return found, seconds
 
     def forward(
@@ -200,7 +220,7 @@ class StepCosts:
         a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
         of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
         if sync.bucket_axes is None:
-            return sum(self.collective_s(c) for c in sync.collectives)
+            return sum(self.redistribution_s(c) for c in sync.collectives)
         return sum(
             self.collective_s(c)
             if c.nbytes >= BUCKET_BYTES
