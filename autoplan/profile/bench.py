@@ -166,7 +166,7 @@ class _Bench:
             self._report(index, task, i)
             op = self._operation(task, size)
             xs.append(x)
-            seconds.append(self._seconds(op) * op.scale)
+            seconds.append(self._seconds(op, max(task.repeats, self.settings.repeats)) * op.scale)
             del op  # free this size's tensors before the next, larger ones
             nxt = i + 1
             if nxt < len(task.xs) and seconds[-1] * task.xs[nxt] / x > self.settings.max_seconds:
@@ -182,7 +182,7 @@ class _Bench:
         label = f"{task.section} {task.key} {'done' if finished else _size(task, points_done)}"
         self.on_progress(Progress(done, time.perf_counter() - self.start, label, finished))
 
-    def _seconds(self, op: _Op) -> float:
+    def _seconds(self, op: _Op, repeats: int) -> float:
         """Median over the timed runs of the slowest rank's seconds per call of `op`."""
         op.call()  # the first call may set things up (kernels, caches): never timed
         dist.barrier()
@@ -191,7 +191,7 @@ class _Bench:
         first = self._slowest([self._run(op, 1, closing_barrier=False)])[0]
         calls = max(1, min(MAX_CALLS, math.ceil(RUN_SECONDS / max(first, 1e-9))))
         runs = []
-        for _ in range(self.settings.repeats):
+        for _ in range(repeats):
             dist.barrier()
             runs.append(self._run(op, calls, closing_barrier=op.local) / calls)
         return statistics.median(self._slowest(runs))

@@ -34,6 +34,9 @@ SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
 # one op is the slope between them (what the chain's ends, the loss and backward() cost, drops)
 OVERHEAD_CHAINS = (8, 64)
+# timed runs of each overhead's two points at least: a difference of two medians is noisier than
+# either (redistribute_overhead gave 1.9 and 4.0 ms in two profiles with 3 runs)
+OVERHEAD_REPEATS = 15
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Task:
     sizes: tuple[int, ...]
     xs: tuple[float, ...]
     groups: tuple[tuple[int, ...], ...] = ()
+    repeats: int = 0  # timed runs per point at least (Settings.repeats when more)
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,10 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     tasks = [_matmul(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
-    tasks.append(Task("op_overhead", "", OVERHEAD_CHAINS, tuple(map(float, OVERHEAD_CHAINS))))
+    chains = tuple(map(float, OVERHEAD_CHAINS))
+    tasks.append(Task("op_overhead", "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
     # a tiny all-reduce over all ranks: raw (size 0), then through DTensor (size 1)
-    tasks.append(Task("redistribute_overhead", "", (0, 1), (1.0, 2.0)))
+    tasks.append(Task("redistribute_overhead", "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
