@@ -51,6 +51,7 @@ from autoplan.errors import ClusterFormatError, MeshShapeError
 from autoplan.measured import (
     COLLECTIVE_KINDS,
     LINK_CLASSES,
+    OVERHEADS,
     Curve,
     Fingerprint,
     Measured,
@@ -98,8 +99,7 @@ _DEVICE_FIELDS = (
 )
 _LINK_FIELDS = ("bandwidth", "latency")
 _BY_DTYPE = ("activation", "elementwise", "matmul")
-_OVERHEADS = ("op_overhead", "redistribute_overhead")
-_MEASURED_FIELDS = (*_BY_DTYPE, "fingerprint", *_OVERHEADS, *COLLECTIVE_KINDS)
+_MEASURED_FIELDS = (*_BY_DTYPE, "fingerprint", *OVERHEADS, *COLLECTIVE_KINDS)
 _FINGERPRINT_FIELDS = ("device", "device_count", "driver", "hosts", "torch")
 
 
@@ -616,7 +616,7 @@ def _measured(value: Any, where: str) -> Measured:
         activation=by_dtype["activation"],
         **{
             name: None if obj.get(name) is None else _seconds(obj[name], f"measured.{name}", where)
-            for name in _OVERHEADS
+            for name in OVERHEADS
         },
     )
 

@@ -47,6 +47,7 @@ from typing import Any
 __all__ = [
     "COLLECTIVE_KINDS",
     "LINK_CLASSES",
+    "OVERHEADS",
     "Curve",
     "Fingerprint",
     "Measured",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# the measured scalars (seconds): what one more op, and one DTensor redistribution, add
+OVERHEADS = ("op_overhead", "redistribute_overhead")
 # A collective curve is keyed "<link class>/<group size>": "intra" for a group inside one node,
 # "inter" for a group that spans nodes (the link Cluster.axis_link picks for it).
 LINK_CLASSES = ("intra", "inter")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from autoplan.cli import main
 from autoplan.cluster import REQUIRED_DTYPES, Cluster, Device, Link
@@ -30,7 +31,7 @@ from autoplan.costmodel import (
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
 from autoplan.measured import Curve, machine_fingerprint, monotone
-from autoplan.profile import Progress
+from autoplan.profile import Progress, bench
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
 from autoplan.strategies.costs import Phased, StepCosts
@@ -418,6 +419,21 @@ def test_step_costs_add_the_measured_overheads() -> None:
 
 
 # ------------------------------------------------------------------ what is measured, and the fit
+
+
+def test_local_ops_are_timed_on_operands_cycled_through_the_caches() -> None:
+    cpu = torch.device("cpu")
+    seen: list[int] = []
+    small = bench._cold((64, 64), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    for _ in range(2 * bench.COLD_POOL_SETS):
+        small.call()
+    assert small.local and len(set(seen)) == bench.COLD_POOL_SETS  # 48 KiB a set: capped
+    assert seen[: bench.COLD_POOL_SETS] == seen[bench.COLD_POOL_SETS :]  # in turn, again
+    seen.clear()
+    large = bench._cold((2**23,), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    for _ in range(4):
+        large.call()
+    assert len(set(seen)) == 2  # 96 MiB a set: two pass 128 MiB
 
 
 def test_group_sizes_and_layouts_are_the_meshes() -> None:

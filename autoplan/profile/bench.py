@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
-from autoplan.measured import machine_fingerprint, monotone
+from autoplan.measured import OVERHEADS, machine_fingerprint, monotone
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Progress, Settings, Task, plan_tasks
 
@@ -105,11 +105,10 @@ def _profile(
     bench = _Bench(device, settings, len(tasks), on_progress if rank0 else None)
     measured: dict[str, Any] = {}
     for i, task in enumerate(tasks):
-        measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
-    measured["op_overhead"] = _op_overhead(measured["op_overhead"][""])
-    measured["redistribute_overhead"] = _redistribute_overhead(
-        measured["redistribute_overhead"][""]
-    )
+        if task.section in OVERHEADS:
+            measured[task.section] = bench.overhead(i, task)
+        else:
+            measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
     seconds = time.perf_counter() - bench.start
     found: list[Any] = [None] * world
     dist.all_gather_object(found, machine_fingerprint(backend))
@@ -189,19 +188,43 @@ class _Bench:
         label = f"{task.section} {task.key} {'done' if finished else _size(task, points_done)}"
         self.on_progress(Progress(done, time.perf_counter() - self.start, label, finished))
 
+    def overhead(self, index: int, task: Task) -> float:
+        """Seconds per unit of x that the operation at `task.sizes[1]` takes beyond the one at
+        `task.sizes[0]`: the median over repeats of the difference of two runs timed one right
+        after the other (>= 0). Pairing the runs cancels the host's drift, which the
+        difference of two medians kept (redistribute_overhead: 0.04 to 2.1 ms in 3 profiles)."""
+        self._report(index, task, 0)
+        ops = [self._operation(task, size) for size in task.sizes]
+        calls = [self._calls(op) for op in ops]
+        runs: list[list[float]] = [[], []]
+        for _ in range(max(task.repeats, self.settings.repeats)):
+            for op, count, found in zip(ops, calls, runs, strict=True):
+                found.append(self._timed(op, count))
+        first, second = (self._slowest(found) for found in runs)
+        per_x = task.xs[1] - task.xs[0]
+        self._report(index, task, len(task.sizes))
+        return max(
+            0.0, statistics.median((b - a) / per_x for a, b in zip(first, second, strict=True))
+        )
+
     def _seconds(self, op: _Op, repeats: int) -> float:
         """Median over the timed runs of the slowest rank's seconds per call of `op`."""
+        calls = self._calls(op)
+        return statistics.median(self._slowest([self._timed(op, calls) for _ in range(repeats)]))
+
+    def _calls(self, op: _Op) -> int:
+        """How many calls of `op` make one timed run."""
         op.call()  # the first call may set things up (kernels, caches): never timed
         dist.barrier()
         # one call alone, without the closing barrier, which may take far longer than a small
         # op and would leave too few calls per run to outweigh it
         first = self._slowest([self._run(op, 1, closing_barrier=False)])[0]
-        calls = max(1, min(MAX_CALLS, math.ceil(RUN_SECONDS / max(first, 1e-9))))
-        runs = []
-        for _ in range(repeats):
-            dist.barrier()
-            runs.append(self._run(op, calls, closing_barrier=op.local) / calls)
-        return statistics.median(self._slowest(runs))
+        return max(1, min(MAX_CALLS, math.ceil(RUN_SECONDS / max(first, 1e-9))))
+
+    def _timed(self, op: _Op, calls: int) -> float:
+        """This rank's seconds per call over one run of `calls` calls, started together."""
+        dist.barrier()
+        return self._run(op, calls, closing_barrier=op.local) / calls
 
     def _run(self, op: _Op, calls: int, *, closing_barrier: bool) -> float:
         start = time.perf_counter()
@@ -329,18 +352,6 @@ def _redistribution(*, through_dtensor: bool, device: torch.device) -> _Op:
         local.grad = None
 
     return _Op(redistribute)
-
-
-def _op_overhead(points: list[list[float]]) -> float:
-    """Seconds one more op adds: the slope between the two chains' times (>= 0)."""
-    (short, t_short), (long, t_long) = points
-    return max(0.0, (t_long - t_short) / (long - short))
-
-
-def _redistribute_overhead(points: list[list[float]]) -> float:
-    """Seconds DTensor's redistribution adds to its all-reduce (>= 0: the curve is monotone)."""
-    (_, raw), (_, through_dtensor) = points
-    return through_dtensor - raw
 
 
 def _memory_bytes(device: torch.device, per_node: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.cluster import REQUIRED_DTYPES, mesh_groups
-from autoplan.measured import COLLECTIVE_KINDS
+from autoplan.measured import COLLECTIVE_KINDS, OVERHEADS
 
 __all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
 
@@ -34,8 +34,8 @@ SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
 # one op is the slope between them (what the chain's ends, the loss and backward() cost, drops)
 OVERHEAD_CHAINS = (8, 64)
-# timed runs of each overhead's two points at least: a difference of two medians is noisier than
-# either (redistribute_overhead gave 1.9 and 4.0 ms in two profiles with 3 runs)
+# pairs of runs that each of OVERHEADS (a difference between two operations) takes at least: a
+# difference is noisier than either of its terms
 OVERHEAD_REPEATS = 15
 
 
@@ -94,9 +94,10 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
     chains = tuple(map(float, OVERHEAD_CHAINS))
-    tasks.append(Task("op_overhead", "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
+    op_overhead, redistribute_overhead = OVERHEADS
+    tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
     # a tiny all-reduce over all ranks: raw (size 0), then through DTensor (size 1)
-    tasks.append(Task("redistribute_overhead", "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
+    tasks.append(Task(redistribute_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
