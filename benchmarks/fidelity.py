@@ -536,25 +536,29 @@ from those are labelled "by hand": scripts of the kind of `benchmarks/step_vs_to
 time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler or cProfile). No
 constant was tuned for this benchmark.
 
-1. **What the model now prices, and what it still leaves out.** The profile measures, and the
-   model charges, three costs it left out before (`autoplan/costmodel.py`): the compute of
-   transcendental functions (GELU, softmax, attention's scores, cross-entropy's logits) at
-   GELU's measured speed, where the roofline took them as memory-bound (by hand, GPT at 2
-   sequences a rank on one core: attention 9.4 ms measured against 5.8 ms predicted, GELU 4 ms
-   against 0.45 ms); the framework's work per op (`op_overhead`); and DTensor's work per
-   redistribution (`redistribute_overhead`). By hand, with one such profile, the model's
-   compute for GPT at 2 sequences a rank came to 187 ms at the profile's speed against 176 ms
-   measured (one process at a whole core, doubled), where it had been 156 ms. In this run the
-   ZeRO-3 plans measure 0.96-1.15x their prediction, every other plan 1.14-1.55x. What it
-   leaves out:
-   - the ranks' skew at blocking collectives. By hand, the MLP's tensor-parallel plan on the
-     4 ranks: 143 ms a step, 63 ms of CPU a rank (40 ms of it in matmuls), and 64 ms a step
-     waiting in its 5 all-reduces, which the profile prices at 33 ms;
-   - the compute of 4 processes at a quarter of the batch each. By hand, 4 ranks training plain
-     torch on a quarter of the batch at once, without communication: 70-78 ms a step (MLP) and
-     203-207 ms (GPT), where the profile's prediction is 58 and 156 ms; alone, the same quarter
-     batch took 30-36 ms (MLP) and 81-111 ms (GPT) on a whole core. The matmul curve is
-     measured on n x n matrices, the models' are skinnier;
+1. **What the model now prices, and what it still leaves out.** Since the last session the
+   profile measures, and the model charges (`autoplan/costmodel.py`):
+   - matmuls, element-wise ops and GELU on operands cycled through 128 MiB, as a step streams
+     its tensors through the caches (by hand, 4 ranks: a 256x512 @ 512x512 matmul timed on the
+     same operands again and again ran 7% faster, a 362^3 one 18%);
+   - the compute of transcendental functions (GELU, softmax, attention's scores,
+     cross-entropy's logits) at GELU's measured speed, where the roofline took them as
+     memory-bound (by hand, GPT at 2 sequences a rank on one core: attention 9.4 ms measured
+     against 5.8 ms predicted, GELU 4 ms against 0.45 ms);
+   - the framework's work per op (`op_overhead`) and DTensor's per redistribution
+     (`redistribute_overhead`).
+
+   By hand, the model's compute for one rank of the data-parallel plans (a quarter of the
+   batch) came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and
+   156 ms; 4 ranks training plain torch on a quarter of the batch each, at once and without
+   communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
+   1.00-1.04x their prediction and ZeRO-3 1.00-1.12x; tensor-parallel, 2-D and pipelined plans
+   1.09-1.38x. What the model still leaves out:
+   - the ranks' skew at blocking collectives. By hand, 4 ranks computing 3-10 ms and then
+     all-reducing 16 B to 8 MB took 1.0-2.6 ms longer per round than the compute and the
+     all-reduce timed apart. A tensor-parallel step meets one at every redistribution: the
+     MLP's (by hand, before `redistribute_overhead`) waited 64 ms a step in its 5 all-reduces,
+     which the profile priced at 33 ms;
    - a pipeline's work per microbatch (item 2).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
@@ -571,7 +575,7 @@ constant was tuned for this benchmark.
    fastest measured. The executor's speed-ups of the session after made the single-stage plans
    faster than the pipelines: the GPipe, still predicted fastest, measured 1.14x (MLP) and 1.07x
    (GPT) the data-parallel plan, and the rank correlation fell to 0.86 and 0.84. In this run the
-   pipelines measure 1.38-1.55x (MLP) and 1.33-1.47x (GPT) their prediction. The executor's
+   pipelines measure 1.15-1.38x (MLP) and 1.09-1.23x (GPT) their prediction. The executor's
    pipelines got faster before that: a one-rank stage was planned with splits and partial sums
    on its axis of size 1 (each the whole tensor), which the executor ran through DTensor, and
    every stage's parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8)
@@ -590,15 +594,29 @@ constant was tuned for this benchmark.
    the cores predicts 6 ms: each hand-off waited ~2.4 ms for the scheduler. A pipeline hands
    off at every send of every microbatch, which is not priced either.
 
-4. **The host's speed drifts, and the profile is noisy.** This benchmark now profiles the host
-   right before measuring (`benchmarks/results/fidelity-profile.json`), so that both see the
-   same host. The profile still varies: four profiles of this host within two hours measured
-   `op_overhead` 25, 18, 26 and 5 us, `redistribute_overhead` 1.9, 4.0 and 1.2 ms, and a
-   float32 matmul of 100 MFLOP (4 ranks at once) at 34-44 GFLOP/s. Three runs of this
-   benchmark with the same code gave median errors of 16%, 25% and 27% (MLP) and 16%, 22% and
-   25% (GPT), and rank correlations of 0.80, 0.90 and 0.86 (MLP) and 0.92, 0.97 and 0.95
-   (GPT). Plain torch in one process, the "compute alone" lines, ran 10-20% under the
-   prediction in all three.
+4. **The host's speed drifts, and the profile is noisy.** This benchmark profiles the host right
+   before measuring (`benchmarks/results/fidelity-profile.json`), so that both see the same
+   host; two runs with the same code still measure the same plans within ~6% but predict them up
+   to ~15% apart, because profiles differ: the model's compute for the MLP's data-parallel plan
+   came to 58-76 ms in seven profiles taken today. Their overheads vary more: `op_overhead` 5-26
+   us (a standalone script timing the same chains gave 14-16 us four times over), and
+   `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-1.4
+   ms since it is the median of paired runs. The runs of this benchmark today, each with the
+   changes before it:
+
+   | cost model and profile | median error MLP / GPT | rank correlation MLP / GPT |
+   |---|---|---|
+   | the last session's | 30% / 28% | 0.86 / 0.84 |
+   | + GELU's speed, `op_overhead` | 17% / 22% | 0.83 / 0.93 |
+   | + `redistribute_overhead` | 25% / 22% | 0.90 / 0.97 |
+   | + profiled right before measuring (two runs) | 16-27% / 16-25% | 0.80-0.86 / 0.92-0.95 |
+   | + operands cycled through the caches (two runs) | 12-20% / 8-16% | 0.80-0.81 / 0.90-0.95 |
+   | + overheads from paired runs (this run) | 18% / 10% | 0.83 / 0.91 |
+
+   Plain torch in one process, the "compute alone" lines, ran 10-20% under the prediction in
+   every run: a lone process is faster than twice the per-rank speed the profile measures with
+   4 ranks on 2 cores, so the model's scaling to a whole core (`Cluster.rank_speed`) is
+   conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
    (most within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within
@@ -606,12 +624,10 @@ constant was tuned for this benchmark.
    counts only pairs measured more than 10% apart.
 
 What would close the gap (not done here): a profiled term for the ranks' skew at each blocking
-collective and for a pipeline's work per microbatch; matmul curves measured on the shapes
-models use (a batch of rows times a square weight) rather than n x n; and a steadier measure
-of the two overheads (the last of those profiles timed each of their points 15 times, the
-others 3). On one node the planner searches single-stage
-plans unless asked to pipeline (`pipeline=True`); its own data-parallel plan measured within
-1.04x of the fastest plan in every run.
+collective and for a pipeline's work per microbatch; and a steadier profile (more timed runs a
+point; the overheads measured where a standalone script finds them steady). On one node the
+planner searches single-stage plans unless asked to pipeline (`pipeline=True`); its own
+data-parallel plan measured within 1.09x of the fastest plan in every run today.
 """
 
 
