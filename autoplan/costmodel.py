@@ -100,15 +100,13 @@ def activation_time(cluster: Cluster, nbytes: float, dtype: str) -> float:
     return nbytes * curve.seconds[end] / curve.xs[end]
 
 
-def with_overhead(cluster: Cluster, seconds: float, ops: int = 1) -> float:
-    """`seconds` of compute of `ops` ops with the framework's work around them added (CPU
-    ranks) or as a floor (GPUs); unchanged where `op_overhead` was not measured."""
+def with_overhead(cluster: Cluster, seconds: float) -> float:
+    """`seconds` of one op's compute with the framework's work around it added (CPU ranks) or
+    as a floor (GPUs); unchanged where `op_overhead` was not measured."""
     overhead = cluster.curves.op_overhead
     if overhead is None:
         return seconds
-    if cluster.backend == "gloo":
-        return seconds + ops * overhead
-    return max(seconds, ops * overhead)
+    return seconds + overhead if cluster.backend == "gloo" else max(seconds, overhead)
 
 
 def collective_time(

@@ -1,8 +1,10 @@
 """What a strategy costs over one whole train step, on one logical mesh of a cluster.
 
-* An op's time is its forward + backward FLOPs and bytes under the roofline, divided by the
-  number of devices that split the work (the product of the mesh axes on which any of its
-  tensors is split or partial; a replicated axis repeats the work).
+* An op's time is its forward + backward FLOPs and bytes under the roofline, with its
+  transcendental work, divided by the number of devices that split the work (the product of
+  the mesh axes on which any of its tensors is split or partial; a replicated axis repeats the
+  work), plus the framework's work per op (views and parameters included; see
+  `autoplan.costmodel`).
 * A parameter's time is its optimizer update on the locally stored shard; its memory is the
   stored shard with its gradient and optimizer state.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
@@ -10,7 +12,8 @@
   consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
   where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a
   parameter that backward step is gradient synchronization: an all-reduce to replicated
-  storage or a reduce-scatter to sharded (ZeRO) storage.
+  storage or a reduce-scatter to sharded (ZeRO) storage. Every collective but a gradient
+  bucket's all-reduce goes through DTensor's redistribution and pays its measured overhead.
 """
 
 from __future__ import annotations
