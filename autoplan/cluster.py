@@ -21,6 +21,7 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
       "activation":  {"<dtype>": [[tensor_bytes, seconds], ...]},   # GELU forward + backward
       "op_overhead": seconds,              # forward + backward of one more op, beyond compute
       "redistribute_overhead": seconds,    # DTensor's redistribution, beyond its collective
+      "sync_overhead": seconds,            # a blocking collective after compute: the skew
       "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
     }
 

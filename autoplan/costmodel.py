@@ -28,7 +28,9 @@ roofline's memory term prices such an op where, as on GPUs, its bandwidth bounds
 Framework work (`with_overhead`). Each op also costs the framework's work around its compute
 (dispatch, autograd's records, its backward node): the measured `op_overhead` per op, 0 where
 not measured. CPU ranks (gloo) do that work on the core that computes, so it adds; a GPU runs
-kernels while the host queues the next ones, so an op takes at least that long.
+kernels while the host queues the next ones, so an op takes at least that long. A collective
+that goes through DTensor, or a message between pipeline stages, adds the measured
+`redistribute_overhead` and `sync_overhead` (`autoplan.strategies.costs`, `autoplan.inter_op`).
 
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:

@@ -379,9 +379,12 @@ def _sent_bytes(stage: StageGraph, mesh: tuple[int, ...], boundary: Spec) -> int
 
 def _send_time(cluster: Cluster, nbytes: float) -> float:
     """Activations forward and their gradients back, between peers of consecutive stages;
-    priced on the inter-node link whenever the pipeline spans nodes (some boundary does)."""
+    priced on the inter-node link whenever the pipeline spans nodes (some boundary does). The
+    receiver waits for each right after computing, as for a blocking collective: each pays
+    the measured `sync_overhead`."""
     link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
-    return 2 * collective_time(cluster, "send_recv", nbytes, 2, link)
+    message = collective_time(cluster, "send_recv", nbytes, 2, link)
+    return 2 * (message + (cluster.curves.sync_overhead or 0.0)) if message else 0.0
 
 
 def default_microbatches(batch: int, max_stages: int) -> int:

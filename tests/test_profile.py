@@ -30,6 +30,7 @@ from autoplan.costmodel import (
 )
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
+from autoplan.inter_op import _send_time
 from autoplan.measured import Curve, machine_fingerprint, monotone
 from autoplan.profile import Progress, bench
 from autoplan.profile.fit import fitted_cluster
@@ -111,6 +112,7 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     # 64 ops forward and backward cost more than 8: one more op costs something
     assert curves.op_overhead is not None and curves.op_overhead > 0
     assert curves.redistribute_overhead is not None and curves.redistribute_overhead >= 0
+    assert curves.sync_overhead is not None and curves.sync_overhead >= 0
     for kind in COLLECTIVE_KINDS:
         curve = curves.collectives[(kind, "intra", 2)]
         assert curve.xs[0] <= 8 and curve.xs[-1] == MAX_BYTES
@@ -118,7 +120,7 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert set(curves.collectives) == {(kind, "intra", 2) for kind in COLLECTIVE_KINDS}
     # a progress bar with the time left, one line per curve when stderr is not a terminal
     lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
-    assert len(lines) == len(REQUIRED_DTYPES) * 3 + 2 + len(COLLECTIVE_KINDS)
+    assert len(lines) == len(REQUIRED_DTYPES) * 3 + 3 + len(COLLECTIVE_KINDS)
     assert all("left" in line and "elapsed" in line for line in lines)
     assert "100%" in lines[-1]
 
@@ -169,6 +171,7 @@ def test_bundled_profile_is_canonical_and_complete() -> None:
     assert set(cluster.curves.activation) == set(REQUIRED_DTYPES)
     assert cluster.curves.op_overhead is not None and cluster.curves.op_overhead > 0
     assert cluster.curves.redistribute_overhead is not None
+    assert cluster.curves.sync_overhead is not None
 
 
 # ------------------------------------------------------------------ fingerprints
@@ -249,6 +252,7 @@ def _good() -> dict[str, Any]:
         (lambda m: m.update(op_overhead=-1e-6), "measured.op_overhead", ">= 0 s"),
         (lambda m: m.update(op_overhead="5us"), "measured.op_overhead", "finite number"),
         (lambda m: m.update(redistribute_overhead=-1), "redistribute_overhead", ">= 0 s"),
+        (lambda m: m.update(sync_overhead=[1e-3]), "measured.sync_overhead", "finite number"),
         (lambda m: m.update(activation={"float32": [[8, 2], [4, 3]]}), "activation", "increase"),
     ],
 )
@@ -383,7 +387,7 @@ def test_op_overhead_adds_on_cpu_ranks_and_is_a_floor_on_gpus() -> None:
 
 
 def test_step_costs_add_the_measured_overheads() -> None:
-    overheads = {"op_overhead": 0.5, "redistribute_overhead": 3.0}
+    overheads = {"op_overhead": 0.5, "redistribute_overhead": 3.0, "sync_overhead": 1.0}
     measured = {"fingerprint": _fingerprint(), "activation": {"float32": [[1.0, 0.0], [1e6, 2.0]]}}
     plain = StepCosts(_toy({}), (4,), "adamw")
     costs = StepCosts(_toy({**measured, **overheads}), (4,), "adamw")
@@ -406,11 +410,15 @@ def test_step_costs_add_the_measured_overheads() -> None:
     all_reduce = Collective("all_reduce", 0, 4000)
     raw = costs.collective_s(all_reduce)
     assert raw == plain.collective_s(all_reduce) > 0
-    assert costs.redistribution_s(all_reduce) == raw + 3.0
+    assert costs.redistribution_s(all_reduce) == raw + 3.0 + 1.0
     seconds, found = costs.forward(t, Strategy(output=(P,), inputs=()), replicated, 0)
-    assert found == (all_reduce,) and seconds == raw + 3.0
+    assert found == (all_reduce,) and seconds == raw + 4.0
     assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw
-    assert costs.phased_s(Phased(all_reduce, "backward")) == raw + 3.0
+    assert costs.phased_s(Phased(all_reduce, "backward")) == raw + 4.0
+    # a pipeline's activation and its gradient: two messages, each waited for
+    message = collective_time(costs.cluster, "send_recv", 4000, 2, costs.cluster.inter_node)
+    assert _send_time(costs.cluster, 4000) == 2 * (message + 1.0)
+    assert _send_time(plain.cluster, 4000) == 2 * message and _send_time(costs.cluster, 0) == 0
 
 
 # ------------------------------------------------------------------ what is measured, and the fit

@@ -16,7 +16,9 @@ adds its latency, a few % of a run). Collectives wait for their group anyway. Th
 Sends are timed as a ping-pong between the two ranks of a pair, halved. `op_overhead` is the
 slope between chains of 8 and 64 tiny ops run forward and backward (what one more op adds beyond
 its compute); `redistribute_overhead` what a tiny all-reduce costs through DTensor's
-redistribution beyond the raw all-reduce.
+redistribution beyond the raw all-reduce; `sync_overhead` what it costs after a few ms of compute
+beyond the all_reduce curve's first point. Each is the median of paired runs of its two
+operations (`_Bench.overhead`).
 
 Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
 """
@@ -43,7 +45,14 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.measured import OVERHEADS, machine_fingerprint, monotone
 from autoplan.profile.fit import fitted_cluster
-from autoplan.profile.tasks import Progress, Settings, Task, plan_tasks
+from autoplan.profile.tasks import (
+    SYNC_WORK_CALLS,
+    SYNC_WORK_DIM,
+    Progress,
+    Settings,
+    Task,
+    plan_tasks,
+)
 
 __all__ = ["profile_cluster"]
 
@@ -109,6 +118,9 @@ def _profile(
             measured[task.section] = bench.overhead(i, task)
         else:
             measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
+    measured["sync_overhead"] = _sync_overhead(
+        measured["sync_overhead"], measured, num_nodes, world
+    )
     seconds = time.perf_counter() - bench.start
     found: list[Any] = [None] * world
     dist.all_gather_object(found, machine_fingerprint(backend))
@@ -130,7 +142,8 @@ def _profile(
         f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op "
         f"costs {measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
         f"redistribution {measured['redistribute_overhead'] * 1e6:.0f} us beyond its "
-        "collective (redistribute_overhead)."
+        f"collective (redistribute_overhead), a blocking collective after compute "
+        f"{measured['sync_overhead'] * 1e6:.0f} us beyond one after none (sync_overhead)."
     )
     return fitted_cluster(
         name=name,
@@ -254,6 +267,8 @@ class _Bench:
             return _chain(size, device)
         if task.section == "redistribute_overhead":
             return _redistribution(through_dtensor=size == 1, device=device)
+        if task.section == "sync_overhead":
+            return _compute_then_sync(sync=size == 1, device=device)
         mine = self._group(task.groups)
         if mine is None:
             return _Op(lambda: None)
@@ -316,6 +331,28 @@ def _cold(
         fn(*next(sets))
 
     return _Op(call, local=True)
+
+
+def _compute_then_sync(*, sync: bool, device: torch.device) -> _Op:
+    """A few ms of matmuls on every rank, each call followed by a tiny all-reduce if `sync`."""
+    dim = SYNC_WORK_DIM
+    work = _cold((dim, dim), torch.float32, device, lambda a, b, out: torch.matmul(a, b, out=out))
+    tiny = torch.ones(1, device=device)
+
+    def call() -> None:
+        for _ in range(SYNC_WORK_CALLS):
+            work.call()
+        if sync:
+            dist.all_reduce(tiny)
+
+    return _Op(call, local=True)
+
+
+def _sync_overhead(in_step: float, measured: dict[str, Any], num_nodes: int, world: int) -> float:
+    """The tiny all-reduce's time after compute (`in_step`) beyond its time with the ranks
+    idle before it: the first point of the all_reduce curve over all ranks."""
+    curve = measured["all_reduce"][f"{'inter' if num_nodes > 1 else 'intra'}/{world}"]
+    return max(0.0, in_step - curve[0][1])
 
 
 def _gelu_forward_backward(x: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:

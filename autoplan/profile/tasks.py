@@ -28,6 +28,11 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
 SMALLEST_MATMUL = 16
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
+# sync_overhead: what a tiny all-reduce over all ranks costs right after a few ms of compute,
+# beyond the same all-reduce with the ranks idle before it (the all_reduce curve's first point):
+# the ranks reach it at different times (by hand, 4 ranks on 2 cores: 1-2.6 ms)
+SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
+SYNC_WORK_CALLS = 2
 # redistribute_overhead: what DTensor's redistribution (Partial to Replicate, forward and
 # backward) of a tiny tensor costs beyond the all-reduce it issues; every redistribution of a
 # plan goes through it (execute/interpreter.py), the gradient buckets' all-reduces do not
@@ -94,10 +99,12 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
     chains = tuple(map(float, OVERHEAD_CHAINS))
-    op_overhead, redistribute_overhead = OVERHEADS
+    op_overhead, redistribute_overhead, sync_overhead = OVERHEADS
     tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
     # a tiny all-reduce over all ranks: raw (size 0), then through DTensor (size 1)
     tasks.append(Task(redistribute_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
+    # a few ms of matmuls on every rank (size 0), then each followed by a tiny all-reduce
+    tasks.append(Task(sync_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):

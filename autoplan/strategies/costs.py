@@ -13,7 +13,8 @@
   where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a
   parameter that backward step is gradient synchronization: an all-reduce to replicated
   storage or a reduce-scatter to sharded (ZeRO) storage. Every collective but a gradient
-  bucket's all-reduce goes through DTensor's redistribution and pays its measured overhead.
+  bucket's all-reduce goes through DTensor's redistribution and pays its measured overhead,
+  and the ranks' measured skew at a collective that blocks the step (`sync_overhead`).
 """
 
 from __future__ import annotations
@@ -135,10 +136,13 @@ class StepCosts:
     def redistribution_s(self, c: Collective) -> float:
         """Seconds of one collective that the executor issues through DTensor's redistribution
         (every one but a gradient bucket's all-reduce and the loss's total weight): the
-        collective and the measured `redistribute_overhead`."""
+        collective, the measured `redistribute_overhead`, and `sync_overhead`, as the step
+        waits for it right after computing."""
         seconds = self.collective_s(c)
-        overhead = self.cluster.curves.redistribute_overhead
-        return seconds if overhead is None or seconds == 0.0 else seconds + overhead
+        if seconds == 0.0:
+            return seconds
+        curves = self.cluster.curves
+        return seconds + (curves.redistribute_overhead or 0.0) + (curves.sync_overhead or 0.0)
 
     def phased_s(self, p: Phased) -> float:
         """Seconds of a collective of the step (`intra_op.step_cost`): a gradient bucket's
