@@ -546,20 +546,22 @@ constant was tuned for this benchmark.
      memory-bound (by hand, GPT at 2 sequences a rank on one core: attention 9.4 ms measured
      against 5.8 ms predicted, GELU 4 ms against 0.45 ms);
    - the framework's work per op (`op_overhead`) and DTensor's per redistribution
-     (`redistribute_overhead`).
+     (`redistribute_overhead`);
+   - the ranks' skew at a collective that blocks the step (`sync_overhead`: a tiny all-reduce
+     right after a few ms of compute, beyond the same all-reduce after none), charged to every
+     redistribution and every message between pipeline stages. By hand, 4 ranks computing
+     3-10 ms and then all-reducing 16 B to 8 MB took 1.0-2.6 ms longer per round than the
+     compute and the all-reduce timed apart; the MLP's tensor-parallel plan waited 64 ms a step
+     in its 5 all-reduces, which the profile priced at 33 ms before these terms.
 
    By hand, the model's compute for one rank of the data-parallel plans (a quarter of the
    batch) came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and
    156 ms; 4 ranks training plain torch on a quarter of the batch each, at once and without
    communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
-   1.00-1.04x their prediction and ZeRO-3 1.00-1.12x; tensor-parallel, 2-D and pipelined plans
-   1.09-1.38x. What the model still leaves out:
-   - the ranks' skew at blocking collectives. By hand, 4 ranks computing 3-10 ms and then
-     all-reducing 16 B to 8 MB took 1.0-2.6 ms longer per round than the compute and the
-     all-reduce timed apart. A tensor-parallel step meets one at every redistribution: the
-     MLP's (by hand, before `redistribute_overhead`) waited 64 ms a step in its 5 all-reduces,
-     which the profile priced at 33 ms;
-   - a pipeline's work per microbatch (item 2).
+   1.06-1.11x their prediction, ZeRO-3 0.82-0.98x, the others 1.00-1.32x. What the model still
+   leaves out: a collective's skew where collectives come back to back (a ZeRO-3 layer's
+   gathers wait once, but each is charged `sync_overhead`: the ZeRO-3 plans are the ones priced
+   above their measure), and a pipeline's work per microbatch (item 2).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
@@ -575,7 +577,7 @@ constant was tuned for this benchmark.
    fastest measured. The executor's speed-ups of the session after made the single-stage plans
    faster than the pipelines: the GPipe, still predicted fastest, measured 1.14x (MLP) and 1.07x
    (GPT) the data-parallel plan, and the rank correlation fell to 0.86 and 0.84. In this run the
-   pipelines measure 1.15-1.38x (MLP) and 1.09-1.23x (GPT) their prediction. The executor's
+   pipelines measure 1.16-1.21x (MLP) and 1.10-1.24x (GPT) their prediction. The executor's
    pipelines got faster before that: a one-rank stage was planned with splits and partial sums
    on its axis of size 1 (each the whole tensor), which the executor ran through DTensor, and
    every stage's parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8)
@@ -584,15 +586,16 @@ constant was tuned for this benchmark.
    sends, the stage's interpreter run once per microbatch) is not priced.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective
-   alone, the ranks entering together. In a step the ranks reach a collective at different
-   times (the OS shares 2 cores among 4 processes); a collective that blocks (every forward
-   and backward redistribution of a tensor-parallel plan) waits for the last rank to arrive:
-   ~20-40 ms a step on rank 0 in data-parallel GPT before its two went (by hand,
-   torch.profiler). Waking from such a wait costs time too when the cores are shared: by hand,
-   two ranks passing a tensor back and forth with 2 ms of work on each side took 4.96 ms a
-   round trip with the other two ranks idle, and 10.9 ms with them computing, where sharing
-   the cores predicts 6 ms: each hand-off waited ~2.4 ms for the scheduler. A pipeline hands
-   off at every send of every microbatch, which is not priced either.
+   alone, the ranks entering together. In a step the ranks reach a collective at different times
+   (the OS shares 2 cores among 4 processes); a collective that blocks (every forward and
+   backward redistribution of a tensor-parallel plan) waits for the last rank to arrive: ~20-40
+   ms a step on rank 0 in data-parallel GPT before its two went (by hand, torch.profiler).
+   Waking from such a wait costs time too when the cores are shared: by hand, two ranks passing
+   a tensor back and forth with 2 ms of work on each side took 4.96 ms a round trip with the
+   other two ranks idle, and 10.9 ms with them computing, where sharing the cores predicts 6 ms:
+   each hand-off waited ~2.4 ms for the scheduler. The profile now measures this skew
+   (`sync_overhead`, item 1), and the model charges it to every redistribution and pipeline
+   message.
 
 4. **The host's speed drifts, and the profile is noisy.** This benchmark profiles the host right
    before measuring (`benchmarks/results/fidelity-profile.json`), so that both see the same
@@ -600,9 +603,10 @@ constant was tuned for this benchmark.
    to ~15% apart, because profiles differ: the model's compute for the MLP's data-parallel plan
    came to 58-76 ms in seven profiles taken today. Their overheads vary more: `op_overhead` 5-26
    us (a standalone script timing the same chains gave 14-16 us four times over), and
-   `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-1.4
-   ms since it is the median of paired runs. The runs of this benchmark today, each with the
-   changes before it:
+   `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-2.7
+   ms since it is the median of paired runs. In four of the five profiles this benchmark
+   launched, `op_overhead` came out at 5-6 us, against 14-26 us in every profile run by hand;
+   not explained. The runs of this benchmark today, each with the changes before it:
 
    | cost model and profile | median error MLP / GPT | rank correlation MLP / GPT |
    |---|---|---|
@@ -611,11 +615,12 @@ constant was tuned for this benchmark.
    | + `redistribute_overhead` | 25% / 22% | 0.90 / 0.97 |
    | + profiled right before measuring (two runs) | 16-27% / 16-25% | 0.80-0.86 / 0.92-0.95 |
    | + operands cycled through the caches (two runs) | 12-20% / 8-16% | 0.80-0.81 / 0.90-0.95 |
-   | + overheads from paired runs (this run) | 18% / 10% | 0.83 / 0.91 |
+   | + overheads from paired runs | 18% / 10% | 0.83 / 0.91 |
+   | + `sync_overhead` (this run) | 16% / 12% | 0.88 / 0.93 |
 
-   Plain torch in one process, the "compute alone" lines, ran 10-20% under the prediction in
-   every run: a lone process is faster than twice the per-rank speed the profile measures with
-   4 ranks on 2 cores, so the model's scaling to a whole core (`Cluster.rank_speed`) is
+   Plain torch in one process, the "compute alone" lines, ran 4-20% under the prediction in
+   every run: a lone process is faster than twice the per-rank speed the profile measures with 4
+   ranks on 2 cores, so the model's scaling to a whole core (`Cluster.rank_speed`) is
    conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
@@ -623,11 +628,12 @@ constant was tuned for this benchmark.
    ~20% of each other, so Spearman's rho over them is largely noise; `pairs_ordered_right`
    counts only pairs measured more than 10% apart.
 
-What would close the gap (not done here): a profiled term for the ranks' skew at each blocking
-collective and for a pipeline's work per microbatch; and a steadier profile (more timed runs a
-point; the overheads measured where a standalone script finds them steady). On one node the
-planner searches single-stage plans unless asked to pipeline (`pipeline=True`); its own
-data-parallel plan measured within 1.09x of the fastest plan in every run today.
+What would close the gap (not done here): the skew charged once per sync point rather than
+once per collective (back-to-back collectives wait once), a pipeline's work per microbatch, and
+a steadier profile (more timed runs a point; the overheads measured where a standalone script
+finds them steady). On one node the planner searches single-stage plans unless asked to
+pipeline (`pipeline=True`); its own data-parallel plan measured within 1.09x of the fastest
+plan in every run today.
 """
 
 
