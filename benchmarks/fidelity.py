@@ -554,14 +554,14 @@ constant was tuned for this benchmark.
      compute and the all-reduce timed apart; the MLP's tensor-parallel plan waited 64 ms a step
      in its 5 all-reduces, which the profile priced at 33 ms before these terms.
 
-   By hand, the model's compute for one rank of the data-parallel plans (a quarter of the
-   batch) came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and
-   156 ms; 4 ranks training plain torch on a quarter of the batch each, at once and without
+   By hand, the model's compute for one rank of the data-parallel plans (a quarter of the batch)
+   came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and 156 ms;
+   4 ranks training plain torch on a quarter of the batch each, at once and without
    communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
-   1.06-1.11x their prediction, ZeRO-3 0.82-0.98x, the others 1.00-1.32x. What the model still
-   leaves out: a collective's skew where collectives come back to back (a ZeRO-3 layer's
-   gathers wait once, but each is charged `sync_overhead`: the ZeRO-3 plans are the ones priced
-   above their measure), and a pipeline's work per microbatch (item 2).
+   1.00-1.08x their prediction, ZeRO-3 0.73-0.92x, the others 1.01-1.35x. What the model still
+   leaves out: a collective's skew where collectives come back to back (a ZeRO-3 layer's gathers
+   wait once, but each is charged `sync_overhead`: the ZeRO-3 plans are the ones priced above
+   their measure), and a pipeline's work per microbatch (item 2).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
@@ -577,7 +577,7 @@ constant was tuned for this benchmark.
    fastest measured. The executor's speed-ups of the session after made the single-stage plans
    faster than the pipelines: the GPipe, still predicted fastest, measured 1.14x (MLP) and 1.07x
    (GPT) the data-parallel plan, and the rank correlation fell to 0.86 and 0.84. In this run the
-   pipelines measure 1.16-1.21x (MLP) and 1.10-1.24x (GPT) their prediction. The executor's
+   pipelines measure 1.27-1.33x (MLP) and 1.22-1.35x (GPT) their prediction. The executor's
    pipelines got faster before that: a one-rank stage was planned with splits and partial sums
    on its axis of size 1 (each the whole tensor), which the executor ran through DTensor, and
    every stage's parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8)
@@ -604,9 +604,10 @@ constant was tuned for this benchmark.
    came to 58-76 ms in seven profiles taken today. Their overheads vary more: `op_overhead` 5-26
    us (a standalone script timing the same chains gave 14-16 us four times over), and
    `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-2.7
-   ms since it is the median of paired runs. In four of the five profiles this benchmark
-   launched, `op_overhead` came out at 5-6 us, against 14-26 us in every profile run by hand;
-   not explained. The runs of this benchmark today, each with the changes before it:
+   ms since it is the median of paired runs. In four of the six profiles this benchmark
+   launched, `op_overhead` came out at 5-6 us (9 and 18 us in the other two), against 14-26 us
+   in every profile run by hand; not explained. The runs of this benchmark today, each with the
+   changes before it:
 
    | cost model and profile | median error MLP / GPT | rank correlation MLP / GPT |
    |---|---|---|
@@ -616,12 +617,12 @@ constant was tuned for this benchmark.
    | + profiled right before measuring (two runs) | 16-27% / 16-25% | 0.80-0.86 / 0.92-0.95 |
    | + operands cycled through the caches (two runs) | 12-20% / 8-16% | 0.80-0.81 / 0.90-0.95 |
    | + overheads from paired runs | 18% / 10% | 0.83 / 0.91 |
-   | + `sync_overhead` (this run) | 16% / 12% | 0.88 / 0.93 |
+   | + `sync_overhead` (two runs, this one last) | 16-17% / 12% | 0.88-0.90 / 0.89-0.93 |
 
-   Plain torch in one process, the "compute alone" lines, ran 4-20% under the prediction in
-   every run: a lone process is faster than twice the per-rank speed the profile measures with 4
-   ranks on 2 cores, so the model's scaling to a whole core (`Cluster.rank_speed`) is
-   conservative.
+   Plain torch in one process, the "compute alone" lines, ran between 1% over and 20% under the
+   prediction: a lone process is mostly faster than twice the per-rank speed the profile
+   measures with 4 ranks on 2 cores, so the model's scaling to a whole core
+   (`Cluster.rank_speed`) is conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
    (most within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within
