@@ -210,7 +210,9 @@ class StepCost:
 def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts) -> StepCost:
     """The step as the executor runs it: each tensor redistributed once per placement its
     users need; in backward, the gradients of those users summed and reduced once per such
-    placement."""
+    placement. The step waits for the ranks' skew (`StepCosts.sync_s`) once per op whose inputs
+    are redistributed, once per tensor whose gradient is, and once per parameter gradient
+    reduced outside the buckets."""
     compute = memory = comm = 0.0
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
@@ -227,11 +229,14 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
                 grad = grad_spec(s.inputs[i], s.output, s.grad)
             needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
     syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
+    waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
     for (name, index, _), (user, i, grad) in needs.items():
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
         seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
         found += [(user, name, Phased(c, "forward")) for c in fwd]
+        if fwd:
+            waits.add(("forward", user))
         if grad is None:
             continue
         seconds, bwd = costs.gradient(tensor, grad, assignment[name])
@@ -240,6 +245,8 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             continue
         comm += seconds
         found += [(user, name, Phased(c, "backward")) for c in bwd]
+        if bwd:
+            waits.add(("backward", name))
     # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
     # reduce-scatters, a parameter used in several placements) are reduced one by one
     bucketed: list[GradientSync] = []
@@ -248,12 +255,14 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             bucketed.append(entries[0][1])
             continue
         for user, sync in entries:
-            comm += sum(costs.redistribution_s(c) for c in sync.collectives)
-            found += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
+            phased = [Phased(c, "grad_sync") for c in sync.collectives]
+            comm += sum(costs.phased_s(p) for p in phased)
+            found += [(user, name, p) for p in phased]
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
         for c in bucket.collectives():
             comm += costs.collective_s(c)
             found.append((GRADIENTS, f"bucket{i}", Phased(c, "grad_sync", bucket.params)))
+    comm += len(waits) * costs.sync_s
     return StepCost(compute, comm, memory, tuple(found))
 
 

@@ -410,11 +410,16 @@ def test_step_costs_add_the_measured_overheads() -> None:
     all_reduce = Collective("all_reduce", 0, 4000)
     raw = costs.collective_s(all_reduce)
     assert raw == plain.collective_s(all_reduce) > 0
-    assert costs.redistribution_s(all_reduce) == raw + 3.0 + 1.0
-    seconds, found = costs.forward(t, Strategy(output=(P,), inputs=()), replicated, 0)
-    assert found == (all_reduce,) and seconds == raw + 4.0
-    assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw
-    assert costs.phased_s(Phased(all_reduce, "backward")) == raw + 4.0
+    assert costs.redistribution_s(all_reduce) == raw + 3.0
+    partial = Strategy(output=(P,), inputs=())
+    seconds, found = costs.forward(t, partial, replicated, 0)
+    assert found == (all_reduce,) and seconds == raw + 3.0
+    # the step waits for the ranks' skew at it: sync_s, once per op (intra_op.step_cost)
+    assert (costs.sync_s, plain.sync_s) == (1.0, 0.0)
+    user = dataclasses.replace(op("u"), needs_grad=False)
+    assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0
+    assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw  # a bucket's
+    assert costs.phased_s(Phased(all_reduce, "grad_sync")) == raw + 4.0  # ZeRO's, say
     # a pipeline's activation and its gradient: two messages, each waited for
     message = collective_time(costs.cluster, "send_recv", 4000, 2, costs.cluster.inter_node)
     assert _send_time(costs.cluster, 4000) == 2 * (message + 1.0)

@@ -136,18 +136,27 @@ class StepCosts:
     def redistribution_s(self, c: Collective) -> float:
         """Seconds of one collective that the executor issues through DTensor's redistribution
         (every one but a gradient bucket's all-reduce and the loss's total weight): the
-        collective, the measured `redistribute_overhead`, and `sync_overhead`, as the step
-        waits for it right after computing."""
+        collective and the measured `redistribute_overhead`. The step waits for it: see
+        `sync_s`."""
         seconds = self.collective_s(c)
-        if seconds == 0.0:
-            return seconds
-        curves = self.cluster.curves
-        return seconds + (curves.redistribute_overhead or 0.0) + (curves.sync_overhead or 0.0)
+        overhead = self.cluster.curves.redistribute_overhead
+        return seconds if overhead is None or seconds == 0.0 else seconds + overhead
+
+    @property
+    def sync_s(self) -> float:
+        """Seconds the step waits for the ranks' skew where it blocks on collectives right after
+        computing (the measured `sync_overhead`; 0.0 where not measured): once for the
+        redistributions an op's inputs need in forward, once for a tensor's gradient in
+        backward, and once for each parameter's gradient reduced outside the buckets."""
+        return self.cluster.curves.sync_overhead or 0.0
 
     def phased_s(self, p: Phased) -> float:
-        """Seconds of a collective of the step (`intra_op.step_cost`): a gradient bucket's
-        all-reduce (it names the bucket's parameters) as issued, any other as redistributed."""
-        return self.collective_s(p.collective) if p.params else self.redistribution_s(p.collective)
+        """Seconds of a gradient synchronization of the step (`intra_op.step_cost`): a
+        bucket's all-reduce (it names the bucket's parameters) as issued, any other as
+        redistributed, waited for."""
+        if p.params:
+            return self.collective_s(p.collective)
+        return self.redistribution_s(p.collective) + self.sync_s
 
     def node_memory(self, node: Node, strategy: Strategy) -> float:
         if node.kind in (PARAM, INPUT):
@@ -213,12 +222,17 @@ class StepCosts:
         ``fan_out`` edges of a tensor carries 1/fan_out of both (exact when the users agree,
         as the q, k and v projections of one input do).
         """
-        seconds, _ = self.forward(tensor, src, dst, index)
+        seconds, found = self.forward(tensor, src, dst, index)
+        # a wait for each edge that moves anything: step_cost waits once per op, so the ILP
+        # prices an op with several redistributed inputs a little high
+        seconds += self.sync_s if found else 0.0
         if producer.needs_grad and consumer.kind != OUTPUT:
             grad = grad_spec(dst.inputs[index], dst.output, dst.grad)
             grad_s, found = self.gradient(tensor, grad, src)
             if producer.kind == PARAM:
                 grad_s = self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
+            elif found:
+                grad_s += self.sync_s
             seconds += grad_s
         return seconds / fan_out
 
@@ -227,7 +241,7 @@ class StepCosts:
         a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
         of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
         if sync.bucket_axes is None:
-            return sum(self.redistribution_s(c) for c in sync.collectives)
+            return sum(self.redistribution_s(c) + self.sync_s for c in sync.collectives)
         return sum(
             self.collective_s(c)
             if c.nbytes >= BUCKET_BYTES
