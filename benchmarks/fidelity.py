@@ -548,20 +548,22 @@ constant was tuned for this benchmark.
    - the framework's work per op (`op_overhead`) and DTensor's per redistribution
      (`redistribute_overhead`);
    - the ranks' skew at a collective that blocks the step (`sync_overhead`: a tiny all-reduce
-     right after a few ms of compute, beyond the same all-reduce after none), charged to every
-     redistribution and every message between pipeline stages. By hand, 4 ranks computing
-     3-10 ms and then all-reducing 16 B to 8 MB took 1.0-2.6 ms longer per round than the
-     compute and the all-reduce timed apart; the MLP's tensor-parallel plan waited 64 ms a step
-     in its 5 all-reduces, which the profile priced at 33 ms before these terms.
+     right after a few ms of compute, beyond the same all-reduce after none), charged once per
+     op whose inputs are redistributed, once per tensor whose gradient is, once per gradient
+     reduced outside the buckets (`intra_op.step_cost`), and for every message between pipeline
+     stages. By hand, 4 ranks computing 3-10 ms and then all-reducing 16 B to 8 MB took 1.0-2.6
+     ms longer per round than the compute and the all-reduce timed apart; the MLP's tensor-
+     parallel plan waited 64 ms a step in its 5 all-reduces, which the profile priced at 33 ms
+     before these terms.
 
    By hand, the model's compute for one rank of the data-parallel plans (a quarter of the batch)
    came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and 156 ms;
    4 ranks training plain torch on a quarter of the batch each, at once and without
    communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
-   1.00-1.08x their prediction, ZeRO-3 0.73-0.92x, the others 1.01-1.35x. What the model still
-   leaves out: a collective's skew where collectives come back to back (a ZeRO-3 layer's gathers
-   wait once, but each is charged `sync_overhead`: the ZeRO-3 plans are the ones priced above
-   their measure), and a pipeline's work per microbatch (item 2).
+   1.06-1.16x their prediction, ZeRO-3 0.93-1.12x (charged once per collective, the skew had
+   priced it up to 1.4x too high in the runs before), the others 1.12-1.39x. What the model
+   still leaves out: a pipeline's work per microbatch (item 2), and whatever else makes tensor-
+   parallel steps wait longer than their collectives (1.19-1.36x here).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
@@ -577,7 +579,7 @@ constant was tuned for this benchmark.
    fastest measured. The executor's speed-ups of the session after made the single-stage plans
    faster than the pipelines: the GPipe, still predicted fastest, measured 1.14x (MLP) and 1.07x
    (GPT) the data-parallel plan, and the rank correlation fell to 0.86 and 0.84. In this run the
-   pipelines measure 1.27-1.33x (MLP) and 1.22-1.35x (GPT) their prediction. The executor's
+   pipelines measure 1.24-1.39x (MLP) and 1.14-1.29x (GPT) their prediction. The executor's
    pipelines got faster before that: a one-rank stage was planned with splits and partial sums
    on its axis of size 1 (each the whole tensor), which the executor ran through DTensor, and
    every stage's parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8)
@@ -600,11 +602,12 @@ constant was tuned for this benchmark.
 4. **The host's speed drifts, and the profile is noisy.** This benchmark profiles the host right
    before measuring (`benchmarks/results/fidelity-profile.json`), so that both see the same
    host; two runs with the same code still measure the same plans within ~6% but predict them up
-   to ~15% apart, because profiles differ: the model's compute for the MLP's data-parallel plan
-   came to 58-76 ms in seven profiles taken today. Their overheads vary more: `op_overhead` 5-26
-   us (a standalone script timing the same chains gave 14-16 us four times over), and
+   to 45% apart, because profiles differ: the model's compute for the MLP's data-parallel plan
+   came to 58-96 ms across today's runs (96 ms in one whose profile found the host's compute
+   ~35% slower than the others did). Their overheads vary more: `op_overhead` 5-26 us (a
+   standalone script timing the same chains gave 14-16 us four times over), and
    `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-2.7
-   ms since it is the median of paired runs. In four of the six profiles this benchmark
+   ms since it is the median of paired runs. In six of the eight profiles this benchmark
    launched, `op_overhead` came out at 5-6 us (9 and 18 us in the other two), against 14-26 us
    in every profile run by hand; not explained. The runs of this benchmark today, each with the
    changes before it:
@@ -617,9 +620,10 @@ constant was tuned for this benchmark.
    | + profiled right before measuring (two runs) | 16-27% / 16-25% | 0.80-0.86 / 0.92-0.95 |
    | + operands cycled through the caches (two runs) | 12-20% / 8-16% | 0.80-0.81 / 0.90-0.95 |
    | + overheads from paired runs | 18% / 10% | 0.83 / 0.91 |
-   | + `sync_overhead` (two runs, this one last) | 16-17% / 12% | 0.88-0.90 / 0.89-0.93 |
+   | + `sync_overhead` (two runs) | 16-17% / 12% | 0.88-0.90 / 0.89-0.93 |
+   | + skew once per wait (two runs, this one last) | 13-22% / 14-20% | 0.86 / 0.93-0.94 |
 
-   Plain torch in one process, the "compute alone" lines, ran between 1% over and 20% under the
+   Plain torch in one process, the "compute alone" lines, ran between 1% over and 28% under the
    prediction: a lone process is mostly faster than twice the per-rank speed the profile
    measures with 4 ranks on 2 cores, so the model's scaling to a whole core
    (`Cluster.rank_speed`) is conservative.
@@ -629,12 +633,12 @@ constant was tuned for this benchmark.
    ~20% of each other, so Spearman's rho over them is largely noise; `pairs_ordered_right`
    counts only pairs measured more than 10% apart.
 
-What would close the gap (not done here): the skew charged once per sync point rather than
-once per collective (back-to-back collectives wait once), a pipeline's work per microbatch, and
-a steadier profile (more timed runs a point; the overheads measured where a standalone script
-finds them steady). On one node the planner searches single-stage plans unless asked to
-pipeline (`pipeline=True`); its own data-parallel plan measured within 1.09x of the fastest
-plan in every run today.
+What would close the gap (not done here): a pipeline's work per microbatch priced, and above
+all a steadier profile (more timed runs a point; the overheads measured where a standalone
+script finds them steady): the profile, not the model, now moves the errors most from run to
+run. On one node the planner searches single-stage plans unless asked to pipeline
+(`pipeline=True`); its own data-parallel plan measured within 1.09x of the fastest plan in
+every run today.
 """
 
 
