@@ -552,9 +552,9 @@ constant was tuned for this benchmark.
      op whose inputs are redistributed, once per tensor whose gradient is, once per gradient
      reduced outside the buckets (`intra_op.step_cost`), and for every message between pipeline
      stages. By hand, 4 ranks computing 3-10 ms and then all-reducing 16 B to 8 MB took 1.0-2.6
-     ms longer per round than the compute and the all-reduce timed apart; the MLP's tensor-
-     parallel plan waited 64 ms a step in its 5 all-reduces, which the profile priced at 33 ms
-     before these terms.
+     ms longer per round than the compute and the all-reduce timed apart; the MLP's
+     tensor-parallel plan waited 64 ms a step in its 5 all-reduces, which the profile priced at
+     33 ms before these terms.
 
    By hand, the model's compute for one rank of the data-parallel plans (a quarter of the batch)
    came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and 156 ms;
@@ -562,8 +562,8 @@ constant was tuned for this benchmark.
    communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
    1.06-1.16x their prediction, ZeRO-3 0.93-1.12x (charged once per collective, the skew had
    priced it up to 1.4x too high in the runs before), the others 1.12-1.39x. What the model
-   still leaves out: a pipeline's work per microbatch (item 2), and whatever else makes tensor-
-   parallel steps wait longer than their collectives (1.19-1.36x here).
+   still leaves out: a pipeline's work per microbatch (item 2), and whatever else makes
+   tensor-parallel steps wait longer than their collectives (1.19-1.36x here).
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
