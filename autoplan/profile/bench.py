@@ -6,9 +6,9 @@ many calls make one timed run (enough for ~20 ms, so small sizes are not lost in
 barrier noise; a slow first call timed here left tiny ops ~50x too slow), then `repeats` runs
 are timed and each run's time per call is the slowest rank's (all_reduce MAX), because a step
 waits for its slowest rank; the median run is kept. Every rank runs the operation at once, as in
-training, and matmuls, element-wise ops and GELU cycle through operands larger than the caches
-(`_cold`), as a step streams its tensors: matmuls and element-wise ops on every device, a
-collective on all its groups. A run of local ops (matmul, element-wise, activation, op chains)
+training: local ops on every device, a collective on all its groups. Matmuls, element-wise ops
+and GELU cycle through operands larger than the caches (`_cold`), as a step streams its tensors
+through them. A run of local ops (matmul, element-wise, activation, op chains)
 ends with a barrier inside the clock: ranks that share cores (CPU ranks) start their clocks only
 when scheduled, so without it each would time itself alone and miss the contention (the barrier
 adds its latency, a few % of a run). Collectives wait for their group anyway. The decisions
@@ -185,7 +185,7 @@ class _Bench:
             self._report(index, task, i)
             op = self._operation(task, size)
             xs.append(x)
-            seconds.append(self._seconds(op, max(task.repeats, self.settings.repeats)) * op.scale)
+            seconds.append(self._seconds(op, self._repeats(task)) * op.scale)
             del op  # free this size's tensors before the next, larger ones
             nxt = i + 1
             if nxt < len(task.xs) and seconds[-1] * task.xs[nxt] / x > self.settings.max_seconds:
@@ -210,7 +210,7 @@ class _Bench:
         ops = [self._operation(task, size) for size in task.sizes]
         calls = [self._calls(op) for op in ops]
         runs: list[list[float]] = [[], []]
-        for _ in range(max(task.repeats, self.settings.repeats)):
+        for _ in range(self._repeats(task)):
             for op, count, found in zip(ops, calls, runs, strict=True):
                 found.append(self._timed(op, count))
         first, second = (self._slowest(found) for found in runs)
@@ -219,6 +219,10 @@ class _Bench:
         return max(
             0.0, statistics.median((b - a) / per_x for a, b in zip(first, second, strict=True))
         )
+
+    def _repeats(self, task: Task) -> int:
+        """Timed runs per point: `Settings.repeats`, or the task's own minimum if higher."""
+        return max(task.repeats, self.settings.repeats)
 
     def _seconds(self, op: _Op, repeats: int) -> float:
         """Median over the timed runs of the slowest rank's seconds per call of `op`."""

@@ -33,9 +33,10 @@ SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # the ranks reach it at different times (by hand, 4 ranks on 2 cores: 1-2.6 ms)
 SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
 SYNC_WORK_CALLS = 2
-# redistribute_overhead: what DTensor's redistribution (Partial to Replicate, forward and
-# backward) of a tiny tensor costs beyond the all-reduce it issues; every redistribution of a
-# plan goes through it (execute/interpreter.py), the gradient buckets' all-reduces do not
+# (redistribute_overhead, measured with no constant of its own: what DTensor's redistribution,
+# Partial to Replicate, forward and backward, of a tiny tensor costs beyond the all-reduce it
+# issues; every redistribution of a plan goes through it, the gradient buckets' all-reduces do
+# not)
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
 # one op is the slope between them (what the chain's ends, the loss and backward() cost, drops)
 OVERHEAD_CHAINS = (8, 64)
@@ -59,7 +60,8 @@ class Task:
     """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster.py`).
 
     `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation:
-    elements per tensor; collective: bytes; op_overhead: ops in the chain) and `xs[i]` the
+    elements per tensor; collective: bytes; op_overhead: ops in the chain; the other overheads:
+    0 for the operation without what is measured, 1 for the one with it) and `xs[i]` the
     curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's nbytes, ops).
     `groups` are the rank groups a collective runs on, all at once.
     """

@@ -241,7 +241,7 @@ class StepCosts:
         a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
         of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
         if sync.bucket_axes is None:
-            return sum(self.redistribution_s(c) + self.sync_s for c in sync.collectives)
+            return sum(self.phased_s(Phased(c, "grad_sync")) for c in sync.collectives)
         return sum(
             self.collective_s(c)
             if c.nbytes >= BUCKET_BYTES
