@@ -298,8 +298,11 @@ class Cluster:
         nodes = {self.node_of(r) for r in ranks}
         return self.inter_node if len(nodes) > 1 else self.intra_node
 
-    def axis_link(self, shape: tuple[int, ...], axis: int, *, first_rank: int = 0) -> Link:
-        """The slowest link any rank group along mesh axis `axis` of `shape` uses.
+    def axis_link(
+        self, shape: tuple[int, ...], axis: int | tuple[int, ...], *, first_rank: int = 0
+    ) -> Link:
+        """The slowest link any rank group along mesh axis `axis` of `shape` uses (along
+        several axes together, for a tuple: see `mesh_groups`).
 
         The mesh is laid row-major over ranks first_rank .. first_rank + prod(shape) - 1; with the
         default first_rank=0 and prod(shape) == num_devices it is the whole cluster. A submesh
@@ -447,23 +450,28 @@ class Cluster:
 # -------------------------------------------------------------------- mesh helpers
 
 
-def mesh_groups(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], ...]:
+def mesh_groups(shape: tuple[int, ...], axis: int | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The rank groups that communicate along mesh axis `axis` of a mesh of `shape` laid
     row-major over ranks 0..prod(shape)-1 (last axis fastest). Groups come in row-major order
-    of the other axes; each group lists its ranks in increasing mesh coordinate.
+    of the other axes; each group lists its ranks in increasing mesh coordinate. A tuple of
+    axes gives the groups along all of them together (DeviceMesh's flattened groups).
 
     mesh_groups((2, 4), 1) == ((0, 1, 2, 3), (4, 5, 6, 7));
-    mesh_groups((2, 4), 0) == ((0, 4), (1, 5), (2, 6), (3, 7)).
+    mesh_groups((2, 4), 0) == ((0, 4), (1, 5), (2, 6), (3, 7));
+    mesh_groups((2, 2, 2), (0, 2)) == ((0, 1, 4, 5), (2, 3, 6, 7)).
     """
     if not shape or not all(_is_int(d) and d >= 1 for d in shape):
         raise MeshShapeError(f"mesh shape {_fmt_shape(shape)} must have integer axes >= 1")
-    if not -len(shape) <= axis < len(shape):
-        raise MeshShapeError(
-            f"mesh axis {axis} does not exist in mesh shape {_fmt_shape(shape)}; "
-            f"use 0..{len(shape) - 1}"
-        )
+    axes = (axis,) if isinstance(axis, int) else axis
+    for a in axes:
+        if not -len(shape) <= a < len(shape):
+            raise MeshShapeError(
+                f"mesh axis {a} does not exist in mesh shape {_fmt_shape(shape)}; "
+                f"use 0..{len(shape) - 1}"
+            )
     ranks = np.arange(math.prod(shape)).reshape(shape)
-    rows = np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis])
+    size = math.prod(shape[a] for a in axes)
+    rows = np.moveaxis(ranks, axes, range(-len(axes), 0)).reshape(-1, size)
     return tuple(tuple(int(r) for r in row) for row in rows)
 
 

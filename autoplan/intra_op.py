@@ -259,9 +259,10 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
             comm += sum(costs.phased_s(p) for p in phased)
             found += [(user, name, p) for p in phased]
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
-        for c in bucket.collectives():
-            comm += costs.collective_s(c)
-            found.append((GRADIENTS, f"bucket{i}", Phased(c, "grad_sync", bucket.params)))
+        comm += costs.collective_s(bucket.collective)
+        found.append(
+            (GRADIENTS, f"bucket{i}", Phased(bucket.collective, "grad_sync", bucket.params))
+        )
     comm += len(waits) * costs.sync_s
     return StepCost(compute, comm, memory, tuple(found))
 

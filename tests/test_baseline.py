@@ -95,7 +95,7 @@ def test_gpt_tensor_parallel_matches_the_hand_written_megatron_pins(
     # input gradient in backward
     activations = [c for c in plan.collectives if c.phase != "grad_sync"]
     assert len(activations) == 4 * GPT["num_layers"]
-    assert {(c.kind, c.axis) for c in activations} == {("all_reduce", "tp")}
+    assert {(c.kind, c.axes) for c in activations} == {("all_reduce", ("tp",))}
 
 
 def test_mlp_alternates_column_and_row_and_leaves_an_unpaired_last_layer() -> None:
@@ -124,7 +124,7 @@ def test_data_parallel_splits_the_batch_and_zero3_stores_params_split(
     assert all(p.placements == {"dp": "R"} for p in plan.params.values())
     inputs = [n for n in plan.nodes.values() if n.op == "input"]
     assert len(inputs) == 2 and all(n.output == {"dp": "S(0)"} for n in inputs)
-    kinds = {(c.kind, c.phase) for c in plan.collectives if c.axis == "dp"}
+    kinds = {(c.kind, c.phase) for c in plan.collectives if c.axes == ("dp",)}
     assert ("all_gather", "forward") in kinds and ("reduce_scatter", "grad_sync") in kinds
     assert ("all_reduce", "grad_sync") not in kinds
 
@@ -144,7 +144,7 @@ def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.
         for n in plan.nodes.values():
             if n.op in ("aten.linear.default", "aten.scaled_dot_product_attention.default"):
                 assert n.output["dp"] == "S(0)"  # every rank of a tp group: its own batch slice
-        assert {c.axis for c in plan.collectives if c.phase == "grad_sync"} == {"dp"}
+        assert {c.axes for c in plan.collectives if c.phase == "grad_sync"} == {("dp",)}
 
 
 def test_zero3_on_2d_keeps_the_dp_shard_off_the_tp_split_dim(a100: autoplan.Cluster) -> None:
@@ -328,7 +328,7 @@ def _bucket_s(plan: Plan, cluster: autoplan.Cluster) -> float:
     axes = plan.stage_axes
     costs = StepCosts(cluster, plan.mesh.shape[-len(axes) :], "adamw")
     return sum(
-        costs.collective_s(Collective(c.kind, axes.index(c.axis), c.bytes))
+        costs.collective_s(Collective(c.kind, tuple(axes.index(a) for a in c.axes), c.bytes))
         for c in plan.collectives
         if c.params
     )
@@ -346,14 +346,14 @@ def _check_stages_price_as_one_microbatch(
         one.predicted.comm_s - _bucket_s(one, half), rel=1e-12
     )
 
-    def key(c: CollectivePlan) -> tuple[str, str, str, int]:
-        return (c.kind, c.axis, c.phase, c.bytes)
+    def key(c: CollectivePlan) -> tuple[str, tuple[str, ...], str, int]:
+        return (c.kind, c.axes, c.phase, c.bytes)
 
-    def unbucketed(p: Plan) -> list[tuple[str, str, str, int]]:
+    def unbucketed(p: Plan) -> list[tuple[str, tuple[str, ...], str, int]]:
         return sorted(key(c) for c in p.collectives if not c.params)
 
-    def bucketed(p: Plan) -> list[tuple[str, str]]:
-        return sorted((c.axis, name) for c in p.collectives for name in c.params)
+    def bucketed(p: Plan) -> list[tuple[tuple[str, ...], str]]:
+        return sorted((c.axes, name) for c in p.collectives for name in c.params)
 
     assert unbucketed(plan) == unbucketed(one)
     assert bucketed(plan) == bucketed(one)
@@ -386,8 +386,8 @@ def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
     assert {name: p.storage["tp"] for name, p in plan.params.items()} == megatron
     for s in (0, 1):
         activations = [c for c in plan.collectives if c.stage == s and c.phase != "grad_sync"]
-        assert len(activations) == 4 and {(c.kind, c.axis) for c in activations} == {
-            ("all_reduce", "tp")
+        assert len(activations) == 4 and {(c.kind, c.axes) for c in activations} == {
+            ("all_reduce", ("tp",))
         }
     _check_stages_price_as_one_microbatch(
         plan, _one_microbatch(w, cpu4, 2, dp=1, tp=2), cpu4, _half(cpu4)
@@ -409,8 +409,8 @@ def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Clus
         if n.op in ("aten.linear.default", "aten.scaled_dot_product_attention.default"):
             assert n.output["dp"] == "S(0)"  # each dp group: its slice of the microbatch
     for s in (0, 1):  # each stage synchronizes its own parameters' gradients, on dp
-        assert {c.axis for c in plan.collectives if c.stage == s and c.phase == "grad_sync"} == {
-            "dp"
+        assert {c.axes for c in plan.collectives if c.stage == s and c.phase == "grad_sync"} == {
+            ("dp",)
         }
     _check_stages_price_as_one_microbatch(
         plan, _one_microbatch(w, a100, 2, dp=2, tp=2), a100, _half(a100)

@@ -12,7 +12,7 @@ from tests.conftest import example, plan_example, plan_workload
 def _sync(
     name: str, nbytes: int, axes: tuple[int, ...] = (0,), dtype: str = "float32"
 ) -> GradientSync:
-    return GradientSync(name, dtype, tuple(Collective("all_reduce", a, nbytes) for a in axes))
+    return GradientSync(name, dtype, tuple(Collective("all_reduce", (a,), nbytes) for a in axes))
 
 
 def test_buckets_fill_in_backward_order_up_to_the_cap() -> None:
@@ -57,22 +57,43 @@ def test_buckets_hold_one_dtype_and_one_set_of_axes_and_come_in_the_order_they_f
 
 def test_only_all_reduce_gradients_are_bucketed() -> None:
     assert _sync("w", 8, axes=(0, 1)).bucket_axes == (0, 1)
-    zero = GradientSync("w", "float32", (Collective("reduce_scatter", 0, 8),))
+    zero = GradientSync("w", "float32", (Collective("reduce_scatter", (0,), 8),))
     assert zero.bucket_axes is None
     assert GradientSync("w", "float32", ()).bucket_axes is None
+
+
+def test_a_bucket_over_several_axes_is_one_all_reduce_over_their_ranks_together(
+    cpu4: autoplan.Cluster,
+) -> None:
+    (bucket,) = make_buckets([_sync("a", 4096, axes=(0, 1)), _sync("b", 4096, axes=(0, 1))])
+    assert bucket.collective == Collective("all_reduce", (0, 1), 8192)
+    costs = StepCosts(cpu4, (2, 2), "adamw")
+    flat = StepCosts(cpu4, (4,), "adamw")
+    assert costs.collective_s(bucket.collective) == flat.collective_s(
+        Collective("all_reduce", (0,), 8192)
+    )
+    assert costs.grad_sync_s(_sync("a", 4096, axes=(0, 1))) == flat.grad_sync_s(_sync("a", 4096))
+
+
+def test_a_data_parallel_plan_on_a_2d_mesh_buckets_over_both_axes(
+    cpu4: autoplan.Cluster,
+) -> None:
+    plan = plan_example("mlp", cpu4, (2, 2), batch_size=65536, hidden=32)
+    grad_syncs = [c for c in plan.collectives if c.phase == "grad_sync"]
+    assert grad_syncs and all(c.axes == ("dp0", "dp1") and c.params for c in grad_syncs)
 
 
 def test_the_ilp_prices_a_bucketable_gradient_at_its_share_of_a_full_bucket(
     cpu4: autoplan.Cluster,
 ) -> None:
     costs = StepCosts(cpu4, (4,), "adamw")
-    full = costs.collective_s(Collective("all_reduce", 0, BUCKET_BYTES))
+    full = costs.collective_s(Collective("all_reduce", (0,), BUCKET_BYTES))
     small = _sync("b", 1024)
     assert costs.grad_sync_s(small) == full * 1024 / BUCKET_BYTES
     assert costs.grad_sync_s(small) < costs.collective_s(small.collectives[0])  # no latency
     big = _sync("w", 2 * BUCKET_BYTES)
     assert costs.grad_sync_s(big) == costs.collective_s(big.collectives[0])
-    zero = GradientSync("w", "float32", (Collective("reduce_scatter", 0, 1024),))
+    zero = GradientSync("w", "float32", (Collective("reduce_scatter", (0,), 1024),))
     assert costs.grad_sync_s(zero) == costs.collective_s(zero.collectives[0])
 
 
@@ -81,9 +102,9 @@ def test_a_data_parallel_mlp_reduces_all_its_gradients_in_one_bucket(
 ) -> None:
     plan = plan_example("mlp", cpu4, (4,), batch_size=65536, hidden=32)
     (bucket,) = [c for c in plan.collectives if c.phase == "grad_sync"]
-    assert (bucket.kind, bucket.axis, bucket.node, bucket.tensor) == (
+    assert (bucket.kind, bucket.axes, bucket.node, bucket.tensor) == (
         "all_reduce",
-        "dp",
+        ("dp",),
         "gradients",
         "bucket0",
     )

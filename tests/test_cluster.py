@@ -235,6 +235,15 @@ def test_mesh_groups_3d() -> None:
     assert mesh_groups((2, 2, 2), 1) == ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
+def test_mesh_groups_along_several_axes_are_the_flattened_groups() -> None:
+    # the ranks that differ only along the axes, in row-major order of those axes
+    assert mesh_groups((2, 2, 2), (0, 2)) == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert mesh_groups((2, 4), (0, 1)) == ((0, 1, 2, 3, 4, 5, 6, 7),)
+    assert mesh_groups((2, 2, 2), (1,)) == mesh_groups((2, 2, 2), 1)
+    with pytest.raises(MeshShapeError, match="axis 3"):
+        mesh_groups((2, 2, 2), (0, 3))
+
+
 def test_mesh_shapes() -> None:
     assert mesh_shapes(4, 1) == ((4,),)
     assert mesh_shapes(4, 2) == ((1, 4), (2, 2), (4, 1))
@@ -267,6 +276,9 @@ def test_axis_link_two_nodes() -> None:
     assert cluster.axis_link((8, 2), 0) == cluster.inter_node
     assert cluster.axis_link((8, 2), 1) == cluster.intra_node
     assert cluster.axis_link((16,), 0) == cluster.inter_node
+    # several axes together: slow if their groups span nodes
+    assert cluster.axis_link((2, 2, 4), (1, 2)) == cluster.intra_node
+    assert cluster.axis_link((2, 2, 4), (0, 2)) == cluster.inter_node
     # A one-node submesh, wherever it starts on a node boundary, stays inside the node.
     assert cluster.axis_link((2, 4), 0) == cluster.intra_node
     assert cluster.axis_link((2, 4), 0, first_rank=8) == cluster.intra_node

@@ -37,7 +37,7 @@ def test_two_runs_give_byte_identical_json(plan: autoplan.Plan, cpu4: autoplan.C
 
 def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
     doc = json.loads(plan.to_json())
-    assert doc["version"] == 4
+    assert doc["version"] == 5
     for key in (
         "provenance",
         "mesh",
@@ -58,7 +58,7 @@ def test_document_has_the_promised_fields(plan: autoplan.Plan) -> None:
 _COLLECTIVE = {
     "kind": "all_reduce",
     "bytes": 4,
-    "axis": "tp0",
+    "axes": ["tp0"],
     "phase": "forward",
     "node": "output",
     "tensor": "x",
@@ -83,7 +83,27 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
             "params.head.weight.placements",
         ),
         (lambda d: d["predicted"].pop("comm_s"), "predicted.comm_s"),
-        (lambda d: d["collectives"].append(dict(_COLLECTIVE, axis="zz")), "collectives[].axis"),
+        (
+            lambda d: d["collectives"].append(dict(_COLLECTIVE, axes=["zz"])),
+            "collectives[].axes[]",
+        ),
+        (lambda d: d["collectives"].append(dict(_COLLECTIVE, axes=[])), "collectives[].axes"),
+        (
+            lambda d: d["collectives"].append(dict(_COLLECTIVE, axes=["dp0", "tp0"])),
+            "collectives[].axes",
+        ),
+        (
+            lambda d: d["collectives"].append(
+                dict(
+                    _COLLECTIVE,
+                    axes=["tp0", "dp0"],
+                    node="gradients",
+                    phase="grad_sync",
+                    params=["tok_emb_w"],
+                )
+            ),
+            "collectives[].axes",
+        ),
         (lambda d: d["collectives"].append(dict(_COLLECTIVE, node="nope")), "collectives[].node"),
         (lambda d: d.update(nodes=[]), "nodes"),
         (

@@ -407,7 +407,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     param = dataclasses.replace(op("w"), kind=PARAM)
     assert costs.node_time(param, replicated) == plain.node_time(param, replicated) + 0.5
     # a redistribution pays DTensor's overhead; a gradient bucket's all-reduce does not
-    all_reduce = Collective("all_reduce", 0, 4000)
+    all_reduce = Collective("all_reduce", (0,), 4000)
     raw = costs.collective_s(all_reduce)
     assert raw == plain.collective_s(all_reduce) > 0
     assert costs.redistribution_s(all_reduce) == raw + 3.0

@@ -15,23 +15,25 @@ def test_redistribute_by_hand() -> None:
     shape, mesh = (8, 16), (4,)
     full = 8 * 16 * 4  # bytes of the whole fp32 tensor
     assert redistribute(("R",), ("S(0)",), shape, 4, mesh) == ()  # a local slice
-    assert redistribute(("P",), ("R",), shape, 4, mesh) == (Collective("all_reduce", 0, full),)
+    assert redistribute(("P",), ("R",), shape, 4, mesh) == (Collective("all_reduce", (0,), full),)
     assert redistribute(("P",), ("S(1)",), shape, 4, mesh) == (
-        Collective("reduce_scatter", 0, full),
+        Collective("reduce_scatter", (0,), full),
     )
-    assert redistribute(("S(0)",), ("R",), shape, 4, mesh) == (Collective("all_gather", 0, full),)
+    assert redistribute(("S(0)",), ("R",), shape, 4, mesh) == (
+        Collective("all_gather", (0,), full),
+    )
     assert redistribute(("S(0)",), ("S(1)",), shape, 4, mesh) == (
-        Collective("all_to_all", 0, full // 4),
+        Collective("all_to_all", (0,), full // 4),
     )
 
 
 def test_redistribute_on_2d_mesh_counts_the_other_axis_split() -> None:
     # (2, 2) mesh: axis 0 gathers dim 0 while axis 1 still splits dim 1 in two
     found = redistribute(("S(0)", "S(1)"), ("R", "S(1)"), (8, 16), 4, (2, 2))
-    assert found == (Collective("all_gather", 0, 8 * 8 * 4),)
+    assert found == (Collective("all_gather", (0,), 8 * 8 * 4),)
     # nothing split in the source: outer axis first, as DTensor does
     found = redistribute(("P", "P"), ("R", "R"), (4,), 2, (2, 2))
-    assert found == (Collective("all_reduce", 0, 8), Collective("all_reduce", 1, 8))
+    assert found == (Collective("all_reduce", (0,), 8), Collective("all_reduce", (1,), 8))
 
 
 def test_redistribute_matches_dtensor_order_and_nesting() -> None:
@@ -40,13 +42,16 @@ def test_redistribute_matches_dtensor_order_and_nesting() -> None:
     mib = 2**20
     # gather the inner axis first, then reduce the full tensor on the outer one
     found = redistribute(("P", "S(1)"), ("R", "R"), (512, 512), 4, (2, 2))
-    assert found == (Collective("all_gather", 1, mib), Collective("all_reduce", 0, mib))
+    assert found == (Collective("all_gather", (1,), mib), Collective("all_reduce", (0,), mib))
     # dim 1 split on both axes: changing the outer split needs the inner one gathered first
     found = redistribute(("S(1)", "S(1)"), ("R", "S(1)"), (256, 256), 4, (2, 2))
-    assert found == (Collective("all_gather", 1, 131072), Collective("all_gather", 0, 262144))
+    assert found == (Collective("all_gather", (1,), 131072), Collective("all_gather", (0,), 262144))
     # partial on both axes, nothing split: outer axis first, both on the whole 512 KiB
     found = redistribute(("P", "P"), ("R", "S(0)"), (256, 512), 4, (2, 2))
-    assert found == (Collective("all_reduce", 0, 2**19), Collective("reduce_scatter", 1, 2**19))
+    assert found == (
+        Collective("all_reduce", (0,), 2**19),
+        Collective("reduce_scatter", (1,), 2**19),
+    )
 
 
 def test_gradient_placements() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ _KINDS = {
 @dataclass(frozen=True)
 class Issued:
     kind: str
-    axis: str
+    axes: tuple[str, ...]  # the group's mesh axes, as the plan names them
     bytes: int  # as the plan counts them: all_gather its output, the others their input
     op: str  # the DTensor op (or redistribute) that issued it, for reports
 
@@ -47,9 +48,12 @@ class CollectiveRecorder(TorchDispatchMode):
         super().__init__()
         names = mesh.mesh_dim_names or ()
         # by the ranks of the group, not its name: DTensor may run an op on another mesh equal
-        # to this one (its caches compare meshes by value), whose groups have other names
-        self.axis_of: dict[tuple[int, ...], str] = {
-            tuple(dist.get_process_group_ranks(mesh.get_group(a))): a for a in names
+        # to this one (its caches compare meshes by value), whose groups have other names; a
+        # bucket's group may span several axes (their flattened group)
+        self.axes_of: dict[tuple[int, ...], tuple[str, ...]] = {
+            tuple(sorted(mesh[axes].mesh.flatten().tolist())): axes
+            for n in range(len(names), 0, -1)
+            for axes in itertools.combinations(names, n)
         }
         self.issued: list[Issued] = []
         self._op = "redistribute"
@@ -76,23 +80,23 @@ class CollectiveRecorder(TorchDispatchMode):
         return out
 
     def _note(self, kind: str, group: dist.ProcessGroup, nbytes: int, op: str) -> None:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        axis = self.axis_of.get(ranks, f"ranks {list(ranks)}")
-        self.issued.append(Issued(kind, axis, nbytes, op))
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        axes = self.axes_of.get(ranks, (f"ranks {list(ranks)}",))
+        self.issued.append(Issued(kind, axes, nbytes, op))
 
 
-def planned(plan: Plan) -> Counter[tuple[str, str, int]]:
+def planned(plan: Plan) -> Counter[tuple[str, tuple[str, ...], int]]:
     """What one step of ``plan`` issues on this rank's stage: forward and backward collectives
     once per microbatch, gradient synchronization once."""
     rank = dist.get_rank()
     mine = next(s for s, stage in enumerate(plan.stages) if rank in stage.ranks)
     times = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    counts: Counter[tuple[str, str, int]] = Counter()
+    counts: Counter[tuple[str, tuple[str, ...], int]] = Counter()
     for c in plan.collectives:
         if c.stage == mine:
-            counts[(c.kind, c.axis, c.bytes)] += 1 if c.phase == "grad_sync" else times
+            counts[(c.kind, c.axes, c.bytes)] += 1 if c.phase == "grad_sync" else times
     return counts
 
 
-def issued(records: Iterable[Issued]) -> Counter[tuple[str, str, int]]:
-    return Counter((r.kind, r.axis, r.bytes) for r in records)
+def issued(records: Iterable[Issued]) -> Counter[tuple[str, tuple[str, ...], int]]:
+    return Counter((r.kind, r.axes, r.bytes) for r in records)

@@ -8,11 +8,11 @@ map and zero (in a profile of data-parallel GPT on 4 CPU ranks sharing 2 cores, 
 14 MB took ~20 ms a step into a fresh buffer, ~1 ms into the kept one). A gradient therefore
 stays valid only until the next backward pass writes over it. DTensor has no bucketed
 reduction of its own (DDP and FSDP each write theirs over plain tensors), so the bucketing is
-ours. The collective is torch's: along one axis, c10d's in-place all-reduce on
-the axis's group, as DDP's reducer issues it (DTensor's redistribute is a functional,
-out-of-place all-reduce: one more copy of the whole bucket, ~5% of a data-parallel GPT step
-on 4 CPU ranks); along several axes, DTensor's Partial -> Replicate redistribute, one
-all-reduce per axis in mesh order, as the plan lists them.
+ours. The collective is torch's: c10d's in-place all-reduce, as DDP's reducer issues it
+(DTensor's redistribute is a functional, out-of-place all-reduce: one more copy of the whole
+bucket, ~5% of a data-parallel GPT step on 4 CPU ranks), on the group of the bucket's axis, or
+of its axes together (DeviceMesh's flattened group: one all-reduce rather than one per axis,
+as strategies/buckets.py explains).
 
 A parameter whose every use runs locally on its stored shard has a plain local leaf in the
 step (`autoplan.execute.step.local_leaves`): autograd accumulates its gradient as a plain tensor,
@@ -31,13 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.errors import AutoplanError
 from autoplan.execute.placements import to_dtensor
 from autoplan.plan.schema import Plan
-from autoplan.torch_private import queue_backward_callback, wait_collective
+from autoplan.torch_private import queue_backward_callback
 
 
 @dataclass
@@ -45,11 +45,10 @@ class _Bucket:
     name: str
     fqns: tuple[str, ...]  # in the order of the flat buffer
     axes: tuple[str, ...]
-    mesh: DeviceMesh | None = None  # the stage's mesh sliced to ``axes``
+    group: dist.ProcessGroup  # the ranks along ``axes`` (flattened, for several)
     arrived: set[str] = field(default_factory=set)
     flat: torch.Tensor | None = None  # the gradients, flat: allocated once, reused each step
-    reduced: torch.Tensor | None = None  # the flat buffer, all-reduced (asynchronously)
-    work: dist.Work | None = None  # the in-place all-reduce of ``reduced``, when c10d's
+    work: dist.Work | None = None  # the in-place all-reduce of ``flat``, in flight
     # the gradients as DTensor views of ``flat``, made once: c10d reduces ``flat`` in place
     views: dict[str, DTensor] = field(default_factory=dict)
 
@@ -74,15 +73,12 @@ class GradientReducer:
         self.mesh = mesh
         self.axes = plan.stage_axes
         self.storage = {f: to_dtensor(plan.params[f].storage, self.axes) for f in self.params}
-        buckets: dict[str, _Bucket] = {}
-        for c in plan.collectives:
-            if c.stage == stage and c.params:
-                fqns = tuple(plan.nodes[name].module for name in c.params)
-                bucket = buckets.setdefault(c.tensor, _Bucket(c.tensor, fqns, ()))
-                bucket.axes += (c.axis,)
-        for bucket in buckets.values():
-            bucket.mesh = mesh[bucket.axes]
-        self.buckets = list(buckets.values())  # issued in this order on every rank
+        buckets = [c for c in plan.collectives if c.params and c.stage == stage]
+        groups = {a: _group(mesh, a) for a in sorted({c.axes for c in buckets})}
+        self.buckets = [  # issued in this order on every rank
+            _Bucket(c.tensor, tuple(plan.nodes[p].module for p in c.params), c.axes, groups[c.axes])
+            for c in buckets
+        ]
         self.bucket_of = {fqn: b for b in self.buckets for fqn in b.fqns}
         self.leaves: dict[str, torch.Tensor] = {}  # local leaves, by FQN (see on_arrival)
         self._issued = 0
@@ -217,8 +213,6 @@ class GradientReducer:
 
     @torch.no_grad()
     def _issue(self, bucket: _Bucket) -> None:
-        assert bucket.mesh is not None
-        dims = [self.axes.index(a) for a in bucket.axes]
         shards: list[torch.Tensor] = []
         for fqn in bucket.fqns:
             if fqn in self.leaves:
@@ -239,15 +233,7 @@ class GradientReducer:
             bucket.flat = torch.cat(pieces)
         else:
             torch.cat(pieces, out=bucket.flat)
-        flat = bucket.flat
-        if len(dims) == 1:  # see the module docstring
-            bucket.work = dist.all_reduce(flat, group=bucket.mesh.get_group(), async_op=True)
-            bucket.reduced = flat
-        else:
-            partial = [Partial()] * len(dims)  # a sum, as the plan's "P" always is
-            placed = DTensor.from_local(flat, bucket.mesh, partial, run_check=False)
-            reduced = placed.redistribute(bucket.mesh, [Replicate()] * len(dims), async_op=True)
-            bucket.reduced = reduced.to_local()
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._issued += 1
 
     def _check(self, fqn: str, got: tuple[Placement, ...], bucket: _Bucket) -> None:
@@ -262,19 +248,15 @@ class GradientReducer:
 
     @torch.no_grad()
     def _unpack(self, bucket: _Bucket) -> None:
-        assert bucket.reduced is not None
-        if bucket.work is not None:
-            bucket.work.wait()
-            # the same views of the same buffer every step (wrapping 57 gradients as DTensors
-            # afresh costs ~1 ms of CPU a step on GPT)
-            if not bucket.views:
-                bucket.views = self._views(bucket, bucket.reduced)
-            views = bucket.views
-        else:
-            views = self._views(bucket, wait_collective(bucket.reduced))  # waited for once
-        for fqn, grad in views.items():
+        assert bucket.work is not None and bucket.flat is not None
+        bucket.work.wait()
+        # the same views of the same buffer every step (wrapping 57 gradients as DTensors
+        # afresh costs ~1 ms of CPU a step on GPT)
+        if not bucket.views:
+            bucket.views = self._views(bucket, bucket.flat)
+        for fqn, grad in bucket.views.items():
             self.params[fqn].grad = grad
-        bucket.reduced, bucket.work = None, None
+        bucket.work = None
         bucket.arrived.clear()
 
     def _views(self, bucket: _Bucket, reduced: torch.Tensor) -> dict[str, DTensor]:
@@ -286,6 +268,17 @@ class GradientReducer:
             views[fqn] = self._as_dtensor(fqn, piece)
             offset += local.numel()
         return views
+
+
+def _group(mesh: DeviceMesh, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    """This rank's process group along ``axes`` of ``mesh`` together. For several axes it is
+    made here, by the ranks in it alone, rather than by DeviceMesh's ``_flatten``: a flattened
+    mesh changes how DTensor redistributes on it (S(0), S(0) -> R, R became one all-gather),
+    which the planner would then have to follow."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    ranks = sorted(mesh[axes].mesh.flatten().tolist())
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

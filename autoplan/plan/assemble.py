@@ -66,7 +66,7 @@ def collective_plans(step: StepCost, axes: tuple[str, ...]) -> tuple[CollectiveP
         CollectivePlan(
             kind=p.collective.kind,
             bytes=p.collective.nbytes,
-            axis=axes[p.collective.axis],
+            axes=tuple(axes[a] for a in p.collective.axes),
             phase=p.phase,
             node=consumer,
             tensor=producer,

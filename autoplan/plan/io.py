@@ -200,15 +200,14 @@ def _read_plan(doc: _Field) -> Plan:
         c = CollectivePlan(
             kind=f["kind"].text(),
             bytes=f["bytes"].integer(),
-            axis=f["axis"].text(),
+            axes=tuple(a.text() for a in f["axes"].elements()),
             phase=f["phase"].text(),
             node=f["node"].text(),
             tensor=f["tensor"].text(),
             stage=f["stage"].integer(),
             params=tuple(p.text() for p in f["params"].elements()),
         )
-        if c.axis not in axes:
-            raise f["axis"].fail(f"a mesh axis of a stage ({', '.join(axes)})")
+        _check_axes(f["axes"], c, axes)
         if c.stage >= len(stages):
             raise f["stage"].fail(f"a stage index below {len(stages)}")
         if c.params:
@@ -239,6 +238,23 @@ def _read_plan(doc: _Field) -> Plan:
     return Plan(
         provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver, pipeline
     )
+
+
+def _check_axes(f: _Field, c: CollectivePlan, axes: tuple[str, ...]) -> None:
+    """One mesh axis of a stage; several, in mesh order, only for a gradient bucket (which
+    is all-reduced over their ranks together)."""
+    names = ", ".join(axes)
+    for i, axis in enumerate(c.axes):
+        if axis not in axes:
+            raise f.elements()[i].fail(f"a mesh axis of a stage ({names})")
+    if not c.axes:
+        raise f.fail(f"a list of one mesh axis of a stage ({names})")
+    if len(c.axes) > 1:
+        if not c.params:
+            raise f.fail("one mesh axis (several only for a gradient bucket: one with params)")
+        order = sorted(set(c.axes), key=axes.index)
+        if list(c.axes) != order:
+            raise f.fail(f"distinct mesh axes in mesh order ({', '.join(order)})")
 
 
 def _check_bucket(f: _Field, c: CollectivePlan, nodes: Mapping[str, NodePlan]) -> None:

@@ -13,7 +13,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.ir import PARAM
 
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -99,7 +99,9 @@ class NodePlan:
 class CollectivePlan:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
     bytes: int  # per device: the gathered output for all_gather, else the input
-    axis: str
+    # the mesh axes whose ranks form the group: one, or several for a gradient bucket
+    # all-reduced over them together (their flattened group)
+    axes: tuple[str, ...]
     phase: str  # forward | backward | grad_sync
     node: str  # the op (or output) that needs the redistribution; "gradients" for a bucket
     tensor: str  # the node whose output is redistributed; a bucket's name ("bucket0")

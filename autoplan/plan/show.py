@@ -201,14 +201,14 @@ def summary(plan: Plan) -> str:
     ]
     totals: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     for c in plan.collectives:
-        t = totals[(c.phase, c.kind, c.axis)]
+        t = totals[(c.phase, c.kind, "+".join(c.axes))]
         t[0] += 1
         t[1] += c.bytes
     if not totals:
         out.append("  none")
-    for (phase, kind, axis), (count, nbytes) in sorted(totals.items()):
+    for (phase, kind, axes), (count, nbytes) in sorted(totals.items()):
         out.append(
-            f"  {phase:<10} {kind:<15} axis {axis:<5} {count:>5} x, {fmt_bytes(nbytes):>11} in all"
+            f"  {phase:<10} {kind:<15} on {axes:<9} {count:>5} x, {fmt_bytes(nbytes):>11} in all"
         )
     buckets = {(c.stage, c.tensor): len(c.params) for c in plan.collectives if c.params}
     if buckets:

@@ -19,10 +19,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoplan.cluster import Cluster, Link
+from autoplan.cluster import Cluster
 from autoplan.costmodel import activation_time, collective_time, compute_time, with_overhead
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
 from autoplan.strategies.buckets import BUCKET_BYTES, GradientSync
@@ -61,14 +62,11 @@ class StepCosts:
         self.cluster = cluster
         self.mesh_shape = mesh_shape
         self.state_per_elem = OPTIMIZER_STATE[optimizer]
-        self.links: tuple[Link, ...] = tuple(
-            cluster.axis_link(mesh_shape, a) for a in range(len(mesh_shape))
-        )
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
-        self._full_bucket_s = tuple(
-            self.collective_s(Collective("all_reduce", a, BUCKET_BYTES))
-            for a in range(len(mesh_shape))
+        self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
+        self._full_bucket_s = lru_cache(maxsize=None)(
+            lambda axes: self.collective_s(Collective("all_reduce", axes, BUCKET_BYTES))
         )
 
     # ------------------------------------------------------------------ nodes
@@ -119,7 +117,7 @@ class StepCosts:
             return ()
         size = itemsize(node.outputs[0].dtype)
         return tuple(
-            Phased(Collective("all_reduce", axis, size), "forward")
+            Phased(Collective("all_reduce", (axis,), size), "forward")
             for axis, p in enumerate(strategy.inputs[0])
             if shard_dim(p) is not None and self.mesh_shape[axis] > 1
         )
@@ -128,10 +126,9 @@ class StepCosts:
         return sum(self.collective_s(p.collective) for p in self.internal(node, strategy))
 
     def collective_s(self, c: Collective) -> float:
-        """Seconds of one collective along its mesh axis."""
-        return collective_time(
-            self.cluster, c.kind, c.nbytes, self.mesh_shape[c.axis], self.links[c.axis]
-        )
+        """Seconds of one collective over the ranks along its mesh axes."""
+        size = math.prod(self.mesh_shape[a] for a in c.axes)
+        return collective_time(self.cluster, c.kind, c.nbytes, size, self._link(c.axes))
 
     def redistribution_s(self, c: Collective) -> float:
         """Seconds of one collective that the executor issues through DTensor's redistribution
@@ -182,7 +179,7 @@ class StepCosts:
         found = tuple(
             c  # an axis of one device moves nothing (a pipeline stage of one device has one)
             for c in redistribute(src, dst, shape, size, self.mesh_shape, self.has_all_to_all)
-            if self.mesh_shape[c.axis] > 1
+            if self.mesh_shape[c.axes[0]] > 1
         )
         seconds = sum(self.redistribution_s(c) for c in found)
         return found, seconds
@@ -240,11 +237,10 @@ class StepCosts:
         """A parameter's gradient synchronization as the ILP prices it, before buckets exist:
         a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
         of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
-        if sync.bucket_axes is None:
+        axes = sync.bucket_axes
+        if axes is None:
             return sum(self.phased_s(Phased(c, "grad_sync")) for c in sync.collectives)
-        return sum(
-            self.collective_s(c)
-            if c.nbytes >= BUCKET_BYTES
-            else self._full_bucket_s[c.axis] * c.nbytes / BUCKET_BYTES
-            for c in sync.collectives
-        )
+        nbytes = sync.collectives[0].nbytes
+        if nbytes >= BUCKET_BYTES:
+            return self.collective_s(Collective("all_reduce", axes, nbytes))
+        return self._full_bucket_s(axes) * nbytes / BUCKET_BYTES

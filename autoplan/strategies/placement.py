@@ -96,7 +96,9 @@ def without_partial(spec: Spec) -> Spec:
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
-    axis: int
+    # the mesh axes whose ranks form the group: one for a redistribution step, several for a
+    # gradient bucket all-reduced over them at once (strategies/buckets.py)
+    axes: tuple[int, ...]
     nbytes: int  # all_gather: gathered output; others: the input, per device
 
 
@@ -110,15 +112,16 @@ def _transition(
     all_to_all: bool,
 ) -> Collective | None:
     """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes."""
+    axes = (axis,)
     if a == P:
-        return Collective("all_reduce" if shard_dim(b) is None else "reduce_scatter", axis, before)
+        return Collective("all_reduce" if shard_dim(b) is None else "reduce_scatter", axes, before)
     if a == R:
         return None  # R -> S slices, R -> P keeps one copy: both local
     if shard_dim(b) is None:
-        return Collective("all_gather", axis, after)
+        return Collective("all_gather", axes, after)
     if all_to_all:
-        return Collective("all_to_all", axis, before)
-    return Collective("all_gather", axis, before * mesh_shape[axis])  # gloo: gather, then chunk
+        return Collective("all_to_all", axes, before)
+    return Collective("all_gather", axes, before * mesh_shape[axis])  # gloo: gather, then chunk
 
 
 def redistribute(

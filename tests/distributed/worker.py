@@ -180,9 +180,10 @@ def first_step(
     return loss.item(), diff.item()
 
 
-def _text(counter: Counter[tuple[str, str, int]]) -> list[str]:
+def _text(counter: Counter[tuple[str, tuple[str, ...], int]]) -> list[str]:
     return [
-        f"{n} x {kind} on {axis}, {nbytes} B" for (kind, axis, nbytes), n in sorted(counter.items())
+        f"{n} x {kind} on {'+'.join(axes)}, {nbytes} B"
+        for (kind, axes, nbytes), n in sorted(counter.items())
     ]
 
 
