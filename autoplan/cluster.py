@@ -20,7 +20,7 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
       "elementwise": {"<dtype>": [[bytes_moved, seconds], ...]},
       "activation":  {"<dtype>": [[tensor_bytes, seconds], ...]},   # GELU forward + backward
       "op_overhead": seconds,              # forward + backward of one more op, beyond compute
-      "redistribute_overhead": seconds,    # DTensor's redistribution, beyond its collective
+      "redistribute_overhead": [[tensor_bytes, seconds], ...],  # DTensor's, beyond its collective
       "sync_overhead": seconds,            # a blocking collective after compute: the skew
       "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
     }
@@ -100,7 +100,13 @@ _DEVICE_FIELDS = (
 )
 _LINK_FIELDS = ("bandwidth", "latency")
 _BY_DTYPE = ("activation", "elementwise", "matmul")
-_MEASURED_FIELDS = (*_BY_DTYPE, "fingerprint", *OVERHEADS, *COLLECTIVE_KINDS)
+_MEASURED_FIELDS = (
+    *_BY_DTYPE,
+    "fingerprint",
+    *OVERHEADS,
+    "redistribute_overhead",
+    *COLLECTIVE_KINDS,
+)
 _FINGERPRINT_FIELDS = ("device", "device_count", "driver", "hosts", "torch")
 
 
@@ -623,11 +629,23 @@ def _measured(value: Any, where: str) -> Measured:
         elementwise=by_dtype["elementwise"],
         collectives=collectives,
         activation=by_dtype["activation"],
+        redistribute_overhead=_redistribute_overhead(obj.get("redistribute_overhead"), where),
         **{
             name: None if obj.get(name) is None else _seconds(obj[name], f"measured.{name}", where)
             for name in OVERHEADS
         },
     )
+
+
+def _redistribute_overhead(value: Any, where: str) -> Curve | None:
+    path = "measured.redistribute_overhead"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ClusterFormatError(
+            f"{where}: field {path!r} is one number, as profiles written before 2026-11-22 "
+            "stored it; it is now a curve by tensor size (a larger tensor's redistribution "
+            "costs more): profile the cluster again (autoplan profile)"
+        )
+    return None if value is None else _curve(value, path, where)
 
 
 def _section(obj: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:

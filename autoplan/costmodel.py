@@ -29,8 +29,9 @@ Framework work (`with_overhead`). Each op also costs the framework's work around
 (dispatch, autograd's records, its backward node): the measured `op_overhead` per op, 0 where
 not measured. CPU ranks (gloo) do that work on the core that computes, so it adds; a GPU runs
 kernels while the host queues the next ones, so an op takes at least that long. A collective
-that goes through DTensor, or a message between pipeline stages, adds the measured
-`redistribute_overhead` and `sync_overhead` (`autoplan.strategies.costs`, `autoplan.inter_op`).
+that goes through DTensor adds the measured `redistribute_overhead` at its bytes
+(`redistribute_overhead` here); where the step waits on one, and for a message between pipeline
+stages, it adds `sync_overhead` (`autoplan.strategies.costs`, `autoplan.inter_op`).
 
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:
@@ -65,6 +66,7 @@ __all__ = [
     "analytic_collective_time",
     "collective_time",
     "compute_time",
+    "redistribute_overhead",
     "with_overhead",
 ]
 
@@ -100,6 +102,21 @@ def activation_time(cluster: Cluster, nbytes: float, dtype: str) -> float:
         return measured
     end = -1 if nbytes > curve.xs[-1] else 0
     return nbytes * curve.seconds[end] / curve.xs[end]
+
+
+def redistribute_overhead(cluster: Cluster, nbytes: float) -> float:
+    """Time (s) DTensor's redistribution of a tensor of `nbytes` adds to the collective it
+    issues: the measured curve, below it its first point, above it at the rate of its last
+    point (the part that grows with size, a fresh result tensor, dominates there); 0.0 where
+    not measured."""
+    curve = cluster.curves.redistribute_overhead
+    if curve is None:
+        return 0.0
+    if nbytes > curve.xs[-1]:
+        return nbytes * curve.seconds[-1] / curve.xs[-1]
+    measured = curve(max(nbytes, curve.xs[0]))
+    assert measured is not None
+    return measured
 
 
 def with_overhead(cluster: Cluster, seconds: float) -> float:

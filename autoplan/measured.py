@@ -56,9 +56,9 @@ __all__ = [
 ]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-# the measured scalars (seconds): what one more op, one DTensor redistribution, and one
-# blocking collective after compute (the ranks' skew) add
-OVERHEADS = ("op_overhead", "redistribute_overhead", "sync_overhead")
+# the measured scalars (seconds): what one more op and one blocking collective after compute
+# (the ranks' skew) add
+OVERHEADS = ("op_overhead", "sync_overhead")
 # A collective curve is keyed "<link class>/<group size>": "intra" for a group inside one node,
 # "inter" for a group that spans nodes (the link Cluster.axis_link picks for it).
 LINK_CLASSES = ("intra", "inter")
@@ -162,8 +162,9 @@ class Measured:
     # seconds one more op adds to a step on top of its compute: forward and backward through
     # autograd of an op on a tiny tensor (None: not measured)
     op_overhead: float | None = None
-    # seconds DTensor's redistribution (forward and backward) adds to the collective it issues
-    redistribute_overhead: float | None = None
+    # seconds DTensor's redistribution (forward and backward) of a tensor of x bytes adds to the
+    # collective it issues
+    redistribute_overhead: Curve | None = None
     # seconds a blocking collective waits beyond its transfer when the ranks compute before it
     # (they arrive at different times)
     sync_overhead: float | None = None

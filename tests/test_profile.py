@@ -26,6 +26,7 @@ from autoplan.costmodel import (
     analytic_collective_time,
     collective_time,
     compute_time,
+    redistribute_overhead,
     with_overhead,
 )
 from autoplan.errors import ClusterFormatError
@@ -111,7 +112,11 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
         assert curves.activation[dtype].xs[-1] <= MAX_BYTES
     # 64 ops forward and backward cost more than 8: one more op costs something
     assert curves.op_overhead is not None and curves.op_overhead > 0
-    assert curves.redistribute_overhead is not None and curves.redistribute_overhead >= 0
+    # DTensor's redistribution beyond the raw all-reduce, from 4 B by 16x up to --max-bytes
+    assert curves.redistribute_overhead is not None
+    xs = curves.redistribute_overhead.xs
+    assert xs[0] == 4.0 and all(b == 16 * a for a, b in itertools.pairwise(xs))
+    assert xs[-1] <= MAX_BYTES < 16 * xs[-1]
     assert curves.sync_overhead is not None and curves.sync_overhead >= 0
     for kind in COLLECTIVE_KINDS:
         curve = curves.collectives[(kind, "intra", 2)]
@@ -251,7 +256,8 @@ def _good() -> dict[str, Any]:
         (lambda m: m["matmul"]["float32"][0].__setitem__(0, -1), "float32[0][0]", "> 0"),
         (lambda m: m.update(op_overhead=-1e-6), "measured.op_overhead", ">= 0 s"),
         (lambda m: m.update(op_overhead="5us"), "measured.op_overhead", "finite number"),
-        (lambda m: m.update(redistribute_overhead=-1), "redistribute_overhead", ">= 0 s"),
+        (lambda m: m.update(redistribute_overhead=1e-3), "redistribute_overhead", "again"),
+        (lambda m: m.update(redistribute_overhead=[[4, -1]]), "overhead[0][1]", ">= 0"),
         (lambda m: m.update(sync_overhead=[1e-3]), "measured.sync_overhead", "finite number"),
         (lambda m: m.update(activation={"float32": [[8, 2], [4, 3]]}), "activation", "increase"),
     ],
@@ -377,6 +383,15 @@ def test_activation_time_uses_its_curve_and_its_rate_beyond() -> None:
     assert activation_time(_toy({}), 15, "float32") == 0.0
 
 
+def test_redistribute_overhead_is_its_curve_its_first_point_below_and_its_rate_above() -> None:
+    cluster = _toy({"fingerprint": _fingerprint(), "redistribute_overhead": [[4, 1], [64, 3]]})
+    assert redistribute_overhead(cluster, 64) == 3.0  # exact at a point
+    assert redistribute_overhead(cluster, 34) == pytest.approx(2.0)
+    assert redistribute_overhead(cluster, 2) == 1.0  # a smaller tensor costs the fixed part
+    assert redistribute_overhead(cluster, 128) == pytest.approx(6.0)  # the largest's rate
+    assert redistribute_overhead(_toy({}), 34) == 0.0  # not measured
+
+
 def test_op_overhead_adds_on_cpu_ranks_and_is_a_floor_on_gpus() -> None:
     measured = {"fingerprint": _fingerprint(), "op_overhead": 2.0}
     cpu = _toy(measured)
@@ -387,7 +402,11 @@ def test_op_overhead_adds_on_cpu_ranks_and_is_a_floor_on_gpus() -> None:
 
 
 def test_step_costs_add_the_measured_overheads() -> None:
-    overheads = {"op_overhead": 0.5, "redistribute_overhead": 3.0, "sync_overhead": 1.0}
+    overheads = {
+        "op_overhead": 0.5,
+        "redistribute_overhead": [[4.0, 3.0], [1e6, 3.0]],
+        "sync_overhead": 1.0,
+    }
     measured = {"fingerprint": _fingerprint(), "activation": {"float32": [[1.0, 0.0], [1e6, 2.0]]}}
     plain = StepCosts(_toy({}), (4,), "adamw")
     costs = StepCosts(_toy({**measured, **overheads}), (4,), "adamw")

@@ -15,10 +15,11 @@ adds its latency, a few % of a run). Collectives wait for their group anyway. Th
 (calls per run, when a curve stops) use the agreed times, so every rank takes the same path.
 Sends are timed as a ping-pong between the two ranks of a pair, halved. `op_overhead` is the
 slope between chains of 8 and 64 tiny ops run forward and backward (what one more op adds beyond
-its compute); `redistribute_overhead` what a tiny all-reduce costs through DTensor's
-redistribution beyond the raw all-reduce; `sync_overhead` what it costs after a few ms of compute
-beyond the all_reduce curve's first point. Each is the median of paired runs of its two
-operations (`_Bench.overhead`).
+its compute); `redistribute_overhead` what an all-reduce of each size costs through DTensor's
+redistribution beyond the raw all-reduce; `sync_overhead` what a tiny such redistribution costs
+after a few ms of compute beyond its price with the ranks idle (the all_reduce curve's first
+point and the redistribute_overhead curve's). Each is the median of paired runs of its two
+operations (`_Bench.paired`).
 
 Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
 """
@@ -46,6 +47,7 @@ from autoplan.errors import AutoplanError
 from autoplan.measured import OVERHEADS, machine_fingerprint, monotone
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import (
+    COLLECTIVE_ITEMSIZE,
     SYNC_WORK_CALLS,
     SYNC_WORK_DIM,
     Progress,
@@ -57,6 +59,7 @@ from autoplan.profile.tasks import (
 __all__ = ["profile_cluster"]
 
 log = logging.getLogger(__name__)
+SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
 
 RUN_SECONDS = 0.02  # aim of one timed run: enough calls of a small op to outweigh noise
 MAX_CALLS = 10_000  # calls per timed run at most (a ~2 us op on CPU)
@@ -116,6 +119,8 @@ def _profile(
     for i, task in enumerate(tasks):
         if task.section in OVERHEADS:
             measured[task.section] = bench.overhead(i, task)
+        elif task.section == "redistribute_overhead":
+            measured[task.section] = bench.redistribute_overhead(i, task)
         else:
             measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
     measured["sync_overhead"] = _sync_overhead(
@@ -141,9 +146,10 @@ def _profile(
         f"isotonic regression; a curve ends where a call would pass {settings.max_seconds:g} s "
         f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op "
         f"costs {measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
-        f"redistribution {measured['redistribute_overhead'] * 1e6:.0f} us beyond its "
-        f"collective (redistribute_overhead), a blocking collective after compute "
-        f"{measured['sync_overhead'] * 1e6:.0f} us beyond one after none (sync_overhead)."
+        f"redistribution {_span(measured['redistribute_overhead'])} beyond its collective "
+        f"(redistribute_overhead, from the smallest tensor to the largest), a blocking "
+        f"redistribution after compute {measured['sync_overhead'] * 1e6:.0f} us beyond one "
+        f"after none (sync_overhead)."
     )
     return fitted_cluster(
         name=name,
@@ -203,22 +209,39 @@ class _Bench:
 
     def overhead(self, index: int, task: Task) -> float:
         """Seconds per unit of x that the operation at `task.sizes[1]` takes beyond the one at
-        `task.sizes[0]`: the median over repeats of the difference of two runs timed one right
-        after the other (>= 0). Pairing the runs cancels the host's drift, which the
-        difference of two medians kept (redistribute_overhead: 0.04 to 2.1 ms in 3 profiles)."""
+        `task.sizes[0]` (>= 0; see `paired`)."""
         self._report(index, task, 0)
-        ops = [self._operation(task, size) for size in task.sizes]
+        without, with_ = (self._operation(task, size) for size in task.sizes)
+        seconds = self.paired(without, with_, self._repeats(task))
+        self._report(index, task, len(task.sizes))
+        return max(0.0, seconds / (task.xs[1] - task.xs[0]))
+
+    def redistribute_overhead(self, index: int, task: Task) -> list[list[float]]:
+        """[[bytes, seconds], ...]: at each size, what the all-reduce costs through DTensor
+        beyond the raw one (>= 0, made monotone)."""
+        seconds = []
+        for i, size in enumerate(task.sizes):
+            self._report(index, task, i)
+            raw, dtensor = (
+                _redistribution(size, dtensor=d, device=self.device) for d in (False, True)
+            )
+            seconds.append(max(0.0, self.paired(raw, dtensor, self._repeats(task))))
+        self._report(index, task, len(task.sizes))
+        return [[x, s] for x, s in zip(task.xs, monotone(seconds), strict=True)]
+
+    def paired(self, without: _Op, with_: _Op, repeats: int) -> float:
+        """Seconds per call that `with_` takes beyond `without`: the median over `repeats` of
+        the difference of two runs timed one right after the other. Pairing the runs cancels
+        the host's drift, which the difference of two medians kept (redistribute_overhead:
+        0.04 to 2.1 ms in 3 profiles)."""
+        ops = (without, with_)
         calls = [self._calls(op) for op in ops]
         runs: list[list[float]] = [[], []]
-        for _ in range(self._repeats(task)):
+        for _ in range(repeats):
             for op, count, found in zip(ops, calls, runs, strict=True):
                 found.append(self._timed(op, count))
         first, second = (self._slowest(found) for found in runs)
-        per_x = task.xs[1] - task.xs[0]
-        self._report(index, task, len(task.sizes))
-        return max(
-            0.0, statistics.median((b - a) / per_x for a, b in zip(first, second, strict=True))
-        )
+        return statistics.median(b - a for a, b in zip(first, second, strict=True))
 
     def _repeats(self, task: Task) -> int:
         """Timed runs per point: `Settings.repeats`, or the task's own minimum if higher."""
@@ -269,8 +292,6 @@ class _Bench:
             return _cold((size,), DTYPES[task.key], device, _gelu_forward_backward)
         if task.section == "op_overhead":
             return _chain(size, device)
-        if task.section == "redistribute_overhead":
-            return _redistribution(through_dtensor=size == 1, device=device)
         if task.section == "sync_overhead":
             return _compute_then_sync(sync=size == 1, device=device)
         mine = self._group(task.groups)
@@ -338,25 +359,29 @@ def _cold(
 
 
 def _compute_then_sync(*, sync: bool, device: torch.device) -> _Op:
-    """A few ms of matmuls on every rank, each call followed by a tiny all-reduce if `sync`."""
+    """A few ms of matmuls on every rank, each call followed by a tiny redistribution (as
+    `_redistribution`) if `sync`."""
     dim = SYNC_WORK_DIM
     work = _cold((dim, dim), torch.float32, device, lambda a, b, out: torch.matmul(a, b, out=out))
-    tiny = torch.ones(1, device=device)
+    redistribution = _redistribution(SYNC_BYTES, dtensor=True, device=device)
 
     def call() -> None:
         for _ in range(SYNC_WORK_CALLS):
             work.call()
         if sync:
-            dist.all_reduce(tiny)
+            redistribution.call()
 
     return _Op(call, local=True)
 
 
 def _sync_overhead(in_step: float, measured: dict[str, Any], num_nodes: int, world: int) -> float:
-    """The tiny all-reduce's time after compute (`in_step`) beyond its time with the ranks
-    idle before it: the first point of the all_reduce curve over all ranks."""
+    """The tiny redistribution's time after compute (`in_step`) beyond its price with the ranks
+    idle before it: the first points of the all_reduce curve over all ranks and of the
+    redistribute_overhead curve (both at SYNC_BYTES)."""
     curve = measured["all_reduce"][f"{'inter' if num_nodes > 1 else 'intra'}/{world}"]
-    return max(0.0, in_step - curve[0][1])
+    (x0, all_reduce), (x1, dtensor) = curve[0], measured["redistribute_overhead"][0]
+    assert x0 == x1 == SYNC_BYTES, "the curves start at the size sync_overhead is measured at"
+    return max(0.0, in_step - all_reduce - dtensor)
 
 
 def _gelu_forward_backward(x: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
@@ -379,11 +404,11 @@ def _chain(length: int, device: torch.device) -> _Op:
     return _Op(call, local=True)
 
 
-def _redistribution(*, through_dtensor: bool, device: torch.device) -> _Op:
-    """A tiny all-reduce over all ranks: raw, or as DTensor's redistribution from Partial to
-    Replicate with its backward, as the executor issues one."""
-    local = torch.ones(4, device=device, requires_grad=True)
-    if not through_dtensor:
+def _redistribution(nbytes: int, *, dtensor: bool, device: torch.device) -> _Op:
+    """An all-reduce of `nbytes` (float32) over all ranks: raw, or as DTensor's redistribution
+    from Partial to Replicate with its backward, as the executor issues one."""
+    local = torch.ones(nbytes // 4, device=device, requires_grad=True)
+    if not dtensor:
         return _Op(lambda: dist.all_reduce(local.detach()))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
@@ -393,6 +418,11 @@ def _redistribution(*, through_dtensor: bool, device: torch.device) -> _Op:
         local.grad = None
 
     return _Op(redistribute)
+
+
+def _span(points: list[list[float]]) -> str:
+    """A curve's first and last seconds, for the profile's source line."""
+    return f"{points[0][1] * 1e6:.0f}-{points[-1][1] * 1e6:.0f} us"
 
 
 def _memory_bytes(device: torch.device, per_node: int) -> int:

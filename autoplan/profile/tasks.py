@@ -28,15 +28,18 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
 SMALLEST_MATMUL = 16
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
-# sync_overhead: what a tiny all-reduce over all ranks costs right after a few ms of compute,
-# beyond the same all-reduce with the ranks idle before it (the all_reduce curve's first point):
-# the ranks reach it at different times (by hand, 4 ranks on 2 cores: 1-2.6 ms)
+# sync_overhead: what a tiny redistribution over all ranks costs right after a few ms of
+# compute, beyond the same redistribution with the ranks idle before it: the ranks reach it at
+# different times (by hand, 4 ranks on 2 cores: 1-3 ms)
 SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
 SYNC_WORK_CALLS = 2
-# (redistribute_overhead, measured with no constant of its own: what DTensor's redistribution,
-# Partial to Replicate, forward and backward, of a tiny tensor costs beyond the all-reduce it
-# issues; every redistribution of a plan goes through it, the gradient buckets' all-reduces do
-# not)
+# redistribute_overhead: what DTensor's redistribution, Partial to Replicate, forward and
+# backward, costs beyond the all-reduce it issues, by tensor size (every redistribution of a
+# plan goes through it, the gradient buckets' all-reduces do not). Its result is a fresh tensor:
+# by hand, on 4 CPU ranks sharing 2 cores, 0.5-0.9 ms at 4 B but 2.7 ms at 2 MB and 9.7 ms at
+# 8 MB, where the all-reduce itself takes 7 and 12 ms. Sizes from 4 B, by this factor, up to:
+REDISTRIBUTE_STEP = 16
+REDISTRIBUTE_MAX_BYTES = 64 * 2**20
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
 # one op is the slope between them (what the chain's ends, the loss and backward() cost, drops)
 OVERHEAD_CHAINS = (8, 64)
@@ -60,9 +63,10 @@ class Task:
     """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster.py`).
 
     `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation:
-    elements per tensor; collective: bytes; op_overhead: ops in the chain; the other overheads:
-    0 for the operation without what is measured, 1 for the one with it) and `xs[i]` the
-    curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's nbytes, ops).
+    elements per tensor; collective and redistribute_overhead: bytes; op_overhead: ops in the
+    chain; sync_overhead: 0 for the operation without what is measured, 1 for the one with it)
+    and `xs[i]` the curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's
+    nbytes, ops).
     `groups` are the rank groups a collective runs on, all at once.
     """
 
@@ -101,11 +105,13 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
     chains = tuple(map(float, OVERHEAD_CHAINS))
-    op_overhead, redistribute_overhead, sync_overhead = OVERHEADS
+    op_overhead, sync_overhead = OVERHEADS
     tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
-    # a tiny all-reduce over all ranks: raw (size 0), then through DTensor (size 1)
-    tasks.append(Task(redistribute_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
-    # a few ms of matmuls on every rank (size 0), then each followed by a tiny all-reduce
+    # an all-reduce over all ranks at each size, raw and through DTensor, paired
+    sizes = _powers(COLLECTIVE_ITEMSIZE, min(settings.max_bytes, REDISTRIBUTE_MAX_BYTES))
+    xs = tuple(map(float, sizes))
+    tasks.append(Task("redistribute_overhead", "", sizes, xs, repeats=OVERHEAD_REPEATS))
+    # a few ms of matmuls on every rank (size 0), then each followed by a tiny redistribution
     tasks.append(Task(sync_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
@@ -171,11 +177,15 @@ def _collective(
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    return _powers(lo, hi, 2)
+
+
+def _powers(lo: int, hi: int, factor: int = REDISTRIBUTE_STEP) -> tuple[int, ...]:
     out = []
     n = lo
     while n <= hi:
         out.append(n)
-        n *= 2
+        n *= factor
     return tuple(out)
 
 

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.cluster import Cluster
-from autoplan.costmodel import activation_time, collective_time, compute_time, with_overhead
+from autoplan.costmodel import (
+    activation_time,
+    collective_time,
+    compute_time,
+    redistribute_overhead,
+    with_overhead,
+)
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
 from autoplan.strategies.buckets import BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
@@ -136,8 +142,9 @@ class StepCosts:
         collective and the measured `redistribute_overhead`. The step waits for it: see
         `sync_s`."""
         seconds = self.collective_s(c)
-        overhead = self.cluster.curves.redistribute_overhead
-        return seconds if overhead is None or seconds == 0.0 else seconds + overhead
+        if seconds == 0.0:
+            return seconds
+        return seconds + redistribute_overhead(self.cluster, c.nbytes)
 
     @property
     def sync_s(self) -> float:
