@@ -162,8 +162,7 @@ class Measured:
     # seconds one more op adds to a step on top of its compute: forward and backward through
     # autograd of an op on a tiny tensor (None: not measured)
     op_overhead: float | None = None
-    # seconds DTensor's redistribution (forward and backward) of a tensor of x bytes adds to the
-    # collective it issues
+    # seconds DTensor's redistribution of a tensor of x bytes adds to the collective it issues
     redistribute_overhead: Curve | None = None
     # seconds a blocking collective waits beyond its transfer when the ranks compute before it
     # (they arrive at different times)

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.graph.ir import INPUT  # noqa: E402
+from autoplan.profile.bench import matmul_seconds  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import RESULTS, write_results  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -75,6 +76,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {"size": "small", "num_layers": 4, "batch_size": 8, "seq_len": 128},
     ),
 }
+PROBE_N = 512  # a matmul of the profile's curve, timed again in each round (probe_vs_profile)
 DISTINCT = 0.10  # measured times further apart than this are "really" ordered (see iqr_s)
 BUSY_ELSEWHERE = 0.05  # other processes' CPU share above which a measurement is suspect
 TARGETS = {"spearman": 0.9, "median_error": 0.15, "own_vs_fastest": 1.10}
@@ -493,11 +495,13 @@ def measure_model(
     per_plan: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     loads = [load()]
     share = CpuShare()
+    probes = []
     for _ in range(ROUNDS):
         for name, step in steps.items():
             timed(step, w, 1)  # caches and allocator after the switch from another plan
             per_plan[name] += across_ranks(timed(step, w, STEPS))
         loads.append(load())
+        probes.append(matmul_seconds(PROBE_N, torch.device("cpu")))
     foreign = share.foreign() if dist.get_rank() == 0 else 0.0
     by_name = {r["plan"]: r for r in rows}
     for row in rows:
@@ -521,7 +525,14 @@ def measure_model(
     if dist.get_rank() == 0:
         for row in rows:
             print(json.dumps(row), flush=True)
-    about = {"load_average": loads, "cpu_share_of_other_processes": foreign, **reference}
+    profiled = cluster.curves.matmul["float32"](2.0 * PROBE_N**3)
+    assert profiled is not None, f"the profile's matmul curve has n={PROBE_N}"
+    about = {
+        "load_average": loads,
+        "cpu_share_of_other_processes": foreign,
+        "probe_vs_profile": round(statistics.median(probes) / profiled, 3),
+        **reference,
+    }
     if dist.get_rank() == 0:
         print(f"  {model}: {json.dumps(about)}", flush=True)
     return rows, about
@@ -695,6 +706,11 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
                 f"{about['plain_torch_s']} s per step; the cost model predicts "
                 f"{about['plain_predicted_s']} s for it"
             )
+        if "probe_vs_profile" in about:
+            lines.append(
+                f"- {model}, the host's speed: a {PROBE_N}^3 matmul on every rank took "
+                f"{about['probe_vs_profile']}x its profiled time while the plans were measured"
+            )
     md.write_text(md.read_text() + "\n".join(lines) + "\n\n" + CAUSES)
     return {**summary, "verdicts": found}
 
@@ -768,7 +784,9 @@ def main() -> None:
                 f"above {BUSY_ELSEWHERE} the figures are suspect); plain_torch_s: the model "
                 "trained by plain torch in one process, one thread, the others idle; "
                 "plain_predicted_s: the cost model's time for that (planned for one device, "
-                "at a whole core)"
+                f"at a whole core); probe_vs_profile: a {PROBE_N}^3 float32 matmul timed as the "
+                "profile times its curve, after each round, median, over the profile's time "
+                "for it (above 1: the host ran slower while measuring than while profiling)"
             ),
             "wall_s": round(time.time() - started, 1),
         }

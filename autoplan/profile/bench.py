@@ -55,11 +55,15 @@ from autoplan.profile.tasks import (
     Task,
     plan_tasks,
 )
+from autoplan.torch_private import wait_collective
 
-__all__ = ["profile_cluster"]
+__all__ = ["matmul_seconds", "profile_cluster"]
 
 log = logging.getLogger(__name__)
 SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
+# redistribute_overhead's points up to 1 MiB take this many times the pairs of runs: cheap there,
+# and noisy (by hand, on 4 CPU ranks sharing 2 cores, 15 pairs spread ~2x, 45 pairs ~1.5x)
+SMALL_REDISTRIBUTION_FACTOR = 3
 
 RUN_SECONDS = 0.02  # aim of one timed run: enough calls of a small op to outweigh noise
 MAX_CALLS = 10_000  # calls per timed run at most (a ~2 us op on CPU)
@@ -95,6 +99,15 @@ def profile_cluster(
         return _profile(name, settings, backend, device, on_progress)
     finally:
         dist.destroy_process_group()
+
+
+def matmul_seconds(n: int, device: torch.device) -> float:
+    """Seconds of one n x n float32 matmul, timed as `autoplan profile` times its matmul curve
+    (every rank at once, cold operands, the slowest rank, the median of the default repeats);
+    every rank calls this. A probe of the host's speed now against its profile."""
+    bench = _Bench(device, Settings(), 1, None)
+    op = _cold((n, n), torch.float32, device, lambda a, b, out: torch.matmul(a, b, out=out))
+    return bench._seconds(op, bench.settings.repeats)
 
 
 def _profile(
@@ -225,7 +238,8 @@ class _Bench:
             raw, dtensor = (
                 _redistribution(size, dtensor=d, device=self.device) for d in (False, True)
             )
-            seconds.append(max(0.0, self.paired(raw, dtensor, self._repeats(task))))
+            repeats = self._repeats(task) * (SMALL_REDISTRIBUTION_FACTOR if size <= 2**20 else 1)
+            seconds.append(max(0.0, self.paired(raw, dtensor, repeats)))
         self._report(index, task, len(task.sizes))
         return [[x, s] for x, s in zip(task.xs, monotone(seconds), strict=True)]
 
@@ -406,16 +420,15 @@ def _chain(length: int, device: torch.device) -> _Op:
 
 def _redistribution(nbytes: int, *, dtensor: bool, device: torch.device) -> _Op:
     """An all-reduce of `nbytes` (float32) over all ranks: raw, or as DTensor's redistribution
-    from Partial to Replicate with its backward, as the executor issues one."""
-    local = torch.ones(nbytes // 4, device=device, requires_grad=True)
+    from Partial to Replicate issues it, waited for."""
+    local = torch.ones(nbytes // 4, device=device)
     if not dtensor:
-        return _Op(lambda: dist.all_reduce(local.detach()))
+        return _Op(lambda: dist.all_reduce(local))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def redistribute() -> None:
         value = DTensor.from_local(local, mesh, [Partial()], run_check=False)
-        value.redistribute(mesh, [Replicate()]).to_local().sum().backward()
-        local.grad = None
+        wait_collective(value.redistribute(mesh, [Replicate()]).to_local())
 
     return _Op(redistribute)
 

@@ -33,11 +33,12 @@ SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # different times (by hand, 4 ranks on 2 cores: 1-3 ms)
 SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
 SYNC_WORK_CALLS = 2
-# redistribute_overhead: what DTensor's redistribution, Partial to Replicate, forward and
-# backward, costs beyond the all-reduce it issues, by tensor size (every redistribution of a
-# plan goes through it, the gradient buckets' all-reduces do not). Its result is a fresh tensor:
-# by hand, on 4 CPU ranks sharing 2 cores, 0.5-0.9 ms at 4 B but 2.7 ms at 2 MB and 9.7 ms at
-# 8 MB, where the all-reduce itself takes 7 and 12 ms. Sizes from 4 B, by this factor, up to:
+# redistribute_overhead: what DTensor's redistribution, Partial to Replicate, costs beyond the
+# all-reduce it issues, by tensor size (every collective of a plan goes through one, the
+# gradient buckets' all-reduces do not). Its result is a fresh tensor: by hand, on 4 CPU ranks
+# sharing 2 cores, 0.5 ms at 4 B but 2.4 ms at 2 MB and 7.8 ms at 8 MB, where the all-reduce
+# itself takes 7 and 12 ms. Its backward (here, to Partial: local) is a redistribution of its
+# own, priced as such where it moves anything. Sizes from 4 B, by this factor, up to:
 REDISTRIBUTE_STEP = 16
 REDISTRIBUTE_MAX_BYTES = 64 * 2**20
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of
