@@ -125,7 +125,8 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert set(curves.collectives) == {(kind, "intra", 2) for kind in COLLECTIVE_KINDS}
     # a progress bar with the time left, one line per curve when stderr is not a terminal
     lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
-    assert len(lines) == len(REQUIRED_DTYPES) * 3 + 3 + len(COLLECTIVE_KINDS)
+    local_curves = len(REQUIRED_DTYPES) * 3  # matmul, elementwise, activation: measured twice
+    assert len(lines) == 2 * local_curves + 3 + len(COLLECTIVE_KINDS)
     assert all("left" in line and "elapsed" in line for line in lines)
     assert "100%" in lines[-1]
 
@@ -446,6 +447,14 @@ def test_step_costs_add_the_measured_overheads() -> None:
 
 
 # ------------------------------------------------------------------ what is measured, and the fit
+
+
+def test_a_curve_measured_twice_keeps_the_faster_point_and_the_longer_tail() -> None:
+    first = [[1.0, 2.0], [2.0, 5.0], [4.0, 9.0]]
+    again = [[1.0, 3.0], [2.0, 4.0]]  # ended earlier: its next size was predicted too slow
+    assert bench._faster(first, again) == [[1.0, 2.0], [2.0, 4.0], [4.0, 9.0]]
+    assert bench._faster(again, first) == bench._faster(first, again)
+    assert set(bench.TWICE) == {"matmul", "elementwise", "activation"}
 
 
 def test_local_ops_are_timed_on_operands_cycled_through_the_caches() -> None:

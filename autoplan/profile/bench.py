@@ -1,25 +1,25 @@
 """The measurements of `autoplan profile`, run on every rank of a torchrun job.
 
-Every point of every curve is timed the same way (`_Bench._seconds`): after one untimed call
-(first calls set things up), all ranks start together (barrier), one call is timed to choose how
-many calls make one timed run (enough for ~20 ms, so small sizes are not lost in timer and
-barrier noise; a slow first call timed here left tiny ops ~50x too slow), then `repeats` runs
-are timed and each run's time per call is the slowest rank's (all_reduce MAX), because a step
-waits for its slowest rank; the median run is kept. Every rank runs the operation at once, as in
-training: local ops on every device, a collective on all its groups. Matmuls, element-wise ops
-and GELU cycle through operands larger than the caches (`_cold`), as a step streams its tensors
-through them. A run of local ops (matmul, element-wise, activation, op chains)
-ends with a barrier inside the clock: ranks that share cores (CPU ranks) start their clocks only
-when scheduled, so without it each would time itself alone and miss the contention (the barrier
-adds its latency, a few % of a run). Collectives wait for their group anyway. The decisions
-(calls per run, when a curve stops) use the agreed times, so every rank takes the same path.
-Sends are timed as a ping-pong between the two ranks of a pair, halved. `op_overhead` is the
-slope between chains of 8 and 64 tiny ops run forward and backward (what one more op adds beyond
-its compute); `redistribute_overhead` what an all-reduce of each size costs through DTensor's
-redistribution beyond the raw all-reduce; `sync_overhead` what a tiny such redistribution costs
-after a few ms of compute beyond its price with the ranks idle (the all_reduce curve's first
-point and the redistribute_overhead curve's). Each is the median of paired runs of its two
-operations (`_Bench.paired`).
+Every point of every curve is timed the same way (`_Bench._seconds`): after one untimed call (first
+calls set things up), all ranks start together (barrier), one call is timed to choose how many calls
+make one timed run (enough for ~20 ms, so small sizes are not lost in timer and barrier noise; a
+slow first call timed here left tiny ops ~50x too slow), then `repeats` runs are timed and each
+run's time per call is the slowest rank's (all_reduce MAX), because a step waits for its slowest
+rank; the median run is kept. Every rank runs the operation at once, as in training: local ops on
+every device, a collective on all its groups. Matmuls, element-wise ops and GELU cycle through
+operands larger than the caches (`_cold`), as a step streams its tensors through them; their curves
+are measured at the start and again at the end of the profile, and each point keeps the faster of
+the two (`TWICE`). A run of local ops (matmul, element-wise, activation, op chains) ends with a
+barrier inside the clock: ranks that share cores (CPU ranks) start their clocks only when scheduled,
+so without it each would time itself alone and miss the contention (the barrier adds its latency, a
+few % of a run). Collectives wait for their group anyway. The decisions (calls per run, when a curve
+stops) use the agreed times, so every rank takes the same path. Sends are timed as a ping-pong
+between the two ranks of a pair, halved. `op_overhead` is the slope between chains of 8 and 64 tiny
+ops run forward and backward (what one more op adds beyond its compute); `redistribute_overhead`
+what an all-reduce of each size costs through DTensor's redistribution beyond the raw all-reduce;
+`sync_overhead` what a tiny such redistribution costs after a few ms of compute beyond its price
+with the ranks idle (the all_reduce curve's first point and the redistribute_overhead curve's). Each
+is the median of paired runs of its two operations (`_Bench.paired`).
 
 Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
 """
@@ -60,6 +60,11 @@ from autoplan.torch_private import wait_collective
 __all__ = ["matmul_seconds", "profile_cluster"]
 
 log = logging.getLogger(__name__)
+# the local curves, measured at the start of a profile and again at its end, each point the
+# faster of the two: a host that slows for a while spoils a curve measured in one go (by hand,
+# 2 of ~12 profiles of 4 CPU ranks found matmuls 20-60% slower than the others and than the
+# same matmul timed minutes later)
+TWICE = ("matmul", "elementwise", "activation")
 SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
 # redistribute_overhead's points up to 1 MiB take this many times the pairs of runs: cheap there,
 # and noisy (by hand, on 4 CPU ranks sharing 2 cores, 15 pairs spread ~2x, 45 pairs ~1.5x)
@@ -101,6 +106,13 @@ def profile_cluster(
         dist.destroy_process_group()
 
 
+def _faster(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    """Two measurements of one curve, point by point the faster; where one curve ends earlier
+    the other's points go on (both are non-decreasing, so the result is too)."""
+    common = [[x, min(s, t)] for (x, s), (_, t) in zip(a, b, strict=False)]
+    return common + [list(p) for p in (a if len(a) > len(b) else b)[len(common) :]]
+
+
 def matmul_seconds(n: int, device: torch.device) -> float:
     """Seconds of one n x n float32 matmul, timed as `autoplan profile` times its matmul curve
     (every rank at once, cold operands, the slowest rank, the median of the default repeats);
@@ -126,16 +138,19 @@ def _profile(
         )
     num_nodes = world // per_node
     tasks = plan_tasks(num_nodes, per_node, settings)
+    again = tuple(t for t in tasks if t.section in TWICE)  # at the end, the faster kept
     rank0 = dist.get_rank() == 0
-    bench = _Bench(device, settings, len(tasks), on_progress if rank0 else None)
+    bench = _Bench(device, settings, len(tasks) + len(again), on_progress if rank0 else None)
     measured: dict[str, Any] = {}
-    for i, task in enumerate(tasks):
+    for i, task in enumerate(tasks + again):
         if task.section in OVERHEADS:
             measured[task.section] = bench.overhead(i, task)
         elif task.section == "redistribute_overhead":
             measured[task.section] = bench.redistribute_overhead(i, task)
         else:
-            measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
+            curves = measured.setdefault(task.section, {})
+            curve = bench.curve(i, task)
+            curves[task.key] = _faster(curves[task.key], curve) if task.key in curves else curve
     measured["sync_overhead"] = _sync_overhead(
         measured["sync_overhead"], measured, num_nodes, world
     )
@@ -156,9 +171,11 @@ def _profile(
         f"Profiled by `autoplan profile` on {day}: {num_nodes} node(s) x {per_node} {backend} "
         f"ranks, torch {fingerprint['torch']}, {seconds:.0f} s. Each point is the median of "
         f"{settings.repeats} timed runs (slowest rank) after a warm-up, made monotone by "
-        f"isotonic regression; a curve ends where a call would pass {settings.max_seconds:g} s "
-        f"or at {settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op "
-        f"costs {measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
+        f"isotonic regression; the {', '.join(TWICE)} curves are measured at the start and "
+        f"again at the end, each point the faster of the two; a curve ends where a call would "
+        f"pass {settings.max_seconds:g} s or at {settings.max_bytes} bytes / "
+        f"n={settings.max_matmul_dim}. One more op costs "
+        f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
         f"redistribution {_span(measured['redistribute_overhead'])} beyond its collective "
         f"(redistribute_overhead, from the smallest tensor to the largest), a blocking "
         f"redistribution after compute {measured['sync_overhead'] * 1e6:.0f} us beyond one "
