@@ -1,9 +1,10 @@
 """Cost-model fidelity: does a plan's predicted step time (`plan.predicted.step_time_s`) match
 the step time measured when the plan is trained, and does it rank plans as they really rank?
 
-On 4 local CPU ranks (gloo), the host is profiled first (`autoplan profile --nproc 4`, ~2.5
+On 4 local CPU ranks (gloo), the host is profiled first (`autoplan profile --nproc 4`, ~3.5
 minutes, written to benchmarks/results/fidelity-profile.json: the host's speed drifts by ~10%
-between runs, so the profile is taken right before measuring), then every plan of the MLP and
+between runs, so the profile is taken right before measuring, and a matmul timed after each
+round of measurements says how far it drifted since), then every plan of the MLP and
 GPT examples below (data parallel, Megatron tensor parallel, ZeRO-3,
 2-D, pipelines, the planner's own choice and `autoplan.baseline`'s plans) is planned on rank 0,
 broadcast, built, and trained, all in one torchrun job. A step is timed as the slowest rank's
@@ -11,7 +12,7 @@ wall time after a barrier; the plans of one model are measured in interleaved ro
 steps of each plan per round), so that a change in the machine's load touches every plan
 alike, and each plan's figure is the median over all its timed steps.
 
-    python benchmarks/fidelity.py            # starts torchrun itself; ~6 minutes on 2 cores
+    python benchmarks/fidelity.py            # starts torchrun itself; ~7 minutes on 2 cores
     python benchmarks/fidelity.py --committed-profile   # with costmodels/cpu-gloo-4-profiled.json
     python benchmarks/fidelity.py --render   # only rewrite fidelity.md from fidelity.json
 
@@ -543,113 +544,96 @@ CAUSES = """\
 
 From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
 `autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
-from those are labelled "by hand": scripts of the kind of `benchmarks/step_vs_torch.py` that
-time plain torch, DDP and autoplan's steps on 4 ranks, with torch.profiler or cProfile). No
-constant was tuned for this benchmark.
+from those are labelled "by hand": scripts that time plain torch, DDP and autoplan's steps on 4
+ranks, with torch.profiler or cProfile). No constant was tuned for this benchmark.
 
-1. **What the model now prices, and what it still leaves out.** Since the last session the
-   profile measures, and the model charges (`autoplan/costmodel.py`):
-   - matmuls, element-wise ops and GELU on operands cycled through 128 MiB, as a step streams
-     its tensors through the caches (by hand, 4 ranks: a 256x512 @ 512x512 matmul timed on the
-     same operands again and again ran 7% faster, a 362^3 one 18%);
-   - the compute of transcendental functions (GELU, softmax, attention's scores,
-     cross-entropy's logits) at GELU's measured speed, where the roofline took them as
-     memory-bound (by hand, GPT at 2 sequences a rank on one core: attention 9.4 ms measured
-     against 5.8 ms predicted, GELU 4 ms against 0.45 ms);
-   - the framework's work per op (`op_overhead`) and DTensor's per redistribution
-     (`redistribute_overhead`);
-   - the ranks' skew at a collective that blocks the step (`sync_overhead`: a tiny all-reduce
-     right after a few ms of compute, beyond the same all-reduce after none), charged once per
-     op whose inputs are redistributed, once per tensor whose gradient is, once per gradient
-     reduced outside the buckets (`intra_op.step_cost`), and for every message between pipeline
-     stages. By hand, 4 ranks computing 3-10 ms and then all-reducing 16 B to 8 MB took 1.0-2.6
-     ms longer per round than the compute and the all-reduce timed apart; the MLP's
-     tensor-parallel plan waited 64 ms a step in its 5 all-reduces, which the profile priced at
-     33 ms before these terms.
+1. **What the model prices.** The profile measures, and the model charges (`autoplan/costmodel.py`):
+   - matmuls, element-wise ops and GELU on operands cycled through 128 MiB, as a step streams its
+     tensors through the caches (by hand, 4 ranks: a 256x512 @ 512x512 matmul timed on the same
+     operands again and again ran 7% faster, a 362^3 one 18%);
+   - the compute of transcendental functions (GELU, softmax, attention's scores, cross-entropy's
+     logits) at GELU's measured speed, where the roofline took them as memory-bound (by hand, GPT at
+     2 sequences a rank on one core: attention 9.4 ms measured against 5.8 ms predicted, GELU 4 ms
+     against 0.45 ms);
+   - the framework's work per op (`op_overhead`);
+   - what DTensor's redistribution costs beyond the collective it issues, by tensor size
+     (`redistribute_overhead`): its result is a fresh tensor, so the cost grows with size. This
+     session's profiles found 0.5-1.1 ms at 4 bytes, 0.5-2.3 ms at 16 KiB, 1.5-3.9 ms at 4 MiB and
+     77-94 ms at 64 MiB (where the all-reduce itself takes ~110 ms). Measured once, on a tiny
+     tensor, as the session before did, it left the tensor-parallel plans' 2 MB all-reduces short:
+     by hand, the MLP's tensor-parallel plan waited 14 ms in each of its 5 all-reduces, which that
+     profile priced at 7 ms;
+   - the ranks' skew where the step blocks on a redistribution right after computing
+     (`sync_overhead`), now timed at a DTensor redistribution as the executor issues one (by hand,
+     after 10 ms of matmuls on every rank: 2.9 ms at a DTensor redistribution, 1.7 ms at a raw
+     all-reduce), charged once per op whose inputs are redistributed, once per tensor whose gradient
+     is, once per gradient reduced outside the buckets (`intra_op.step_cost`), and for every message
+     between pipeline stages.
 
-   By hand, the model's compute for one rank of the data-parallel plans (a quarter of the batch)
-   came to 68 ms (MLP) and 189 ms (GPT) at the profile's speed, where it had been 58 and 156 ms;
-   4 ranks training plain torch on a quarter of the batch each, at once and without
-   communication, took 70-78 and 203-207 ms. In this run the data-parallel plans measure
-   1.06-1.16x their prediction, ZeRO-3 0.93-1.12x (charged once per collective, the skew had
-   priced it up to 1.4x too high in the runs before), the others 1.12-1.39x. What the model
-   still leaves out: a pipeline's work per microbatch (item 2), and whatever else makes
-   tensor-parallel steps wait longer than their collectives (1.19-1.36x here).
+   The executor changed too: a gradient bucket partial along several mesh axes is all-reduced once,
+   over the ranks of all of them together, where it was all-reduced once per axis
+   (`autoplan/strategies/buckets.py`). The (2, 2) data-parallel plans had measured 1.22-1.31x their
+   prediction; by hand, the MLP's went from 120 to 95 ms a step (80 ms on the flat mesh). In this
+   run the data-parallel plans measure 1.04-1.10x their prediction, the tensor-parallel ones
+   0.99-1.20x, ZeRO-3 0.73-0.90x (each parameter's gather and reduce-scatter pays
+   `redistribute_overhead` at its size and a wait, which prices the GPT baseline's 57 parameters,
+   most of them small, high), the pipelines 1.04-1.22x.
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
-   blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's
-   bubble leaves its core to the others. The 1F1B formula charged that wait at the profiled
-   speed (a half core a rank): pp4 and the 2-microbatch GPipe, whose ranks wait most, measured
-   1.03-1.26x their prediction in two runs before the simulation, the single-stage plans
-   1.3-1.9x, and Spearman's rho was 0.39-0.56 (MLP) and 0.59-0.79 (GPT). The cluster file now
-   says its cores (`cores_per_node`), and a pipeline on them is priced by simulating its
-   schedule with the running stages sharing the cores (`autoplan/inter_op.py`,
-   `Cluster.rank_speed`). In the run before this one its pipelines measured 1.46-1.74x (MLP) and
-   1.61-1.91x (GPT) their prediction, the same band as the single-stage plans, GPT's rank
-   correlation met the target (0.93), and the plan predicted fastest (the 2-stage GPipe) was the
-   fastest measured. The executor's speed-ups of the session after made the single-stage plans
-   faster than the pipelines: the GPipe, still predicted fastest, measured 1.14x (MLP) and 1.07x
-   (GPT) the data-parallel plan, and the rank correlation fell to 0.86 and 0.84. In this run the
-   pipelines measure 1.24-1.39x (MLP) and 1.14-1.29x (GPT) their prediction. The executor's
-   pipelines got faster before that: a one-rank stage was planned with splits and partial sums
-   on its axis of size 1 (each the whole tensor), which the executor ran through DTensor, and
-   every stage's parameters went through DTensor in every microbatch; by hand, GPT (seq_len 8)
-   in 4 one-rank stages went from 172 to 78 ms a step. The pipelines keep the highest ratios,
-   the 4-microbatch 1F1B (pp2x2) above all: their per-microbatch CPU work (the schedule, the
-   sends, the stage's interpreter run once per microbatch) is not priced.
+   blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
+   leaves its core to the others. A pipeline is priced by simulating its schedule with the running
+   stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`); the 1F1B formula, which
+   charged the wait at the profiled speed, had given Spearman's rho of 0.39-0.56 (MLP) and 0.59-0.79
+   (GPT). The 4-microbatch 1F1B (pp2x2) keeps the highest ratios (1.21-1.22x in this run): its work
+   per microbatch beyond the stage's ops is not priced. By hand (torch.profiler, GPT), its last
+   stage runs ~6 DTensor ops and 3 functional all-reduces per microbatch (the loss and its total
+   weight), and its ranks used 152 ms of CPU a step against 130 ms for the first stage's.
 
-3. **A collective in a step waits for the slowest rank.** The profile times each collective
-   alone, the ranks entering together. In a step the ranks reach a collective at different times
-   (the OS shares 2 cores among 4 processes); a collective that blocks (every forward and
-   backward redistribution of a tensor-parallel plan) waits for the last rank to arrive: ~20-40
-   ms a step on rank 0 in data-parallel GPT before its two went (by hand, torch.profiler).
-   Waking from such a wait costs time too when the cores are shared: by hand, two ranks passing
-   a tensor back and forth with 2 ms of work on each side took 4.96 ms a round trip with the
-   other two ranks idle, and 10.9 ms with them computing, where sharing the cores predicts 6 ms:
-   each hand-off waited ~2.4 ms for the scheduler. The profile now measures this skew
-   (`sync_overhead`, item 1), and the model charges it to every redistribution and pipeline
-   message.
+3. **A collective in a step waits for the slowest rank.** The profile times each collective alone,
+   the ranks entering together. In a step the ranks reach a collective at different times (the OS
+   shares 2 cores among 4 processes), and a collective that blocks waits for the last to arrive. By
+   hand, 4 ranks computing 2.5-40 ms and then all-reducing 4 bytes took 1.5-3.3 ms longer per round
+   than the compute and the all-reduce timed apart (the longer the compute, the more), and a 2 KB or
+   2 MB all-reduce 0.4-6.3 ms longer. Waking from such a wait costs time too: by hand, two ranks
+   passing a tensor back and forth with 2 ms of work on each side took 4.96 ms a round trip with the
+   other two ranks idle and 10.9 ms with them computing, where sharing the cores predicts 6 ms. The
+   profile measures this skew at one compute length (`sync_overhead`, item 1).
 
-4. **The host's speed drifts, and the profile is noisy.** This benchmark profiles the host right
-   before measuring (`benchmarks/results/fidelity-profile.json`), so that both see the same
-   host; two runs with the same code still measure the same plans within ~6% but predict them up
-   to 45% apart, because profiles differ: the model's compute for the MLP's data-parallel plan
-   came to 58-96 ms across today's runs (96 ms in one whose profile found the host's compute
-   ~35% slower than the others did). Their overheads vary more: `op_overhead` 5-26 us (a
-   standalone script timing the same chains gave 14-16 us four times over), and
-   `redistribute_overhead` 0.04-4.0 ms when measured as the difference of two medians, 0.6-2.7
-   ms since it is the median of paired runs. In six of the eight profiles this benchmark
-   launched, `op_overhead` came out at 5-6 us (9 and 18 us in the other two), against 14-26 us
-   in every profile run by hand; not explained. The runs of this benchmark today, each with the
-   changes before it:
+4. **The host's speed drifts, and a profile can catch it slow.** This benchmark profiles the host
+   right before measuring (`benchmarks/results/fidelity-profile.json`) and, after each round of
+   measurements, times a 512^3 matmul on every rank as the profile times its curve (the "host's
+   speed" lines: its time over the profile's). In one run of this session the profile had found the
+   host's matmuls 20-60% slower than the probe found them minutes later (0.63x and 0.74x), and every
+   plan measured 0.70-0.97x its prediction. The profile therefore measures its local curves (matmul,
+   element-wise, GELU) at its start and again at its end, and keeps the faster time of each point.
+   The host drifts both ways: in the run before that, the data-parallel MLP plan measured 19% slower
+   than in the run before it, with the same executor. The runs of this benchmark in this session,
+   each with the changes before it:
 
    | cost model and profile | median error MLP / GPT | rank correlation MLP / GPT |
    |---|---|---|
-   | the last session's | 30% / 28% | 0.86 / 0.84 |
-   | + GELU's speed, `op_overhead` | 17% / 22% | 0.83 / 0.93 |
-   | + `redistribute_overhead` | 25% / 22% | 0.90 / 0.97 |
-   | + profiled right before measuring (two runs) | 16-27% / 16-25% | 0.80-0.86 / 0.92-0.95 |
-   | + operands cycled through the caches (two runs) | 12-20% / 8-16% | 0.80-0.81 / 0.90-0.95 |
-   | + overheads from paired runs | 18% / 10% | 0.83 / 0.91 |
-   | + `sync_overhead` (two runs) | 16-17% / 12% | 0.88-0.90 / 0.89-0.93 |
-   | + skew once per wait (two runs, this one last) | 13-22% / 14-20% | 0.86 / 0.93-0.94 |
+   | the last session's (its last run) | 22% / 14% | 0.86 / 0.93 |
+   | + buckets over axes in one go, overhead by size, skew at DTensor | 8% / 13% | 0.895 / 0.845 |
+   | + overhead of the forward alone, 3x the pairs up to 1 MiB | 18% / 20% | 0.98 / 0.93 |
+   | the same (probe: 0.63x / 0.74x the profile) | 32% / 26% | 0.795 / 0.80 |
+   | + local curves twice, the faster kept (2 runs) | 7-13% / 7-8% | 0.93-0.96 / 0.91-0.95 |
 
-   Plain torch in one process, the "compute alone" lines, ran between 1% over and 28% under the
-   prediction: a lone process is mostly faster than twice the per-rank speed the profile
-   measures with 4 ranks on 2 cores, so the model's scaling to a whole core
-   (`Cluster.rank_speed`) is conservative.
+   In the last two runs the probe took 0.97-1.09x its profiled time. The overheads stay noisy from
+   profile to profile: `op_overhead` 15-24 us, `sync_overhead` 1.6-2.7 ms, and
+   `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone" lines, ran
+   11-23% under the prediction in the last two runs: a lone process is mostly faster than twice the
+   per-rank speed the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole
+   core (`Cluster.rank_speed`) is conservative.
 
-5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15%
-   (most within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within
-   ~20% of each other, so Spearman's rho over them is largely noise; `pairs_ordered_right`
-   counts only pairs measured more than 10% apart.
+5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15% (most
+   within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within ~20% of each
+   other, so Spearman's rho over them is largely noise; `pairs_ordered_right` counts only pairs
+   measured more than 10% apart.
 
-What would close the gap (not done here): a pipeline's work per microbatch priced, and above
-all a steadier profile (more timed runs a point; the overheads measured where a standalone
-script finds them steady): the profile, not the model, now moves the errors most from run to
-run. On one node the planner searches single-stage plans unless asked to pipeline
-(`pipeline=True`); its own data-parallel plan measured within 1.09x of the fastest plan in
-every run today.
+What is left (not done here): a pipeline's work per microbatch, ZeRO-3's many small collectives
+priced high, and a skew that grows with the compute before a wait. On one node the planner searches
+single-stage plans unless asked to pipeline (`pipeline=True`); its own data-parallel plan measured
+within 1.04x of the fastest plan in the last two runs.
 """
 
 
