@@ -11,8 +11,8 @@ reduction of its own (DDP and FSDP each write theirs over plain tensors), so the
 ours. The collective is torch's: c10d's in-place all-reduce, as DDP's reducer issues it
 (DTensor's redistribute is a functional, out-of-place all-reduce: one more copy of the whole
 bucket, ~5% of a data-parallel GPT step on 4 CPU ranks), on the group of the bucket's axis, or
-of its axes together (DeviceMesh's flattened group: one all-reduce rather than one per axis,
-as strategies/buckets.py explains).
+on a group of the ranks along all its axes together (`_group`: one all-reduce rather than one
+per axis, as strategies/buckets.py explains).
 
 A parameter whose every use runs locally on its stored shard has a plain local leaf in the
 step (`autoplan.execute.step.local_leaves`): autograd accumulates its gradient as a plain tensor,
