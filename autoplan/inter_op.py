@@ -347,7 +347,7 @@ def _priced(
 ) -> SolvedStage:
     graph = stage.graph
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
-    extra += sum(costs.phased_s(p) for _, _, p in step.collectives if p.phase == "grad_sync")
+    extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
     static = sum(
         costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
     )

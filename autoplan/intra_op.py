@@ -211,8 +211,8 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
     """The step as the executor runs it: each tensor redistributed once per placement its
     users need; in backward, the gradients of those users summed and reduced once per such
     placement. The step waits for the ranks' skew (`StepCosts.sync_s`) once per op whose inputs
-    are redistributed, once per tensor whose gradient is, and once per parameter gradient
-    reduced outside the buckets."""
+    are redistributed, once per tensor whose gradient is, and once for the parameters'
+    gradients (`StepCosts.gradients_s`)."""
     compute = memory = comm = 0.0
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
@@ -250,19 +250,18 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
     # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
     # reduce-scatters, a parameter used in several placements) are reduced one by one
     bucketed: list[GradientSync] = []
+    gradients: list[tuple[str, str, Phased]] = []
     for name, entries in syncs.items():
         if len(entries) == 1 and entries[0][1].bucket_axes is not None:
             bucketed.append(entries[0][1])
             continue
         for user, sync in entries:
-            phased = [Phased(c, "grad_sync") for c in sync.collectives]
-            comm += sum(costs.phased_s(p) for p in phased)
-            found += [(user, name, p) for p in phased]
+            gradients += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
-        comm += costs.collective_s(bucket.collective)
-        found.append(
-            (GRADIENTS, f"bucket{i}", Phased(bucket.collective, "grad_sync", bucket.params))
-        )
+        phased = Phased(bucket.collective, "grad_sync", bucket.params)
+        gradients.append((GRADIENTS, f"bucket{i}", phased))
+    comm += costs.gradients_s([p for _, _, p in gradients])
+    found += gradients
     comm += len(waits) * costs.sync_s
     return StepCost(compute, comm, memory, tuple(found))
 

@@ -439,7 +439,12 @@ def test_step_costs_add_the_measured_overheads() -> None:
     user = dataclasses.replace(op("u"), needs_grad=False)
     assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0
     assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw  # a bucket's
-    assert costs.phased_s(Phased(all_reduce, "grad_sync")) == raw + 4.0  # ZeRO's, say
+    zero = Phased(all_reduce, "grad_sync")  # outside the buckets: ZeRO's, say
+    assert costs.phased_s(zero) == raw + 3.0
+    # those are issued asynchronously and waited for once, at the optimizer
+    bucket = Phased(all_reduce, "grad_sync", ("w",))
+    assert costs.gradients_s([bucket, bucket]) == 2 * raw
+    assert costs.gradients_s([zero, zero, bucket]) == 3 * raw + 2 * 3.0 + 1.0
     # a pipeline's activation and its gradient: two messages, each waited for
     message = collective_time(costs.cluster, "send_recv", 4000, 2, costs.cluster.inter_node)
     assert _send_time(costs.cluster, 4000) == 2 * (message + 1.0)

@@ -143,8 +143,8 @@ class GradientReducer:
             if fqn in self.leaves:
                 if self.leaves[fqn].grad is not None:
                     param.grad = self._as_dtensor(fqn, self._take_local(fqn))  # as stored
-            else:
-                gradient_to_storage(param, self.storage[fqn], self.mesh, async_op=False)
+            else:  # in flight while the next ones are issued; the optimizer waits for it
+                gradient_to_storage(param, self.storage[fqn], self.mesh, async_op=True)
         self._finish()
 
     def _take_local(self, fqn: str) -> torch.Tensor:
