@@ -558,8 +558,8 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    - the framework's work per op (`op_overhead`);
    - what DTensor's redistribution costs beyond the collective it issues, by tensor size
      (`redistribute_overhead`): its result is a fresh tensor, so the cost grows with size. This
-     session's profiles found 0.5-1.1 ms at 4 bytes, 0.5-2.3 ms at 16 KiB, 1.5-3.9 ms at 4 MiB and
-     77-94 ms at 64 MiB (where the all-reduce itself takes ~110 ms). Measured once, on a tiny
+     session's profiles found 0.3-1.1 ms at 4 bytes, 0.5-2.3 ms at 16 KiB, 1.5-3.9 ms at 4 MiB and
+     73-95 ms at 64 MiB (where the all-reduce itself takes ~110 ms). Measured once, on a tiny
      tensor, as the session before did, it left the tensor-parallel plans' 2 MB all-reduces short:
      by hand, the MLP's tensor-parallel plan waited 14 ms in each of its 5 all-reduces, which that
      profile priced at 7 ms;
@@ -567,27 +567,30 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
      (`sync_overhead`), now timed at a DTensor redistribution as the executor issues one (by hand,
      after 10 ms of matmuls on every rank: 2.9 ms at a DTensor redistribution, 1.7 ms at a raw
      all-reduce), charged once per op whose inputs are redistributed, once per tensor whose gradient
-     is, once per gradient reduced outside the buckets (`intra_op.step_cost`), and for every message
-     between pipeline stages.
+     is, once for all the gradients reduced outside the buckets (`intra_op.step_cost`,
+     `StepCosts.gradients_s`), and for every message between pipeline stages.
 
-   The executor changed too: a gradient bucket partial along several mesh axes is all-reduced once,
+   The executor changed too. A gradient bucket partial along several mesh axes is all-reduced once,
    over the ranks of all of them together, where it was all-reduced once per axis
-   (`autoplan/strategies/buckets.py`). The (2, 2) data-parallel plans had measured 1.22-1.31x their
-   prediction; by hand, the MLP's went from 120 to 95 ms a step (80 ms on the flat mesh). In this
-   run the data-parallel plans measure 1.04-1.10x their prediction, the tensor-parallel ones
-   0.99-1.20x, ZeRO-3 0.73-0.90x (each parameter's gather and reduce-scatter pays
-   `redistribute_overhead` at its size and a wait, which prices the GPT baseline's 57 parameters,
-   most of them small, high), the pipelines 1.04-1.22x.
+   (`autoplan/strategies/buckets.py`): the (2, 2) data-parallel plans had measured 1.22-1.31x their
+   prediction; by hand, the MLP's went from 120 to 95 ms a step (80 ms on the flat mesh). A
+   pipeline's gradients outside the buckets (ZeRO's reduce-scatters) are now issued asynchronously,
+   as a single-stage step's always were, and the model charges the step one wait for them all where
+   it charged one per parameter: ZeRO-3 had measured 0.73-0.90x its prediction, and measured
+   0.93-0.99x in the run before this one. In this run the data-parallel plans measure 1.14-1.19x
+   their prediction, the tensor-parallel ones 1.01-1.32x, ZeRO-3 0.99-1.09x, the pipelines
+   1.14-1.29x.
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
    leaves its core to the others. A pipeline is priced by simulating its schedule with the running
    stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`); the 1F1B formula, which
    charged the wait at the profiled speed, had given Spearman's rho of 0.39-0.56 (MLP) and 0.59-0.79
-   (GPT). The 4-microbatch 1F1B (pp2x2) keeps the highest ratios (1.21-1.22x in this run): its work
-   per microbatch beyond the stage's ops is not priced. By hand (torch.profiler, GPT), its last
-   stage runs ~6 DTensor ops and 3 functional all-reduces per microbatch (the loss and its total
-   weight), and its ranks used 152 ms of CPU a step against 130 ms for the first stage's.
+   (GPT). The 4-microbatch 1F1B (pp2x2) keeps the highest ratios (1.29x in this run, 1.09-1.10x in
+   the run before): its work per microbatch beyond the stage's ops is not priced. By hand
+   (torch.profiler, GPT), its last stage runs ~6 DTensor ops and 3 functional all-reduces per
+   microbatch (the loss and its total weight), and its ranks used 152 ms of CPU a step against 130
+   ms for the first stage's.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective alone,
    the ranks entering together. In a step the ranks reach a collective at different times (the OS
@@ -617,11 +620,16 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    | + overhead of the forward alone, 3x the pairs up to 1 MiB | 18% / 20% | 0.98 / 0.93 |
    | the same (probe: 0.63x / 0.74x the profile) | 32% / 26% | 0.795 / 0.80 |
    | + local curves twice, the faster kept (2 runs) | 7-13% / 7-8% | 0.93-0.96 / 0.91-0.95 |
+   | + one wait for unbucketed gradients (2 runs) | 4-16% / 6-13% | 0.88-0.93 / 0.855-0.96 |
 
-   In the last two runs the probe took 0.97-1.09x its profiled time. The overheads stay noisy from
-   profile to profile: `op_overhead` 15-24 us, `sync_overhead` 1.6-2.7 ms, and
+   In the last four runs the probe took 0.86-1.22x its profiled time (1.05x and 1.22x in this one):
+   the host still drifts while it is measured, and the other curves of a profile vary too (with the
+   same code, the data-parallel MLP plan was predicted 15% faster in this run than in the one
+   before, and measured 3% slower). Over the last four runs every target was met in two; median
+   error in seven of the eight model-runs and rank correlation in six. The overheads stay noisy from
+   profile to profile: `op_overhead` 15-24 us, `sync_overhead` 1.6-3.2 ms, and
    `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone" lines, ran
-   11-23% under the prediction in the last two runs: a lone process is mostly faster than twice the
+   8-27% under the prediction in the last four runs: a lone process is mostly faster than twice the
    per-rank speed the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole
    core (`Cluster.rank_speed`) is conservative.
 
@@ -630,10 +638,11 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    other, so Spearman's rho over them is largely noise; `pairs_ordered_right` counts only pairs
    measured more than 10% apart.
 
-What is left (not done here): a pipeline's work per microbatch, ZeRO-3's many small collectives
-priced high, and a skew that grows with the compute before a wait. On one node the planner searches
-single-stage plans unless asked to pipeline (`pipeline=True`); its own data-parallel plan measured
-within 1.04x of the fastest plan in the last two runs.
+What is left (not done here): a steadier profile (the errors now move most with the profile and the
+host's drift, not the model), a pipeline's work per microbatch, and a skew that grows with the
+compute before a wait. On one node the planner searches single-stage plans unless asked to pipeline
+(`pipeline=True`); its own data-parallel plan measured within 1.04x of the fastest plan in each of
+the last four runs.
 """
 
 
