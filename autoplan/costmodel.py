@@ -67,6 +67,7 @@ __all__ = [
     "collective_time",
     "compute_time",
     "redistribute_overhead",
+    "sync_overhead",
     "with_overhead",
 ]
 
@@ -117,6 +118,12 @@ def redistribute_overhead(cluster: Cluster, nbytes: float) -> float:
     measured = curve(max(nbytes, curve.xs[0]))
     assert measured is not None
     return measured
+
+
+def sync_overhead(cluster: Cluster) -> float:
+    """Time (s) the step waits for the ranks' skew where it blocks right after computing: the
+    measured `sync_overhead`, 0.0 where not measured."""
+    return cluster.curves.sync_overhead or 0.0
 
 
 def with_overhead(cluster: Cluster, seconds: float) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from autoplan.cluster import Cluster
-from autoplan.costmodel import collective_time
+from autoplan.costmodel import collective_time, sync_overhead
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
@@ -384,7 +384,7 @@ def _send_time(cluster: Cluster, nbytes: float) -> float:
     the measured `sync_overhead`."""
     link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
     message = collective_time(cluster, "send_recv", nbytes, 2, link)
-    return 2 * (message + (cluster.curves.sync_overhead or 0.0)) if message else 0.0
+    return 2 * (message + sync_overhead(cluster)) if message else 0.0
 
 
 def default_microbatches(batch: int, max_stages: int) -> int:

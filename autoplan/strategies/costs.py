@@ -30,6 +30,7 @@ from autoplan.costmodel import (
     collective_time,
     compute_time,
     redistribute_overhead,
+    sync_overhead,
     with_overhead,
 )
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
@@ -153,7 +154,7 @@ class StepCosts:
         computing (the measured `sync_overhead`; 0.0 where not measured): once for the
         redistributions an op's inputs need in forward, once for a tensor's gradient in
         backward, and once for the parameters' gradients (`gradients_s`)."""
-        return self.cluster.curves.sync_overhead or 0.0
+        return sync_overhead(self.cluster)
 
     def phased_s(self, p: Phased) -> float:
         """Seconds of one gradient synchronization of the step: a bucket's all-reduce (it names
