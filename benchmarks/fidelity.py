@@ -1,7 +1,7 @@
 """Cost-model fidelity: does a plan's predicted step time (`plan.predicted.step_time_s`) match
 the step time measured when the plan is trained, and does it rank plans as they really rank?
 
-On 4 local CPU ranks (gloo), the host is profiled first (`autoplan profile --nproc 4`, ~3.5
+On 4 local CPU ranks (gloo), the host is profiled first (`autoplan profile --nproc 4`, ~4.5
 minutes, written to benchmarks/results/fidelity-profile.json: the host's speed drifts by ~10%
 between runs, so the profile is taken right before measuring, and a matmul timed after each
 round of measurements says how far it drifted since), then every plan of the MLP and

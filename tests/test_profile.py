@@ -125,8 +125,8 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert set(curves.collectives) == {(kind, "intra", 2) for kind in COLLECTIVE_KINDS}
     # a progress bar with the time left, one line per curve when stderr is not a terminal
     lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
-    local_curves = len(REQUIRED_DTYPES) * 3  # matmul, elementwise, activation: measured twice
-    assert len(lines) == 2 * local_curves + 3 + len(COLLECTIVE_KINDS)
+    local_curves = len(REQUIRED_DTYPES) * 3  # matmul, elementwise, activation: in 3 passes
+    assert len(lines) == 3 * local_curves + 3 + len(COLLECTIVE_KINDS)
     assert all("left" in line and "elapsed" in line for line in lines)
     assert "100%" in lines[-1]
 
@@ -454,12 +454,25 @@ def test_step_costs_add_the_measured_overheads() -> None:
 # ------------------------------------------------------------------ what is measured, and the fit
 
 
-def test_a_curve_measured_twice_keeps_the_faster_point_and_the_longer_tail() -> None:
-    first = [[1.0, 2.0], [2.0, 5.0], [4.0, 9.0]]
-    again = [[1.0, 3.0], [2.0, 4.0]]  # ended earlier: its next size was predicted too slow
-    assert bench._faster(first, again) == [[1.0, 2.0], [2.0, 4.0], [4.0, 9.0]]
-    assert bench._faster(again, first) == bench._faster(first, again)
-    assert set(bench.TWICE) == {"matmul", "elementwise", "activation"}
+def test_local_curves_keep_each_points_median_over_passes_spread_through_the_profile() -> None:
+    passes = [
+        [[1.0, 2.0], [2.0, 5.0], [4.0, 9.0]],
+        [[1.0, 3.0], [2.0, 4.0], [4.0, 8.0]],
+        [[1.0, 9.0], [2.0, 9.5]],  # slow, and ended early: its next size was predicted too slow
+    ]
+    # one slow pass moves no point; past the short pass the median of two, kept non-decreasing
+    assert bench._median_curve(passes) == [[1.0, 3.0], [2.0, 5.0], [4.0, 8.5]]
+    assert bench._median_curve(passes[::-1]) == bench._median_curve(passes)
+    tasks = plan_tasks(1, 4, Settings())
+    order = bench._in_passes(tasks)
+    local = [t for t in tasks if t.section in bench.LOCAL]
+    others = [t for t in tasks if t.section not in bench.LOCAL]
+    assert set(bench.LOCAL) == {"matmul", "elementwise", "activation"}
+    assert order[: len(local)] == local and order[-len(local) :] == local
+    assert [t for t in order if t.section not in bench.LOCAL] == others  # each once, in order
+    assert len(order) == len(others) + bench.LOCAL_PASSES * len(local)
+    middle = len(local) + len(others) // 2  # the second pass, halfway through the others
+    assert bench.LOCAL_PASSES == 3 and order[middle : middle + len(local)] == local
 
 
 def test_local_ops_are_timed_on_operands_cycled_through_the_caches() -> None:

@@ -8,18 +8,18 @@ run's time per call is the slowest rank's (all_reduce MAX), because a step waits
 rank; the median run is kept. Every rank runs the operation at once, as in training: local ops on
 every device, a collective on all its groups. Matmuls, element-wise ops and GELU cycle through
 operands larger than the caches (`_cold`), as a step streams its tensors through them; their curves
-are measured at the start and again at the end of the profile, and each point keeps the faster of
-the two (`TWICE`). A run of local ops (matmul, element-wise, activation, op chains) ends with a
-barrier inside the clock: ranks that share cores (CPU ranks) start their clocks only when scheduled,
-so without it each would time itself alone and miss the contention (the barrier adds its latency, a
-few % of a run). Collectives wait for their group anyway. The decisions (calls per run, when a curve
-stops) use the agreed times, so every rank takes the same path. Sends are timed as a ping-pong
-between the two ranks of a pair, halved. `op_overhead` is the slope between chains of 8 and 64 tiny
-ops run forward and backward (what one more op adds beyond its compute); `redistribute_overhead`
-what an all-reduce of each size costs through DTensor's redistribution beyond the raw all-reduce;
-`sync_overhead` what a tiny such redistribution costs after a few ms of compute beyond its price
-with the ranks idle (the all_reduce curve's first point and the redistribute_overhead curve's). Each
-is the median of paired runs of its two operations (`_Bench.paired`).
+are measured at the start, the middle and the end of the profile, and each point keeps the median of
+the three (`LOCAL_PASSES`). A run of local ops (matmul, element-wise, activation, op chains) ends
+with a barrier inside the clock: ranks that share cores (CPU ranks) start their clocks only when
+scheduled, so without it each would time itself alone and miss the contention (the barrier adds its
+latency, a few % of a run). Collectives wait for their group anyway. The decisions (calls per run,
+when a curve stops) use the agreed times, so every rank takes the same path. Sends are timed as a
+ping-pong between the two ranks of a pair, halved. `op_overhead` is the slope between chains of 8
+and 64 tiny ops run forward and backward (what one more op adds beyond its compute);
+`redistribute_overhead` what an all-reduce of each size costs through DTensor's redistribution
+beyond the raw all-reduce; `sync_overhead` what a tiny such redistribution costs after a few ms of
+compute beyond its cost alone. Each is the median over rounds of runs of its operations, one right
+after the other (`_Bench.paired`, `_Bench.sync_overhead`).
 
 Rank 0 gathers every rank's `machine_fingerprint` (hosts joined) and returns the cluster.
 """
@@ -60,11 +60,13 @@ from autoplan.torch_private import wait_collective
 __all__ = ["matmul_seconds", "profile_cluster"]
 
 log = logging.getLogger(__name__)
-# the local curves, measured at the start of a profile and again at its end, each point the
-# faster of the two: a host that slows for a while spoils a curve measured in one go (by hand,
-# 2 of ~12 profiles of 4 CPU ranks found matmuls 20-60% slower than the others and than the
-# same matmul timed minutes later)
-TWICE = ("matmul", "elementwise", "activation")
+# the local curves, measured at the start, the middle and the end of a profile, each point the
+# median of the three: a host whose speed drifts for a while spoils a curve measured in one go
+# (by hand, 2 of ~12 profiles of 4 CPU ranks found matmuls 20-60% slower than the others and
+# than the same matmul timed minutes later); the faster of two passes, kept before, read the
+# host fast instead (5 profiles' matmuls at 1e7-1e9 FLOPs spread 0.7-1.4x)
+LOCAL = ("matmul", "elementwise", "activation")
+LOCAL_PASSES = 3
 SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
 # redistribute_overhead's points up to 1 MiB take this many times the pairs of runs: cheap there,
 # and noisy (by hand, on 4 CPU ranks sharing 2 cores, 15 pairs spread ~2x, 45 pairs ~1.5x)
@@ -106,11 +108,14 @@ def profile_cluster(
         dist.destroy_process_group()
 
 
-def _faster(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
-    """Two measurements of one curve, point by point the faster; where one curve ends earlier
-    the other's points go on (both are non-decreasing, so the result is too)."""
-    common = [[x, min(s, t)] for (x, s), (_, t) in zip(a, b, strict=False)]
-    return common + [list(p) for p in (a if len(a) > len(b) else b)[len(common) :]]
+def _median_curve(passes: list[list[list[float]]]) -> list[list[float]]:
+    """Several measurements of one curve, point by point the median of the passes that reached
+    it (a pass ends early where its next size was predicted too slow), made monotone again:
+    the median of fewer passes at the tail may dip."""
+    longest = max(passes, key=len)
+    xs = [x for x, _ in longest]
+    seconds = [statistics.median(p[i][1] for p in passes if i < len(p)) for i in range(len(xs))]
+    return [[x, s] for x, s in zip(xs, monotone(seconds), strict=True)]
 
 
 def matmul_seconds(n: int, device: torch.device) -> float:
@@ -137,23 +142,24 @@ def _profile(
             f"job has {world} rank(s) with {per_node} on this node: use --nproc 2 or more"
         )
     num_nodes = world // per_node
-    tasks = plan_tasks(num_nodes, per_node, settings)
-    again = tuple(t for t in tasks if t.section in TWICE)  # at the end, the faster kept
+    tasks = _in_passes(plan_tasks(num_nodes, per_node, settings))
     rank0 = dist.get_rank() == 0
-    bench = _Bench(device, settings, len(tasks) + len(again), on_progress if rank0 else None)
+    bench = _Bench(device, settings, len(tasks), on_progress if rank0 else None)
     measured: dict[str, Any] = {}
-    for i, task in enumerate(tasks + again):
-        if task.section in OVERHEADS:
+    passes: dict[tuple[str, str], list[list[list[float]]]] = {}
+    for i, task in enumerate(tasks):
+        if task.section == "sync_overhead":
+            measured[task.section] = bench.sync_overhead(i, task)
+        elif task.section in OVERHEADS:
             measured[task.section] = bench.overhead(i, task)
         elif task.section == "redistribute_overhead":
             measured[task.section] = bench.redistribute_overhead(i, task)
+        elif task.section in LOCAL:
+            passes.setdefault((task.section, task.key), []).append(bench.curve(i, task))
         else:
-            curves = measured.setdefault(task.section, {})
-            curve = bench.curve(i, task)
-            curves[task.key] = _faster(curves[task.key], curve) if task.key in curves else curve
-    measured["sync_overhead"] = _sync_overhead(
-        measured["sync_overhead"], measured, num_nodes, world
-    )
+            measured.setdefault(task.section, {})[task.key] = bench.curve(i, task)
+    for (section, key), curves in passes.items():
+        measured.setdefault(section, {})[key] = _median_curve(curves)
     seconds = time.perf_counter() - bench.start
     found: list[Any] = [None] * world
     dist.all_gather_object(found, machine_fingerprint(backend))
@@ -171,15 +177,15 @@ def _profile(
         f"Profiled by `autoplan profile` on {day}: {num_nodes} node(s) x {per_node} {backend} "
         f"ranks, torch {fingerprint['torch']}, {seconds:.0f} s. Each point is the median of "
         f"{settings.repeats} timed runs (slowest rank) after a warm-up, made monotone by "
-        f"isotonic regression; the {', '.join(TWICE)} curves are measured at the start and "
-        f"again at the end, each point the faster of the two; a curve ends where a call would "
-        f"pass {settings.max_seconds:g} s or at {settings.max_bytes} bytes / "
+        f"isotonic regression; the {', '.join(LOCAL)} curves are measured at the start, the "
+        f"middle and the end, each point the median of the {LOCAL_PASSES}; a curve ends where "
+        f"a call would pass {settings.max_seconds:g} s or at {settings.max_bytes} bytes / "
         f"n={settings.max_matmul_dim}. One more op costs "
         f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
         f"redistribution {_span(measured['redistribute_overhead'])} beyond its collective "
         f"(redistribute_overhead, from the smallest tensor to the largest), a blocking "
         f"redistribution after compute {measured['sync_overhead'] * 1e6:.0f} us beyond one "
-        f"after none (sync_overhead)."
+        f"alone (sync_overhead)."
     )
     return fitted_cluster(
         name=name,
@@ -192,6 +198,19 @@ def _profile(
         # CPU ranks share the host's cores (the ones this process may run on)
         cores_per_node=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
     )
+
+
+def _in_passes(tasks: tuple[Task, ...]) -> list[Task]:
+    """`tasks` in the order they are measured: the local curves `LOCAL_PASSES` times, spread
+    evenly among the others (the first pass first, the last one last)."""
+    local = [t for t in tasks if t.section in LOCAL]
+    others = [t for t in tasks if t.section not in LOCAL]
+    parts = max(1, LOCAL_PASSES - 1)
+    order = list(local)
+    for p in range(parts):
+        order += others[len(others) * p // parts : len(others) * (p + 1) // parts]
+        order += local if p < LOCAL_PASSES - 1 else []
+    return order
 
 
 class _Bench:
@@ -260,19 +279,32 @@ class _Bench:
         self._report(index, task, len(task.sizes))
         return [[x, s] for x, s in zip(task.xs, monotone(seconds), strict=True)]
 
+    def sync_overhead(self, index: int, task: Task) -> float:
+        """What the tiny redistribution costs right after compute beyond its cost alone,
+        called back to back (>= 0): per repeat, (compute then it) - compute - it alone."""
+        self._report(index, task, 0)
+        compute, then_sync, alone = (self._operation(task, size) for size in task.sizes)
+        runs = self._runs((compute, then_sync, alone), self._repeats(task))
+        self._report(index, task, len(task.sizes))
+        return max(0.0, statistics.median(b - a - c for a, b, c in zip(*runs, strict=True)))
+
     def paired(self, without: _Op, with_: _Op, repeats: int) -> float:
         """Seconds per call that `with_` takes beyond `without`: the median over `repeats` of
-        the difference of two runs timed one right after the other. Pairing the runs cancels
-        the host's drift, which the difference of two medians kept (redistribute_overhead:
-        0.04 to 2.1 ms in 3 profiles)."""
-        ops = (without, with_)
+        the difference of two runs timed one right after the other (`_runs`)."""
+        first, second = self._runs((without, with_), repeats)
+        return statistics.median(b - a for a, b in zip(first, second, strict=True))
+
+    def _runs(self, ops: tuple[_Op, ...], repeats: int) -> list[list[float]]:
+        """Per op, the slowest rank's seconds per call in each of `repeats` rounds, each round
+        one run of every op, one right after the other. Differences taken within a round
+        cancel the host's drift, which the difference of two medians kept
+        (redistribute_overhead: 0.04 to 2.1 ms in 3 profiles)."""
         calls = [self._calls(op) for op in ops]
-        runs: list[list[float]] = [[], []]
+        runs: list[list[float]] = [[] for _ in ops]
         for _ in range(repeats):
             for op, count, found in zip(ops, calls, runs, strict=True):
                 found.append(self._timed(op, count))
-        first, second = (self._slowest(found) for found in runs)
-        return statistics.median(b - a for a, b in zip(first, second, strict=True))
+        return [self._slowest(found) for found in runs]
 
     def _repeats(self, task: Task) -> int:
         """Timed runs per point: `Settings.repeats`, or the task's own minimum if higher."""
@@ -324,6 +356,8 @@ class _Bench:
         if task.section == "op_overhead":
             return _chain(size, device)
         if task.section == "sync_overhead":
+            if size == 2:
+                return _redistribution(SYNC_BYTES, dtensor=True, device=device)
             return _compute_then_sync(sync=size == 1, device=device)
         mine = self._group(task.groups)
         if mine is None:
@@ -403,16 +437,6 @@ def _compute_then_sync(*, sync: bool, device: torch.device) -> _Op:
             redistribution.call()
 
     return _Op(call, local=True)
-
-
-def _sync_overhead(in_step: float, measured: dict[str, Any], num_nodes: int, world: int) -> float:
-    """The tiny redistribution's time after compute (`in_step`) beyond its price with the ranks
-    idle before it: the first points of the all_reduce curve over all ranks and of the
-    redistribute_overhead curve (both at SYNC_BYTES)."""
-    curve = measured["all_reduce"][f"{'inter' if num_nodes > 1 else 'intra'}/{world}"]
-    (x0, all_reduce), (x1, dtensor) = curve[0], measured["redistribute_overhead"][0]
-    assert x0 == x1 == SYNC_BYTES, "the curves start at the size sync_overhead is measured at"
-    return max(0.0, in_step - all_reduce - dtensor)
 
 
 def _gelu_forward_backward(x: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:

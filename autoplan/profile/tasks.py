@@ -29,8 +29,8 @@ COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
 SMALLEST_MATMUL = 16
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # sync_overhead: what a tiny redistribution over all ranks costs right after a few ms of
-# compute, beyond the same redistribution with the ranks idle before it: the ranks reach it at
-# different times (by hand, 4 ranks on 2 cores: 1-3 ms)
+# compute, beyond the same redistribution called back to back: the ranks reach it at different
+# times (by hand, 4 ranks on 2 cores: 1-3 ms)
 SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
 SYNC_WORK_CALLS = 2
 # redistribute_overhead: what DTensor's redistribution, Partial to Replicate, costs beyond the
@@ -65,7 +65,8 @@ class Task:
 
     `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation:
     elements per tensor; collective and redistribute_overhead: bytes; op_overhead: ops in the
-    chain; sync_overhead: 0 for the operation without what is measured, 1 for the one with it)
+    chain; sync_overhead: 0 for the compute, 1 for it followed by the redistribution, 2 for the
+    redistribution alone)
     and `xs[i]` the curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's
     nbytes, ops).
     `groups` are the rank groups a collective runs on, all at once.
@@ -112,8 +113,9 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     sizes = _powers(COLLECTIVE_ITEMSIZE, min(settings.max_bytes, REDISTRIBUTE_MAX_BYTES))
     xs = tuple(map(float, sizes))
     tasks.append(Task("redistribute_overhead", "", sizes, xs, repeats=OVERHEAD_REPEATS))
-    # a few ms of matmuls on every rank (size 0), then each followed by a tiny redistribution
-    tasks.append(Task(sync_overhead, "", (0, 1), (1.0, 2.0), repeats=OVERHEAD_REPEATS))
+    # a few ms of matmuls on every rank (size 0), each followed by a tiny redistribution (1),
+    # and that redistribution alone (2): three terms of a difference, so 3x the rounds
+    tasks.append(Task(sync_overhead, "", (0, 1, 2), (0.0, 1.0, 2.0), repeats=3 * OVERHEAD_REPEATS))
     num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
