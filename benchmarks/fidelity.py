@@ -564,33 +564,39 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
      by hand, the MLP's tensor-parallel plan waited 14 ms in each of its 5 all-reduces, which that
      profile priced at 7 ms;
    - the ranks' skew where the step blocks on a redistribution right after computing
-     (`sync_overhead`), now timed at a DTensor redistribution as the executor issues one (by hand,
+     (`sync_overhead`), timed at a DTensor redistribution as the executor issues one (by hand,
      after 10 ms of matmuls on every rank: 2.9 ms at a DTensor redistribution, 1.7 ms at a raw
      all-reduce), charged once per op whose inputs are redistributed, once per tensor whose gradient
      is, once for all the gradients reduced outside the buckets (`intra_op.step_cost`,
-     `StepCosts.gradients_s`), and for every message between pipeline stages.
+     `StepCosts.gradients_s`), and for every message between pipeline stages. It is now timed in
+     one task, 45 rounds of three runs: compute then the redistribution, the compute alone, the
+     redistribution alone; each round's difference, the median kept. It had been the difference
+     of one task's median against the first points of two other curves, measured minutes apart,
+     and it moved pipelines' predictions by ~12% from profile to profile (1.6-3.2 ms); this
+     session's last two profiles found 2.2 and 2.5 ms.
 
-   The executor changed too. A gradient bucket partial along several mesh axes is all-reduced once,
-   over the ranks of all of them together, where it was all-reduced once per axis
-   (`autoplan/strategies/buckets.py`): the (2, 2) data-parallel plans had measured 1.22-1.31x their
-   prediction; by hand, the MLP's went from 120 to 95 ms a step (80 ms on the flat mesh). A
-   pipeline's gradients outside the buckets (ZeRO's reduce-scatters) are now issued asynchronously,
-   as a single-stage step's always were, and the model charges the step one wait for them all where
-   it charged one per parameter: ZeRO-3 had measured 0.73-0.90x its prediction, and measured
-   0.93-0.99x in the run before this one. In this run the data-parallel plans measure 1.14-1.19x
-   their prediction, the tensor-parallel ones 1.01-1.32x, ZeRO-3 0.99-1.09x, the pipelines
-   1.14-1.29x.
+   The last session changed the executor: a gradient bucket partial along several mesh axes is
+   all-reduced once over the ranks of all of them, and a pipeline's gradients outside the buckets
+   (ZeRO's reduce-scatters) are issued asynchronously, the model charging one wait for them all. In
+   this run the single-stage data-parallel plans measure 1.03-1.16x their prediction, the
+   tensor-parallel ones 0.95-1.20x, ZeRO-3 0.89-1.02x, the pipelines 1.10-1.29x.
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
    leaves its core to the others. A pipeline is priced by simulating its schedule with the running
    stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`); the 1F1B formula, which
    charged the wait at the profiled speed, had given Spearman's rho of 0.39-0.56 (MLP) and 0.59-0.79
-   (GPT). The 4-microbatch 1F1B (pp2x2) keeps the highest ratios (1.29x in this run, 1.09-1.10x in
-   the run before): its work per microbatch beyond the stage's ops is not priced. By hand
-   (torch.profiler, GPT), its last stage runs ~6 DTensor ops and 3 functional all-reduces per
-   microbatch (the loss and its total weight), and its ranks used 152 ms of CPU a step against 130
-   ms for the first stage's.
+   (GPT). What is left is a cost per microbatch. By hand, the MLP's pipelines measured with this
+   benchmark's code against one profile, at 2, 4 and 8 microbatches: pp2x2 1F1B 1.05x, 1.10x and
+   1.17x their prediction, pp2x2 GPipe 1.01x, 1.06x and 1.11x, pp4 1F1B 0.98x (4) and 1.10x (8),
+   while the data-parallel plan measured 0.88x: ~2-3 ms a microbatch that the model misses, the
+   same for both schedules. It is not the pipelining library's own work: by hand, two 2-stage
+   pipelines of a tiny Linear on the 4 ranks took 2.7-3.2 ms a microbatch (1F1B) and 1.0-1.2 ms
+   (GPipe), less than the model charges such a stage for its two messages and their waits. By
+   hand (cProfile, pp4 with 8 microbatches, a middle stage), gloo's send and recv calls took 3.3
+   ms of a rank's time per microbatch: the activation and the target travel as two tensors forward,
+   priced as one message. The 1F1B formula without the cores shared (`sum(t) + (B - 1) max(t)`)
+   is no answer: by hand it measured 0.59-1.02x for the same plans.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective alone,
    the ranks entering together. In a step the ranks reach a collective at different times (the OS
@@ -602,47 +608,48 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    other two ranks idle and 10.9 ms with them computing, where sharing the cores predicts 6 ms. The
    profile measures this skew at one compute length (`sync_overhead`, item 1).
 
-4. **The host's speed drifts, and a profile can catch it slow.** This benchmark profiles the host
-   right before measuring (`benchmarks/results/fidelity-profile.json`) and, after each round of
+4. **The host's speed drifts, and the profile is short.** This benchmark profiles the host right
+   before measuring (`benchmarks/results/fidelity-profile.json`) and, after each round of
    measurements, times a 512^3 matmul on every rank as the profile times its curve (the "host's
-   speed" lines: its time over the profile's). In one run of this session the profile had found the
-   host's matmuls 20-60% slower than the probe found them minutes later (0.63x and 0.74x), and every
-   plan measured 0.70-0.97x its prediction. The profile therefore measures its local curves (matmul,
-   element-wise, GELU) at its start and again at its end, and keeps the faster time of each point.
-   The host drifts both ways: in the run before that, the data-parallel MLP plan measured 19% slower
-   than in the run before it, with the same executor. The runs of this benchmark in this session,
-   each with the changes before it:
+   speed" lines: its time over the profile's). Measurement and prediction each move, and not
+   together: over the last six runs the data-parallel MLP plan measured 0.087-0.104 s and was
+   predicted 0.084-0.101 s, and the profiles' matmuls at 1e7-1e9 FLOPs spread 0.7-1.4x point by
+   point. The profile had measured its local curves (matmul, element-wise, GELU) twice and
+   kept each point's faster time, which reads the host fast; it now measures them three times, at
+   its start, middle and end, and keeps each point's median. The runs of this benchmark in the
+   last two sessions, each with the changes before it:
 
    | cost model and profile | median error MLP / GPT | rank correlation MLP / GPT |
    |---|---|---|
-   | the last session's (its last run) | 22% / 14% | 0.86 / 0.93 |
-   | + buckets over axes in one go, overhead by size, skew at DTensor | 8% / 13% | 0.895 / 0.845 |
-   | + overhead of the forward alone, 3x the pairs up to 1 MiB | 18% / 20% | 0.98 / 0.93 |
-   | the same (probe: 0.63x / 0.74x the profile) | 32% / 26% | 0.795 / 0.80 |
-   | + local curves twice, the faster kept (2 runs) | 7-13% / 7-8% | 0.93-0.96 / 0.91-0.95 |
-   | + one wait for unbucketed gradients (2 runs) | 4-16% / 6-13% | 0.88-0.93 / 0.855-0.96 |
+   | the last session's first run | 8% / 13% | 0.895 / 0.845 |
+   | the last session's other runs (6) | 4-32% / 6-26% | 0.80-0.98 / 0.80-0.96 |
+   | local curves: the median of three passes | 22% / 14% | 0.879 / 0.864 |
+   | + sync_overhead in one task | 7.1% / 3.7% | 0.728 / 0.818 |
+   | the same (this run) | 9.2% / 13.2% | 0.929 / 0.973 |
 
-   In the last four runs the probe took 0.86-1.22x its profiled time (1.05x and 1.22x in this one):
-   the host still drifts while it is measured, and the other curves of a profile vary too (with the
-   same code, the data-parallel MLP plan was predicted 15% faster in this run than in the one
-   before, and measured 3% slower). Over the last four runs every target was met in two; median
-   error in seven of the eight model-runs and rank correlation in six. The overheads stay noisy from
-   profile to profile: `op_overhead` 15-24 us, `sync_overhead` 1.6-3.2 ms, and
-   `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone" lines, ran
-   8-27% under the prediction in the last four runs: a lone process is mostly faster than twice the
-   per-rank speed the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole
-   core (`Cluster.rank_speed`) is conservative.
+   With this code, one run of two met every target; the other missed rank correlation on both
+   models (the 4-microbatch 1F1B measured 1.13-1.20x its prediction, item 2, the other plans
+   0.88-1.13x, many of them within 5% of each other) and the planner's
+   own plan for GPT (1.103x the fastest, a GPipe pipeline the planner does not search on one
+   node). The probe read 0.96x and 1.04x in that run and 0.96x and 1.31x in this one. By hand,
+   the probe itself spreads 1.35-1.57x over 8 calls with the profile's 20 ms runs, and 1.11-1.13x
+   with 100 ms runs, which also read 7-15% faster: the profile's runs are short for 4 ranks on 2
+   cores. The overheads stay noisy from profile to profile: `op_overhead` 15-24 us,
+   `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone" lines,
+   runs 8-27% under the prediction: a lone process is mostly faster than twice the per-rank speed
+   the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole core
+   (`Cluster.rank_speed`) is conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15% (most
    within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within ~20% of each
    other, so Spearman's rho over them is largely noise; `pairs_ordered_right` counts only pairs
    measured more than 10% apart.
 
-What is left (not done here): a steadier profile (the errors now move most with the profile and the
-host's drift, not the model), a pipeline's work per microbatch, and a skew that grows with the
-compute before a wait. On one node the planner searches single-stage plans unless asked to pipeline
-(`pipeline=True`); its own data-parallel plan measured within 1.04x of the fastest plan in each of
-the last four runs.
+What is left (not done here): a pipeline's cost per microbatch (item 2), longer timed runs in
+the profile (item 4), and a skew that grows with the compute before a wait. On one node the
+planner searches single-stage plans unless asked to pipeline (`pipeline=True`); its own
+data-parallel plan measured within 1.0-1.07x of the fastest single-stage plan in this session's
+runs.
 """
 
 
