@@ -578,8 +578,8 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    The last session changed the executor: a gradient bucket partial along several mesh axes is
    all-reduced once over the ranks of all of them, and a pipeline's gradients outside the buckets
    (ZeRO's reduce-scatters) are issued asynchronously, the model charging one wait for them all. In
-   this run the single-stage data-parallel plans measure 1.03-1.16x their prediction, the
-   tensor-parallel ones 0.95-1.20x, ZeRO-3 0.89-1.02x, the pipelines 1.10-1.29x.
+   this run the single-stage data-parallel plans measure 0.94-1.21x their prediction, the
+   tensor-parallel ones 1.00-1.33x, ZeRO-3 0.97-1.10x, the pipelines 1.08-1.26x.
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
@@ -625,19 +625,22 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    | the last session's other runs (6) | 4-32% / 6-26% | 0.80-0.98 / 0.80-0.96 |
    | local curves: the median of three passes | 22% / 14% | 0.879 / 0.864 |
    | + sync_overhead in one task | 7.1% / 3.7% | 0.728 / 0.818 |
-   | the same (this run) | 9.2% / 13.2% | 0.929 / 0.973 |
+   | the same | 9.2% / 13.2% | 0.929 / 0.973 |
+   | the same (this run) | 7.4% / 16.9% | 0.912 / 0.855 |
 
-   With this code, one run of two met every target; the other missed rank correlation on both
-   models (the 4-microbatch 1F1B measured 1.13-1.20x its prediction, item 2, the other plans
-   0.88-1.13x, many of them within 5% of each other) and the planner's
-   own plan for GPT (1.103x the fastest, a GPipe pipeline the planner does not search on one
-   node). The probe read 0.96x and 1.04x in that run and 0.96x and 1.31x in this one. By hand,
-   the probe itself spreads 1.35-1.57x over 8 calls with the profile's 20 ms runs, and 1.11-1.13x
-   with 100 ms runs, which also read 7-15% faster: the profile's runs are short for 4 ranks on 2
-   cores. The overheads stay noisy from profile to profile: `op_overhead` 15-24 us,
-   `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone" lines,
-   runs 8-27% under the prediction: a lone process is mostly faster than twice the per-rank speed
-   the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole core
+   With this code, one run of three met every target. One missed rank correlation on both models
+   (0.73 / 0.82): the 4-microbatch 1F1B measured 1.13-1.20x its prediction (item 2), the other plans
+   0.88-1.13x, many within 5% of each other; and the planner's own plan for GPT measured 1.103x the
+   fastest, a GPipe pipeline the planner does not search on one node. This run misses GPT's two: the
+   host ran slow while GPT's plans were measured (plain torch in one process took 0.342 s a step
+   against 0.285-0.289 s in the two runs before), and every GPT plan measured 1.03-1.33x its
+   prediction. The probe read 0.96x and 1.04x, 0.96x and 1.31x, then 0.91x and 1.10x (MLP and GPT)
+   in the three runs. By hand, the probe itself spreads 1.35-1.57x over 8 calls with the profile's
+   20 ms runs, and 1.11-1.13x with 100 ms runs, which also read 7-15% faster: the profile's runs are
+   short for 4 ranks on 2 cores. The overheads stay noisy from profile to profile: `op_overhead`
+   15-24 us, `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone"
+   lines, runs 5-27% under the prediction: a lone process is mostly faster than twice the per-rank
+   speed the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole core
    (`Cluster.rank_speed`) is conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15% (most
