@@ -72,13 +72,14 @@ def test_trains_like_one_process_and_as_planned(
         extra = [e for e in extra if not re.fullmatch(r"\d+ x all_reduce on \w+, \d+ B", e)]
     assert r["planned_not_issued"] == [] and extra == [], r
     if "pipeline" in case.name or "gpipe" in case.name or "1f1b" in case.name:
-        assert r["stages"] == 2 and r["axes"][0] == "pp", r
+        assert r["stages"] >= 2 and r["axes"][0] == "pp", r
     else:
         assert r["num_collectives"] > 0, "the plan is fully replicated: the case tests nothing"
 
 
 def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) -> None:
     four = results[4]
+    assert four["mlp-pipeline-4"]["stages"] == 4 and four["mlp-pipeline-2x2"]["stages"] == 2
     for name in ("mlp-dp", "gpt-dp"):
         assert four[name]["axes"] == ["dp"] and four[name]["placements"] == ["R"]
     for name in ("mlp-zero3", "gpt-zero3"):
@@ -109,6 +110,7 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     results: dict[int, dict[str, Any]],
 ) -> None:
     four = results[4]
+    assert four["mlp-pipeline-4"]["stages"] == 4 and four["mlp-pipeline-2x2"]["stages"] == 2
     for name in ("mlp-dp", "gpt-dp"):  # every parameter: its gradient goes to a bucket as is
         leaves, params = four[name]["local_leaves"]
         assert leaves == params > 0, four[name]

@@ -238,7 +238,7 @@ class PlanInterpreter:
     def run(self, values: Mapping[str, Any]) -> Any:
         """``values``: the stage's placeholders (parameters, and the batch on the first stage)
         and the tensors it received, by name. Returns the graph's output on the last stage,
-        else the tensors to send, placed as the plan's boundary."""
+        else the local shards to send, placed as the plan's boundary (`_sent`)."""
         env: dict[str, Any] = dict(values)
         # one redistribution per (tensor, placement), shared by every op that needs it, so
         # backward reduces the summed gradient once, as the plan counts it
@@ -275,9 +275,18 @@ class PlanInterpreter:
             for dead in self.last_uses.get(node.name, ()):
                 env.pop(dead, None)
                 placed.pop(dead, None)
-        return tuple(
-            self._place(self._dtensor(name, env, placed), self.boundary) for name in self.sent
-        )
+        return tuple(self._sent(name, env, placed) for name in self.sent)
+
+    def _sent(self, name: str, env: dict[str, Any], placed: Placed) -> torch.Tensor:
+        """This rank's shard of ``name`` placed as the boundary, its gradient expected alike.
+        A local op's output already so placed goes as it is: a DTensor round trip
+        (``from_local``, then ``to_local``, and both again in backward) would cost CPU time in
+        every microbatch."""
+        value = env[name]
+        if isinstance(value, Local) and value.placements == self.boundary and value.grad is None:
+            return value.tensor
+        dtensor = self._place(self._dtensor(name, env, placed), self.boundary)
+        return _local_value(dtensor)
 
     def _dtensor(self, name: str, env: dict[str, Any], placed: Placed) -> Any:
         """``name``'s value as a DTensor (one per local tensor: backward then reduces the

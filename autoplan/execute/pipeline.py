@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
 from autoplan.execute.gradients import GradientReducer
-from autoplan.execute.interpreter import PlanInterpreter
+from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import to_dtensor
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.graph.capture import as_tuple
@@ -88,21 +88,16 @@ class StageModule(nn.Module):
             values = self.placeholders.values(self.model, args)
         else:
             values = self.placeholders.values(self.model, ())
-            for (name, meta), local in zip(self._received, args, strict=True):
-                values[name] = DTensor.from_local(
-                    local,
-                    self.mesh,
-                    self._boundary,
-                    run_check=False,
-                    shape=meta.shape,
-                    stride=meta.stride(),
-                )
+            # local shards placed as the boundary: the interpreter wraps one in a DTensor
+            # only where a DTensor op or a redistribution reads it
+            for (name, _), local in zip(self._received, args, strict=True):
+                values[name] = Local(local, self._boundary)
         out = self.interpreter.run(values)
         if self.is_last:
             (loss,) = out
             # shape (1,): the schedule concatenates the microbatches' outputs
             return _global_loss(loss).reshape(1)
-        return tuple(t.to_local().contiguous() for t in out)
+        return tuple(t.contiguous() for t in out)
 
 
 class PipelineRunner:

@@ -155,6 +155,8 @@ CASES = [
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
     Case("gpt-pipeline-2x2", "gpt", GPT, pipeline(stages=2, microbatches=2, mesh=(2,))),
     Case("mlp-pipeline-2x2", "mlp", MLP_LARGE_BATCH, pipeline(stages=2, microbatches=4, mesh=(2,))),
+    # middle stages: they receive and send, and pass the target through untouched
+    Case("mlp-pipeline-4", "mlp", MLP_LARGE_BATCH, pipeline(stages=4, microbatches=4)),
     Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
     Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
