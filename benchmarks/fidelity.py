@@ -578,8 +578,8 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    The last session changed the executor: a gradient bucket partial along several mesh axes is
    all-reduced once over the ranks of all of them, and a pipeline's gradients outside the buckets
    (ZeRO's reduce-scatters) are issued asynchronously, the model charging one wait for them all. In
-   this run the single-stage data-parallel plans measure 0.94-1.21x their prediction, the
-   tensor-parallel ones 1.00-1.33x, ZeRO-3 0.97-1.10x, the pipelines 1.08-1.26x.
+   this run the single-stage data-parallel plans measure 0.99-1.14x their prediction, the
+   tensor-parallel ones 0.91-1.15x, ZeRO-3 0.85-0.96x, the pipelines 1.03-1.24x.
 
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
@@ -597,6 +597,16 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    ms of a rank's time per microbatch: the activation and the target travel as two tensors forward,
    priced as one message. The 1F1B formula without the cores shared (`sum(t) + (B - 1) max(t)`)
    is no answer: by hand it measured 0.59-1.02x for the same plans.
+
+   This session's last change is to the executor: a stage takes the shards it receives as local
+   values and sends a local op's output as it is, where it wrapped each in a DTensor and unwrapped
+   it again (by hand, a middle stage of the MLP's 4-stage pipeline made 6 such round trips a
+   microbatch, none now; pp4 with 8 microbatches ran ~5% faster against the data-parallel plan).
+   What remains shows in the CPU time: by hand, the CPU seconds of a step (cpu_s) against those
+   the model's stage times imply (each rank at half a core), pp4 with 8 microbatches took 0.213 s
+   against 0.202 s and the data-parallel plan 0.164-0.173 s against 0.169 s, but pp2x2 0.272 s
+   against 0.213 s (8 microbatches) and 0.170 s against 0.141 s (2): a stage on two ranks does
+   20-27% more work than it is priced at.
 
 3. **A collective in a step waits for the slowest rank.** The profile times each collective alone,
    the ranks entering together. In a step the ranks reach a collective at different times (the OS
@@ -626,22 +636,27 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
    | local curves: the median of three passes | 22% / 14% | 0.879 / 0.864 |
    | + sync_overhead in one task | 7.1% / 3.7% | 0.728 / 0.818 |
    | the same | 9.2% / 13.2% | 0.929 / 0.973 |
-   | the same (this run) | 7.4% / 16.9% | 0.912 / 0.855 |
+   | the same | 7.4% / 16.9% | 0.912 / 0.855 |
+   | + stages without DTensor round trips (this run) | 9.4% / 9.9% | 0.946 / 0.945 |
 
-   With this code, one run of three met every target. One missed rank correlation on both models
-   (0.73 / 0.82): the 4-microbatch 1F1B measured 1.13-1.20x its prediction (item 2), the other plans
-   0.88-1.13x, many within 5% of each other; and the planner's own plan for GPT measured 1.103x the
-   fastest, a GPipe pipeline the planner does not search on one node. This run misses GPT's two: the
-   host ran slow while GPT's plans were measured (plain torch in one process took 0.342 s a step
-   against 0.285-0.289 s in the two runs before), and every GPT plan measured 1.03-1.33x its
-   prediction. The probe read 0.96x and 1.04x, 0.96x and 1.31x, then 0.91x and 1.10x (MLP and GPT)
-   in the three runs. By hand, the probe itself spreads 1.35-1.57x over 8 calls with the profile's
-   20 ms runs, and 1.11-1.13x with 100 ms runs, which also read 7-15% faster: the profile's runs are
-   short for 4 ranks on 2 cores. The overheads stay noisy from profile to profile: `op_overhead`
-   15-24 us, `redistribute_overhead` as in item 1. Plain torch in one process, the "compute alone"
-   lines, runs 5-27% under the prediction: a lone process is mostly faster than twice the per-rank
-   speed the profile measures with 4 ranks on 2 cores, so the model's scaling to a whole core
-   (`Cluster.rank_speed`) is conservative.
+   With this profiler, one run of four met every target. Median error met its target in seven of the
+   eight model-runs, rank correlation in five, the planner's own plan within 1.10x of the fastest in
+   five. The second run missed rank correlation on both models (0.73 / 0.82): the 4-microbatch 1F1B
+   measured 1.13-1.20x its prediction (item 2), the other plans 0.88-1.13x, many within 5% of each
+   other. The third missed GPT's error and rank correlation while the host ran slow (plain torch in
+   one process took 0.342 s a step against 0.285-0.289 s in the two runs before; every GPT plan
+   measured 1.03-1.33x its prediction). This run misses the planner's own plan: 1.105x the fastest
+   for the MLP (its data-parallel plan on the flat mesh, predicted 2% faster than on the (2, 2)
+   mesh, measured 10% slower) and 1.108x for GPT (the fastest, a GPipe pipeline of 2 microbatches,
+   is not in what the planner searches on one node: it pipelines there only when asked, and does not
+   search schedules or microbatch counts). The probe read 0.96x and 1.04x, 0.96x and 1.31x, 0.91x
+   and 1.10x, then 1.00x and 1.04x (MLP and GPT) in the four runs. By hand, the probe itself spreads
+   1.35-1.57x over 8 calls with the profile's 20 ms runs, and 1.11-1.13x with 100 ms runs, which
+   also read 7-15% faster: the profile's runs are short for 4 ranks on 2 cores. The overheads stay
+   noisy from profile to profile: `op_overhead` 15-24 us, `redistribute_overhead` as in item 1.
+   Plain torch in one process, the "compute alone" lines, runs 5-27% under the prediction: a lone
+   process is mostly faster than twice the per-rank speed the profile measures with 4 ranks on 2
+   cores, so the model's scaling to a whole core (`Cluster.rank_speed`) is conservative.
 
 5. **Noise and near-ties.** Across runs of this benchmark the same plan measured within ~15% (most
    within 10%), and iqr_s is 5-25% of the median. The MLP's plans mostly measure within ~20% of each
