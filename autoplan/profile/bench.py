@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 # the local curves, measured at the start, the middle and the end of a profile, each point the
 # median of the three: a host whose speed drifts for a while spoils a curve measured in one go
 # (by hand, 2 of ~12 profiles of 4 CPU ranks found matmuls 20-60% slower than the others and
-# than the same matmul timed minutes later); the faster of two passes, kept before, read the
-# host fast instead (5 profiles' matmuls at 1e7-1e9 FLOPs spread 0.7-1.4x)
+# than the same matmul timed minutes later), and the faster of two passes reads it fast (5
+# profiles so taken spread 0.7-1.4x point by point in their matmuls at 1e7-1e9 FLOPs)
 LOCAL = ("matmul", "elementwise", "activation")
 LOCAL_PASSES = 3
 SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
