@@ -110,7 +110,8 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     op_overhead, sync_overhead = OVERHEADS
     tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
     # an all-reduce over all ranks at each size, raw and through DTensor, paired
-    sizes = _powers(COLLECTIVE_ITEMSIZE, min(settings.max_bytes, REDISTRIBUTE_MAX_BYTES))
+    largest = min(settings.max_bytes, REDISTRIBUTE_MAX_BYTES)
+    sizes = _powers(COLLECTIVE_ITEMSIZE, largest, REDISTRIBUTE_STEP)
     xs = tuple(map(float, sizes))
     tasks.append(Task("redistribute_overhead", "", sizes, xs, repeats=OVERHEAD_REPEATS))
     # a few ms of matmuls on every rank (size 0), each followed by a tiny redistribution (1),
@@ -158,14 +159,14 @@ def _matmul(dtype: str, settings: Settings) -> Task:
 
 def _elementwise(dtype: str, settings: Settings) -> Task:
     size = ITEMSIZE[dtype]
-    numels = _powers_of_two(SMALLEST_ELEMENTWISE, settings.max_bytes // size)
+    numels = _powers(SMALLEST_ELEMENTWISE, settings.max_bytes // size, 2)
     # c = a + b reads two tensors and writes one
     return Task("elementwise", dtype, numels, tuple(3.0 * e * size for e in numels))
 
 
 def _activation(dtype: str, settings: Settings) -> Task:
     size = ITEMSIZE[dtype]
-    numels = _powers_of_two(SMALLEST_ELEMENTWISE, settings.max_bytes // size)
+    numels = _powers(SMALLEST_ELEMENTWISE, settings.max_bytes // size, 2)
     return Task("activation", dtype, numels, tuple(float(e * size) for e in numels))
 
 
@@ -175,15 +176,11 @@ def _collective(
     # gathered and scattered tensors split into one equal chunk per rank of the group
     chunks = 1 if kind in ("all_reduce", "send_recv") else len(groups[0])
     unit = COLLECTIVE_ITEMSIZE * chunks
-    sizes = sorted({-(-b // unit) * unit for b in _powers_of_two(1, settings.max_bytes)})
+    sizes = sorted({-(-b // unit) * unit for b in _powers(1, settings.max_bytes, 2)})
     return Task(kind, key, tuple(sizes), tuple(float(b) for b in sizes), groups)
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    return _powers(lo, hi, 2)
-
-
-def _powers(lo: int, hi: int, factor: int = REDISTRIBUTE_STEP) -> tuple[int, ...]:
+def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
     out = []
     n = lo
     while n <= hi:
