@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
 from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import Plan, check_schedule
+from autoplan.plan.schema import SCHEDULES, Plan, check_schedule, schedule_refusal
 from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def plan(
     pipeline: bool | None = None,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
-    schedule: str = "1F1B",
+    schedule: str | None = None,
     max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> Plan:
     """Trace ``model`` and choose pipeline stages and a sharding for every operator.
@@ -56,11 +56,13 @@ def plan(
     device's memory may be used by the plan.
 
     Pipelining: ``pipeline`` None weighs pipelines against a single stage and keeps the
-    faster when the cluster has several nodes or one stage does not fit; True requires a
-    pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by default the
-    fewest that keep the bubble under a third: twice the most stages tried) and
-    ``schedule`` ("1F1B" or "GPipe") narrow the search;
-    the step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
+    faster when the cluster has several nodes, its ranks share cores (CPU ranks, where a
+    rank waiting in the bubble leaves its core to the others), or one stage does not fit;
+    True requires a pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by
+    default the fewest that keep the bubble under a third, twice the most stages tried, and
+    on one node halved while that is faster; see `autoplan.inter_op.plan_pipeline`) and
+    ``schedule`` ("1F1B" or "GPipe"; by default the faster that fits) narrow the search; the
+    step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
     """
     start = time.perf_counter()
     log.info("tracing %s ...", type(model).__name__)
@@ -106,7 +108,7 @@ def plan_graph(
     pipeline: bool | None = None,
     num_stages: int | None = None,
     num_microbatches: int | None = None,
-    schedule: str = "1F1B",
+    schedule: str | None = None,
     max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> Plan:
     """`plan` for a graph already traced (`autoplan.graph.capture`); pipelines need
@@ -114,7 +116,7 @@ def plan_graph(
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     check_budget(optimizer, memory_fraction)
-    schedule = check_schedule(schedule)
+    schedules = SCHEDULES if schedule is None else (check_schedule(schedule),)
     if pipeline is not False and (pipeline or num_stages or num_microbatches):
         pipeline = True
     if pipeline and microbatch_graph is None:
@@ -129,14 +131,17 @@ def plan_graph(
             time_limit_s,
         )  # fmt: skip
     piped, weighed = None, False
-    # by default pipelines are weighed across nodes, or when one stage does not fit: inside
-    # a node intra-op sharding is as fast, and planning stays quick
-    auto = cluster.num_nodes > 1 or not isinstance(single, Plan)
+    # by default pipelines are weighed across nodes, on ranks sharing cores, or when one stage
+    # does not fit (inside a node of devices intra-op sharding is as fast, and planning
+    # quicker); never against pins, which pipelines do not take
+    auto = not pin and (
+        cluster.num_nodes > 1 or cluster.shares_cores or not isinstance(single, Plan)
+    )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         piped = _plan_pipelined(
             graph, microbatch_graph, cluster, mesh_shape, optimizer, memory_limit, time_limit_s,
-            num_stages, num_microbatches, schedule, max_layers,
+            num_stages, num_microbatches, schedules, max_layers,
         )  # fmt: skip
     if piped is None:
         if isinstance(single, Plan):
@@ -174,7 +179,7 @@ def _plan_pipelined(
     time_limit_s: float,
     num_stages: int | None,
     num_microbatches: int | None,
-    schedule: str,
+    schedules: Sequence[str],
     max_layers: int,
 ) -> Plan | None:
     batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
@@ -189,13 +194,17 @@ def _plan_pipelined(
             f"num_stages={num_stages}: it must be at least 2 and divide the "
             f"{cluster.num_devices} devices of cluster {cluster.name!r}"
         )
+    if num_stages and num_microbatches:
+        refusals = [schedule_refusal(s, num_stages, num_microbatches) for s in schedules]
+        if all(refusals):
+            raise AutoplanError(str(refusals[0]))
     meshes = [tuple(mesh_shape)] if mesh_shape is not None else None
     found = plan_pipeline(
         microbatch_graph,
         cluster,
         batch=batch,
         num_microbatches=num_microbatches,
-        schedule=schedule,
+        schedules=schedules,
         optimizer=optimizer,
         memory_limit=memory_limit,
         time_limit_s=time_limit_s,

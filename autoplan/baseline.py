@@ -66,7 +66,7 @@ from autoplan.graph.layers import Layers, block_of
 from autoplan.inter_op import price_pipeline
 from autoplan.intra_op import IntraOpResult, build_problem, step_cost
 from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import Plan, check_schedule
+from autoplan.plan.schema import Plan, check_schedule, schedule_refusal
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.costs import StepCosts
@@ -386,11 +386,9 @@ def _check_pipeline(
         raise AutoplanError(
             f"num_microbatches must be a positive integer, got {num_microbatches!r}"
         )
-    if schedule == "1F1B" and num_microbatches < pp:
-        raise AutoplanError(
-            f"schedule 1F1B needs at least as many microbatches as stages, but "
-            f"num_microbatches={num_microbatches} < pp={pp}; use more microbatches or GPipe"
-        )
+    refusal = schedule_refusal(schedule, pp, num_microbatches)
+    if refusal:
+        raise AutoplanError(refusal)
     size, per_node = dp * tp, cluster.devices_per_node
     if per_node % size and size % per_node:
         raise AutoplanError(

@@ -74,12 +74,21 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         action="store_true",
         default=None,
-        help="require pipeline stages (default: weighed across nodes, or if one stage won't fit)",
+        help=(
+            "require pipeline stages (default: weighed across nodes, on CPU ranks sharing "
+            "cores, or if one stage won't fit)"
+        ),
     )
     pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
     parser.add_argument("--stages", type=int, help="number of pipeline stages")
-    parser.add_argument("--microbatches", type=int, help="microbatches per step (pipelines)")
-    parser.add_argument("--schedule", default="1F1B", help="pipeline schedule: 1F1B, GPipe")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        help="microbatches per step (pipelines; default: searched on one node)",
+    )
+    parser.add_argument(
+        "--schedule", help="pipeline schedule: 1F1B, GPipe (default: the faster that fits)"
+    )
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:

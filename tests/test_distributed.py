@@ -80,6 +80,7 @@ def test_trains_like_one_process_and_as_planned(
 def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) -> None:
     four = results[4]
     assert four["mlp-pipeline-4"]["stages"] == 4 and four["mlp-pipeline-2x2"]["stages"] == 2
+    assert four["mlp-gpipe-1-2x2"]["shape"] == [2, 2]
     for name in ("mlp-dp", "gpt-dp"):
         assert four[name]["axes"] == ["dp"] and four[name]["placements"] == ["R"]
     for name in ("mlp-zero3", "gpt-zero3"):
@@ -110,7 +111,6 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     results: dict[int, dict[str, Any]],
 ) -> None:
     four = results[4]
-    assert four["mlp-pipeline-4"]["stages"] == 4 and four["mlp-pipeline-2x2"]["stages"] == 2
     for name in ("mlp-dp", "gpt-dp"):  # every parameter: its gradient goes to a bucket as is
         leaves, params = four[name]["local_leaves"]
         assert leaves == params > 0, four[name]

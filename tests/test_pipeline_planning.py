@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -11,12 +12,13 @@ import torch
 from torch import nn
 
 import autoplan
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.cut import cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM
 from autoplan.inter_op import boundary_specs, stage_sizes
 from tests.conftest import example, plan_workload
+from tests.distributed.cases import data_parallel
 
 
 def _gpt_graph(num_layers: int = 4) -> autoplan.graph.ir.Graph:
@@ -130,6 +132,7 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     assert autoplan.Plan.from_json(plan.to_json()) == plan
     times = [s.predicted.time_s for s in plan.stages if s.predicted is not None]
     count, stages = plan.pipeline.num_microbatches, len(times)
+    assert count == 8  # across nodes one count serves: twice the deepest pipeline (4 stages)
     scheduled = sum(times) + (count - 1) * max(times)
     bubble = plan.pipeline.bubble_fraction
     assert bubble == pytest.approx(1 - count * sum(times) / stages / scheduled)
@@ -178,3 +181,60 @@ def test_stages_sharing_cores_fill_each_others_bubbles(cpu4: autoplan.Cluster) -
     assert work < shared.predicted.step_time_s < alone.predicted.step_time_s
     every_core = plan_workload(w, dataclasses.replace(cpu4, cores_per_node=4), **options)
     assert every_core.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
+
+
+def test_microbatches_and_schedule_are_searched(cpu4: autoplan.Cluster) -> None:
+    # from twice the stages (8), the count halves while that is faster; each count is priced
+    # under both schedules (1F1B only with a microbatch a stage at least, as torch requires)
+    shared = dataclasses.replace(cpu4, cores_per_node=2)
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    options: dict[str, Any] = {"pipeline": True, "num_stages": 4}
+    plan = plan_workload(w, shared, **options)
+    assert plan.pipeline is not None
+    count, schedule = plan.pipeline.num_microbatches, plan.pipeline.schedule
+    assert count < 8  # here fewer, larger microbatches win: the search moved
+
+    def forced(count: int, schedule: str) -> float:
+        return plan_workload(
+            w, shared, num_microbatches=count, schedule=schedule, **options
+        ).predicted.step_time_s
+
+    step = plan.predicted.step_time_s
+    assert step == pytest.approx(forced(count, schedule))
+    neighbours = [(c, s) for c in (count // 2, count, 2 * count) for s in ("1F1B", "GPipe")]
+    for c, s in neighbours:
+        if c >= 1 and (c, s) != (count, schedule) and not (s == "1F1B" and c < 4):
+            assert step <= forced(c, s) + 1e-12, (c, s)
+    if count < 4:
+        assert schedule == "GPipe"
+        with pytest.raises(AutoplanError, match="1F1B needs at least as many microbatches"):
+            forced(count, "1F1B")
+
+
+def test_a_plan_torch_would_refuse_is_refused_on_load(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    plan = plan_workload(w, cpu4, num_stages=4, num_microbatches=4, schedule="1F1B")
+    doc = json.loads(plan.to_json())
+    doc["pipeline"]["num_microbatches"] = 2  # fewer than the 4 stages
+    with pytest.raises(PlanFormatError, match="pipeline: schedule 1F1B needs"):
+        autoplan.Plan.from_json(json.dumps(doc))
+    doc["pipeline"]["schedule"] = "GPipe"
+    assert autoplan.Plan.from_json(json.dumps(doc)).pipeline == dataclasses.replace(
+        plan.pipeline, num_microbatches=2, schedule="GPipe"
+    )
+
+
+def test_ranks_sharing_cores_weigh_pipelines_by_default(cpu4: autoplan.Cluster) -> None:
+    # a rank waiting in a pipeline's bubble leaves its core to the others, so on CPU ranks
+    # sharing cores a pipeline can beat one stage: the planner weighs both, unasked
+    shared = dataclasses.replace(cpu4, cores_per_node=2)
+    w = example("mlp", batch_size=256, hidden=256)
+    own = plan_workload(w, shared)
+    one_stage = plan_workload(w, shared, pipeline=False).predicted.step_time_s
+    piped = plan_workload(w, shared, pipeline=True).predicted.step_time_s
+    assert own.predicted.step_time_s == min(one_stage, piped)
+    assert own.pipeline is not None and piped < one_stage
+    assert plan_workload(w, cpu4).pipeline is None  # a device a rank: pipelines not weighed
+    # pins hold for one stage only: never silently dropped for a pipeline
+    pinned = plan_workload(w, shared, mesh_shape=(4,), **data_parallel(w))
+    assert pinned.pipeline is None

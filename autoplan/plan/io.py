@@ -31,6 +31,7 @@ from autoplan.plan.schema import (
     SolverInfo,
     Stage,
     StagePredicted,
+    schedule_refusal,
 )
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
@@ -173,6 +174,10 @@ def _read_plan(doc: _Field) -> Plan:
     stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
     if len(stages) != (mesh.shape[0] if pipeline is not None else 1):
         raise doc["stages"].fail("one stage per index of the mesh's pp axis (or one)")
+    if pipeline is not None:
+        refusal = schedule_refusal(pipeline.schedule, len(stages), pipeline.num_microbatches)
+        if refusal:
+            raise PlanFormatError(f"plan field pipeline: {refusal}")
     params = {
         name: ParamPlan(
             placements=f["placements"].placements(axes),

@@ -67,6 +67,18 @@ def check_schedule(schedule: str) -> str:
     return by_lower[schedule.lower()]
 
 
+def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
+    """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages and
+    microbatches (its Schedule1F1B needs at least one microbatch a stage), or None."""
+    if schedule == "1F1B" and num_microbatches < num_stages:
+        return (
+            f"schedule 1F1B needs at least as many microbatches as stages, but "
+            f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
+            "microbatches or GPipe"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Pipeline:
     schedule: str  # a torch.distributed.pipelining schedule: "1F1B" | "GPipe"

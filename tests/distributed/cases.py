@@ -158,6 +158,13 @@ CASES = [
     # middle stages: they receive and send, and pass the target through untouched
     Case("mlp-pipeline-4", "mlp", MLP_LARGE_BATCH, pipeline(stages=4, microbatches=4)),
     Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
+    # one microbatch: the stages take turns (what the planner picks on ranks sharing cores)
+    Case(
+        "mlp-gpipe-1-2x2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        pipeline(stages=2, microbatches=1, schedule="GPipe", mesh=(2,)),
+    ),
     Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
     # two blocks per stage
