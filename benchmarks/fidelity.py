@@ -142,12 +142,19 @@ def plan_specs(model: str) -> list[PlanSpec]:
         PlanSpec(
             "pp4",
             "pipeline: 4 stages of 1 rank, 4 microbatches, 1F1B",
-            _forced(lambda w: {"pipeline": True, "num_stages": 4, "num_microbatches": 4}),
+            _forced(lambda w: {"num_stages": 4, "num_microbatches": 4, "schedule": "1F1B"}),
         ),
         PlanSpec(
             "pp2x2",
             "pipeline: 2 stages on mesh (2,), 4 microbatches, 1F1B",
-            _forced(lambda w: {"num_stages": 2, "num_microbatches": 4, "mesh_shape": (2,)}),
+            _forced(
+                lambda w: {
+                    "num_stages": 2,
+                    "num_microbatches": 4,
+                    "schedule": "1F1B",
+                    "mesh_shape": (2,),
+                }
+            ),
         ),
         PlanSpec(
             "pp2x2-gpipe",
