@@ -75,6 +75,8 @@ def plan(
     )
 
     def microbatch_graph(count: int) -> Graph:
+        if count == 1:  # the whole batch: the step just traced
+            return graph
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
         return capture(model, inputs, loss_fn, target)
 

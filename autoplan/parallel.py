@@ -127,6 +127,8 @@ class Step:
         graph = graph_from_export(ep)
 
         def export_microbatch(count: int) -> ExportedProgram:
+            if count == 1:  # the whole batch: the step just exported
+                return ep
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
             return export_step(self._model, inputs, self._loss_fn, target)
 
