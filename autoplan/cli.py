@@ -22,7 +22,7 @@ from autoplan.estimate import estimate
 from autoplan.plan.picture import render_png
 from autoplan.plan.schema import Plan
 from autoplan.plan.show import summary
-from autoplan.profile import Progress, Settings, profile_cluster
+from autoplan.profile import Progress, Settings, base_refusal, profile_cluster
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
@@ -166,6 +166,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--rdzv-endpoint", help="HOST:PORT where the nodes meet (with --nnodes > 1)")
     f.add_argument("-o", "--output", required=True, help="the cluster file to write")
     f.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
+    f.add_argument(
+        "--base",
+        help="with --nproc 1 (one device, no collectives to measure): the cluster file whose "
+        "links, node shape and backend to keep, e.g. costmodels/h100-sxm-8.json",
+    )
     defaults = Settings()
     f.add_argument(
         "--max-bytes",
@@ -353,7 +358,10 @@ def _profile(args: argparse.Namespace) -> None:
             print(p.line(), file=sys.stderr, flush=True)
 
     name = Path(args.output).stem
-    cluster = profile_cluster(name, settings, args.backend, None if args.quiet else progress)
+    base = None if args.base is None else Cluster.load(args.base)
+    cluster = profile_cluster(
+        name, settings, args.backend, None if args.quiet else progress, base=base
+    )
     if cluster is None:  # not rank 0
         return
     if show and not args.quiet:
@@ -390,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "RANK" not in os.environ:
                 if args.nproc is None:
                     raise AutoplanError("autoplan profile needs --nproc N: processes per node")
+                if (args.nproc * args.nnodes == 1) != (args.base is not None):
+                    raise AutoplanError(base_refusal(args.nproc * args.nnodes))
+                if args.base is not None:
+                    Cluster.load(args.base)  # a bad file is refused before torchrun starts
                 return _torchrun(argv, args.nproc, args.nnodes, args.rdzv_endpoint)
             _profile(args)
     except AutoplanError as e:

@@ -722,14 +722,18 @@ def _warn_if_profiled_elsewhere(cluster: Cluster, where: str) -> None:
         return
     here = machine_fingerprint(cluster.backend)
     if not stored.matches(here):
+        # a profile without collectives measured one device, on a base cluster file
+        how = (
+            f"--nproc {cluster.devices_per_node} --nnodes {cluster.num_nodes}"
+            if cluster.curves.collectives
+            else "--nproc 1 --base BASE.json"
+        )
         log.warning(
             "%s was profiled on %s but this machine is %s; its measured curves are still used. "
-            "If they no longer describe the cluster, re-profile on it: autoplan profile "
-            "--nproc %d --nnodes %d -o %s",
+            "If they no longer describe the cluster, re-profile on it: autoplan profile %s -o %s",
             where,
             stored.describe(),
             here.describe(),
-            cluster.devices_per_node,
-            cluster.num_nodes,
+            how,
             where,
         )

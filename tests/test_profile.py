@@ -105,7 +105,7 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     assert (cluster.num_nodes, cluster.devices_per_node) == (1, 2)
     assert cluster.measured["fingerprint"] == machine_fingerprint("gloo").to_dict()
     curves = cluster.curves
-    dims = [16, 23, 32, 45]  # n grows by sqrt(2) up to --max-matmul-dim
+    dims = [16, 24, 32, 48]  # n grows by sqrt(2), in multiples of 8, up to --max-matmul-dim
     for dtype in REQUIRED_DTYPES:
         assert curves.matmul[dtype].xs == tuple(2.0 * n**3 for n in dims)
         assert curves.elementwise[dtype].xs[-1] <= 3 * MAX_BYTES
@@ -161,6 +161,74 @@ def test_profiled_file_drives_the_cost_model(profiled: tuple[Path, str]) -> None
         beyond = 4 * curve.xs[-1]
         expected = analytic_collective_time(kind, beyond, 2, link)
         assert collective_time(cluster, kind, beyond, 2, link) == expected
+
+
+# ------------------------------------------------------------------ one rank, on a base
+
+
+def test_profile_one_rank_keeps_the_base_clusters_links(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One rank measures its device and no collectives: the links, node shape and backend are
+    the base file's (a GPU's published NCCL figures, here the CPU cluster's)."""
+    base_path = ROOT / "costmodels" / "cpu-gloo-4.json"
+    out = tmp_path / "one-rank.json"
+    cmd = [sys.executable, "-m", "autoplan.cli", "profile", "--nproc", "1", "--base"]
+    cmd += [str(base_path), "-o", str(out), "--max-bytes", str(MAX_BYTES)]
+    cmd += ["--max-matmul-dim", str(MAX_DIM), "--repeats", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ranks that share them compute slower" in proc.stderr  # one CPU rank had 2 cores
+    with caplog.at_level(logging.WARNING):
+        cluster, base = Cluster.load(out), Cluster.load(base_path)
+    assert not caplog.records
+    assert cluster.name == "one-rank"
+    assert (cluster.intra_node, cluster.inter_node) == (base.intra_node, base.inter_node)
+    assert (cluster.num_nodes, cluster.devices_per_node) == (base.num_nodes, base.devices_per_node)
+    assert (cluster.backend, cluster.cores_per_node) == (base.backend, None)
+    assert cluster.device.kind == machine_fingerprint("gloo").device
+    curves = cluster.curves
+    assert set(curves.matmul) == set(curves.elementwise) == set(REQUIRED_DTYPES)
+    assert curves.op_overhead is not None and curves.op_overhead > 0
+    assert not curves.collectives
+    assert curves.redistribute_overhead is None and curves.sync_overhead is None
+    assert cluster.source.endswith(f"cpu-gloo-4's source: {base.source}")
+    rate = curves.matmul["float32"].xs[-1] / curves.matmul["float32"].seconds[-1]
+    assert f"float32 {rate / base.peak_flops('float32'):.0%} of " in cluster.source
+
+
+def test_one_rank_profile_needs_a_base_and_more_ranks_refuse_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["profile", "--nproc", "1", "-o", "x.json"]) == 2
+    assert "give --base CLUSTER.json" in capsys.readouterr().err
+    base = str(ROOT / "costmodels" / "cpu-gloo-4.json")
+    assert main(["profile", "--nproc", "2", "--base", base, "-o", "x.json"]) == 2
+    assert "--base is for a profile of one rank" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    assert main(["profile", "--nproc", "1", "--base", str(broken), "-o", "x.json"]) == 2
+    assert str(broken) in capsys.readouterr().err  # refused before torchrun starts
+
+
+def test_one_gpu_profile_is_committed_with_its_provenance(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """costmodels/h100-sxm-8-profiled.json: one H100's compute curves on the DGX H100 figures,
+    and its matmul efficiency against the datasheet's peak in the source."""
+    with caplog.at_level(logging.WARNING):
+        cluster = Cluster.load(ROOT / "costmodels" / "h100-sxm-8-profiled.json")
+        base = Cluster.load(ROOT / "costmodels" / "h100-sxm-8.json")
+    assert "--nproc 1 --base BASE.json" in caplog.text  # profiled elsewhere: how to redo it
+    fingerprint = cluster.curves.fingerprint
+    assert fingerprint is not None and fingerprint.device.startswith("NVIDIA H100")
+    assert (cluster.intra_node, cluster.inter_node) == (base.intra_node, base.inter_node)
+    assert (cluster.num_devices, cluster.backend) == (8, "nccl")
+    assert not cluster.curves.collectives
+    for dtype in REQUIRED_DTYPES:
+        efficiency = cluster.peak_flops(dtype) / base.peak_flops(dtype)
+        assert 0.3 < efficiency <= 1.0
+        assert f"{dtype} {efficiency:.0%} of {base.peak_flops(dtype) / 1e12:.3g}" in cluster.source
 
 
 # ------------------------------------------------------------------ the bundled profile

@@ -8,7 +8,7 @@ The curves land in the cluster file's `measured` section (schema in `autoplan/cl
 interpolation in `autoplan/measured.py`), where `autoplan.costmodel` uses them.
 """
 
-from autoplan.profile.bench import profile_cluster
+from autoplan.profile.bench import base_refusal, profile_cluster
 from autoplan.profile.tasks import Progress, Settings
 
-__all__ = ["Progress", "Settings", "profile_cluster"]
+__all__ = ["Progress", "Settings", "base_refusal", "profile_cluster"]

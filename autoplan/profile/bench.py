@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.measured import OVERHEADS, machine_fingerprint, monotone
-from autoplan.profile.fit import fitted_cluster
+from autoplan.profile.fit import device_on_base, fitted_cluster
 from autoplan.profile.tasks import (
     COLLECTIVE_ITEMSIZE,
     SYNC_WORK_CALLS,
@@ -57,7 +57,7 @@ from autoplan.profile.tasks import (
 )
 from autoplan.torch_private import wait_collective
 
-__all__ = ["matmul_seconds", "profile_cluster"]
+__all__ = ["base_refusal", "matmul_seconds", "profile_cluster"]
 
 log = logging.getLogger(__name__)
 # the local curves, measured at the start, the middle and the end of a profile, each point the
@@ -92,10 +92,13 @@ def profile_cluster(
     settings: Settings,
     backend: str | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    base: Cluster | None = None,
 ) -> Cluster | None:
     """Measure the cluster this torchrun job runs on; every rank calls this. Rank 0 gets the
     profiled cluster (named `name`) and reports progress to `on_progress`; the others get None.
-    `backend` defaults to nccl where CUDA is available, else gloo."""
+    `backend` defaults to nccl where CUDA is available, else gloo. A job of one rank measures
+    its device alone and needs `base`, the cluster file whose links, node shape and backend
+    the result keeps (`fit.device_on_base`); a job of several measures everything."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
@@ -103,9 +106,24 @@ def profile_cluster(
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
-        return _profile(name, settings, backend, device, on_progress)
+        return _profile(name, settings, backend, device, on_progress, base)
     finally:
         dist.destroy_process_group()
+
+
+def base_refusal(nproc: int) -> str:
+    """Why a profile of `nproc` ranks per node may not take (or must take) a base cluster."""
+    if nproc == 1:
+        return (
+            "a profile of one rank measures its device's compute but no collectives: give "
+            "--base CLUSTER.json, the cluster file whose links, node shape and backend to keep "
+            "(e.g. costmodels/h100-sxm-8.json, NVIDIA's published figures), or --nproc 2 or "
+            "more to measure the collectives"
+        )
+    return (
+        f"--base is for a profile of one rank, which cannot measure collectives; {nproc} ranks "
+        f"measure them: leave --base out"
+    )
 
 
 def _median_curve(passes: list[list[list[float]]]) -> list[list[float]]:
@@ -133,14 +151,17 @@ def _profile(
     backend: str,
     device: torch.device,
     on_progress: Callable[[Progress], None] | None,
+    base: Cluster | None,
 ) -> Cluster | None:
     world = dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world < 2 or world % per_node:
+    if world % per_node:
         raise AutoplanError(
-            f"autoplan profile needs at least 2 ranks, the same number on every node; this "
-            f"job has {world} rank(s) with {per_node} on this node: use --nproc 2 or more"
+            f"autoplan profile needs the same number of ranks on every node; this job has "
+            f"{world} rank(s) with {per_node} on this node"
         )
+    if (world == 1) != (base is not None):
+        raise AutoplanError(base_refusal(world))
     num_nodes = world // per_node
     tasks = _in_passes(plan_tasks(num_nodes, per_node, settings))
     rank0 = dist.get_rank() == 0
@@ -172,17 +193,30 @@ def _profile(
             "; ".join(sorted(k.describe() for k in kinds)),
         )
     fingerprint = {**found[0].to_dict(), "hosts": sorted({h for f in found for h in f.hosts})}
+    measured = {"fingerprint": fingerprint, **measured}
     day = datetime.datetime.now(datetime.UTC).date().isoformat()
     how = (
         f"Profiled by `autoplan profile` on {day}: {num_nodes} node(s) x {per_node} {backend} "
-        f"ranks, torch {fingerprint['torch']}, {seconds:.0f} s. Each point is the median of "
-        f"{settings.repeats} timed runs (slowest rank) after a warm-up, made monotone by "
-        f"isotonic regression; the {', '.join(LOCAL)} curves are measured at the start, the "
-        f"middle and the end, each point the median of the {LOCAL_PASSES}; a curve ends where "
-        f"a call would pass {settings.max_seconds:g} s or at {settings.max_bytes} bytes / "
-        f"n={settings.max_matmul_dim}. One more op costs "
-        f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), a "
-        f"redistribution {_span(measured['redistribute_overhead'])} beyond its collective "
+        f"rank(s) on {fingerprint['device']}, torch {fingerprint['torch']}, {seconds:.0f} s. "
+        f"Each point is the median of {settings.repeats} timed runs (slowest rank) after a "
+        f"warm-up, made monotone by isotonic regression; the {', '.join(LOCAL)} curves are "
+        f"measured at the start, the middle and the end, each point the median of the "
+        f"{LOCAL_PASSES}; a curve ends where a call would pass {settings.max_seconds:g} s or at "
+        f"{settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op costs "
+        f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead)"
+    )
+    memory_bytes = _memory_bytes(device, per_node if base is None else base.devices_per_node)
+    if base is not None:
+        if device.type == "cpu":
+            log.warning(
+                "one CPU rank was timed with the host's cores to itself: ranks that share them "
+                "compute slower; profile with --nproc N (N ranks) to measure that"
+            )
+        return device_on_base(
+            name=name, base=base, memory_bytes=memory_bytes, measured=measured, how=f"{how}."
+        )
+    how += (
+        f", a redistribution {_span(measured['redistribute_overhead'])} beyond its collective "
         f"(redistribute_overhead, from the smallest tensor to the largest), a blocking "
         f"redistribution after compute {measured['sync_overhead'] * 1e6:.0f} us beyond one "
         f"alone (sync_overhead)."
@@ -192,8 +226,8 @@ def _profile(
         backend=backend,
         num_nodes=num_nodes,
         devices_per_node=per_node,
-        memory_bytes=_memory_bytes(device, per_node),
-        measured={"fingerprint": fingerprint, **measured},
+        memory_bytes=memory_bytes,
+        measured=measured,
         how=how,
         # CPU ranks share the host's cores (the ones this process may run on)
         cores_per_node=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,

@@ -2,10 +2,10 @@
 
 Sizes are chosen so that a profile takes minutes: powers of two for tensors and messages (about
 3 per decade, the sizes real tensors tend to have), and n x n matmuls with n growing by sqrt(2)
-(FLOPs by 2.8x). Each curve stops early once its next size is predicted to take longer than
-`Settings.max_seconds` per call (time grows at most linearly in size at large sizes), so slow
-devices get shorter curves rather than longer profiles; the cost model uses the analytic
-constants past a curve's end.
+(FLOPs by 2.8x), rounded to multiples of 8. Each curve stops early once its next size is
+predicted to take longer than `Settings.max_seconds` per call (time grows at most linearly in
+size at large sizes), so slow devices get shorter curves rather than longer profiles; the cost
+model uses the analytic constants past a curve's end.
 
 Group sizes are the ones the planner's meshes use: inside a node, every divisor of the devices
 per node and every power of two up to it (Alpa's (1, 2^k) submeshes); across nodes, every
@@ -27,6 +27,10 @@ __all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
 SMALLEST_MATMUL = 16
+# matmul dims are rounded to multiples of this, as real models' dims are: an odd dim misses the
+# GPU's aligned tensor-core kernels (on an H100, bfloat16 n=5793 ran at 180 TFLOP/s, n=4096 at
+# 845), and made monotone after n=8192 the curve then read 509 at n=8192 too
+MATMUL_ALIGN = 8
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # sync_overhead: what a tiny redistribution over all ranks costs right after a few ms of
 # compute, beyond the same redistribution called back to back: the ranks reach it at different
@@ -102,13 +106,17 @@ class Progress:
 
 
 def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tuple[Task, ...]:
-    """Every curve to measure for `num_nodes` nodes of `devices_per_node` ranks, in order."""
+    """Every curve to measure for `num_nodes` nodes of `devices_per_node` ranks, in order (one
+    rank: its compute curves and `op_overhead` alone)."""
     tasks = [_matmul(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
     chains = tuple(map(float, OVERHEAD_CHAINS))
     op_overhead, sync_overhead = OVERHEADS
     tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
+    num_devices = num_nodes * devices_per_node
+    if num_devices == 1:  # one device: its compute, and nothing to communicate with
+        return tuple(tasks)
     # an all-reduce over all ranks at each size, raw and through DTensor, paired
     largest = min(settings.max_bytes, REDISTRIBUTE_MAX_BYTES)
     sizes = _powers(COLLECTIVE_ITEMSIZE, largest, REDISTRIBUTE_STEP)
@@ -117,7 +125,6 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     # a few ms of matmuls on every rank (size 0), each followed by a tiny redistribution (1),
     # and that redistribution alone (2): three terms of a difference, so 3x the rounds
     tasks.append(Task(sync_overhead, "", (0, 1, 2), (0.0, 1.0, 2.0), repeats=3 * OVERHEAD_REPEATS))
-    num_devices = num_nodes * devices_per_node
     inter = _divisors(num_devices) if num_nodes > 1 else ()
     for link, sizes in (("intra", intra_group_sizes(devices_per_node)), ("inter", inter)):
         for size in sizes:
@@ -151,8 +158,8 @@ def _groups(link: str, size: int, num_nodes: int, per_node: int) -> tuple[tuple[
 def _matmul(dtype: str, settings: Settings) -> Task:
     dims: list[int] = []
     n = float(SMALLEST_MATMUL)
-    while round(n) <= settings.max_matmul_dim:
-        dims.append(round(n))
+    while (dim := MATMUL_ALIGN * round(n / MATMUL_ALIGN)) <= settings.max_matmul_dim:
+        dims.append(dim)
         n *= 2**0.5
     return Task("matmul", dtype, tuple(dims), tuple(2.0 * d**3 for d in dims))
 
