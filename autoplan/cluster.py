@@ -20,6 +20,7 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
       "elementwise": {"<dtype>": [[bytes_moved, seconds], ...]},
       "activation":  {"<dtype>": [[tensor_bytes, seconds], ...]},   # GELU forward + backward
       "op_overhead": seconds,              # forward + backward of one more op, beyond compute
+      "op_overheads": {"<aten op>|view": seconds},   # the same for that op (view: any view op)
       "redistribute_overhead": [[tensor_bytes, seconds], ...],  # DTensor's, beyond its collective
       "sync_overhead": seconds,            # a blocking collective after compute: the skew
       "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
@@ -104,6 +105,7 @@ _MEASURED_FIELDS = (
     *_BY_DTYPE,
     "fingerprint",
     *OVERHEADS,
+    "op_overheads",
     "redistribute_overhead",
     *COLLECTIVE_KINDS,
 )
@@ -630,6 +632,10 @@ def _measured(value: Any, where: str) -> Measured:
         collectives=collectives,
         activation=by_dtype["activation"],
         redistribute_overhead=_redistribute_overhead(obj.get("redistribute_overhead"), where),
+        op_overheads={
+            op: _seconds(seconds, f"measured.op_overheads.{op}", where)
+            for op, seconds in _section(obj, "op_overheads", where).items()
+        },
         **{
             name: None if obj.get(name) is None else _seconds(obj[name], f"measured.{name}", where)
             for name in OVERHEADS

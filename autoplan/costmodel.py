@@ -26,12 +26,17 @@ measured time of GELU's forward and backward over that many elements (the `activ
 roofline's memory term prices such an op where, as on GPUs, its bandwidth bounds it.
 
 Framework work (`with_overhead`). Each op also costs the framework's work around its compute
-(dispatch, autograd's records, its backward node): the measured `op_overhead` per op, 0 where
-not measured. CPU ranks (gloo) do that work on the core that computes, so it adds; a GPU runs
-kernels while the host queues the next ones, so an op takes at least that long. A collective
-that goes through DTensor adds the measured `redistribute_overhead` at its bytes
-(`redistribute_overhead` here); where the step waits on one, and for a message between pipeline
-stages, it adds `sync_overhead` (`autoplan.strategies.costs`, `autoplan.inter_op`).
+(dispatch, autograd's records, its backward node): the op's own measured overhead where the
+profile has one (`op_overheads`: linear, layer norm, GELU, attention, any view op), else the
+measured `op_overhead` (an element-wise op's), 0 where not measured. CPU ranks (gloo) do that
+work on the core that computes, so it adds (`with_overhead`). A GPU runs kernels while the host
+queues the next ones, so the host's work is summed apart (`host_overhead`) and a step's compute
+takes the longer of the two sums (`autoplan.intra_op.step_cost`). On one H100
+(benchmarks/gpu_steps.py), pricing each op at the longer of its own two predicted a GPT-350M
+step at 1.39x its measured time, the longer of the sums at 1.10x. A collective that goes through
+DTensor adds the measured `redistribute_overhead` at its bytes (`redistribute_overhead` here);
+where the step waits on one, and for a message between pipeline stages, it adds `sync_overhead`
+(`autoplan.strategies.costs`, `autoplan.inter_op`).
 
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:
@@ -66,6 +71,8 @@ __all__ = [
     "analytic_collective_time",
     "collective_time",
     "compute_time",
+    "host_overhead",
+    "op_overhead_s",
     "redistribute_overhead",
     "sync_overhead",
     "with_overhead",
@@ -126,13 +133,27 @@ def sync_overhead(cluster: Cluster) -> float:
     return cluster.curves.sync_overhead or 0.0
 
 
-def with_overhead(cluster: Cluster, seconds: float) -> float:
-    """`seconds` of one op's compute with the framework's work around it added (CPU ranks) or
-    as a floor (GPUs); unchanged where `op_overhead` was not measured."""
-    overhead = cluster.curves.op_overhead
-    if overhead is None:
-        return seconds
-    return seconds + overhead if cluster.backend == "gloo" else max(seconds, overhead)
+def with_overhead(cluster: Cluster, seconds: float, op: str | None = None) -> float:
+    """`seconds` of one op's compute, with the framework's work around it (`op_overhead_s`)
+    added on CPU ranks, whose core does both; unchanged on GPUs, whose host works beside the
+    kernels (`host_overhead`)."""
+    return seconds + op_overhead_s(cluster, op) if cluster.backend == "gloo" else seconds
+
+
+def host_overhead(cluster: Cluster, op: str | None = None) -> float:
+    """On GPUs, the host's work to issue one op (`op_overhead_s`), which runs while the GPU
+    computes earlier ones: a step takes at least the sum over its ops (`intra_op.step_cost`).
+    0 on CPU ranks, where `with_overhead` adds it to the op."""
+    return 0.0 if cluster.backend == "gloo" else op_overhead_s(cluster, op)
+
+
+def op_overhead_s(cluster: Cluster, op: str | None = None) -> float:
+    """The framework's work around one op, forward and backward: `op`'s own measured overhead
+    ("aten.linear.default" ...; "view" for any view op) where the profile has it, else
+    `op_overhead`; 0 where neither was measured."""
+    curves = cluster.curves
+    overhead = curves.op_overheads.get(op, curves.op_overhead) if op else curves.op_overhead
+    return overhead or 0.0
 
 
 def collective_time(

@@ -212,14 +212,16 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
     users need; in backward, the gradients of those users summed and reduced once per such
     placement. The step waits for the ranks' skew (`StepCosts.sync_s`) once per op whose inputs
     are redistributed, once per tensor whose gradient is, and once for the parameters'
-    gradients (`StepCosts.gradients_s`)."""
-    compute = memory = comm = 0.0
+    gradients (`StepCosts.gradients_s`). On GPUs the compute takes at least the host's work to
+    issue the ops (`StepCosts.host_time`), which runs ahead while the GPU computes."""
+    compute = memory = comm = host = 0.0
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
     needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
     for node in graph:
         s = assignment[node.name]
         compute += costs.node_time(node, s)
+        host += costs.host_time(node)
         memory += costs.node_memory(node, s)
         comm += costs.internal_time(node, s)
         found += [(node.name, node.name, p) for p in costs.internal(node, s)]
@@ -263,7 +265,7 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
     comm += costs.gradients_s([p for _, _, p in gradients])
     found += gradients
     comm += len(waits) * costs.sync_s
-    return StepCost(compute, comm, memory, tuple(found))
+    return StepCost(max(compute, host), comm, memory, tuple(found))
 
 
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import autoplan
 from autoplan.cli import main
 from autoplan.cluster import REQUIRED_DTYPES, Cluster, Device, Link
 from autoplan.costmodel import (
@@ -26,19 +27,22 @@ from autoplan.costmodel import (
     analytic_collective_time,
     collective_time,
     compute_time,
+    host_overhead,
     redistribute_overhead,
     with_overhead,
 )
 from autoplan.errors import ClusterFormatError
+from autoplan.graph.capture import capture
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
 from autoplan.inter_op import _send_time
-from autoplan.measured import Curve, machine_fingerprint, monotone
+from autoplan.measured import OP_OVERHEAD_KINDS, Curve, machine_fingerprint, monotone
 from autoplan.profile import Progress, bench
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
 from autoplan.strategies.costs import Phased, StepCosts
 from autoplan.strategies.placement import Collective, P, R
 from autoplan.strategies.space import Strategy
+from autoplan.workload import load_workload
 from tests.conftest import ROOT
 
 MAX_BYTES = 8192
@@ -112,6 +116,8 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
         assert curves.activation[dtype].xs[-1] <= MAX_BYTES
     # 64 ops forward and backward cost more than 8: one more op costs something
     assert curves.op_overhead is not None and curves.op_overhead > 0
+    assert set(curves.op_overheads) == set(OP_OVERHEAD_KINDS)
+    assert all(s > 0 for s in curves.op_overheads.values())
     # DTensor's redistribution beyond the raw all-reduce, from 4 B by 16x up to --max-bytes
     assert curves.redistribute_overhead is not None
     xs = curves.redistribute_overhead.xs
@@ -126,7 +132,8 @@ def test_profile_two_cpu_ranks_writes_a_loadable_file(
     # a progress bar with the time left, one line per curve when stderr is not a terminal
     lines = [line for line in stderr.splitlines() if re.match(r"\[[#-]+\] ", line)]
     local_curves = len(REQUIRED_DTYPES) * 3  # matmul, elementwise, activation: in 3 passes
-    assert len(lines) == 3 * local_curves + 3 + len(COLLECTIVE_KINDS)
+    overheads = 1 + len(OP_OVERHEAD_KINDS) + 2  # op_overhead(s), redistribute_, sync_overhead
+    assert len(lines) == 3 * local_curves + overheads + len(COLLECTIVE_KINDS)
     assert all("left" in line and "elapsed" in line for line in lines)
     assert "100%" in lines[-1]
 
@@ -190,6 +197,7 @@ def test_profile_one_rank_keeps_the_base_clusters_links(
     curves = cluster.curves
     assert set(curves.matmul) == set(curves.elementwise) == set(REQUIRED_DTYPES)
     assert curves.op_overhead is not None and curves.op_overhead > 0
+    assert set(curves.op_overheads) == set(OP_OVERHEAD_KINDS)
     assert not curves.collectives
     assert curves.redistribute_overhead is None and curves.sync_overhead is None
     assert cluster.source.endswith(f"cpu-gloo-4's source: {base.source}")
@@ -325,6 +333,8 @@ def _good() -> dict[str, Any]:
         (lambda m: m["matmul"]["float32"][0].__setitem__(0, -1), "float32[0][0]", "> 0"),
         (lambda m: m.update(op_overhead=-1e-6), "measured.op_overhead", ">= 0 s"),
         (lambda m: m.update(op_overhead="5us"), "measured.op_overhead", "finite number"),
+        (lambda m: m.update(op_overheads={"view": -1}), "measured.op_overheads.view", ">= 0 s"),
+        (lambda m: m.update(op_overheads=[1e-5]), "measured.op_overheads", "object"),
         (lambda m: m.update(redistribute_overhead=1e-3), "redistribute_overhead", "again"),
         (lambda m: m.update(redistribute_overhead=[[4, -1]]), "overhead[0][1]", ">= 0"),
         (lambda m: m.update(sync_overhead=[1e-3]), "measured.sync_overhead", "finite number"),
@@ -461,13 +471,47 @@ def test_redistribute_overhead_is_its_curve_its_first_point_below_and_its_rate_a
     assert redistribute_overhead(_toy({}), 34) == 0.0  # not measured
 
 
-def test_op_overhead_adds_on_cpu_ranks_and_is_a_floor_on_gpus() -> None:
-    measured = {"fingerprint": _fingerprint(), "op_overhead": 2.0}
+def test_op_overhead_adds_on_cpu_ranks_and_is_summed_apart_on_gpus() -> None:
+    overheads = {"aten.linear.default": 3.0, "view": 0.5}
+    measured = {"fingerprint": _fingerprint(), "op_overhead": 2.0, "op_overheads": overheads}
     cpu = _toy(measured)
     gpu = dataclasses.replace(_toy(measured), backend="nccl")
     assert (with_overhead(cpu, 5.0), with_overhead(cpu, 0.0)) == (7.0, 2.0)
-    assert (with_overhead(gpu, 5.0), with_overhead(gpu, 1.0)) == (5.0, 2.0)
-    assert with_overhead(_toy({}), 5.0) == 5.0  # not measured
+    assert with_overhead(cpu, 5.0, "aten.linear.default") == 8.0  # the op's own
+    assert with_overhead(cpu, 0.0, "view") == 0.5
+    assert with_overhead(cpu, 5.0, "aten.mm.default") == 7.0  # not measured apart
+    assert host_overhead(cpu, "aten.linear.default") == 0.0  # added to the op instead
+    assert with_overhead(gpu, 5.0, "aten.linear.default") == 5.0
+    assert (host_overhead(gpu), host_overhead(gpu, "aten.linear.default")) == (2.0, 3.0)
+    nothing = _toy({})
+    assert with_overhead(nothing, 5.0, "view") == 5.0  # not measured
+    assert host_overhead(dataclasses.replace(nothing, backend="nccl"), "view") == 0.0
+
+
+def test_a_gpu_step_computes_for_the_longer_of_its_kernels_and_its_host_work() -> None:
+    """The host queues kernels while the GPU runs earlier ones: a step's compute is the larger
+    of the two sums, not the sum of each op's larger."""
+    w = load_workload(ROOT / "examples" / "mlp.py", hidden=256, num_layers=4, batch_size=512)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    issued = sum(1 for n in graph if n.kind == OP or (n.kind == PARAM and n.needs_grad))
+    one_gpu = dataclasses.replace(_toy({}), backend="nccl", num_nodes=1, devices_per_node=1)
+
+    def compute_s(overhead: float) -> float:
+        measured = {"fingerprint": _fingerprint(), "op_overhead": overhead}
+        cluster = dataclasses.replace(one_gpu, measured=measured)
+        costs = StepCosts(cluster, (1,), "adamw")
+        assert sum(costs.host_time(n) for n in graph) == pytest.approx(issued * overhead)
+        plan = autoplan.plan(
+            w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
+        )
+        return plan.predicted.compute_s
+
+    kernels = compute_s(0.0)
+    assert kernels > 0
+    # each op's host work well below its kernels': the GPU sets the pace
+    assert compute_s(kernels / (10 * issued)) == pytest.approx(kernels)
+    # each op's host work as long as all the kernels: the host sets it
+    assert compute_s(kernels) == pytest.approx(issued * kernels)
 
 
 def test_step_costs_add_the_measured_overheads() -> None:

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -173,6 +174,8 @@ def _profile(
             measured[task.section] = bench.sync_overhead(i, task)
         elif task.section in OVERHEADS:
             measured[task.section] = bench.overhead(i, task)
+        elif task.section == "op_overheads":
+            measured.setdefault(task.section, {})[task.key] = bench.overhead(i, task)
         elif task.section == "redistribute_overhead":
             measured[task.section] = bench.redistribute_overhead(i, task)
         elif task.section in LOCAL:
@@ -203,7 +206,8 @@ def _profile(
         f"measured at the start, the middle and the end, each point the median of the "
         f"{LOCAL_PASSES}; a curve ends where a call would pass {settings.max_seconds:g} s or at "
         f"{settings.max_bytes} bytes / n={settings.max_matmul_dim}. One more op costs "
-        f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead)"
+        f"{measured['op_overhead'] * 1e6:.1f} us beyond its compute (op_overhead), per op "
+        f"{_per_op(measured['op_overheads'])} (op_overheads)"
     )
     memory_bytes = _memory_bytes(device, per_node if base is None else base.devices_per_node)
     if base is not None:
@@ -387,8 +391,8 @@ class _Bench:
             return _cold(shape, DTYPES[task.key], device, lambda a, b, out: fn(a, b, out=out))
         if task.section == "activation":
             return _cold((size,), DTYPES[task.key], device, _gelu_forward_backward)
-        if task.section == "op_overhead":
-            return _chain(size, device)
+        if task.section in ("op_overhead", "op_overheads"):
+            return _chain(size, device, task.key)
         if task.section == "sync_overhead":
             if size == 2:
                 return _redistribution(SYNC_BYTES, dtensor=True, device=device)
@@ -479,16 +483,32 @@ def _gelu_forward_backward(x: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
     torch.ops.aten.gelu_backward.grad_input(grad, x, grad_input=out)
 
 
-def _chain(length: int, device: torch.device) -> _Op:
-    """`length` element-wise ops on a tiny tensor, forward and backward through autograd."""
-    leaf = torch.ones(4, device=device, requires_grad=True)
+def _chain(length: int, device: torch.device, op: str = "") -> _Op:
+    """`length` ops on a tiny tensor, forward and backward through autograd: `op` (one of
+    `OP_OVERHEAD_KINDS`; a linear or layer norm with parameters of its own, as in a model), or
+    element-wise ops (`op` empty)."""
+    leaf = torch.ones(1, 1, 4, 4, device=device, requires_grad=True)
+    params = [torch.ones(4, 4, device=device, requires_grad=True) for _ in range(length)]
+    links: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "": lambda y, i: y * 1.5 if i % 2 else y + 1.0,
+        "aten.linear.default": lambda y, i: F.linear(y, params[i]),
+        "aten.layer_norm.default": lambda y, i: F.layer_norm(y, (4,), params[i][0], params[i][1]),
+        "aten.gelu.default": lambda y, i: F.gelu(y),
+        "aten.scaled_dot_product_attention.default": (
+            lambda y, i: F.scaled_dot_product_attention(y, y, y)
+        ),
+        "view": lambda y, i: y.transpose(2, 3),
+    }
+    link = links[op]
 
     def call() -> None:
         y = leaf
         for i in range(length):
-            y = y * 1.5 if i % 2 else y + 1.0
+            y = link(y, i)
         y.sum().backward()
         leaf.grad = None
+        for p in params:
+            p.grad = None
 
     return _Op(call, local=True)
 
@@ -506,6 +526,13 @@ def _redistribution(nbytes: int, *, dtensor: bool, device: torch.device) -> _Op:
         wait_collective(value.redistribute(mesh, [Replicate()]).to_local())
 
     return _Op(redistribute)
+
+
+def _per_op(overheads: dict[str, float]) -> str:
+    """The per-op overheads in us, by the op's short name, for the profile's source line."""
+    return ", ".join(
+        f"{op.split('.')[1] if '.' in op else op} {s * 1e6:.1f}" for op, s in overheads.items()
+    )
 
 
 def _span(points: list[list[float]]) -> str:

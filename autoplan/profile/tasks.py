@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.cluster import REQUIRED_DTYPES, mesh_groups
-from autoplan.measured import COLLECTIVE_KINDS, OVERHEADS
+from autoplan.measured import COLLECTIVE_KINDS, OP_OVERHEAD_KINDS, OVERHEADS
 
 __all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
 
@@ -67,9 +67,9 @@ class Settings:
 class Task:
     """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster.py`).
 
-    `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation:
-    elements per tensor; collective and redistribute_overhead: bytes; op_overhead: ops in the
-    chain; sync_overhead: 0 for the compute, 1 for it followed by the redistribution, 2 for the
+    `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation: elements
+    per tensor; collective and redistribute_overhead: bytes; op_overhead and op_overheads: ops in
+    the chain; sync_overhead: 0 for the compute, 1 for it followed by the redistribution, 2 for the
     redistribution alone)
     and `xs[i]` the curve's x at that size (FLOPs, bytes moved, tensor bytes, the cost model's
     nbytes, ops).
@@ -114,6 +114,10 @@ def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tup
     chains = tuple(map(float, OVERHEAD_CHAINS))
     op_overhead, sync_overhead = OVERHEADS
     tasks.append(Task(op_overhead, "", OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS))
+    tasks += [
+        Task("op_overheads", op, OVERHEAD_CHAINS, chains, repeats=OVERHEAD_REPEATS)
+        for op in OP_OVERHEAD_KINDS
+    ]
     num_devices = num_nodes * devices_per_node
     if num_devices == 1:  # one device: its compute, and nothing to communicate with
         return tuple(tasks)

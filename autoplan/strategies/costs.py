@@ -29,6 +29,7 @@ from autoplan.costmodel import (
     activation_time,
     collective_time,
     compute_time,
+    host_overhead,
     redistribute_overhead,
     sync_overhead,
     with_overhead,
@@ -100,7 +101,7 @@ class StepCosts:
         if node.kind != "op":
             return 0.0
         if node.is_view:
-            return with_overhead(self.cluster, 0.0)
+            return with_overhead(self.cluster, 0.0, "view")
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
         # backward moves about twice the forward's bytes (grad in, grad out, saved input)
@@ -108,8 +109,18 @@ class StepCosts:
         seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
         transcendental = node.transcendental * itemsize(dtype) / f
         return with_overhead(
-            self.cluster, seconds + activation_time(self.cluster, transcendental, dtype)
+            self.cluster, seconds + activation_time(self.cluster, transcendental, dtype), node.op
         )
+
+    def host_time(self, node: Node) -> float:
+        """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
+        `node_time` holds it): a step's compute takes at least its nodes' sum
+        (`intra_op.step_cost`). The same for every strategy of the node."""
+        if node.kind == PARAM:
+            return host_overhead(self.cluster) if node.needs_grad else 0.0
+        if node.kind != "op":
+            return 0.0
+        return host_overhead(self.cluster, "view" if node.is_view else node.op)
 
     def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs.
