@@ -488,10 +488,18 @@ def _chain(length: int, device: torch.device, op: str = "") -> _Op:
     `OP_OVERHEAD_KINDS`; a linear or layer norm with parameters of its own, as in a model), or
     element-wise ops (`op` empty)."""
     leaf = torch.ones(1, 1, 4, 4, device=device, requires_grad=True)
-    params = [torch.ones(4, 4, device=device, requires_grad=True) for _ in range(length)]
+    # each op's own leaves (a linear's weight; a layer norm's weight and bias), as a model's
+    shapes: dict[str, list[tuple[int, ...]]] = {
+        "aten.linear.default": [(4, 4)],
+        "aten.layer_norm.default": [(4,), (4,)],
+    }
+    params = [
+        [torch.ones(shape, device=device, requires_grad=True) for shape in shapes.get(op, [])]
+        for _ in range(length)
+    ]
     links: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
         "": lambda y, i: y * 1.5 if i % 2 else y + 1.0,
-        "aten.linear.default": lambda y, i: F.linear(y, params[i]),
+        "aten.linear.default": lambda y, i: F.linear(y, *params[i]),
         "aten.layer_norm.default": lambda y, i: F.layer_norm(y, (4,), params[i][0], params[i][1]),
         "aten.gelu.default": lambda y, i: F.gelu(y),
         "aten.scaled_dot_product_attention.default": (
@@ -507,8 +515,9 @@ def _chain(length: int, device: torch.device, op: str = "") -> _Op:
             y = link(y, i)
         y.sum().backward()
         leaf.grad = None
-        for p in params:
-            p.grad = None
+        for own in params:
+            for p in own:
+                p.grad = None
 
     return _Op(call, local=True)
 

@@ -107,7 +107,7 @@ class Progress:
 
 def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tuple[Task, ...]:
     """Every curve to measure for `num_nodes` nodes of `devices_per_node` ranks, in order (one
-    rank: its compute curves and `op_overhead` alone)."""
+    rank: its compute curves and the op overheads alone)."""
     tasks = [_matmul(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_elementwise(dtype, settings) for dtype in REQUIRED_DTYPES]
     tasks += [_activation(dtype, settings) for dtype in REQUIRED_DTYPES]
