@@ -33,7 +33,7 @@ work on the core that computes, so it adds (`with_overhead`). A GPU runs kernels
 queues the next ones, so the host's work is summed apart (`host_overhead`) and a step's compute
 takes the longer of the two sums (`autoplan.intra_op.step_cost`). On one H100
 (benchmarks/gpu_steps.py), pricing each op at the longer of its own two predicted a GPT-350M
-step at 1.36x its measured time, the longer of the sums at 1.09x. A collective that goes through
+step at 1.22x its measured time, the longer of the sums at 1.09x. A collective that goes through
 DTensor adds the measured `redistribute_overhead` at its bytes (`redistribute_overhead` here);
 where the step waits on one, and for a message between pipeline stages, it adds `sync_overhead`
 (`autoplan.strategies.costs`, `autoplan.inter_op`).
