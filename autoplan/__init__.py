@@ -5,8 +5,18 @@ from autoplan.baseline import baseline
 from autoplan.cluster import Cluster
 from autoplan.estimate import estimate
 from autoplan.parallel import Step, parallelize
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
+from autoplan.version import __version__
 from autoplan.workload import Workload
 
-__all__ = ["Cluster", "Plan", "Step", "Workload", "baseline", "estimate", "parallelize", "plan"]
-__version__ = "0.1.0"
+__all__ = [
+    "Cluster",
+    "Plan",
+    "Step",
+    "Workload",
+    "__version__",
+    "baseline",
+    "estimate",
+    "parallelize",
+    "plan",
+]

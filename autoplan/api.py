@@ -12,18 +12,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import INPUT, PARAM, Graph
-from autoplan.graph.layers import find_layers
 from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
 from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
-from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import SCHEDULES, Plan, check_schedule, schedule_refusal
-from autoplan.strategies.costs import OPTIMIZER_STATE, StepCosts
+from autoplan.planfile.assemble import make_pipeline_plan, make_plan
+from autoplan.planfile.schema import Plan
+from autoplan.schedules import SCHEDULES, check_schedule, schedule_refusal
+from autoplan.strategies.pricing import OPTIMIZER_STATE, Pricer
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ def _plan_one_stage(
     for m in meshes:
         cluster.check_mesh_shape(m)
 
-    layers = find_layers(graph)
+    layers = find_sharing(graph)
     log.info("%d repeated-layer nodes share decisions", len(layers.canonical))
     pins = parse_pins(pin or {}, graph)
     layers = keep_sharing_consistent(layers, pins)
@@ -245,7 +246,7 @@ def _plan_one_stage(
         found = solve_mesh(
             graph,
             layers,
-            StepCosts(cluster, m, optimizer),
+            Pricer(cluster, m, optimizer),
             memory_limit,
             time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),

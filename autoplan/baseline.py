@@ -57,20 +57,21 @@ import torch
 from torch import nn
 
 from autoplan.api import check_budget
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
-from autoplan.graph.layers import Layers, block_of
 from autoplan.inter_op import price_pipeline
-from autoplan.intra_op import IntraOpResult, build_problem, step_cost
-from autoplan.plan.assemble import make_pipeline_plan, make_plan
-from autoplan.plan.schema import Plan, check_schedule, schedule_refusal
+from autoplan.intra_op import IntraOpResult, build_problem, price_step
+from autoplan.planfile.assemble import make_pipeline_plan, make_plan
+from autoplan.planfile.schema import Plan
+from autoplan.schedules import check_schedule, schedule_refusal
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
-from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, axis_rules, node_strategies
 
@@ -436,15 +437,15 @@ def _one_stage(
 ) -> Plan:
     space = _strategies(graph, dp, tp, zero_stage)
     mesh_shape = _mesh_shape(dp, tp)
-    costs = StepCosts(cluster, mesh_shape, optimizer)
-    problem, _ = build_problem(graph, Layers(blocks={}, canonical={}), space, costs, limit)
+    costs = Pricer(cluster, mesh_shape, optimizer)
+    problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
     choice = (0,) * problem.num_groups
     solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
     assignment = _assignment(space)
     result = IntraOpResult(mesh_shape, assignment, solution, problem)
     rules = {name: ns.source for name, ns in space.items()}
     return make_plan(
-        graph, cluster, result, step_cost(graph, assignment, costs), rules, (mesh_shape,)
+        graph, cluster, result, price_step(graph, assignment, costs), rules, (mesh_shape,)
     )
 
 

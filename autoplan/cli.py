@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.api import plan as make_plan
-from autoplan.cluster import BACKENDS, Cluster
+from autoplan.cluster.model import BACKENDS, Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
-from autoplan.plan.picture import render_png
-from autoplan.plan.schema import Plan
-from autoplan.plan.show import summary
+from autoplan.planfile.picture import render_png
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.show import summary
 from autoplan.profile import Progress, Settings, base_refusal, profile_cluster
 from autoplan.workload import load_workload
 
@@ -292,7 +292,7 @@ def _torchrun(
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from autoplan.execute.train import one_process, train
+    from autoplan.training import one_process, train
 
     cluster = _run_cluster(args)
     options = _options(args.set)

@@ -11,21 +11,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.errors import PlanFormatError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
 from autoplan.inter_op import boundary_assignment, price_pipeline
-from autoplan.intra_op import step_cost
-from autoplan.plan.assemble import (
+from autoplan.intra_op import price_step
+from autoplan.planfile.assemble import (
     collective_plans,
     make_pipeline_plan,
     predicted,
     provenance,
 )
-from autoplan.plan.schema import Placements, Plan
-from autoplan.strategies.costs import StepCosts
+from autoplan.planfile.schema import Placements, Plan
+from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 
 
@@ -95,8 +95,8 @@ def estimate(
     limit = cluster.device.memory_bytes * memory_fraction
     if plan.pipeline is not None:
         return _estimate_pipeline(plan, graph, cluster, optimizer, limit)
-    step = step_cost(
-        graph, assignment_of(plan, graph), StepCosts(cluster, plan.mesh.shape, optimizer)
+    step = price_step(
+        graph, assignment_of(plan, graph), Pricer(cluster, plan.mesh.shape, optimizer)
     )
     return dataclasses.replace(
         plan,

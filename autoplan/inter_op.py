@@ -31,15 +31,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from autoplan.cluster import Cluster
-from autoplan.costmodel import collective_time, sync_overhead
+from autoplan.cluster.model import Cluster
+from autoplan.cluster.timing import collective_time, sync_overhead
 from autoplan.errors import AutoplanError
+from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
-from autoplan.graph.layers import find_layers, signature
-from autoplan.intra_op import MeshPlan, StepCost, solve_mesh, step_cost
-from autoplan.plan.schema import schedule_refusal
-from autoplan.plan.timeline import simulate
+from autoplan.intra_op import MeshPlan, PricedStep, price_step, solve_mesh
+from autoplan.schedules import schedule_refusal, simulate
 from autoplan.solve.dp import (
     InfeasibleStagesError,
     StageCost,
@@ -48,8 +47,8 @@ from autoplan.solve.dp import (
     pipeline_time,
     solve_stages,
 )
-from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import R, Spec, is_valid, local_numel, on_mesh
+from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class SolvedStage:
     stop: int
     stage: StageGraph
     assignment: dict[str, Strategy]  # by node name of ``stage.graph``
-    step: StepCost
+    step: PricedStep
     rules: dict[str, str]
     time_s: float  # one microbatch, forward + backward, without the send
     forward_s: float
@@ -81,7 +80,7 @@ class PipelinePlan:
     num_microbatches: int
     schedule: str
     mesh_shape: tuple[int, ...]  # each stage's logical mesh
-    costs: StepCosts
+    costs: Pricer
     boundary: Spec
     stages: tuple[SolvedStage, ...]
     step_time_s: float
@@ -140,7 +139,7 @@ def boundary_specs(mesh_shape: tuple[int, ...], spans_nodes: bool = False) -> li
 
 
 @dataclass(frozen=True)
-class _Cost:
+class _RangeCost:
     """A layer range priced as the sum of its layers (what the DP's cost table holds)."""
 
     time_s: float
@@ -168,7 +167,7 @@ class _StageSolver:
         graph: Graph,
         layers: tuple[Layer, ...],
         cluster: Cluster,
-        costs: StepCosts,
+        costs: Pricer,
         boundary: Spec,
         memory_limit: float,
         time_limit_s: float,
@@ -191,14 +190,14 @@ class _StageSolver:
         stage = self._stages[stop - 1]
         return _send_time(self.cluster, _sent_bytes(stage, self.costs.mesh_shape, self.boundary))
 
-    def cost(self, start: int, stop: int) -> _Cost | None:
+    def cost(self, start: int, stop: int) -> _RangeCost | None:
         level = 1
         while level <= 2 * (stop - start):
             parts = [self._layer(i, level) for i in range(start, stop)]
             if any(p is None for p in parts):
                 return None  # a tighter budget cannot help
             done = [p for p in parts if p is not None]
-            found = _Cost(
+            found = _RangeCost(
                 time_s=sum(p.time_s for p in done),
                 extra_s=sum(p.extra_s for p in done),
                 memory_bytes=sum(p.memory_bytes for p in done),
@@ -228,7 +227,7 @@ class _StageSolver:
         assignment.update(boundary_assignment(stage, self.boundary, loss))
         rules.update(dict.fromkeys(stage.received, "boundary"))
         rules[output.name] = "output"
-        step = step_cost(stage.graph, assignment, self.costs)
+        step = price_step(stage.graph, assignment, self.costs)
         stats = [p.solver for p in parts]
         solver = _SolverStats(*(sum(column) for column in zip(*stats, strict=True)))
         return _priced(
@@ -273,7 +272,7 @@ class _StageSolver:
 
         found = solve_mesh(
             graph,
-            find_layers(graph),
+            find_sharing(graph),
             self.costs,
             self.memory_limit / level,
             self.time_limit_s,
@@ -342,9 +341,9 @@ def _priced(
     stop: int,
     stage: StageGraph,
     assignment: dict[str, Strategy],
-    step: StepCost,
+    step: PricedStep,
     rules: dict[str, str],
-    costs: StepCosts,
+    costs: Pricer,
     send_s: float,
     solver: _SolverStats,
 ) -> SolvedStage:
@@ -502,7 +501,7 @@ def _best_for_size(
     for mesh in meshes or stage_meshes(stage_cluster):
         if math.prod(mesh) != size:
             continue
-        costs = StepCosts(stage_cluster, tuple(mesh), optimizer)
+        costs = Pricer(stage_cluster, tuple(mesh), optimizer)
         for boundary in boundary_specs(tuple(mesh), spans_nodes=stage_cluster.num_nodes > 1):
             solver = _StageSolver(
                 graph, layers, cluster, costs, boundary, memory_limit, time_limit_s
@@ -572,7 +571,7 @@ def _pipeline(
     layers: tuple[Layer, ...],
     num_microbatches: int,
     schedule: str,
-    costs: StepCosts,
+    costs: Pricer,
     boundary: Spec,
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
@@ -580,7 +579,7 @@ def _pipeline(
     """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
     ``sum(t) + (B - 1) max(t)``; or, where ranks share fewer cores than they are (CPU ranks on
     one node, `Cluster.shares_cores`), by simulating the schedule with the stages sharing
-    them (`autoplan.plan.timeline.simulate`), as the DP's formula cannot say."""
+    them (`autoplan.schedules.simulate`), as the DP's formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
     if not (cluster.shares_cores and cluster.num_nodes == 1):
         scheduled = pipeline_time(times, num_microbatches)
@@ -634,11 +633,11 @@ def price_pipeline(
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
     ``layers[s]`` with strategies ``assignments[s]`` (by node name of its stage graph)."""
     stage_cluster = _stage_cluster(cluster, math.prod(mesh_shape))
-    costs = StepCosts(stage_cluster, mesh_shape, optimizer)
+    costs = Pricer(stage_cluster, mesh_shape, optimizer)
     stages = []
     for s, assignment in enumerate(assignments):
         stage = stage_graph(graph, layers, s, s + 1)
-        step = step_cost(stage.graph, assignment, costs)
+        step = price_step(stage.graph, assignment, costs)
         send = _send_time(cluster, _sent_bytes(stage, mesh_shape, boundary))
         rules = dict.fromkeys(assignment, "given")
         no_solver = _SolverStats(0.0, 0, 0, 0)

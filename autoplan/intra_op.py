@@ -16,15 +16,15 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
+from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
-from autoplan.graph.layers import Layers, block_of
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
-from autoplan.strategies.costs import Phased, StepCosts
 from autoplan.strategies.placement import Spec, grad_spec
+from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class IntraOpResult:
     problem: IntraOpProblem
 
 
-def _edges(graph: Graph, layers: Layers) -> dict[tuple[str, str, int], int]:
+def _edges(graph: Graph, layers: BlockSharing) -> dict[tuple[str, str, int], int]:
     """(canonical producer, canonical consumer, input index) -> number of such edges."""
     counts: dict[tuple[str, str, int], int] = defaultdict(int)
     for node in graph:
@@ -56,7 +56,7 @@ def _edges(graph: Graph, layers: Layers) -> dict[tuple[str, str, int], int]:
 
 
 def _edge_matrix(
-    graph: Graph, space: Mapping[str, NodeStrategies], costs: StepCosts, key: tuple[str, str, int]
+    graph: Graph, space: Mapping[str, NodeStrategies], costs: Pricer, key: tuple[str, str, int]
 ) -> list[list[float]]:
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
@@ -99,9 +99,9 @@ def _exact_follow(
 
 def build_problem(
     graph: Graph,
-    layers: Layers,
+    layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
-    costs: StepCosts,
+    costs: Pricer,
     memory_limit: float,
 ) -> tuple[IntraOpProblem, Grouping]:
     reps = [n for n in graph if n.name not in layers.canonical]
@@ -167,7 +167,7 @@ def build_problem(
 
 def decode(
     graph: Graph,
-    layers: Layers,
+    layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
     grouping: Grouping,
     choice: tuple[int, ...],
@@ -182,7 +182,7 @@ def decode(
 
 def solve_problem(
     graph: Graph,
-    layers: Layers,
+    layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
     problem: IntraOpProblem,
     grouping: Grouping,
@@ -198,7 +198,7 @@ def solve_problem(
 
 
 @dataclass(frozen=True)
-class StepCost:
+class PricedStep:
     """Costs recomputed node by node and edge by edge from an assignment (no grouping)."""
 
     compute_s: float
@@ -207,13 +207,13 @@ class StepCost:
     collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
 
 
-def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts) -> StepCost:
+def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) -> PricedStep:
     """The step as the executor runs it: each tensor redistributed once per placement its
     users need; in backward, the gradients of those users summed and reduced once per such
-    placement. The step waits for the ranks' skew (`StepCosts.sync_s`) once per op whose inputs
+    placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
     are redistributed, once per tensor whose gradient is, and once for the parameters'
-    gradients (`StepCosts.gradients_s`). On GPUs the compute takes at least the host's work to
-    issue the ops (`StepCosts.host_time`), which runs ahead while the GPU computes."""
+    gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
+    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes."""
     compute = memory = comm = host = 0.0
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
@@ -265,7 +265,7 @@ def step_cost(graph: Graph, assignment: Mapping[str, Strategy], costs: StepCosts
     comm += costs.gradients_s([p for _, _, p in gradients])
     found += gradients
     comm += len(waits) * costs.sync_s
-    return StepCost(max(compute, host), comm, memory, tuple(found))
+    return PricedStep(max(compute, host), comm, memory, tuple(found))
 
 
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -287,15 +287,15 @@ class MeshPlan:
     """The solved plan of a graph on one logical mesh."""
 
     result: IntraOpResult
-    costs: StepCosts
-    step: StepCost
+    costs: Pricer
+    step: PricedStep
     rules: dict[str, str]  # node -> where its strategy came from
 
 
 def solve_mesh(
     graph: Graph,
-    layers: Layers,
-    costs: StepCosts,
+    layers: BlockSharing,
+    costs: Pricer,
     memory_limit: float,
     time_limit_s: float,
     restrict: SpaceFilter | None = None,
@@ -312,4 +312,4 @@ def solve_mesh(
         return need
     result = solve_problem(graph, layers, space, problem, grouping, costs.mesh_shape, time_limit_s)
     rules = {n.name: space[layers.rep(n.name)].source for n in graph}
-    return MeshPlan(result, costs, step_cost(graph, result.assignment, costs), rules)
+    return MeshPlan(result, costs, price_step(graph, result.assignment, costs), rules)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
 from autoplan.api import plan_graph
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
@@ -28,7 +28,7 @@ from autoplan.execute.step import (
     materialize,
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 from autoplan.torch_private import wait_collective
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError
+from autoplan.graph.blocks import BlockSharing
 from autoplan.graph.ir import INPUT, PARAM, Graph
-from autoplan.graph.layers import Layers
 from autoplan.strategies.placement import Spec, is_placement, on_mesh
 from autoplan.strategies.space import NodeStrategies
 
@@ -77,7 +77,7 @@ def parse_pins(pins: Mapping[str, Pin], graph: Graph) -> dict[str, ParsedPin]:
     return parsed
 
 
-def keep_sharing_consistent(layers: Layers, pins: Mapping[str, ParsedPin]) -> Layers:
+def keep_sharing_consistent(layers: BlockSharing, pins: Mapping[str, ParsedPin]) -> BlockSharing:
     """Repeated layers share decisions only if their copies are pinned alike."""
 
     def key(name: str) -> tuple[Spec | None, Spec | None] | None:

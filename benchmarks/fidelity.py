@@ -545,12 +545,13 @@ def measure_model(
 CAUSES = """\
 ## What is missed, and why
 
-From the cost model's code (`autoplan/costmodel.py`, `autoplan/strategies/costs.py`,
+From the cost model's code (`autoplan/cluster/timing.py`, `autoplan/strategies/pricing.py`,
 `autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
 from those are labelled "by hand": scripts that time plain torch, DDP and autoplan's steps on 4
 ranks, with torch.profiler or cProfile). No constant was tuned for this benchmark.
 
-1. **What the model prices.** The profile measures, and the model charges (`autoplan/costmodel.py`):
+1. **What the model prices.** The profile measures, and the model charges
+   (`autoplan/cluster/timing.py`):
    - matmuls, element-wise ops and GELU on operands cycled through 128 MiB, as a step streams its
      tensors through the caches (by hand, 4 ranks: a 256x512 @ 512x512 matmul timed on the same
      operands again and again ran 7% faster, a 362^3 one 18%);
@@ -573,8 +574,8 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
      (`sync_overhead`), timed at a DTensor redistribution as the executor issues one (by hand, after
      10 ms of matmuls on every rank: 2.9 ms at a DTensor redistribution, 1.7 ms at a raw
      all-reduce), charged once per op whose inputs are redistributed, once per tensor whose gradient
-     is, once for all the gradients reduced outside the buckets (`intra_op.step_cost`,
-     `StepCosts.gradients_s`), and for every message between pipeline stages. It is now timed in one
+     is, once for all the gradients reduced outside the buckets (`intra_op.price_step`,
+     `Pricer.gradients_s`), and for every message between pipeline stages. It is now timed in one
      task, 45 rounds of three runs: compute then the redistribution, the compute alone, the
      redistribution alone; each round's difference, the median kept. It had been the difference of
      one task's median against the first points of two other curves, measured minutes apart, and it

@@ -16,9 +16,9 @@ import autoplan
 from autoplan.baseline import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
-from autoplan.plan.schema import CollectivePlan, Plan
-from autoplan.strategies.costs import StepCosts
+from autoplan.planfile.schema import CollectivePlan, Plan
 from autoplan.strategies.placement import Collective
+from autoplan.strategies.pricing import Pricer
 from autoplan.workload import Workload
 from tests.conftest import example
 from tests.distributed.cases import (
@@ -326,7 +326,7 @@ def _one_microbatch(
 def _bucket_s(plan: Plan, cluster: autoplan.Cluster) -> float:
     """Seconds of the plan's gradient buckets (all on a stage's mesh)."""
     axes = plan.stage_axes
-    costs = StepCosts(cluster, plan.mesh.shape[-len(axes) :], "adamw")
+    costs = Pricer(cluster, plan.mesh.shape[-len(axes) :], "adamw")
     return sum(
         costs.collective_s(Collective(c.kind, tuple(axes.index(a) for a in c.axes), c.bytes))
         for c in plan.collectives

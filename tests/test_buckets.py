@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import autoplan
 from autoplan.strategies.buckets import BUCKET_BYTES, Bucket, GradientSync, make_buckets
-from autoplan.strategies.costs import StepCosts
 from autoplan.strategies.placement import Collective
+from autoplan.strategies.pricing import Pricer
 from tests.conftest import example, plan_example, plan_workload
 
 
@@ -67,8 +67,8 @@ def test_a_bucket_over_several_axes_is_one_all_reduce_over_their_ranks_together(
 ) -> None:
     (bucket,) = make_buckets([_sync("a", 4096, axes=(0, 1)), _sync("b", 4096, axes=(0, 1))])
     assert bucket.collective == Collective("all_reduce", (0, 1), 8192)
-    costs = StepCosts(cpu4, (2, 2), "adamw")
-    flat = StepCosts(cpu4, (4,), "adamw")
+    costs = Pricer(cpu4, (2, 2), "adamw")
+    flat = Pricer(cpu4, (4,), "adamw")
     assert costs.collective_s(bucket.collective) == flat.collective_s(
         Collective("all_reduce", (0,), 8192)
     )
@@ -86,7 +86,7 @@ def test_a_data_parallel_plan_on_a_2d_mesh_buckets_over_both_axes(
 def test_the_ilp_prices_a_bucketable_gradient_at_its_share_of_a_full_bucket(
     cpu4: autoplan.Cluster,
 ) -> None:
-    costs = StepCosts(cpu4, (4,), "adamw")
+    costs = Pricer(cpu4, (4,), "adamw")
     full = costs.collective_s(Collective("all_reduce", (0,), BUCKET_BYTES))
     small = _sync("b", 1024)
     assert costs.grad_sync_s(small) == full * 1024 / BUCKET_BYTES

@@ -10,9 +10,9 @@ from torch import nn
 
 import autoplan
 from autoplan.errors import TraceError
+from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM
-from autoplan.graph.layers import block_of, find_layers
 from tests.conftest import example
 
 
@@ -40,7 +40,7 @@ def test_meta_model_is_traced_without_memory() -> None:
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
     assert 1.2e9 < graph.num_params < 1.5e9
     assert all(p.is_meta for p in w.model.parameters())
-    layers = find_layers(graph)
+    layers = find_sharing(graph)
     assert len(layers.blocks) == 24
     # blocks 2..23 take the decisions of blocks 0 and 1
     reps = {block_of(graph.node(rep)) for rep in layers.canonical.values()}

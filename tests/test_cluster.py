@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from autoplan.cluster import Cluster, Device, Link, mesh_groups, mesh_shapes
-from autoplan.costmodel import COLLECTIVE_KINDS, collective_time, compute_time
+from autoplan.cluster.model import Cluster, Device, Link, mesh_groups, mesh_shapes
+from autoplan.cluster.timing import COLLECTIVE_KINDS, collective_time, compute_time
 from autoplan.errors import ClusterFormatError, MeshShapeError
 
 COSTMODELS = Path(__file__).resolve().parent.parent / "costmodels"

@@ -8,11 +8,11 @@ import re
 import pytest
 
 import autoplan
+from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture
-from autoplan.graph.layers import find_layers
-from autoplan.intra_op import build_problem, solve_problem, step_cost
+from autoplan.intra_op import build_problem, price_step, solve_problem
 from autoplan.solve.evaluate import evaluate
-from autoplan.strategies.costs import StepCosts
+from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import strategy_space
 from tests.conftest import example, plan_example, plan_workload
 
@@ -87,14 +87,14 @@ def test_objective_equals_independent_recomputation(cpu4: autoplan.Cluster) -> N
     and edge by edge over the whole graph, and evaluate() agrees with the solver."""
     w = example("gpt", size="tiny", num_layers=4, batch_size=2)
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
-    layers = find_layers(graph)
+    layers = find_sharing(graph)
     assert layers.canonical, "blocks 2 and 3 should share the decisions of blocks 0 and 1"
     for mesh in [(4,), (2, 2)]:
-        costs = StepCosts(cpu4, mesh, "adamw")
+        costs = Pricer(cpu4, mesh, "adamw")
         space = strategy_space(graph, mesh)
         problem, grouping = build_problem(graph, layers, space, costs, cpu4.device.memory_bytes)
         result = solve_problem(graph, layers, space, problem, grouping, mesh, 30.0)
-        step = step_cost(graph, result.assignment, costs)
+        step = price_step(graph, result.assignment, costs)
         assert step.compute_s + step.comm_s == pytest.approx(result.solution.objective, rel=1e-9)
         check = evaluate(problem, result.solution.choice)
         assert check.objective == pytest.approx(result.solution.objective, rel=1e-12)

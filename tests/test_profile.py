@@ -20,8 +20,9 @@ import torch
 
 import autoplan
 from autoplan.cli import main
-from autoplan.cluster import REQUIRED_DTYPES, Cluster, Device, Link
-from autoplan.costmodel import (
+from autoplan.cluster.measured import OP_OVERHEAD_KINDS, Curve, machine_fingerprint, monotone
+from autoplan.cluster.model import REQUIRED_DTYPES, Cluster, Device, Link
+from autoplan.cluster.timing import (
     COLLECTIVE_KINDS,
     activation_time,
     analytic_collective_time,
@@ -35,12 +36,11 @@ from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
 from autoplan.inter_op import _send_time
-from autoplan.measured import OP_OVERHEAD_KINDS, Curve, machine_fingerprint, monotone
 from autoplan.profile import Progress, bench
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
-from autoplan.strategies.costs import Phased, StepCosts
 from autoplan.strategies.placement import Collective, P, R
+from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import Strategy
 from autoplan.workload import load_workload
 from tests.conftest import ROOT
@@ -499,7 +499,7 @@ def test_a_gpu_step_computes_for_the_longer_of_its_kernels_and_its_host_work() -
     def compute_s(overhead: float) -> float:
         measured = {"fingerprint": _fingerprint(), "op_overhead": overhead}
         cluster = dataclasses.replace(one_gpu, measured=measured)
-        costs = StepCosts(cluster, (1,), "adamw")
+        costs = Pricer(cluster, (1,), "adamw")
         assert sum(costs.host_time(n) for n in graph) == pytest.approx(issued * overhead)
         plan = autoplan.plan(
             w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
@@ -521,8 +521,8 @@ def test_step_costs_add_the_measured_overheads() -> None:
         "sync_overhead": 1.0,
     }
     measured = {"fingerprint": _fingerprint(), "activation": {"float32": [[1.0, 0.0], [1e6, 2.0]]}}
-    plain = StepCosts(_toy({}), (4,), "adamw")
-    costs = StepCosts(_toy({**measured, **overheads}), (4,), "adamw")
+    plain = Pricer(_toy({}), (4,), "adamw")
+    costs = Pricer(_toy({**measured, **overheads}), (4,), "adamw")
     t = TensorInfo((1000,), "float32")
 
     def op(name: str, **fields: Any) -> Node:
@@ -546,7 +546,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     partial = Strategy(output=(P,), inputs=())
     seconds, found = costs.forward(t, partial, replicated, 0)
     assert found == (all_reduce,) and seconds == raw + 3.0
-    # the step waits for the ranks' skew at it: sync_s, once per op (intra_op.step_cost)
+    # the step waits for the ranks' skew at it: sync_s, once per op (intra_op.price_step)
     assert (costs.sync_s, plain.sync_s) == (1.0, 0.0)
     user = dataclasses.replace(op("u"), needs_grad=False)
     assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0

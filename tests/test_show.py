@@ -9,10 +9,10 @@ import pytest
 
 import autoplan
 from autoplan.errors import AutoplanError
-from autoplan.plan.picture import render_png
-from autoplan.plan.schema import Pipeline
-from autoplan.plan.show import schedule_grid, summary
-from autoplan.plan.timeline import Event, simulate, stage_order
+from autoplan.planfile.picture import render_png
+from autoplan.planfile.schema import Pipeline
+from autoplan.planfile.show import schedule_grid, summary
+from autoplan.schedules import Event, simulate, stage_order
 from tests.conftest import example, plan_example, plan_workload
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 from autoplan.torch_private import (
     C10D_ALL_REDUCE,
     FUNCTIONAL_COLLECTIVES,

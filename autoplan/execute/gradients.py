@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.errors import AutoplanError
 from autoplan.execute.placements import to_dtensor
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 from autoplan.torch_private import queue_backward_callback
 
 

@@ -44,7 +44,7 @@ from autoplan.execute.ops import (
     runs_locally,
 )
 from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
 

@@ -30,7 +30,7 @@ from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import to_dtensor
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.graph.capture import as_tuple
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
     "1F1B": Schedule1F1B,

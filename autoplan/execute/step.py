@@ -17,7 +17,7 @@ from autoplan.errors import AutoplanError
 from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import to_dtensor
 from autoplan.graph.capture import as_tuple
-from autoplan.plan.schema import Plan
+from autoplan.planfile.schema import Plan
 from autoplan.torch_private import functional_all_reduce
 
 log = logging.getLogger(__name__)

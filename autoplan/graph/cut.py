@@ -1,7 +1,7 @@
 """Cut a traced step into layers, and a run of layers into a stage graph of its own.
 
 Layers (the units the stage DP assigns to pipeline stages) follow the model's structure:
-each repeated block (``blocks.3``, see `autoplan.graph.layers`) is a layer, and consecutive
+each repeated block (``blocks.3``, see `autoplan.graph.blocks`) is a layer, and consecutive
 blocks are merged evenly when there are more than ``max_layers`` of them. Ops outside any
 block join the layer they run in (the embedding joins the first, the head and the loss the
 last); a parameter joins the layer of its first reader; the step's inputs (the batch and the
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
+from autoplan.graph.blocks import block_of
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref
-from autoplan.graph.layers import block_of
 
 DEFAULT_MAX_LAYERS = 16
 SEND = "send"  # the output node of a stage graph that is not the last: what it sends on

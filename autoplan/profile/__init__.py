@@ -4,8 +4,8 @@
 - `bench`: the timing, on every rank of a torchrun job (torch.distributed);
 - `fit`: the analytic constants fitted to the curves (plain data).
 
-The curves land in the cluster file's `measured` section (schema in `autoplan/cluster.py`,
-interpolation in `autoplan/measured.py`), where `autoplan.costmodel` uses them.
+The curves land in the cluster file's `measured` section (schema in `autoplan/cluster/model.py`,
+interpolation in `autoplan/cluster/measured.py`), where `autoplan.cluster.timing` uses them.
 """
 
 from autoplan.profile.bench import base_refusal, profile_cluster

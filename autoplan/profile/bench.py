@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from autoplan.cluster import Cluster
+from autoplan.cluster.measured import OVERHEADS, machine_fingerprint, monotone
+from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
-from autoplan.measured import OVERHEADS, machine_fingerprint, monotone
 from autoplan.profile.fit import device_on_base, fitted_cluster
 from autoplan.profile.tasks import (
     COLLECTIVE_ITEMSIZE,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.parallel import Step, parallelize
 from autoplan.workload import Workload
 

@@ -26,12 +26,13 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
       "<kind>":      {"<intra|inter>/<group size>": [[bytes, seconds], ...]}
     }
 
-with <kind> one of autoplan.measured.COLLECTIVE_KINDS and bytes as `autoplan.costmodel` defines
-them for that kind; send_recv curves have group size 2. Every section is optional and `{}` means
-nothing is measured. Each curve is a non-empty list of points with sizes > 0 strictly
-increasing and seconds >= 0 non-decreasing (`autoplan.measured` says why and how they are
-interpolated). `Cluster.curves` is the validated form. `Cluster.load` warns, naming both
-fingerprints, when the file's profile was measured on other hardware than this machine.
+with <kind> one of autoplan.cluster.measured.COLLECTIVE_KINDS and bytes as
+`autoplan.cluster.timing` defines them for that kind; send_recv curves have group size 2. Every
+section is optional and `{}` means nothing is measured. Each curve is a non-empty list of
+points with sizes > 0 strictly increasing and seconds >= 0 non-decreasing
+(`autoplan.cluster.measured` says why and how they are interpolated). `Cluster.curves` is the
+validated form. `Cluster.load` warns, naming both fingerprints, when the file's profile was
+measured on other hardware than this machine.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from autoplan.errors import ClusterFormatError, MeshShapeError
-from autoplan.measured import (
+from autoplan.cluster.measured import (
     COLLECTIVE_KINDS,
     LINK_CLASSES,
     OVERHEADS,
@@ -59,6 +59,7 @@ from autoplan.measured import (
     Measured,
     machine_fingerprint,
 )
+from autoplan.errors import ClusterFormatError, MeshShapeError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def block_of(node: Node) -> str | None:
 
 
 @dataclass(frozen=True)
-class Layers:
+class BlockSharing:
     blocks: dict[str, tuple[str, ...]]  # block name -> its node names in graph order
     canonical: dict[str, str]  # node in a repeated copy -> the same node in the first copy
 
@@ -80,7 +80,7 @@ def signature(graph: Graph, names: tuple[str, ...], prefix: str | None) -> tuple
     return tuple(sig)
 
 
-def find_layers(graph: Graph, period: int = 2) -> Layers:
+def find_sharing(graph: Graph, period: int = 2) -> BlockSharing:
     blocks: dict[str, list[str]] = defaultdict(list)
     for n in graph:
         b = block_of(n)
@@ -95,4 +95,4 @@ def find_layers(graph: Graph, period: int = 2) -> Layers:
         if len(same) >= period:
             canonical.update(zip(names, frozen[same[len(same) % period]], strict=True))
         same.append(b)
-    return Layers(blocks=frozen, canonical=canonical)
+    return BlockSharing(blocks=frozen, canonical=canonical)

@@ -11,9 +11,9 @@ import os
 from typing import TYPE_CHECKING
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.schema import Pipeline, Plan
-from autoplan.plan.show import GIB, fmt_ranks, fmt_time, stage_layers
-from autoplan.plan.timeline import FORWARD, simulate
+from autoplan.planfile.schema import Pipeline, Plan
+from autoplan.planfile.show import GIB, fmt_ranks, fmt_time, stage_layers
+from autoplan.schedules import FORWARD, simulate
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -4,7 +4,7 @@
   transcendental work, divided by the number of devices that split the work (the product of
   the mesh axes on which any of its tensors is split or partial; a replicated axis repeats the
   work), plus the framework's work per op (views and parameters included; see
-  `autoplan.costmodel`).
+  `autoplan.cluster.timing`).
 * A parameter's time is its optimizer update on the locally stored shard; its memory is the
   stored shard with its gradient and optimizer state.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autoplan.cluster import Cluster
-from autoplan.costmodel import (
+from autoplan.cluster.model import Cluster
+from autoplan.cluster.timing import (
     activation_time,
     collective_time,
     compute_time,
@@ -60,7 +60,7 @@ class Phased:
     params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
-class StepCosts:
+class Pricer:
     """Prices strategies and edges for one (cluster, logical mesh, optimizer)."""
 
     def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], optimizer: str) -> None:
@@ -115,7 +115,7 @@ class StepCosts:
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
         `node_time` holds it): a step's compute takes at least its nodes' sum
-        (`intra_op.step_cost`). The same for every strategy of the node."""
+        (`intra_op.price_step`). The same for every strategy of the node."""
         if node.kind == PARAM:
             return host_overhead(self.cluster) if node.needs_grad else 0.0
         if node.kind != "op":
@@ -175,7 +175,7 @@ class StepCosts:
         return self.redistribution_s(p.collective)
 
     def gradients_s(self, phased: Sequence[Phased]) -> float:
-        """Seconds of the step's gradient synchronization (`intra_op.step_cost`): each
+        """Seconds of the step's gradient synchronization (`intra_op.price_step`): each
         collective's `phased_s`, and one wait for the ranks' skew where any gradient is reduced
         outside the buckets. The executor issues those reductions asynchronously as backward
         produces them, as DDP does its buckets', and the step waits for them once, at the
@@ -248,7 +248,7 @@ class StepCosts:
         as the q, k and v projections of one input do).
         """
         seconds, found = self.forward(tensor, src, dst, index)
-        # a wait for each edge that moves anything: step_cost waits once per op, so the ILP
+        # a wait for each edge that moves anything: price_step waits once per op, so the ILP
         # prices an op with several redistributed inputs a little high
         seconds += self.sync_s if found else 0.0
         if producer.needs_grad and consumer.kind != OUTPUT:

@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import torch
 
-import autoplan
-from autoplan.cluster import Cluster
+from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
 from autoplan.inter_op import PipelinePlan
-from autoplan.intra_op import IntraOpResult, StepCost
-from autoplan.plan.schema import (
+from autoplan.intra_op import IntraOpResult, PricedStep
+from autoplan.planfile.schema import (
     CollectivePlan,
     Mesh,
     NodePlan,
@@ -29,6 +28,7 @@ from autoplan.plan.schema import (
 )
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
+from autoplan.version import __version__
 
 
 def axis_names(
@@ -53,7 +53,7 @@ def _named(spec: Spec, axes: tuple[str, ...]) -> Placements:
 
 def provenance(graph: Graph, cluster: Cluster) -> Provenance:
     return Provenance(
-        autoplan=autoplan.__version__,
+        autoplan=__version__,
         torch=torch.__version__.split("+")[0],
         graph_fingerprint=graph.fingerprint,
         cluster_fingerprint=cluster.fingerprint(),
@@ -61,7 +61,7 @@ def provenance(graph: Graph, cluster: Cluster) -> Provenance:
     )
 
 
-def collective_plans(step: StepCost, axes: tuple[str, ...]) -> tuple[CollectivePlan, ...]:
+def collective_plans(step: PricedStep, axes: tuple[str, ...]) -> tuple[CollectivePlan, ...]:
     return tuple(
         CollectivePlan(
             kind=p.collective.kind,
@@ -76,7 +76,7 @@ def collective_plans(step: StepCost, axes: tuple[str, ...]) -> tuple[CollectiveP
     )
 
 
-def predicted(step: StepCost, memory_limit: float) -> Predicted:
+def predicted(step: PricedStep, memory_limit: float) -> Predicted:
     return Predicted(
         step_time_s=step.compute_s + step.comm_s,
         compute_s=step.compute_s,
@@ -90,7 +90,7 @@ def make_plan(
     graph: Graph,
     cluster: Cluster,
     result: IntraOpResult,
-    step: StepCost,
+    step: PricedStep,
     rules: Mapping[str, str],
     meshes_tried: tuple[tuple[int, ...], ...],
 ) -> Plan:

@@ -16,9 +16,8 @@ from typing import Any
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
 from autoplan.graph.ir import PARAM
-from autoplan.plan.schema import (
+from autoplan.planfile.schema import (
     PLAN_VERSION,
-    SCHEDULES,
     CollectivePlan,
     Mesh,
     NodePlan,
@@ -31,8 +30,8 @@ from autoplan.plan.schema import (
     SolverInfo,
     Stage,
     StagePredicted,
-    schedule_refusal,
 )
+from autoplan.schedules import SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 

@@ -2,8 +2,9 @@
 
 `autoplan profile` times real operations and stores, per operation class, a curve of points
 `[x, seconds]` sorted by x; `Cluster.from_dict` validates them (field by field, see
-`autoplan/cluster.py` and costmodels/README.md) into a `Measured`; `autoplan.costmodel` reads
-`Cluster.curves` and uses a curve wherever it has one and the analytic constants elsewhere.
+`autoplan/cluster/model.py` and costmodels/README.md) into a `Measured`;
+`autoplan.cluster.timing` reads `Cluster.curves` and uses a curve wherever it has one and the
+analytic constants elsewhere.
 No torch here: plain numbers, so the cost model stays apart from torch.
 
 Interpolation (`Curve`): piecewise linear in x between neighbouring measured points, exact at

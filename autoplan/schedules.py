@@ -1,4 +1,7 @@
-"""A pipeline schedule in time: when each stage runs each microbatch's forward and backward.
+"""Pipeline schedules: their names, what torch.distributed.pipelining accepts, and a schedule in
+time. Both the stage search and the plan import them.
+
+A schedule in time: when each stage runs each microbatch's forward and backward.
 
 Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelining runs:
 
@@ -23,7 +26,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.schema import SCHEDULES
+
+SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
+
+
+def check_schedule(schedule: str) -> str:
+    """The schedule's name as plans write it ("gpipe" -> "GPipe"); an unknown one is an error."""
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    if schedule.lower() not in by_lower:
+        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+    return by_lower[schedule.lower()]
+
+
+def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
+    """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages and
+    microbatches (its Schedule1F1B needs at least one microbatch a stage), or None."""
+    if schedule == "1F1B" and num_microbatches < num_stages:
+        return (
+            f"schedule 1F1B needs at least as many microbatches as stages, but "
+            f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
+            "microbatches or GPipe"
+        )
+    return None
+
 
 FORWARD = "F"
 BACKWARD = "B"

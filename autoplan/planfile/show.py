@@ -8,8 +8,8 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from autoplan.plan.schema import Pipeline, Placements, Plan, Stage
-from autoplan.plan.timeline import simulate
+from autoplan.planfile.schema import Pipeline, Placements, Plan, Stage
+from autoplan.schedules import simulate
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 _INDEX = re.compile(r"\.(\d+)\.")

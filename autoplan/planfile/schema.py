@@ -1,7 +1,7 @@
 """The plan: a versioned, human-readable record of every decision and its predicted cost.
 
 Plans are plain frozen data. Placements are keyed by mesh-axis name and written as "R", "P"
-or "S(d)"; `autoplan.plan.io` turns a plan into canonical JSON and back, validating it.
+or "S(d)"; `autoplan.planfile.io` turns a plan into canonical JSON and back, validating it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from autoplan.errors import AutoplanError
 from autoplan.graph.ir import PARAM
 
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
@@ -54,29 +53,6 @@ class Stage:
     sent: tuple[str, ...] = ()  # tensors to the stage after
     boundary: Placements = field(default_factory=dict)  # of every tensor received or sent
     predicted: StagePredicted | None = None
-
-
-SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
-
-
-def check_schedule(schedule: str) -> str:
-    """The schedule's name as plans write it ("gpipe" -> "GPipe"); an unknown one is an error."""
-    by_lower = {s.lower(): s for s in SCHEDULES}
-    if schedule.lower() not in by_lower:
-        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
-    return by_lower[schedule.lower()]
-
-
-def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
-    """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages and
-    microbatches (its Schedule1F1B needs at least one microbatch a stage), or None."""
-    if schedule == "1F1B" and num_microbatches < num_stages:
-        return (
-            f"schedule 1F1B needs at least as many microbatches as stages, but "
-            f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
-            "microbatches or GPipe"
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -171,7 +147,7 @@ class Plan:
         return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes
 
     def to_json(self) -> str:
-        from autoplan.plan.io import plan_to_json
+        from autoplan.planfile.io import plan_to_json
 
         return plan_to_json(self)
 
@@ -188,7 +164,7 @@ class Plan:
         cluster_fingerprint: str | None = None,
     ) -> Plan:
         """Read a plan from JSON text or a file path; refuse a malformed or mismatched one."""
-        from autoplan.plan.io import plan_from_json
+        from autoplan.planfile.io import plan_from_json
 
         return plan_from_json(
             source, graph_fingerprint=graph_fingerprint, cluster_fingerprint=cluster_fingerprint
