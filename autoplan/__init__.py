@@ -4,6 +4,7 @@ from autoplan.api import plan
 from autoplan.baseline import baseline
 from autoplan.cluster import Cluster
 from autoplan.estimate import estimate
+from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
 from autoplan.version import __version__
@@ -12,6 +13,7 @@ from autoplan.workload import Workload
 __all__ = [
     "Cluster",
     "Plan",
+    "PlanOptions",
     "Step",
     "Workload",
     "__version__",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +16,15 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, microbatch
-from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
 from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
-from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
+from autoplan.options import PlanOptions
+from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import SCHEDULES, check_schedule, schedule_refusal
-from autoplan.strategies.pricing import OPTIMIZER_STATE, Pricer
+from autoplan.schedules import SCHEDULES, schedule_refusal
+from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +38,14 @@ def plan(
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    pin: Mapping[str, Pin] | None = None,
-    optimizer: str = "adamw",
-    memory_fraction: float = 0.9,
-    time_limit_s: float = 60.0,
-    pipeline: bool | None = None,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    schedule: str | None = None,
-    max_layers: int = DEFAULT_MAX_LAYERS,
+    options: PlanOptions | None = None,
 ) -> Plan:
     """Trace ``model`` and choose pipeline stages and a sharding for every operator.
 
-    ``mesh_shape`` pins the logical mesh (of each stage, when pipelined; else a few are tried
-    and the fastest kept); ``pin`` maps parameter names to placements (see `autoplan.pins`);
-    ``optimizer`` sets the optimizer state kept per parameter; ``memory_fraction`` of each
-    device's memory may be used by the plan.
-
-    Pipelining: ``pipeline`` None weighs pipelines against a single stage and keeps the
-    faster when the cluster has several nodes, its ranks share cores (CPU ranks, where a
-    rank waiting in the bubble leaves its core to the others), or one stage does not fit;
-    True requires a pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by
-    default the fewest that keep the bubble under a third, twice the most stages tried, and
-    on one node halved while that is faster; see `autoplan.inter_op.plan_pipeline`) and
-    ``schedule`` ("1F1B" or "GPipe"; by default the faster that fits) narrow the search; the
-    step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
+    ``loss_fn(output, example_target)`` makes the loss; without it the model's output is the
+    loss. ``options`` (`PlanOptions`; its defaults search everything the cluster allows) pins
+    the mesh or parameters, sets the optimizer and memory budget, and narrows the pipeline
+    search.
     """
     start = time.perf_counter()
     log.info("tracing %s ...", type(model).__name__)
@@ -81,71 +63,39 @@ def plan(
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
         return capture(model, inputs, loss_fn, target)
 
-    return plan_graph(
-        graph,
-        cluster,
-        mesh_shape=mesh_shape,
-        pin=pin,
-        optimizer=optimizer,
-        memory_fraction=memory_fraction,
-        time_limit_s=time_limit_s,
-        microbatch_graph=microbatch_graph,
-        pipeline=pipeline,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        max_layers=max_layers,
-    )
+    return plan_graph(graph, cluster, options, microbatch_graph)
 
 
 def plan_graph(
     graph: Graph,
     cluster: Cluster | str | Path,
-    *,
-    mesh_shape: tuple[int, ...] | None = None,
-    pin: Mapping[str, Pin] | None = None,
-    optimizer: str = "adamw",
-    memory_fraction: float = 0.9,
-    time_limit_s: float = 60.0,
+    options: PlanOptions | None = None,
     microbatch_graph: GraphForMicrobatches | None = None,
-    pipeline: bool | None = None,
-    num_stages: int | None = None,
-    num_microbatches: int | None = None,
-    schedule: str | None = None,
-    max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> Plan:
     """`plan` for a graph already traced (`autoplan.graph.capture`); pipelines need
     ``microbatch_graph(count)``, the step traced on one of ``count`` microbatches."""
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    check_budget(optimizer, memory_fraction)
-    schedules = SCHEDULES if schedule is None else (check_schedule(schedule),)
-    if pipeline is not False and (pipeline or num_stages or num_microbatches):
-        pipeline = True
+    options = options or PlanOptions()
+    pipeline = options.wants_pipeline
     if pipeline and microbatch_graph is None:
         raise AutoplanError("a pipeline needs the model to trace microbatches: use autoplan.plan")
-    if pipeline and pin:
+    if pipeline and options.pin:
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
-    memory_limit = cluster.device.memory_bytes * memory_fraction
+    memory_limit = cluster.device.memory_bytes * options.memory_fraction
     single: Plan | InfeasiblePlanError | None = None
     if not pipeline:
-        single = _plan_one_stage(
-            graph, cluster, mesh_shape, pin, optimizer, memory_limit, memory_fraction,
-            time_limit_s,
-        )  # fmt: skip
+        single = _plan_one_stage(graph, cluster, options, memory_limit)
     piped, weighed = None, False
     # by default pipelines are weighed across nodes, on ranks sharing cores, or when one stage
     # does not fit (inside a node of devices intra-op sharding is as fast, and planning
     # quicker); never against pins, which pipelines do not take
-    auto = not pin and (
+    auto = not options.pin and (
         cluster.num_nodes > 1 or cluster.shares_cores or not isinstance(single, Plan)
     )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        piped = _plan_pipelined(
-            graph, microbatch_graph, cluster, mesh_shape, optimizer, memory_limit, time_limit_s,
-            num_stages, num_microbatches, schedules, max_layers,
-        )  # fmt: skip
+        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit)
     if piped is None:
         if isinstance(single, Plan):
             return single
@@ -161,30 +111,15 @@ def plan_graph(
     return piped
 
 
-def check_budget(optimizer: str, memory_fraction: float) -> None:
-    """What every plan's memory depends on: a known optimizer (its state per parameter) and
-    the share of device memory a plan may use."""
-    if optimizer not in OPTIMIZER_STATE:
-        raise AutoplanError(
-            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
-        )
-    if not 0 < memory_fraction <= 1:
-        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-
-
 def _plan_pipelined(
     graph: Graph,
     microbatch_graph: GraphForMicrobatches,
     cluster: Cluster,
-    mesh_shape: tuple[int, ...] | None,
-    optimizer: str,
+    options: PlanOptions,
     memory_limit: float,
-    time_limit_s: float,
-    num_stages: int | None,
-    num_microbatches: int | None,
-    schedules: Sequence[str],
-    max_layers: int,
 ) -> Plan | None:
+    num_stages, num_microbatches = options.num_stages, options.num_microbatches
+    schedules = SCHEDULES if options.schedule is None else (options.schedule,)
     batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
     if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
         raise AutoplanError(
@@ -201,17 +136,17 @@ def _plan_pipelined(
         refusals = [schedule_refusal(s, num_stages, num_microbatches) for s in schedules]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
-    meshes = [tuple(mesh_shape)] if mesh_shape is not None else None
+    meshes = [options.mesh_shape] if options.mesh_shape is not None else None
     found = plan_pipeline(
         microbatch_graph,
         cluster,
         batch=batch,
         num_microbatches=num_microbatches,
         schedules=schedules,
-        optimizer=optimizer,
+        optimizer=options.optimizer,
         memory_limit=memory_limit,
-        time_limit_s=time_limit_s,
-        max_layers=max_layers,
+        time_limit_s=options.time_limit_s,
+        max_layers=options.max_layers,
         meshes=meshes,
         num_stages=num_stages,
     )
@@ -221,23 +156,17 @@ def _plan_pipelined(
 
 
 def _plan_one_stage(
-    graph: Graph,
-    cluster: Cluster,
-    mesh_shape: tuple[int, ...] | None,
-    pin: Mapping[str, Pin] | None,
-    optimizer: str,
-    memory_limit: float,
-    memory_fraction: float,
-    time_limit_s: float,
+    graph: Graph, cluster: Cluster, options: PlanOptions, memory_limit: float
 ) -> Plan | InfeasiblePlanError:
-    meshes = [tuple(mesh_shape)] if mesh_shape is not None else candidate_meshes(cluster)
+    mesh_shape = options.mesh_shape
+    meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
         cluster.check_mesh_shape(m)
 
-    layers = find_sharing(graph)
-    log.info("%d repeated-layer nodes share decisions", len(layers.canonical))
-    pins = parse_pins(pin or {}, graph)
-    layers = keep_sharing_consistent(layers, pins)
+    sharing = find_sharing(graph)
+    log.info("%d repeated-layer nodes share decisions", len(sharing.canonical))
+    pins = parse_pins(options.pin, graph)
+    sharing = keep_sharing_consistent(sharing, pins)
 
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
@@ -245,10 +174,10 @@ def _plan_one_stage(
         log.info("mesh %s: solving ...", m)
         found = solve_mesh(
             graph,
-            layers,
-            Pricer(cluster, m, optimizer),
+            sharing,
+            Pricer(cluster, m, options.optimizer),
             memory_limit,
-            time_limit_s,
+            options.time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
         if not isinstance(found, MeshPlan):
@@ -266,7 +195,7 @@ def _plan_one_stage(
         if best is None or solution.objective < best.result.solution.objective:
             best = found
     if best is None:
-        return _infeasible(graph, cluster, needs, memory_limit, memory_fraction)
+        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction)
     return make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
 
 

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.api import check_budget
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
@@ -65,9 +64,10 @@ from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_par
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.inter_op import price_pipeline
 from autoplan.intra_op import IntraOpResult, build_problem, price_step
+from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import check_schedule, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
@@ -341,11 +341,22 @@ def _check_options(
     dp: int,
     tp: int,
     pp: int,
-    num_microbatches: int | None,
     zero_stage: int,
-    optimizer: str,
-    memory_fraction: float,
+    options: PlanOptions,
 ) -> None:
+    searched = {
+        "mesh_shape": options.mesh_shape,
+        "pin": dict(options.pin) or None,
+        "pipeline": options.pipeline,
+        "num_stages": options.num_stages,
+    }
+    for name, value in searched.items():
+        if value is not None:
+            raise AutoplanError(
+                f"a baseline takes its mesh and stages from dp, tp and pp, not from options; "
+                f"leave PlanOptions.{name} unset (it is {value!r})"
+            )
+    num_microbatches = options.num_microbatches
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise AutoplanError(f"{name} must be a positive integer, got {value!r}")
@@ -370,7 +381,6 @@ def _check_options(
         raise AutoplanError(f"zero_stage must be 0 or 3, got {zero_stage!r}")
     if zero_stage == 3 and dp == 1:
         raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
-    check_budget(optimizer, memory_fraction)
 
 
 def _check_pipeline(
@@ -514,13 +524,10 @@ def baseline(
     dp: int,
     tp: int,
     pp: int = 1,
-    num_microbatches: int | None = None,
     zero_stage: int = 0,
-    schedule: str = "1F1B",
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
-    optimizer: str = "adamw",
-    memory_fraction: float = 0.9,
+    options: PlanOptions | None = None,
 ) -> Plan:
     """The conventional plan of ``model`` on ``cluster``: Megatron tensor parallelism over
     ``tp`` devices (the module docstring says which linears it splits) and data parallelism
@@ -533,25 +540,29 @@ def baseline(
     it and the gradients, split) cannot be written in a plan, whose storage placement covers a
     parameter together with its gradient and optimizer state: they raise an error.
 
-    ``pp > 1`` splits the step, traced at the shape of one of ``num_microbatches`` (default
-    ``pp``) microbatches, into ``pp`` stages of equal layer counts (the module docstring says
-    how), run with ``schedule`` ("1F1B" or "GPipe"); on mesh ``("pp", dp, tp)``.
+    ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
+    (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (the module
+    docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
+    ``("pp", dp, tp)``. ``options`` also give the optimizer and the memory budget; what the
+    planner would search (mesh, pins, stages) must be left unset.
 
     ``dp * tp * pp`` must equal the cluster's device count. Time and memory are predicted by
-    the planner's cost model; a baseline that does not fit in ``memory_fraction`` of device
-    memory raises `InfeasiblePlanError`.
+    the planner's cost model; a baseline that does not fit in ``options.memory_fraction`` of
+    device memory raises `InfeasiblePlanError`.
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    _check_options(cluster, dp, tp, pp, num_microbatches, zero_stage, optimizer, memory_fraction)
-    schedule = check_schedule(schedule)
+    options = options or PlanOptions()
+    _check_options(cluster, dp, tp, pp, zero_stage, options)
+    schedule = options.schedule or "1F1B"
+    optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
     degrees = f"dp={dp} tp={tp}"
     if pp == 1:
         graph = capture(model, example_inputs, loss_fn, example_target)
         plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit)
     else:
-        count = pp if num_microbatches is None else num_microbatches
+        count = pp if options.num_microbatches is None else options.num_microbatches
         _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
         graph = capture(model, inputs, loss_fn, target)

@@ -19,6 +19,7 @@ from autoplan.api import plan as make_plan
 from autoplan.cluster.model import BACKENDS, Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
+from autoplan.options import PlanOptions
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
@@ -91,13 +92,20 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "pipeline": args.pipeline,
-        "num_stages": args.stages,
-        "num_microbatches": args.microbatches,
-        "schedule": args.schedule,
-    }
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The planner's options from the command line; `autoplan run` has no --pin, --optimizer
+    or --time-limit, whose defaults then apply."""
+    defaults = PlanOptions()
+    return PlanOptions(
+        mesh_shape=_mesh(args.mesh),
+        pin=_pins(getattr(args, "pin", [])),
+        optimizer=getattr(args, "optimizer", defaults.optimizer),
+        time_limit_s=getattr(args, "time_limit", defaults.time_limit_s),
+        pipeline=args.pipeline,
+        num_stages=args.stages,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -209,11 +217,7 @@ def _plan(args: argparse.Namespace) -> None:
         cluster,
         loss_fn=workload.loss_fn,
         example_target=workload.example_target,
-        mesh_shape=_mesh(args.mesh),
-        pin=_pins(args.pin),
-        optimizer=args.optimizer,
-        time_limit_s=args.time_limit,
-        **_pipeline_options(args),
+        options=_plan_options(args),
     )
     result.save(args.output)
     print(summary(result))
@@ -303,8 +307,7 @@ def _train(args: argparse.Namespace) -> int:
         args.steps,
         args.lr,
         plan=args.plan,
-        mesh_shape=_mesh(args.mesh),
-        **_pipeline_options(args),
+        options=_plan_options(args),
     )
     rank0 = dist.get_rank() == 0
     if rank0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from autoplan.execute.step import (
     materialize,
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
+from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import wait_collective
 
@@ -102,7 +104,7 @@ class Step:
         optimizer_options: Mapping[str, Any],
         plan: Plan | str | Path | None,
         init_fn: Callable[[nn.Module], None] | None,
-        plan_options: Mapping[str, Any],
+        options: PlanOptions,
         max_grad_norm: float | None = None,
     ) -> None:
         self._model = model
@@ -113,7 +115,7 @@ class Step:
         self.max_grad_norm = max_grad_norm
         self._given_plan = plan
         self._init_fn = init_fn
-        self._plan_options = plan_options
+        self._options = options
         self.module: ParallelModule | None = None  # None for pipelined plans
         self.pipeline: PipelineRunner | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -136,15 +138,13 @@ class Step:
         if given is not None:
             plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
         else:
-            optimizer = self._optimizer_spec if isinstance(self._optimizer_spec, str) else "adamw"
             plan = _agree_on_plan(
                 # the graph just traced: rank 0 does not trace the model a second time
                 lambda: plan_graph(
                     graph,
                     self.cluster,
-                    optimizer=optimizer,
-                    microbatch_graph=lambda count: graph_from_export(export_microbatch(count)),
-                    **self._plan_options,
+                    self._options,
+                    lambda count: graph_from_export(export_microbatch(count)),
                 )
             )
         if plan.pipeline is not None:
@@ -268,7 +268,7 @@ def parallelize(
     plan: Plan | str | Path | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     max_grad_norm: float | None = None,
-    **plan_options: Any,
+    options: PlanOptions | None = None,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
@@ -278,8 +278,9 @@ def parallelize(
     Without ``example_inputs`` the model is traced and planned at the first call, from that
     batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
     and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
-    step (its norm reductions are not in the plan's list of collectives). ``plan_options``
-    go to `autoplan.plan` (``mesh_shape``, ``pin``, ``pipeline`` ...).
+    step (its norm reductions are not in the plan's list of collectives). ``options`` go to
+    `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
+    is the one whose state the plan counts.
 
     ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
     ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
@@ -294,6 +295,9 @@ def parallelize(
         )
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
+    options = options or PlanOptions()
+    if isinstance(optimizer, str) and optimizer != options.optimizer:
+        options = replace(options, optimizer=optimizer)
     step = Step(
         model,
         cluster,
@@ -302,7 +306,7 @@ def parallelize(
         optimizer_options=optimizer_options or {},
         plan=plan,
         init_fn=init_fn,
-        plan_options=plan_options,
+        options=options,
         max_grad_norm=max_grad_norm,
     )
     if example_inputs is not None:

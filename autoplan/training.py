@@ -7,13 +7,14 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autoplan.cluster.model import Cluster
+from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
+from autoplan.planfile.schema import Plan
 from autoplan.workload import Workload
 
 
@@ -34,10 +35,16 @@ def _items(w: Workload) -> tuple[int, str]:
 
 
 def train(
-    w: Workload, cluster: Cluster, steps: int, lr: float, **parallel_options: Any
+    w: Workload,
+    cluster: Cluster,
+    steps: int,
+    lr: float,
+    *,
+    plan: Plan | str | None = None,
+    options: PlanOptions | None = None,
 ) -> tuple[Step, Iterator[StepRecord]]:
-    """Build the parallel step (planning on rank 0 unless a plan is given) and return it
-    with a generator that trains ``steps`` steps on the example batch."""
+    """Build the parallel step (planning on rank 0 with ``options`` unless ``plan`` is given)
+    and return it with a generator that trains ``steps`` steps on the example batch."""
     step = parallelize(
         w.model,
         cluster,
@@ -45,7 +52,8 @@ def train(
         loss_fn=w.loss_fn,
         example_target=w.example_target,
         optimizer_options={"lr": lr},
-        **parallel_options,
+        plan=plan,
+        options=options,
     )
     items, unit = _items(w)
 

@@ -13,15 +13,70 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.api import plan
+from autoplan.baseline import baseline
+from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
+from autoplan.estimate import estimate
+from autoplan.options import PlanOptions
+from autoplan.planfile.schema import Plan
 
 
 @dataclass(frozen=True)
 class Workload:
+    """A model with an example batch: ``loss_fn(model(*example_inputs), example_target)`` is
+    one step's loss (without ``loss_fn``, the model's output is)."""
+
     model: nn.Module
     example_inputs: tuple[Any, ...]
     loss_fn: Callable[..., torch.Tensor] | None = None
     example_target: Any = None
+
+    def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:
+        """`autoplan.plan` of this workload."""
+        return plan(
+            self.model,
+            self.example_inputs,
+            cluster,
+            loss_fn=self.loss_fn,
+            example_target=self.example_target,
+            options=options,
+        )
+
+    def baseline(
+        self,
+        cluster: Cluster | str | Path,
+        *,
+        dp: int,
+        tp: int,
+        pp: int = 1,
+        zero_stage: int = 0,
+        options: PlanOptions | None = None,
+    ) -> Plan:
+        """`autoplan.baseline` of this workload."""
+        return baseline(
+            self.model,
+            self.example_inputs,
+            cluster,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            zero_stage=zero_stage,
+            loss_fn=self.loss_fn,
+            example_target=self.example_target,
+            options=options,
+        )
+
+    def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:
+        """`autoplan.estimate` of a plan made for this workload."""
+        return estimate(
+            plan,
+            cluster,
+            self.model,
+            self.example_inputs,
+            loss_fn=self.loss_fn,
+            example_target=self.example_target,
+        )
 
 
 def load_workload(path: str | Path, **options: Any) -> Workload:

@@ -58,6 +58,8 @@ from tests.distributed.cases import (  # noqa: E402
     data_parallel,
     gpt_megatron,
     mlp_megatron,
+    own,
+    pipeline,
     zero3,
 )
 
@@ -92,81 +94,41 @@ class PlanSpec:
     make: MakePlan
 
 
-def _forced(options: Callable[[Workload], dict[str, Any]]) -> MakePlan:
-    def make(w: Workload, cluster: autoplan.Cluster) -> autoplan.Plan:
-        return autoplan.plan(
-            w.model,
-            w.example_inputs,
-            cluster,
-            loss_fn=w.loss_fn,
-            example_target=w.example_target,
-            **options(w),
-        )
-
-    return make
+def _forced(options: Callable[[Workload], autoplan.PlanOptions]) -> MakePlan:
+    return lambda w, cluster: w.plan(cluster, options(w))
 
 
 def _baseline(dp: int, tp: int, zero_stage: int = 0) -> MakePlan:
-    def make(w: Workload, cluster: autoplan.Cluster) -> autoplan.Plan:
-        return autoplan.baseline(
-            w.model,
-            w.example_inputs,
-            cluster,
-            loss_fn=w.loss_fn,
-            example_target=w.example_target,
-            dp=dp,
-            tp=tp,
-            zero_stage=zero_stage,
-        )
-
-    return make
+    return lambda w, cluster: w.baseline(cluster, dp=dp, tp=tp, zero_stage=zero_stage)
 
 
 def plan_specs(model: str) -> list[PlanSpec]:
     megatron = mlp_megatron if model == "mlp" else gpt_megatron
-    flat = {"mesh_shape": (WORLD,)}
+    flat = (WORLD,)
     return [
-        PlanSpec("own", "autoplan.plan(), nothing forced", _forced(lambda w: {})),
-        PlanSpec(
-            "dp", "pins: inputs S(0), params R", _forced(lambda w: {**flat, **data_parallel(w)})
-        ),
-        PlanSpec("tp", "pins: Megatron column/row", _forced(lambda w: {**flat, **megatron(w)})),
-        PlanSpec(
-            "zero3", "pins: params stored S(0), used R", _forced(lambda w: {**flat, **zero3(w)})
-        ),
+        PlanSpec("own", "autoplan.plan(), nothing forced", _forced(own())),
+        PlanSpec("dp", "pins: inputs S(0), params R", _forced(lambda w: data_parallel(w, flat))),
+        PlanSpec("tp", "pins: Megatron column/row", _forced(lambda w: megatron(w, flat))),
+        PlanSpec("zero3", "pins: params stored S(0), used R", _forced(lambda w: zero3(w, flat))),
         PlanSpec(
             "2x2",
             "mesh_shape=(2, 2), planner's sharding",
-            _forced(lambda w: {"mesh_shape": (2, 2)}),
+            _forced(own((2, 2))),
         ),
         PlanSpec(
             "pp4",
             "pipeline: 4 stages of 1 rank, 4 microbatches, 1F1B",
-            _forced(lambda w: {"num_stages": 4, "num_microbatches": 4, "schedule": "1F1B"}),
+            _forced(pipeline(stages=4, microbatches=4)),
         ),
         PlanSpec(
             "pp2x2",
             "pipeline: 2 stages on mesh (2,), 4 microbatches, 1F1B",
-            _forced(
-                lambda w: {
-                    "num_stages": 2,
-                    "num_microbatches": 4,
-                    "schedule": "1F1B",
-                    "mesh_shape": (2,),
-                }
-            ),
+            _forced(pipeline(stages=2, microbatches=4, mesh=(2,))),
         ),
         PlanSpec(
             "pp2x2-gpipe",
             "pipeline: 2 stages on mesh (2,), 2 microbatches, GPipe",
-            _forced(
-                lambda w: {
-                    "num_stages": 2,
-                    "num_microbatches": 2,
-                    "schedule": "GPipe",
-                    "mesh_shape": (2,),
-                }
-            ),
+            _forced(pipeline(stages=2, microbatches=2, schedule="GPipe", mesh=(2,))),
         ),
         PlanSpec("base-dp4", "autoplan.baseline(dp=4, tp=1)", _baseline(dp=4, tp=1)),
         PlanSpec("base-tp4", "autoplan.baseline(dp=1, tp=4)", _baseline(dp=1, tp=4)),
@@ -407,9 +369,7 @@ def plain_reference(w: Workload, cluster: autoplan.Cluster) -> dict[str, float]:
     found: dict[str, float] = {}
     if dist.get_rank() == 0:
         one = dataclasses.replace(cluster, devices_per_node=1, name=f"{cluster.name}[:1]")
-        plan = autoplan.plan(
-            w.model, w.example_inputs, one, loss_fn=w.loss_fn, example_target=w.example_target
-        )
+        plan = w.plan(one)
         model = copy.deepcopy(w.model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         loss_fn = w.loss_fn

@@ -76,9 +76,7 @@ def one_gpu(cluster: autoplan.Cluster) -> autoplan.Cluster:
 
 def plan_case(case: str, cluster: autoplan.Cluster) -> autoplan.Plan:
     w = workload(case, "meta")
-    return autoplan.plan(
-        w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
-    )
+    return w.plan(cluster)
 
 
 def write_plans(folder: Path, cluster_path: str) -> None:

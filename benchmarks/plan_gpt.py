@@ -55,9 +55,7 @@ def run(size: str, gpus: int, kind: str) -> dict[str, object]:
     }
     start = time.perf_counter()
     try:
-        plan = autoplan.plan(
-            w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
-        )
+        plan = w.plan(cluster)
     except InfeasiblePlanError as e:
         row.update(
             plan_s=round(time.perf_counter() - start, 2), result="does not fit", detail=str(e)[:160]

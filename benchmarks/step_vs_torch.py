@@ -83,7 +83,7 @@ def _iqr(values: list[float]) -> str:
     return f"{q1:.3f}-{q3:.3f}"
 
 
-def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> Step:
+def _autoplan(w: Workload, options: autoplan.PlanOptions, cluster: autoplan.Cluster) -> Step:
     step = autoplan.parallelize(
         copy.deepcopy(w.model),
         cluster,
@@ -91,8 +91,7 @@ def _autoplan(w: Workload, pins: dict[str, Any], cluster: autoplan.Cluster) -> S
         loss_fn=w.loss_fn,
         example_target=w.example_target,
         optimizer_options={"lr": LR},
-        mesh_shape=(4,),
-        **pins,
+        options=options,
     )
     return lambda: step(w.example_inputs, w.example_target)
 
@@ -164,8 +163,8 @@ def main() -> None:
     }
     for name, example, size in SETUPS:
         w = load_workload(ROOT / f"examples/{example}.py", **size)
-        pins = data_parallel(w) if name == "data parallel" else mlp_megatron(w)
-        steps = {"autoplan": _autoplan(w, pins, cluster)}
+        layout = data_parallel if name == "data parallel" else mlp_megatron
+        steps = {"autoplan": _autoplan(w, layout(w, (4,)), cluster)}
         steps.update((baseline, make(w)) for baseline, make in baselines[name])
         rounds = _rounds(steps)
         ours = rounds.pop("autoplan")

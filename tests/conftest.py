@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.workload import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,22 +17,10 @@ def example(name: str, **options: object) -> Workload:
     return load_workload(ROOT / "examples" / f"{name}.py", **options)
 
 
-def plan_workload(w: Workload, cluster: autoplan.Cluster, **plan_options: Any) -> autoplan.Plan:
-    """`autoplan.plan` of a workload: its model, inputs, loss and target."""
-    return autoplan.plan(
-        w.model,
-        w.example_inputs,
-        cluster,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        **plan_options,
-    )
-
-
 def plan_example(
     name: str, cluster: autoplan.Cluster, mesh: tuple[int, ...] | None, **options: object
 ) -> autoplan.Plan:
-    return plan_workload(example(name, **options), cluster, mesh_shape=mesh)
+    return example(name, **options).plan(cluster, options=PlanOptions(mesh_shape=mesh))
 
 
 @pytest.fixture(scope="session")

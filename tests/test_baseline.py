@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.baseline import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
@@ -29,17 +30,6 @@ from tests.distributed.cases import (
     mlp_megatron,
     zero3,
 )
-
-
-def _baseline(w: Workload, cluster: autoplan.Cluster, **options: Any) -> Plan:
-    return autoplan.baseline(
-        w.model,
-        w.example_inputs,
-        cluster,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        **options,
-    )
 
 
 def _estimate(plan: Plan, w: Workload, cluster: autoplan.Cluster) -> Plan:
@@ -78,10 +68,10 @@ def test_gpt_tensor_parallel_matches_the_hand_written_megatron_pins(
     cpu4: autoplan.Cluster,
 ) -> None:
     w = example("gpt", **GPT)
-    plan = _baseline(w, cpu4, dp=1, tp=4)
+    plan = w.baseline(cpu4, dp=1, tp=4)
     assert plan.mesh.axes == ("tp",) and plan.mesh.shape == (4,)
     storage = {name: p.storage["tp"] for name, p in plan.params.items()}
-    assert storage == _storage(gpt_megatron(w)["pin"])
+    assert storage == _storage(gpt_megatron(w).pin)
     # row biases are read as partial sums (added on one rank), everything else as stored
     for name, p in plan.params.items():
         read = "P" if name.endswith("proj.bias") else storage[name]
@@ -107,18 +97,18 @@ def test_mlp_alternates_column_and_row_and_leaves_an_unpaired_last_layer() -> No
 
 def test_mlp_tensor_parallel_matches_the_hand_written_pins(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", **MLP_SMALL_BATCH)
-    plan = _baseline(w, cpu4, dp=1, tp=4)
+    plan = w.baseline(cpu4, dp=1, tp=4)
     storage = {name: p.storage["tp"] for name, p in plan.params.items()}
-    assert storage == _storage(mlp_megatron(w)["pin"])
+    assert storage == _storage(mlp_megatron(w).pin)
 
 
 def test_data_parallel_splits_the_batch_and_zero3_stores_params_split(
     cpu4: autoplan.Cluster,
 ) -> None:
     w = example("mlp", batch_size=64, hidden=32)
-    plan = _baseline(w, cpu4, dp=4, tp=1, zero_stage=3)
+    plan = w.baseline(cpu4, dp=4, tp=1, zero_stage=3)
     assert plan.mesh.axes == ("dp",)
-    pins = _storage(zero3(w)["pin"])
+    pins = _storage(zero3(w).pin)
     assert pins.pop("input:0") == pins.pop("target") == "S(0)"
     assert {n: p.storage["dp"] for n, p in plan.params.items()} == pins
     assert all(p.placements == {"dp": "R"} for p in plan.params.values())
@@ -128,7 +118,7 @@ def test_data_parallel_splits_the_batch_and_zero3_stores_params_split(
     assert ("all_gather", "forward") in kinds and ("reduce_scatter", "grad_sync") in kinds
     assert ("all_reduce", "grad_sync") not in kinds
 
-    plain = _baseline(w, cpu4, dp=4, tp=1)
+    plain = w.baseline(cpu4, dp=4, tp=1)
     assert all(p.storage == {"dp": "R"} for p in plain.params.values())
     assert plain.predicted.peak_memory_bytes > plan.predicted.peak_memory_bytes
 
@@ -136,9 +126,9 @@ def test_data_parallel_splits_the_batch_and_zero3_stores_params_split(
 def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.Cluster) -> None:
     w = example("gpt", **{**GPT, "batch_size": 8})
     for cluster, dp, tp in ((cpu4, 2, 2), (a100, 2, 4)):
-        plan = _baseline(w, cluster, dp=dp, tp=tp)
+        plan = w.baseline(cluster, dp=dp, tp=tp)
         assert plan.mesh.axes == ("dp", "tp") and plan.mesh.shape == (dp, tp)
-        megatron = _storage(gpt_megatron(w)["pin"])
+        megatron = _storage(gpt_megatron(w).pin)
         for name, p in plan.params.items():
             assert p.storage == {"dp": "R", "tp": megatron[name]}, name
         for n in plan.nodes.values():
@@ -149,7 +139,7 @@ def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.
 
 def test_zero3_on_2d_keeps_the_dp_shard_off_the_tp_split_dim(a100: autoplan.Cluster) -> None:
     w = example("gpt", **{**GPT, "batch_size": 8})
-    plan = _baseline(w, a100, dp=2, tp=4, zero_stage=3)
+    plan = w.baseline(a100, dp=2, tp=4, zero_stage=3)
     q, proj = plan.params["blocks.0.attn.q.weight"], plan.params["blocks.0.attn.proj.weight"]
     assert q.storage == {"dp": "S(1)", "tp": "S(0)"} and q.placements == {"dp": "R", "tp": "S(0)"}
     assert proj.storage == {"dp": "S(0)", "tp": "S(1)"}
@@ -210,7 +200,7 @@ def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def test_two_columns_meeting_at_a_product_are_one_region(cpu4: autoplan.Cluster) -> None:
     w = _workload(SwiGLU(16), torch.randn(8, 4, 16), torch.randn(8, 4, 16))
     assert _regions_by_module(w) == [(["w1", "w3"], ["w2"])]
-    plan = _baseline(w, cpu4, dp=2, tp=2)
+    plan = w.baseline(cpu4, dp=2, tp=2)
     assert {n: p.storage["tp"] for n, p in plan.params.items()} == {
         "norm.weight": "R",
         "norm.bias": "R",
@@ -224,8 +214,8 @@ def test_normalized_tied_or_bypassed_linears_are_not_split(cpu4: autoplan.Cluste
     w = _workload(Tied(32, 16), torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
     assert _regions_by_module(w) == []  # up -> norm breaks the pair; the head shares its weight
     with pytest.raises(AutoplanError, match="no linears Megatron would split"):
-        _baseline(w, cpu4, dp=1, tp=4)
-    plan = _baseline(w, cpu4, dp=4, tp=1)  # data parallel needs no split linears
+        w.baseline(cpu4, dp=1, tp=4)
+    plan = w.baseline(cpu4, dp=4, tp=1)  # data parallel needs no split linears
     assert all(p.storage == {"dp": "R"} for p in plan.params.values())
     skip = _workload(Skip(16), torch.randn(8, 16), torch.randn(8, 16))
     assert _regions_by_module(skip) == []
@@ -257,8 +247,11 @@ def test_normalized_tied_or_bypassed_linears_are_not_split(cpu4: autoplan.Cluste
 def test_bad_degrees_are_refused(
     cpu4: autoplan.Cluster, options: dict[str, Any], message: str
 ) -> None:
+    moved = ("num_microbatches", "optimizer", "schedule")
+    planning = {k: options.pop(k) for k in moved if k in options}
     with pytest.raises(AutoplanError, match=message):
-        _baseline(example("mlp", batch_size=8, hidden=32), cpu4, **options)
+        w = example("mlp", batch_size=8, hidden=32)
+        w.baseline(cpu4, **options, options=PlanOptions(**planning))
 
 
 def test_splits_that_do_not_divide_name_what_they_cut(
@@ -266,17 +259,17 @@ def test_splits_that_do_not_divide_name_what_they_cut(
 ) -> None:
     cut = r"tp=4 does not divide dim 0 \(size 30\) of parameter 'layers\.0\.weight'"
     with pytest.raises(AutoplanError, match=cut):
-        _baseline(example("mlp", batch_size=8, hidden=30), cpu4, dp=1, tp=4)
+        example("mlp", batch_size=8, hidden=30).baseline(cpu4, dp=1, tp=4)
     # tiny GPT: 64 features split by 8, but only 4 heads
     with pytest.raises(AutoplanError, match=r"tp=8 does not divide dim 2 \(size 4\) of aten.view"):
-        _baseline(example("gpt", size="tiny", batch_size=8), a100, dp=1, tp=8)
+        example("gpt", size="tiny", batch_size=8).baseline(a100, dp=1, tp=8)
     with pytest.raises(AutoplanError, match=r"dp=4 does not divide the batch \(dim 0\) of input 0"):
-        _baseline(example("mlp", batch_size=6, hidden=32), cpu4, dp=4, tp=1)
+        example("mlp", batch_size=6, hidden=32).baseline(cpu4, dp=4, tp=1)
 
 
 def test_a_baseline_is_priced_like_any_plan(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", **GPT)
-    plan = _baseline(w, cpu4, dp=2, tp=2)
+    plan = w.baseline(cpu4, dp=2, tp=2)
     assert plan.solver.status == "baseline" and plan.solver.num_variables == 0
     again = _estimate(plan, w, cpu4)
     assert again.predicted == plan.predicted and again.collectives == plan.collectives
@@ -287,15 +280,15 @@ def test_a_baseline_is_priced_like_any_plan(cpu4: autoplan.Cluster) -> None:
 def test_a_baseline_that_does_not_fit_is_refused(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", batch_size=8, hidden=32)
     with pytest.raises(InfeasiblePlanError, match=r"the baseline dp=4 tp=1 zero_stage=0 needs"):
-        _baseline(w, cpu4, dp=4, tp=1, memory_fraction=1e-6)
+        w.baseline(cpu4, dp=4, tp=1, options=PlanOptions(memory_fraction=1e-6))
 
 
 def test_a_large_gpt_on_meta_tensor_parallel_needs_less_memory_than_data_parallel(
     a100: autoplan.Cluster,
 ) -> None:
     w = example("gpt", size="1.3b", device="meta", dtype="bfloat16", batch_size=8)
-    megatron = _baseline(w, a100, dp=2, tp=4)
-    replicas = _baseline(w, a100, dp=8, tp=1)
+    megatron = w.baseline(a100, dp=2, tp=4)
+    replicas = w.baseline(a100, dp=8, tp=1)
     assert megatron.params["blocks.0.mlp.fc.weight"].storage == {"dp": "R", "tp": "S(0)"}
     # each device keeps a quarter of every block's linears (with gradients and Adam state),
     # which outweighs its 4x larger batch slice of the activations outside the split linears
@@ -310,7 +303,7 @@ def _half(cluster: autoplan.Cluster) -> autoplan.Cluster:
 
 
 def _one_microbatch(
-    w: Workload, cluster: autoplan.Cluster, num_microbatches: int, **options: Any
+    w: Workload, cluster: autoplan.Cluster, num_microbatches: int, **degrees: int
 ) -> Plan:
     """The one-stage baseline of one microbatch on half of ``cluster`` (one of two stages)."""
     return autoplan.baseline(
@@ -319,7 +312,7 @@ def _one_microbatch(
         _half(cluster),
         loss_fn=w.loss_fn,
         example_target=microbatch(w.example_target, num_microbatches),
-        **options,
+        **degrees,
     )
 
 
@@ -369,7 +362,7 @@ def _check_stages_price_as_one_microbatch(
 
 def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", **GPT)
-    plan = _baseline(w, cpu4, dp=1, tp=2, pp=2)
+    plan = w.baseline(cpu4, dp=1, tp=2, pp=2)
     assert plan.mesh.axes == ("pp", "tp") and plan.mesh.shape == (2, 2)
     assert plan.pipeline is not None and plan.solver.status == "baseline"
     assert (plan.pipeline.schedule, plan.pipeline.num_microbatches) == ("1F1B", 2)  # pp
@@ -382,7 +375,7 @@ def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
     assert module["tok_emb.weight"] == module["blocks.0.mlp.fc.weight"] == 0
     assert module["blocks.1.attn.q.weight"] == module["head.weight"] == 1
     # the stage boundary is between blocks: every block keeps its Megatron split
-    megatron = _storage(gpt_megatron(w)["pin"])
+    megatron = _storage(gpt_megatron(w).pin)
     assert {name: p.storage["tp"] for name, p in plan.params.items()} == megatron
     for s in (0, 1):
         activations = [c for c in plan.collectives if c.stage == s and c.phase != "grad_sync"]
@@ -398,11 +391,11 @@ def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
 
 def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Cluster) -> None:
     w = example("gpt", **{**GPT, "batch_size": 8})
-    plan = _baseline(w, a100, dp=2, tp=2, pp=2)
+    plan = w.baseline(a100, dp=2, tp=2, pp=2)
     assert plan.mesh.axes == ("pp", "dp", "tp") and plan.mesh.shape == (2, 2, 2)
     assert [st.ranks for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert all(st.boundary == {"dp": "S(0)", "tp": "R"} for st in plan.stages)
-    megatron = _storage(gpt_megatron(w)["pin"])
+    megatron = _storage(gpt_megatron(w).pin)
     for name, p in plan.params.items():
         assert p.storage == {"dp": "R", "tp": megatron[name]}, name
     for n in plan.nodes.values():
@@ -421,7 +414,9 @@ def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Clus
 
 def test_layers_split_evenly_and_regions_stay_inside_stages(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", **MLP_SMALL_BATCH)  # layers.0 ... layers.5, one layer each
-    four = _baseline(w, cpu4, dp=1, tp=1, pp=4, num_microbatches=8, schedule="gpipe")
+    four = w.baseline(
+        cpu4, dp=1, tp=1, pp=4, options=PlanOptions(num_microbatches=8, schedule="gpipe")
+    )
     assert four.pipeline is not None and four.pipeline.schedule == "GPipe"
     assert [st.layers for st in four.stages] == [
         ("layers.0", "layers.1"),
@@ -431,7 +426,7 @@ def test_layers_split_evenly_and_regions_stay_inside_stages(cpu4: autoplan.Clust
     ]
     # one model-wide split pairs (0, 1), (2, 3), (4, 5); stages of 0-2 and 3-5 cut the
     # middle pair, whose halves stay replicated
-    two = _baseline(w, cpu4, dp=1, tp=2, pp=2)
+    two = w.baseline(cpu4, dp=1, tp=2, pp=2)
     storage = {name: p.storage["tp"] for name, p in two.params.items()}
     split = {"layers.0.weight": "S(0)", "layers.1.weight": "S(1)", "layers.2.weight": "R"}
     split |= {"layers.3.weight": "S(0)", "layers.4.weight": "S(1)", "layers.5.weight": "R"}
@@ -440,8 +435,17 @@ def test_layers_split_evenly_and_regions_stay_inside_stages(cpu4: autoplan.Clust
 
 def test_pipeline_schedule_sets_the_activations_in_flight(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", **MLP_LARGE_BATCH)
-    one_f_one_b = _baseline(w, cpu4, dp=2, tp=1, pp=2, num_microbatches=4, zero_stage=3)
-    gpipe = _baseline(w, cpu4, dp=2, tp=1, pp=2, num_microbatches=4, zero_stage=3, schedule="GPipe")
+    one_f_one_b = w.baseline(
+        cpu4, dp=2, tp=1, pp=2, zero_stage=3, options=PlanOptions(num_microbatches=4)
+    )
+    gpipe = w.baseline(
+        cpu4,
+        dp=2,
+        tp=1,
+        pp=2,
+        zero_stage=3,
+        options=PlanOptions(num_microbatches=4, schedule="GPipe"),
+    )
     assert all(p.storage == {"dp": "S(0)"} for p in gpipe.params.values())
     assert gpipe.predicted.step_time_s == one_f_one_b.predicted.step_time_s
     for a, b in zip(gpipe.stages, one_f_one_b.stages, strict=True):
@@ -451,15 +455,17 @@ def test_pipeline_schedule_sets_the_activations_in_flight(cpu4: autoplan.Cluster
 
 def test_pipeline_refusals(cpu4: autoplan.Cluster) -> None:
     with pytest.raises(AutoplanError, match=r"pp=4, but the model has 2 layer\(s\)"):
-        _baseline(example("gpt", **GPT), cpu4, dp=1, tp=1, pp=4)
+        example("gpt", **GPT).baseline(cpu4, dp=1, tp=1, pp=4)
     three = example("mlp", **MLP_SMALL_BATCH, num_layers=3)  # stage 1 is the last linear
     with pytest.raises(AutoplanError, match=r"stage 1 \(layers.2\): tp=2, but .* no linears"):
-        _baseline(three, cpu4, dp=1, tp=2, pp=2)
+        three.baseline(cpu4, dp=1, tp=2, pp=2)
     tied = _workload(Tied(32, 16), torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
     with pytest.raises(AutoplanError, match=r"read by pipeline stages \[0, 1\] \(tied weights\)"):
-        _baseline(tied, cpu4, dp=2, tp=1, pp=2)
+        tied.baseline(cpu4, dp=2, tp=1, pp=2)
     straddling = dataclasses.replace(cpu4, num_nodes=2, devices_per_node=3)
     with pytest.raises(AutoplanError, match="stage of dp \\* tp = 2 devices would straddle"):
-        _baseline(example("gpt", **{**GPT, "batch_size": 6}), straddling, dp=2, tp=1, pp=3)
+        example("gpt", **{**GPT, "batch_size": 6}).baseline(straddling, dp=2, tp=1, pp=3)
     with pytest.raises(InfeasiblePlanError, match="dp=1 tp=2 pp=2 num_microbatches=2 zero_stage"):
-        _baseline(example("gpt", **GPT), cpu4, dp=1, tp=2, pp=2, memory_fraction=1e-6)
+        example("gpt", **GPT).baseline(
+            cpu4, dp=1, tp=2, pp=2, options=PlanOptions(memory_fraction=1e-6)
+        )

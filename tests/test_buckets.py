@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.strategies.buckets import BUCKET_BYTES, Bucket, GradientSync, make_buckets
 from autoplan.strategies.placement import Collective
 from autoplan.strategies.pricing import Pricer
-from tests.conftest import example, plan_example, plan_workload
+from tests.conftest import example, plan_example
 
 
 def _sync(
@@ -117,12 +118,13 @@ def test_a_data_parallel_mlp_reduces_all_its_gradients_in_one_bucket(
 
 def test_a_frozen_parameter_has_no_gradient_to_reduce_or_store(cpu4: autoplan.Cluster) -> None:
     pins = {"input:0": "S(0)", "target": "S(0)"}
-    trained = plan_workload(
-        example("mlp", batch_size=64, hidden=32), cpu4, pin=pins, mesh_shape=(4,)
+    trained = example("mlp", batch_size=64, hidden=32).plan(
+        cpu4,
+        options=PlanOptions(pin=pins, mesh_shape=(4,)),
     )
     w = example("mlp", batch_size=64, hidden=32)
     w.model.get_parameter("layers.0.weight").requires_grad_(False)
-    frozen = plan_workload(w, cpu4, pin=pins, mesh_shape=(4,))
+    frozen = w.plan(cpu4, options=PlanOptions(pin=pins, mesh_shape=(4,)))
     assert trained.provenance.graph_fingerprint != frozen.provenance.graph_fingerprint
 
     def bucketed(plan: autoplan.Plan) -> set[str]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture
@@ -110,7 +111,9 @@ def test_ops_without_rule_are_replicated_with_one_warning(
     cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        plan = autoplan.plan(CumSum(), torch.randn(16, 8), cpu4, mesh_shape=(4,))
+        plan = autoplan.plan(
+            CumSum(), torch.randn(16, 8), cpu4, options=PlanOptions(mesh_shape=(4,))
+        )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "aten.cumsum.default" in warnings[0]
     cumsum = next(n for n in plan.nodes.values() if n.op == "aten.cumsum.default")

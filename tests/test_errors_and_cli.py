@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
-from tests.conftest import ROOT, example, plan_workload
+from tests.conftest import ROOT, example
 
 
 def test_mesh_shape_that_does_not_cover_the_cluster(cpu4: autoplan.Cluster) -> None:
     w = example("mlp")
     with pytest.raises(MeshShapeError, match=r"\(3,\).*4") as info:
-        plan_workload(w, cpu4, mesh_shape=(3,))
+        w.plan(cpu4, options=PlanOptions(mesh_shape=(3,)))
     assert "(2, 2)" in str(info.value)  # suggests valid shapes
 
 
@@ -32,7 +33,7 @@ def test_cluster_file_missing_a_field(tmp_path: Path) -> None:
 def test_model_too_big_even_fully_sharded(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="1.3b", batch_size=1, seq_len=128, device="meta")
     with pytest.raises(InfeasiblePlanError) as info:
-        plan_workload(w, cpu4)
+        w.plan(cpu4)
     message = str(info.value)
     assert "GiB" in message and "3.60 GiB" in message  # what a device offers (90% of 4 GiB)
     need = float(message.split("needs ")[1].split(" GiB")[0])
@@ -42,14 +43,12 @@ def test_model_too_big_even_fully_sharded(cpu4: autoplan.Cluster) -> None:
 
 def test_bad_pins(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", batch_size=8, hidden=16)
-    args = (w.model, w.example_inputs, cpu4)
-    kw = {"loss_fn": w.loss_fn, "example_target": w.example_target, "mesh_shape": (4,)}
     with pytest.raises(AutoplanError, match=r"layers\.0\.weight"):
-        autoplan.plan(*args, **kw, pin={"layers.0.wieght": "R"})  # type: ignore[arg-type]
+        w.plan(cpu4, PlanOptions(mesh_shape=(4,), pin={"layers.0.wieght": "R"}))
     with pytest.raises(AutoplanError, match="not a placement"):
-        autoplan.plan(*args, **kw, pin={"layers.0.weight": "Q"})  # type: ignore[arg-type]
+        w.plan(cpu4, PlanOptions(mesh_shape=(4,), pin={"layers.0.weight": "Q"}))
     with pytest.raises(AutoplanError, match="mesh has 1 axis"):
-        autoplan.plan(*args, **kw, pin={"layers.0.weight": ("R", "R")})  # type: ignore[arg-type]
+        w.plan(cpu4, PlanOptions(mesh_shape=(4,), pin={"layers.0.weight": ("R", "R")}))
 
 
 def test_cli_plan_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

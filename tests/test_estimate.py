@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import PlanFormatError
 from autoplan.planfile.schema import ParamPlan
-from tests.conftest import ROOT, example, plan_workload
+from tests.conftest import ROOT, example
 
 
 def _megatron(cluster: autoplan.Cluster) -> tuple[autoplan.Plan, autoplan.Workload]:
     w = example("mlp", batch_size=4, hidden=2048)
-    plan = plan_workload(w, cluster, mesh_shape=(4,))
+    plan = w.plan(cluster, options=PlanOptions(mesh_shape=(4,)))
     return plan, w
 
 
@@ -99,7 +100,7 @@ def test_cli_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_a_pipelined_plan_is_estimated_stage_by_stage(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
-    plan = plan_workload(w, cpu4, pipeline=True, num_stages=2, num_microbatches=4)
+    plan = w.plan(cpu4, options=PlanOptions(pipeline=True, num_stages=2, num_microbatches=4))
     args = (w.model, w.example_inputs)
     kw = {"loss_fn": w.loss_fn, "example_target": w.example_target}
     assert autoplan.estimate(plan, cpu4, *args, **kw) == plan  # its own numbers, exactly

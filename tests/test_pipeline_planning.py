@@ -5,19 +5,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.cut import cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM
 from autoplan.inter_op import boundary_specs, stage_sizes
-from tests.conftest import example, plan_workload
+from tests.conftest import example
 from tests.distributed.cases import data_parallel
 
 
@@ -100,7 +100,7 @@ def _intra_node_axes(plan: autoplan.Plan, cluster: autoplan.Cluster) -> set[str]
 def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
     cluster = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=nodes)
     w = example("gpt", size="1.3b", num_layers=8, batch_size=8 * nodes, device="meta")
-    plan = plan_workload(w, cluster)
+    plan = w.plan(cluster)
     inside = _intra_node_axes(plan, cluster)
     # tensor parallelism (weights split where they are used) stays on NVLink; across nodes
     # every matmul splits its batch: data parallelism (or pipeline stages)
@@ -118,9 +118,9 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     node = dataclasses.replace(base, device=device, devices_per_node=2, num_nodes=1, name="tiny")
     w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
     with pytest.raises(autoplan.errors.InfeasiblePlanError, match="does not fit"):
-        plan_workload(w, node)
+        w.plan(node)
     cluster = node.with_nodes(2)
-    plan = plan_workload(w, cluster)
+    plan = w.plan(cluster)
     assert plan.pipeline is not None and plan.mesh.axes[0] == "pp"
     assert len(plan.stages) == plan.mesh.shape[0] >= 2
     stage_size = math.prod(plan.mesh.shape[1:])
@@ -142,13 +142,13 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
 def test_pipeline_options_are_checked(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="small", num_layers=2, batch_size=6, seq_len=32)
     with pytest.raises(AutoplanError, match="num_microbatches=4"):
-        plan_workload(w, cpu4, pipeline=True, num_microbatches=4)
+        w.plan(cpu4, options=PlanOptions(pipeline=True, num_microbatches=4))
     with pytest.raises(AutoplanError, match="num_stages=3"):
-        plan_workload(w, cpu4, num_stages=3)
+        w.plan(cpu4, options=PlanOptions(num_stages=3))
     with pytest.raises(AutoplanError, match="only 2 layer"):
-        plan_workload(w, cpu4, num_stages=4, num_microbatches=2)
+        w.plan(cpu4, options=PlanOptions(num_stages=4, num_microbatches=2))
     with pytest.raises(AutoplanError, match="schedule"):
-        plan_workload(w, cpu4, pipeline=True, schedule="zigzag")
+        w.plan(cpu4, options=PlanOptions(pipeline=True, schedule="zigzag"))
 
 
 def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> None:
@@ -156,7 +156,7 @@ def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> No
     # no cost; the executor would then run the ops it picked "P" or "S" through DTensor, for
     # nothing. Only "R" is offered there, so the plan says what runs: plain local ops.
     w = example("gpt", size="tiny", num_layers=4, batch_size=8)
-    plan = plan_workload(w, cpu4, pipeline=True, num_stages=4, num_microbatches=4)
+    plan = w.plan(cpu4, options=PlanOptions(pipeline=True, num_stages=4, num_microbatches=4))
     assert len(plan.stages) == 4 and plan.mesh.shape[1:] == (1,)
     specs = [n.output for n in plan.nodes.values()] + [
         spec for n in plan.nodes.values() for spec in n.inputs
@@ -168,18 +168,19 @@ def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> No
 def test_stages_sharing_cores_fill_each_others_bubbles(cpu4: autoplan.Cluster) -> None:
     # 4 one-rank stages on 2 cores: a rank waiting in the bubble leaves its core to the others
     w = example("gpt", size="tiny", num_layers=4, batch_size=8)
-    options: dict[str, Any] = {"pipeline": True, "num_stages": 4, "num_microbatches": 4}
-    alone = plan_workload(w, cpu4, **options)
-    shared = plan_workload(w, dataclasses.replace(cpu4, cores_per_node=2), **options)
+    options = PlanOptions(pipeline=True, num_stages=4, num_microbatches=4)
+    alone = w.plan(cpu4, options)
+    shared = w.plan(dataclasses.replace(cpu4, cores_per_node=2), options)
     assert shared.nodes == alone.nodes  # the same decisions, priced otherwise
     stages = [s.predicted for s in alone.stages]
     assert all(s is not None for s in stages)
     times = [s.time_s for s in stages if s is not None]
-    count = options["num_microbatches"]
+    count = options.num_microbatches
+    assert count is not None
     # each stage's work at a whole core (twice its profiled speed), over the 2 cores
     work = count * sum(times) / 2 / 2
     assert work < shared.predicted.step_time_s < alone.predicted.step_time_s
-    every_core = plan_workload(w, dataclasses.replace(cpu4, cores_per_node=4), **options)
+    every_core = w.plan(dataclasses.replace(cpu4, cores_per_node=4), options)
     assert every_core.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
 
 
@@ -188,16 +189,15 @@ def test_microbatches_and_schedule_are_searched(cpu4: autoplan.Cluster) -> None:
     # under both schedules (1F1B only with a microbatch a stage at least, as torch requires)
     shared = dataclasses.replace(cpu4, cores_per_node=2)
     w = example("gpt", size="tiny", num_layers=4, batch_size=8)
-    options: dict[str, Any] = {"pipeline": True, "num_stages": 4}
-    plan = plan_workload(w, shared, **options)
+    options = PlanOptions(pipeline=True, num_stages=4)
+    plan = w.plan(shared, options)
     assert plan.pipeline is not None
     count, schedule = plan.pipeline.num_microbatches, plan.pipeline.schedule
     assert count < 8  # here fewer, larger microbatches win: the search moved
 
     def forced(count: int, schedule: str) -> float:
-        return plan_workload(
-            w, shared, num_microbatches=count, schedule=schedule, **options
-        ).predicted.step_time_s
+        forcing = dataclasses.replace(options, num_microbatches=count, schedule=schedule)
+        return w.plan(shared, forcing).predicted.step_time_s
 
     step = plan.predicted.step_time_s
     assert step == pytest.approx(forced(count, schedule))
@@ -213,7 +213,7 @@ def test_microbatches_and_schedule_are_searched(cpu4: autoplan.Cluster) -> None:
 
 def test_a_plan_torch_would_refuse_is_refused_on_load(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="tiny", num_layers=4, batch_size=8)
-    plan = plan_workload(w, cpu4, num_stages=4, num_microbatches=4, schedule="1F1B")
+    plan = w.plan(cpu4, options=PlanOptions(num_stages=4, num_microbatches=4, schedule="1F1B"))
     doc = json.loads(plan.to_json())
     doc["pipeline"]["num_microbatches"] = 2  # fewer than the 4 stages
     with pytest.raises(PlanFormatError, match="pipeline: schedule 1F1B needs"):
@@ -229,12 +229,12 @@ def test_ranks_sharing_cores_weigh_pipelines_by_default(cpu4: autoplan.Cluster) 
     # sharing cores a pipeline can beat one stage: the planner weighs both, unasked
     shared = dataclasses.replace(cpu4, cores_per_node=2)
     w = example("mlp", batch_size=256, hidden=256)
-    own = plan_workload(w, shared)
-    one_stage = plan_workload(w, shared, pipeline=False).predicted.step_time_s
-    piped = plan_workload(w, shared, pipeline=True).predicted.step_time_s
+    own = w.plan(shared)
+    one_stage = w.plan(shared, options=PlanOptions(pipeline=False)).predicted.step_time_s
+    piped = w.plan(shared, options=PlanOptions(pipeline=True)).predicted.step_time_s
     assert own.predicted.step_time_s == min(one_stage, piped)
     assert own.pipeline is not None and piped < one_stage
-    assert plan_workload(w, cpu4).pipeline is None  # a device a rank: pipelines not weighed
+    assert w.plan(cpu4).pipeline is None  # a device a rank: pipelines not weighed
     # pins hold for one stage only: never silently dropped for a pipeline
-    pinned = plan_workload(w, shared, mesh_shape=(4,), **data_parallel(w))
+    pinned = w.plan(shared, data_parallel(w, (4,)))
     assert pinned.pipeline is None

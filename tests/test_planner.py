@@ -8,13 +8,14 @@ import re
 import pytest
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture
 from autoplan.intra_op import build_problem, price_step, solve_problem
 from autoplan.solve.evaluate import evaluate
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import strategy_space
-from tests.conftest import example, plan_example, plan_workload
+from tests.conftest import example, plan_example
 
 
 def _weights(plan: autoplan.Plan) -> list[str]:
@@ -118,11 +119,14 @@ def test_repeated_layers_keep_the_problem_small(cpu4: autoplan.Cluster) -> None:
 def test_pins_force_replication_and_zero3(cpu4: autoplan.Cluster) -> None:
     w = example("mlp", batch_size=65536, hidden=32)
     names = [n for n, _ in w.model.named_parameters()]
-    dp = plan_workload(w, cpu4, mesh_shape=(4,), pin=dict.fromkeys(names, "R"))
+    dp = w.plan(cpu4, options=PlanOptions(mesh_shape=(4,), pin=dict.fromkeys(names, "R")))
     (axis,) = dp.mesh.axes
     assert all(p.placements == {axis: "R"} and p.storage == {axis: "R"} for p in dp.params.values())
-    zero3 = plan_workload(
-        w, cpu4, mesh_shape=(4,), pin={name: {"storage": "S(0)", "use": "R"} for name in names}
+    zero3 = w.plan(
+        cpu4,
+        options=PlanOptions(
+            mesh_shape=(4,), pin={name: {"storage": "S(0)", "use": "R"} for name in names}
+        ),
     )
     assert zero3.mesh.axes == ("dp",)  # the batch is split, so gradients need reducing
     assert all(
@@ -140,7 +144,7 @@ def test_pins_on_one_device_are_met_replicated(cpu4: autoplan.Cluster) -> None:
     one = dataclasses.replace(cpu4, devices_per_node=1, name="one")
     w = example("mlp", batch_size=64, hidden=32)
     pin = {n: {"storage": "S(0)", "use": "R"} for n, _ in w.model.named_parameters()}
-    plan = plan_workload(w, one, pin={"input:0": "S(0)", **pin})
+    plan = w.plan(one, options=PlanOptions(pin={"input:0": "S(0)", **pin}))
     assert plan.mesh.shape == (1,)
     assert all(set(p.storage.values()) == {"R"} for p in plan.params.values())
     assert all(set(n.output.values()) <= {"R"} for n in plan.nodes.values())
@@ -155,7 +159,7 @@ def test_data_parallel_gpt_reduces_position_embedding_gradient_in_its_bucket(
     w = example("gpt", size="tiny", num_layers=2, batch_size=4)
     names = [n for n, _ in w.model.named_parameters()]
     pin = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(names, "R")}
-    plan = plan_workload(w, cpu4, mesh_shape=(4,), pin=pin)
+    plan = w.plan(cpu4, options=PlanOptions(mesh_shape=(4,), pin=pin))
     kept = {n.module: n.grad for n in plan.nodes.values() if n.grad}
     assert kept == {"pos_emb": {"dp": "P"}}
     backward = [c for c in plan.collectives if c.phase == "backward"]
@@ -173,7 +177,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def test_7b_meta_model_plans_on_this_machine(a100: autoplan.Cluster) -> None:
     """GPT 7B, built on the meta device (no parameter memory), plans for 8 A100s."""
     w = example("gpt", size="7b", batch_size=8, device="meta", dtype="bfloat16")
-    plan = plan_workload(w, a100)
+    plan = w.plan(a100)
     assert sum(_numel(p.shape) for p in plan.params.values()) > 6.5e9
     assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
     # bf16 parameters, gradients and Adam state are 12.8 GiB x 4 unsharded: sharding is a must

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 import autoplan
+from autoplan import PlanOptions
 from autoplan.errors import AutoplanError
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Pipeline
 from autoplan.planfile.show import schedule_grid, summary
 from autoplan.schedules import Event, simulate, stage_order
-from tests.conftest import example, plan_example, plan_workload
+from tests.conftest import example, plan_example
 
 
 def _steps(events: tuple[Event, ...], stage: int) -> list[tuple[str, int, float, float]]:
@@ -129,7 +130,10 @@ def test_grid_past_the_limits_leaves_out_the_middle() -> None:
 @pytest.fixture(scope="module")
 def pipelined(cpu4: autoplan.Cluster) -> autoplan.Plan:
     w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
-    return plan_workload(w, cpu4, pipeline=True, num_stages=2, num_microbatches=4, schedule="1F1B")
+    return w.plan(
+        cpu4,
+        options=PlanOptions(pipeline=True, num_stages=2, num_microbatches=4, schedule="1F1B"),
+    )
 
 
 def test_summary_of_a_pipelined_plan_shows_stages_and_grid(pipelined: autoplan.Plan) -> None:

@@ -87,6 +87,11 @@ def parallel(w: Workload, c: autoplan.Cluster, **options: Any) -> autoplan.Step:
     )
 
 
+def _layout(layout: autoplan.PlanOptions | autoplan.Plan) -> dict[str, Any]:
+    """`autoplan.parallelize`'s keyword for a case's layout: a plan, or options to plan with."""
+    return {"plan": layout} if isinstance(layout, autoplan.Plan) else {"options": layout}
+
+
 def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     w = workload(case)
     ref = reference(w, case.max_grad_norm)
@@ -95,7 +100,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         c,
         optimizer_options={"lr": LR},
         max_grad_norm=case.max_grad_norm,
-        **case.plan_options(w),
+        **_layout(case.layout(w)),
     )
     assert step.optimizer is not None and step.plan is not None
     first_loss, grad = first_step(step, w, ref["grads"])
@@ -228,7 +233,7 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     )
     found["wrong_shape"] = _error_of(lambda: step(torch.randn(4, 16), torch.randn(4, 16)))
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
-    frozen = parallel(again, c, mesh_shape=(world_size(),), **data_parallel(again))
+    frozen = parallel(again, c, options=data_parallel(again, (world_size(),)))
     assert frozen.module is not None
     frozen.module.get_parameter("layers.0.weight").requires_grad_(False)  # after planning
     found["frozen"] = _error_of(lambda: frozen(again.example_inputs, again.example_target))
@@ -249,8 +254,7 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         example_inputs=torch.randn(8, 64),
         loss_fn=meta.loss_fn,
         example_target=torch.randn(8, 64),
-        mesh_shape=(world_size(),),
-        pin={n: "S(0)" for n in names},
+        options=autoplan.PlanOptions(mesh_shape=(world_size(),), pin=dict.fromkeys(names, "S(0)")),
     )
     local = {n: tuple(p.to_local().shape) for n, p in step.module.named_parameters()}  # type: ignore[union-attr]
     loss = step(torch.randn(8, 64), torch.randn(8, 64)).item()
@@ -268,10 +272,11 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
     for _ in range(2):
         w.loss_fn(ref(*w.example_inputs), w.example_target).backward()
     expected = {n: p.grad for n, p in ref.named_parameters()}
-    layouts = {"dp": data_parallel(w), "zero3": zero3(w), "tp": mlp_megatron(w)}
+    mesh = (world_size(),)
+    layouts = {"dp": data_parallel(w, mesh), "zero3": zero3(w, mesh), "tp": mlp_megatron(w, mesh)}
     found = {}
-    for name, pins in layouts.items():
-        step = parallel(w, c, mesh_shape=(world_size(),), **pins)
+    for name, options in layouts.items():
+        step = parallel(w, c, options=options)
         assert step.module is not None
         for _ in range(2):
             step.module(w.example_inputs, w.example_target).backward()
@@ -295,15 +300,9 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     }
     for run, (name, options) in runs.items():
         ref = reference(w, optimizer=name, options=options)["params"]
-        for layout, pins in (("dp", data_parallel(w)), ("tp", mlp_megatron(w))):
-            step = parallel(
-                w,
-                c,
-                optimizer=name,
-                optimizer_options=options,
-                mesh_shape=(world_size(),),
-                **pins,
-            )
+        mesh = (world_size(),)
+        for layout, pins in (("dp", data_parallel(w, mesh)), ("tp", mlp_megatron(w, mesh))):
+            step = parallel(w, c, optimizer=name, optimizer_options=options, options=pins)
             for _ in range(STEPS):
                 step(w.example_inputs, w.example_target)
             params = step.state_dict()

@@ -1,0 +1,93 @@
+"""The planner's options: one frozen, validated dataclass that the API, the command line,
+`autoplan.parallelize` and `autoplan.baseline` all take, as torchtitan passes one job config.
+
+Options that need the model or the cluster to be checked (a mesh shape against the device
+count, pins against parameter names, microbatches against the batch) are checked where those
+are at hand; everything else is checked here, when the options are made.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from autoplan.errors import AutoplanError
+from autoplan.graph.cut import DEFAULT_MAX_LAYERS
+from autoplan.pins import Pin
+from autoplan.schedules import check_schedule
+from autoplan.strategies.pricing import OPTIMIZER_STATE
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How `autoplan.plan` searches. Every field has a default: ``PlanOptions()`` searches
+    everything the cluster allows."""
+
+    mesh_shape: tuple[int, ...] | None = None
+    """Pins the logical mesh (of each stage, when pipelined), e.g. ``(2, 2)``. None tries the
+    flat mesh and the 2-D meshes whose inner axis stays inside a node, and keeps the fastest."""
+
+    pin: Mapping[str, Pin] = field(default_factory=dict)
+    """Parameter FQN (or ``"input:<i>"``, ``"target"``) -> its placement, or
+    ``{"storage": ..., "use": ...}`` (ZeRO-3); see `autoplan.pins`."""
+
+    optimizer: str = "adamw"
+    """The optimizer whose state is counted in memory: "adamw", "adam", "sgd" or
+    "sgd_momentum"."""
+
+    memory_fraction: float = 0.9
+    """The share of each device's memory a plan may use, in (0, 1]."""
+
+    time_limit_s: float = 60.0
+    """Seconds each ILP solve may take; the best solution found by then is kept (with a
+    warning)."""
+
+    pipeline: bool | None = None
+    """None weighs pipeline stages against one stage when the cluster has several nodes, its
+    ranks share cores, or one stage does not fit; True requires stages, False rules them out.
+    Setting ``num_stages`` or ``num_microbatches`` implies True unless this is False."""
+
+    num_stages: int | None = None
+    """Pipeline stages (at least 2, dividing the devices); None searches."""
+
+    num_microbatches: int | None = None
+    """Microbatches per step (dividing the batch); None starts from twice the most stages
+    tried and, on one node, halves while that is faster."""
+
+    schedule: str | None = None
+    """"1F1B" or "GPipe" (any case); None takes the faster that fits."""
+
+    max_layers: int = DEFAULT_MAX_LAYERS
+    """The step is cut into at most this many layers for the stage search
+    (`autoplan.graph.cut`)."""
+
+    def __post_init__(self) -> None:
+        check_budget(self.optimizer, self.memory_fraction)
+        if self.mesh_shape is not None:
+            object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
+        object.__setattr__(self, "pin", types.MappingProxyType(dict(self.pin)))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", check_schedule(self.schedule))
+        if not self.time_limit_s > 0:
+            raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
+        if self.max_layers < 1:
+            raise AutoplanError(f"max_layers must be at least 1, got {self.max_layers}")
+
+    @property
+    def wants_pipeline(self) -> bool | None:
+        """`pipeline`, with stage or microbatch counts implying True."""
+        if self.pipeline is not False and (self.num_stages or self.num_microbatches):
+            return True
+        return self.pipeline
+
+
+def check_budget(optimizer: str, memory_fraction: float) -> None:
+    """What every plan's memory depends on: a known optimizer (its state per parameter) and
+    the share of device memory a plan may use."""
+    if optimizer not in OPTIMIZER_STATE:
+        raise AutoplanError(
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE)}"
+        )
+    if not 0 < memory_fraction <= 1:
+        raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
