@@ -12,7 +12,7 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
-from autoplan.graph.capture import capture
+from autoplan.graph.capture import capture, export_step
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM
 from tests.conftest import example
 
@@ -119,3 +119,17 @@ def test_ops_without_rule_are_replicated_with_one_warning(
     cumsum = next(n for n in plan.nodes.values() if n.op == "aten.cumsum.default")
     assert cumsum.rule == "replicated" and set(cumsum.output.values()) == {"R"}
     assert [n.kind for n in capture(CumSum(), torch.randn(16, 8))][-2:] == [OP, OUTPUT]
+
+
+def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
+    from tests.models.casts import workload
+
+    w = workload()
+    ep = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert "aten.to.dtype" in targets  # the casts stay: they change the values' dtype
+    assert not [t for t in targets if "_assert" in t]  # their metadata checks do not
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    assert not [n for n in graph if n.kind == OP and "_assert" in n.op]
+    constants = [n for n in graph if n.kind == PARAM and "lifted_tensor" in n.target]
+    assert len(constants) == 1 and not constants[0].needs_grad  # torch.tensor(0.01)

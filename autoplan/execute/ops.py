@@ -110,6 +110,10 @@ LOCAL_OPS = {
     _aten.transpose.int,
     _aten.permute.default,
     _aten.flatten.using_ints,
+    # dtype casts (``logits.float()``): element by element
+    _aten.to.dtype,
+    _aten.to.dtype_layout,
+    _aten._to_copy.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
@@ -129,7 +133,7 @@ def runs_locally(
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
     if node.target not in LOCAL_OPS | SHAPED_VIEWS | LOSSES | MULTI_OUTPUT:
-        return False
+        return _replicated_and_deterministic(node, inputs, output)
     val = node.meta.get("val")
     values = val if node.target in MULTI_OUTPUT else [val]
     if not isinstance(values, list | tuple) or not all(isinstance(v, torch.Tensor) for v in values):
@@ -143,6 +147,23 @@ def runs_locally(
         split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
         return tuple(output) == tuple(Partial() if s else Replicate() for s in split)
     return not any(isinstance(p, Partial) for p in output)
+
+
+def _replicated_and_deterministic(
+    node: torch.fx.Node,
+    inputs: Sequence[Sequence[Placement]],
+    output: Sequence[Placement],
+) -> bool:
+    """Any op (one DTensor has no rule for, too) run whole on every rank from whole inputs:
+    each rank computes the same value, so plain torch on the local tensors is exact. Random
+    ops stay with DTensor, whose RNG tracker keeps the ranks' draws the same."""
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags or not isinstance(
+        node.meta.get("val"), torch.Tensor
+    ):
+        return False
+    placed = [*inputs, output]
+    return all(isinstance(p, Replicate) for ps in placed for p in ps)
 
 
 def local_shape(

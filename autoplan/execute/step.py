@@ -117,6 +117,12 @@ class Placeholders:
         sig = ep.graph_signature
         self.params = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_parameters.items()}
         self.buffers = {k: v.removeprefix(_WRAPPED) for k, v in sig.inputs_to_buffers.items()}
+        # tensors that forward makes from Python values (torch.tensor(...)): export lifts them
+        # out of the graph; each rank holds them whole, placed as planned when first read
+        self.constants = {
+            k: ep.constants[v] for k, v in sig.inputs_to_lifted_tensor_constants.items()
+        }
+        self.placed_constants: dict[str, Any] | None = None
         self.user_inputs = list(sig.user_inputs)
         self.specs = {
             n.name: (tuple(n.meta["val"].shape), n.meta["val"].dtype)
@@ -134,7 +140,9 @@ class Placeholders:
         """Placeholder name -> value: ``module``'s parameters and buffers that the plan's
         stage on this rank reads, and ``args`` (the batch) if it reads them, placed as
         planned (each rank holds the whole batch and keeps its slice: no communication)."""
-        values: dict[str, Any] = dict(self.leaves)
+        if self.placed_constants is None:  # placed once: they never change
+            self.placed_constants = self._placed_constants()
+        values: dict[str, Any] = {**self.placed_constants, **self.leaves}
         others = {p: f for p, f in {**self.params, **self.buffers}.items() if p not in values}
         if others:  # looked up each step: a user may have replaced a parameter or buffer
             named: dict[str, torch.Tensor] = dict(module.named_parameters())
@@ -151,6 +159,19 @@ class Placeholders:
                 else Local(shard.to(device), spec)
             )
         return values
+
+    def _placed_constants(self) -> dict[str, Any]:
+        axes, nodes = self.plan.stage_axes, self.plan.nodes
+        return {
+            name: distribute_tensor(
+                value.to(self.mesh.device_type),
+                self.mesh,
+                to_dtensor(nodes[name].output, axes),
+                src_data_rank=None,
+            )
+            for name, value in self.constants.items()
+            if name in nodes
+        }
 
     def check(self, args: tuple[Any, ...], batches: int = 1) -> None:
         """``args`` must have the traced shapes (``batches`` times as many rows)."""

@@ -93,9 +93,33 @@ def export_step(
     args = step_args(model, example_inputs, example_target, loss_fn is not None)
     wrapper = TrainStep(model, loss_fn)
     try:
-        return torch.export.export(wrapper, args, strict=False)
+        ep = torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(_explain_trace_failure(model, e)) from e
+    _drop_checks(ep)
+    return ep
+
+
+def _is_check(node: torch.fx.Node) -> bool:
+    """A check that export writes into the graph (``_assert_tensor_metadata`` after a dtype
+    cast, ``_assert_scalar``, ``sym_constrain_range*``): it returns nothing and no op reads
+    it. The shapes and dtypes it checks were fixed when the model was traced."""
+    if node.op != "call_function" or node.users:
+        return False
+    name = getattr(node.target, "__name__", "")
+    return name.startswith(("_assert", "sym_constrain_range"))
+
+
+def _drop_checks(ep: ExportedProgram) -> None:
+    """Remove the checks from the exported graph: they carry no data to place or shard, and
+    DTensor has no rule to run them on sharded tensors. Planner and executor both read this
+    graph, so neither sees them."""
+    graph = ep.graph_module.graph
+    checks = [n for n in graph.nodes if _is_check(n)]
+    for node in checks:
+        graph.erase_node(node)
+    if checks:
+        ep.graph_module.recompile()
 
 
 def _explain_trace_failure(model: nn.Module, e: Exception) -> str:

@@ -164,6 +164,8 @@ CASES = [
     ),
     Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
+    # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
+    Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

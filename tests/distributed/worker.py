@@ -45,8 +45,14 @@ STEPS = 3
 LR = 1e-4
 
 
+def _workload_file(name: str) -> Path:
+    """An example, or a model of the tests' own (tests/models/)."""
+    example = ROOT / "examples" / f"{name}.py"
+    return example if example.exists() else ROOT / "tests" / "models" / f"{name}.py"
+
+
 def workload(case: Case) -> Workload:
-    w = load_workload(ROOT / "examples" / f"{case.example}.py", **case.options)
+    w = load_workload(_workload_file(case.example), **case.options)
     for name in case.frozen:
         w.model.get_parameter(name).requires_grad_(False)
     return w
