@@ -10,7 +10,7 @@ import pytest
 import autoplan
 from autoplan.cli import main
 from autoplan.errors import PlanFormatError
-from autoplan.planfile.schema import ParamPlan
+from autoplan.planfile.sections import ParamPlan
 from tests.conftest import ROOT, example, plan_workload
 
 

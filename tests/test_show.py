@@ -10,7 +10,7 @@ import pytest
 import autoplan
 from autoplan.errors import AutoplanError
 from autoplan.planfile.picture import render_png
-from autoplan.planfile.schema import Pipeline
+from autoplan.planfile.sections import Pipeline
 from autoplan.planfile.show import schedule_grid, summary
 from autoplan.schedules import Event, simulate, stage_order
 from tests.conftest import example, plan_example, plan_workload

@@ -3,6 +3,11 @@ exact form so they read back bit for bit; the same plan always gives the same by
 validated field by field (`autoplan.jsonfields`), and every problem raises `PlanFormatError`
 naming the plan (its file, or "plan"), the field (``nodes.linear_1.inputs[0].tp``) and what was
 expected.
+
+The reader builds the plan's sections (`autoplan.planfile.sections`) and returns them as the
+plan's fields, by name; `autoplan.planfile.schema.Plan.from_json` builds the plan from them and
+`Plan.to_json` hands its plain data to `plan_text`. This module never imports the plan, which
+imports it: the imports run one way.
 """
 
 from __future__ import annotations
@@ -11,14 +16,13 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
 from autoplan.graph.ir import PARAM
 from autoplan.jsonfields import JsonField
-from autoplan.planfile.schema import (
+from autoplan.planfile.sections import (
     PLAN_VERSION,
     CollectivePlan,
     Mesh,
@@ -26,7 +30,6 @@ from autoplan.planfile.schema import (
     ParamPlan,
     Pipeline,
     Placements,
-    Plan,
     Predicted,
     Provenance,
     SolverInfo,
@@ -37,15 +40,21 @@ from autoplan.schedules import SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 
-
-def plan_to_json(plan: Plan) -> str:
-    """Keys in a fixed order: dataclass field order, parameters and nodes in graph order."""
-    return json.dumps(asdict(plan), indent=1) + "\n"
+__all__ = ["plan_text", "read_plan"]
 
 
-def plan_from_json(
+def plan_text(data: dict[str, Any]) -> str:
+    """A plan's plain data (`dataclasses.asdict`) as JSON. Keys in a fixed order: dataclass
+    field order, parameters and nodes in graph order."""
+    return json.dumps(data, indent=1) + "\n"
+
+
+def read_plan(
     source: str, *, graph_fingerprint: str | None = None, cluster_fingerprint: str | None = None
-) -> Plan:
+) -> dict[str, Any]:
+    """The fields of the plan in `source` (JSON text or a file path), validated, as `Plan`'s
+    keyword arguments; refused if made for another graph or cluster than the fingerprints
+    given."""
     text, name = source, "plan"
     if not source.lstrip().startswith("{"):
         if not os.path.isfile(source):
@@ -69,7 +78,7 @@ def plan_from_json(
                 f"another {other}; re-plan (autoplan plan ...) for this one",
                 sep=" ",
             )
-    return Plan(**fields)
+    return fields
 
 
 def _check_kept_gradient(f: JsonField, node: NodePlan) -> None:
