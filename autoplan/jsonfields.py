@@ -39,18 +39,17 @@ class JsonField:
     error: type[AutoplanError]  # raised for every problem
     path: str = ""  # "" for the document itself
     # appended to "missing field" messages: where the document's fields are described
-    help: str = ""
+    hint: str = ""
 
     # ---------------------------------------------------------------- failing
 
     def fail(self, expected: str) -> AutoplanError:
         """The error saying this value must be `expected` ("a string", "> 0") instead."""
-        return self.problem(f"must be {expected}, got {_shown(self.value)}", sep=" ")
+        return self.error(f"{self._name()} must be {expected}, got {_shown(self.value)}")
 
-    def problem(self, text: str, *, sep: str = ": ") -> AutoplanError:
+    def problem(self, text: str) -> AutoplanError:
         """The error saying `text` about this field."""
-        name = f"field {self.path}" if self.path else "the top level"
-        return self.error(f"{self.source}: {name}{sep}{text}")
+        return self.error(f"{self._name()}: {text}")
 
     # ---------------------------------------------------------------- objects and lists
 
@@ -74,7 +73,7 @@ class JsonField:
         """This object, refused if it lacks one of `keys`."""
         missing = [key for key in keys if key not in self.obj()]
         if missing:
-            hint = f"; {self.help}" if self.help else ""
+            hint = f"; {self.hint}" if self.hint else ""
             raise self.error(f"{self.source}: missing field {self._child_path(missing[0])}{hint}")
         return self
 
@@ -115,7 +114,7 @@ class JsonField:
 
     def one_of(self, choices: tuple[str, ...]) -> str:
         """The value as one of the strings `choices`."""
-        if self.value not in choices or not isinstance(self.value, str):
+        if not isinstance(self.value, str) or self.value not in choices:
             raise self.fail(f"one of {', '.join(choices)}")
         return self.value
 
@@ -158,6 +157,9 @@ class JsonField:
         if not 0 < number <= 1:
             raise self.fail("a fraction of peak in (0, 1]")
         return number
+
+    def _name(self) -> str:
+        return f"{self.source}: " + (f"field {self.path}" if self.path else "the top level")
 
     def _child_path(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key

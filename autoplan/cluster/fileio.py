@@ -155,7 +155,7 @@ def check_num_nodes(value: Any, where: str) -> int:
 
 
 def _field(value: Any, where: str, path: str = "") -> JsonField:
-    return JsonField(value, where, ClusterFormatError, path, help=_HELP)
+    return JsonField(value, where, ClusterFormatError, path, hint=_HELP)
 
 
 def _device(f: JsonField) -> Device:
@@ -214,10 +214,9 @@ def _section(measured: JsonField, name: str) -> list[tuple[str, JsonField]]:
 def _overhead_curve(f: JsonField) -> Curve:
     if isinstance(f.value, int | float) and not isinstance(f.value, bool):
         raise f.problem(
-            "is one number, as profiles written before 2026-11-22 stored it; it is now a curve "
-            "by tensor size (a larger tensor's redistribution costs more): profile the cluster "
-            "again (autoplan profile)",
-            sep=" ",
+            "one number, as profiles written before 2026-11-22 stored it; it is now a curve by "
+            "tensor size (a larger tensor's redistribution costs more): profile the cluster "
+            "again (autoplan profile)"
         )
     return _curve(f)
 

@@ -74,9 +74,8 @@ def read_plan(
         if expected is not None and found != expected:
             other = "model or input shapes" if kind == "graph" else "cluster"
             raise doc["provenance"][f"{kind}_fingerprint"].problem(
-                f"is {found} but the {kind} at hand has {expected}: the plan was made for "
-                f"another {other}; re-plan (autoplan plan ...) for this one",
-                sep=" ",
+                f"{found}, but the {kind} at hand has {expected}: the plan was made for "
+                f"another {other}; re-plan (autoplan plan ...) for this one"
             )
     return fields
 
