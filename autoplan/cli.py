@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.api import plan as make_plan
-from autoplan.cluster.model import BACKENDS, Cluster
+from autoplan.cluster.hardware import BACKENDS
+from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.options import PlanOptions

@@ -24,7 +24,8 @@ from autoplan.planfile.assemble import (
     predicted,
     provenance,
 )
-from autoplan.planfile.schema import Placements, Plan
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import Placements
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 

@@ -17,7 +17,8 @@ from autoplan import PlanOptions
 from autoplan.baseline import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
-from autoplan.planfile.schema import CollectivePlan, Plan
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import CollectivePlan
 from autoplan.strategies.placement import Collective
 from autoplan.strategies.pricing import Pricer
 from autoplan.workload import Workload

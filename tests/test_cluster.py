@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from autoplan.cluster.model import Cluster, Device, Link, mesh_groups, mesh_shapes
+from autoplan.cluster.hardware import Device, Link
+from autoplan.cluster.mesh import mesh_groups, mesh_shapes
+from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import COLLECTIVE_KINDS, collective_time, compute_time
 from autoplan.errors import ClusterFormatError, MeshShapeError
 

@@ -11,7 +11,7 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import PlanFormatError
-from autoplan.planfile.schema import ParamPlan
+from autoplan.planfile.sections import ParamPlan
 from tests.conftest import ROOT, example
 
 

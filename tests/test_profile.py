@@ -20,8 +20,9 @@ import torch
 
 import autoplan
 from autoplan.cli import main
+from autoplan.cluster.hardware import REQUIRED_DTYPES, Device, Link
 from autoplan.cluster.measured import OP_OVERHEAD_KINDS, Curve, machine_fingerprint, monotone
-from autoplan.cluster.model import REQUIRED_DTYPES, Cluster, Device, Link
+from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import (
     COLLECTIVE_KINDS,
     activation_time,

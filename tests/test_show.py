@@ -11,7 +11,7 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import AutoplanError
 from autoplan.planfile.picture import render_png
-from autoplan.planfile.schema import Pipeline
+from autoplan.planfile.sections import Pipeline
 from autoplan.planfile.show import schedule_grid, summary
 from autoplan.schedules import Event, simulate, stage_order
 from tests.conftest import example, plan_example

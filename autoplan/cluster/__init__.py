@@ -1,7 +1,9 @@
-"""The cluster and its cost model: devices and links (`model`), how logical meshes lie on
-ranks, the cluster file's reading and writing, what compute and collectives take on it
-(`timing`, analytic constants or `measured` curves)."""
+"""The cluster and its cost model: the cluster (`model`), its devices and links (`hardware`),
+how logical meshes lie on ranks (`mesh`), the cluster file's reading, validation and writing
+(`fileio`), what compute and collectives take on it (`timing`, analytic constants or
+`measured` curves). Modules of the package import one another, never this file."""
 
-from autoplan.cluster.model import BACKENDS, REQUIRED_DTYPES, Cluster, Device, Link
+from autoplan.cluster.hardware import BACKENDS, REQUIRED_DTYPES, Device, Link
+from autoplan.cluster.model import Cluster
 
 __all__ = ["BACKENDS", "REQUIRED_DTYPES", "Cluster", "Device", "Link"]

@@ -2,7 +2,7 @@
 
 `autoplan profile` times real operations and stores, per operation class, a curve of points
 `[x, seconds]` sorted by x; `Cluster.from_dict` validates them (field by field, see
-`autoplan/cluster/model.py` and costmodels/README.md) into a `Measured`;
+`autoplan/cluster/fileio.py` and costmodels/README.md) into a `Measured`;
 `autoplan.cluster.timing` reads `Cluster.curves` and uses a curve wherever it has one and the
 analytic constants elsewhere.
 No torch here: plain numbers, so the cost model stays apart from torch.

@@ -62,8 +62,9 @@ value, so where the two are equal, as on one host, the intra curves are read; se
 
 from __future__ import annotations
 
+from autoplan.cluster.hardware import Link
 from autoplan.cluster.measured import COLLECTIVE_KINDS, Curve
-from autoplan.cluster.model import Cluster, Link
+from autoplan.cluster.model import Cluster
 
 __all__ = [
     "COLLECTIVE_KINDS",

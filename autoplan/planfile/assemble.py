@@ -12,14 +12,14 @@ from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
 from autoplan.inter_op import PipelinePlan
 from autoplan.intra_op import IntraOpResult, PricedStep
-from autoplan.planfile.schema import (
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import (
     CollectivePlan,
     Mesh,
     NodePlan,
     ParamPlan,
     Pipeline,
     Placements,
-    Plan,
     Predicted,
     Provenance,
     SolverInfo,

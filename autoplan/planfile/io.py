@@ -1,7 +1,13 @@
 """Plan <-> JSON. Output is canonical: a fixed key order, and floats in Python's shortest
 exact form so they read back bit for bit; the same plan always gives the same bytes. Input is
-validated field by field, and every problem raises `PlanFormatError` naming the field
-(``nodes.linear_1.inputs[0].tp``) and what was expected.
+validated field by field (`autoplan.jsonfields`), and every problem raises `PlanFormatError`
+naming the plan (its file, or "plan"), the field (``nodes.linear_1.inputs[0].tp``) and what was
+expected.
+
+The reader builds the plan's sections (`autoplan.planfile.sections`) and returns them as the
+plan's fields, by name; `autoplan.planfile.schema.Plan.from_json` builds the plan from them and
+`Plan.to_json` hands its plain data to `plan_text`. This module never imports the plan, which
+imports it: the imports run one way.
 """
 
 from __future__ import annotations
@@ -10,13 +16,13 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
 
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
 from autoplan.graph.ir import PARAM
-from autoplan.planfile.schema import (
+from autoplan.jsonfields import JsonField
+from autoplan.planfile.sections import (
     PLAN_VERSION,
     CollectivePlan,
     Mesh,
@@ -24,7 +30,6 @@ from autoplan.planfile.schema import (
     ParamPlan,
     Pipeline,
     Placements,
-    Plan,
     Predicted,
     Provenance,
     SolverInfo,
@@ -35,118 +40,60 @@ from autoplan.schedules import SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 
-
-def plan_to_json(plan: Plan) -> str:
-    """Keys in a fixed order: dataclass field order, parameters and nodes in graph order."""
-    return json.dumps(asdict(plan), indent=1) + "\n"
+__all__ = ["plan_text", "read_plan"]
 
 
-class _Field:
-    """A JSON value with the path that led to it, for error messages."""
-
-    def __init__(self, value: Any, path: str) -> None:
-        self.value = value
-        self.path = path
-
-    def fail(self, expected: str) -> PlanFormatError:
-        shown = json.dumps(self.value)[:60] if self.value is not _MISSING else "nothing"
-        return PlanFormatError(f"plan field {self.path}: expected {expected}, found {shown}")
-
-    def __getitem__(self, key: str) -> _Field:
-        obj = self.obj()
-        return _Field(obj.get(key, _MISSING), f"{self.path}.{key}" if self.path else key)
-
-    def obj(self) -> dict[str, Any]:
-        if not isinstance(self.value, dict):
-            raise self.fail("an object")
-        return self.value
-
-    def items(self) -> list[tuple[str, _Field]]:
-        return [(k, self[k]) for k in self.obj()]
-
-    def elements(self) -> list[_Field]:
-        if not isinstance(self.value, list):
-            raise self.fail("a list")
-        return [_Field(v, f"{self.path}[{i}]") for i, v in enumerate(self.value)]
-
-    def text(self) -> str:
-        if not isinstance(self.value, str):
-            raise self.fail("a string")
-        return self.value
-
-    def integer(self) -> int:
-        if not isinstance(self.value, int) or isinstance(self.value, bool) or self.value < 0:
-            raise self.fail("a non-negative integer")
-        return self.value
-
-    def number(self) -> float:
-        if not isinstance(self.value, int | float) or isinstance(self.value, bool):
-            raise self.fail("a number")
-        return float(self.value)
-
-    def placements(self, axes: tuple[str, ...]) -> Placements:
-        found = {}
-        for axis, f in self.items():
-            if axis not in axes:
-                raise PlanFormatError(
-                    f"plan field {self.path}: {axis!r} is not a mesh axis; the mesh has "
-                    f"{', '.join(axes)}"
-                )
-            text = f.text()
-            if not is_placement(text):
-                raise f.fail('a placement: "R", "P" or "S(<dim>)"')
-            found[axis] = text
-        if set(found) != set(axes):
-            raise self.fail(f"a placement for every mesh axis ({', '.join(axes)})")
-        return found
+def plan_text(data: dict[str, Any]) -> str:
+    """A plan's plain data (`dataclasses.asdict`) as JSON. Keys in a fixed order: dataclass
+    field order, parameters and nodes in graph order."""
+    return json.dumps(data, indent=1) + "\n"
 
 
-_MISSING = object()
-
-
-def plan_from_json(
+def read_plan(
     source: str, *, graph_fingerprint: str | None = None, cluster_fingerprint: str | None = None
-) -> Plan:
-    text = source
+) -> dict[str, Any]:
+    """The fields of the plan in `source` (JSON text or a file path), validated, as `Plan`'s
+    keyword arguments; refused if made for another graph or cluster than the fingerprints
+    given."""
+    text, name = source, "plan"
     if not source.lstrip().startswith("{"):
         if not os.path.isfile(source):
             raise PlanFormatError(f"plan file {source} does not exist (and it is not JSON text)")
         with open(source) as f:
-            text = f.read()
+            text, name = f.read(), source
     try:
-        doc = _Field(json.loads(text), "")
+        doc = JsonField(json.loads(text), name, PlanFormatError)
     except json.JSONDecodeError as e:
         raise PlanFormatError(f"plan is not valid JSON: {e.msg} at line {e.lineno}") from e
     version = doc["version"]
     if version.value != PLAN_VERSION:
-        raise version.fail(f"version {PLAN_VERSION} (this autoplan reads only that version)")
-    plan = _read_plan(doc)
-    for name, expected in (("graph", graph_fingerprint), ("cluster", cluster_fingerprint)):
-        found = getattr(plan.provenance, f"{name}_fingerprint")
+        raise version.fail(f"{PLAN_VERSION} (this autoplan reads only that version)")
+    fields = _read_fields(doc)
+    for kind, expected in (("graph", graph_fingerprint), ("cluster", cluster_fingerprint)):
+        found = getattr(fields["provenance"], f"{kind}_fingerprint")
         if expected is not None and found != expected:
-            other = "model or input shapes" if name == "graph" else "cluster"
-            raise PlanFormatError(
-                f"plan field provenance.{name}_fingerprint is {found} but the {name} at hand has "
-                f"{expected}: the plan was made for another {other}; re-plan "
-                "(autoplan plan ...) for this one"
+            other = "model or input shapes" if kind == "graph" else "cluster"
+            raise doc["provenance"][f"{kind}_fingerprint"].problem(
+                f"{found}, but the {kind} at hand has {expected}: the plan was made for "
+                f"another {other}; re-plan (autoplan plan ...) for this one"
             )
-    return plan
+    return fields
 
 
-def _check_kept_gradient(f: _Field, node: NodePlan) -> None:
+def _check_kept_gradient(f: JsonField, node: NodePlan) -> None:
     """A gradient may be kept partial only by an op that is replicated on every axis (each
     rank runs it whole on the same values): anything else would train on wrong gradients."""
     placed = [node.output, *node.inputs]
     if not node.output or any(p != "R" for spec in placed for p in spec.values()):
-        raise f["grad"].fail(
-            "no gradient placement: only an op whose output and inputs are all R may keep "
-            "its gradient partial"
+        raise f["grad"].problem(
+            "only an op whose output and inputs are all R may keep its gradient partial; "
+            "make it {} (no gradient placement)"
         )
     if set(node.grad.values()) - {"R", "P"} or "P" not in node.grad.values():
         raise f["grad"].fail('"P" on some axes and "R" on the others, or {}')
 
 
-def _read_plan(doc: _Field) -> Plan:
+def _read_fields(doc: JsonField) -> dict[str, Any]:
     p = doc["provenance"]
     provenance = Provenance(
         autoplan=p["autoplan"].text(),
@@ -165,22 +112,22 @@ def _read_plan(doc: _Field) -> Plan:
         raise m["axes"].fail(f"{len(mesh.shape)} distinct axis names, one per mesh dimension")
     total = math.prod(mesh.shape)
     if len(mesh.ranks) != total:
-        raise m["ranks"].fail(f"{total} ranks (the product of mesh.shape)")
+        raise m["ranks"].fail(f"a list of {total} ranks (the product of mesh.shape)")
     pipeline = _read_pipeline(doc["pipeline"])
     if pipeline is not None and (mesh.axes[:1] != ("pp",) or mesh.shape[0] < 2):
-        raise m["axes"].fail('a first axis "pp" of size >= 2 (the plan has a pipeline)')
+        raise m["axes"].fail('axes whose first is "pp", of size >= 2 (the plan has a pipeline)')
     axes = mesh.axes[1:] if pipeline is not None else mesh.axes
     stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
     if len(stages) != (mesh.shape[0] if pipeline is not None else 1):
-        raise doc["stages"].fail("one stage per index of the mesh's pp axis (or one)")
+        raise doc["stages"].fail("a list of one stage per index of the mesh's pp axis (or one)")
     if pipeline is not None:
         refusal = schedule_refusal(pipeline.schedule, len(stages), pipeline.num_microbatches)
         if refusal:
-            raise PlanFormatError(f"plan field pipeline: {refusal}")
+            raise doc["pipeline"].problem(refusal)
     params = {
         name: ParamPlan(
-            placements=f["placements"].placements(axes),
-            storage=f["storage"].placements(axes),
+            placements=_placements(f["placements"], axes),
+            storage=_placements(f["storage"], axes),
             shape=tuple(s.integer() for s in f["shape"].elements()),
             dtype=f["dtype"].text(),
         )
@@ -192,10 +139,10 @@ def _read_plan(doc: _Field) -> Plan:
         nodes[name] = NodePlan(
             op=f["op"].text(),
             module=f["module"].text(),
-            output=output.placements(axes) if output.obj() else {},
-            inputs=tuple(i.placements(axes) for i in f["inputs"].elements()),
+            output=_placements(output, axes) if output.obj() else {},
+            inputs=tuple(_placements(i, axes) for i in f["inputs"].elements()),
             rule=f["rule"].text(),
-            grad=f["grad"].placements(axes) if f["grad"].obj() else {},
+            grad=_placements(f["grad"], axes) if f["grad"].obj() else {},
         )
         if nodes[name].grad:
             _check_kept_gradient(f, nodes[name])
@@ -239,12 +186,20 @@ def _read_plan(doc: _Field) -> Plan:
             tuple(d.integer() for d in m.elements()) for m in s["meshes_tried"].elements()
         ),
     )
-    return Plan(
-        provenance, mesh, stages, params, nodes, tuple(collectives), predicted, solver, pipeline
+    return dict(
+        provenance=provenance,
+        mesh=mesh,
+        stages=stages,
+        params=params,
+        nodes=nodes,
+        collectives=tuple(collectives),
+        predicted=predicted,
+        solver=solver,
+        pipeline=pipeline,
     )
 
 
-def _check_axes(f: _Field, c: CollectivePlan, axes: tuple[str, ...]) -> None:
+def _check_axes(f: JsonField, c: CollectivePlan, axes: tuple[str, ...]) -> None:
     """One mesh axis of a stage; several, in mesh order, only for a gradient bucket (which
     is all-reduced over their ranks together)."""
     names = ", ".join(axes)
@@ -255,24 +210,24 @@ def _check_axes(f: _Field, c: CollectivePlan, axes: tuple[str, ...]) -> None:
         raise f.fail(f"a list of one mesh axis of a stage ({names})")
     if len(c.axes) > 1:
         if not c.params:
-            raise f.fail("one mesh axis (several only for a gradient bucket: one with params)")
+            raise f.fail("a list of one mesh axis (several only for a gradient bucket)")
         order = sorted(set(c.axes), key=axes.index)
         if list(c.axes) != order:
             raise f.fail(f"distinct mesh axes in mesh order ({', '.join(order)})")
 
 
-def _check_bucket(f: _Field, c: CollectivePlan, nodes: Mapping[str, NodePlan]) -> None:
+def _check_bucket(f: JsonField, c: CollectivePlan, nodes: Mapping[str, NodePlan]) -> None:
     """A gradient bucket: an all-reduce of parameters' gradients, issued by no op."""
     if c.node != GRADIENTS:
         raise f["node"].fail(f"{GRADIENTS!r} for a gradient bucket (one with params)")
     if c.kind != "all_reduce" or c.phase != "grad_sync":
-        raise f["kind"].fail("an all_reduce of phase grad_sync for a gradient bucket")
+        raise f["kind"].fail("all_reduce, of phase grad_sync, for a gradient bucket")
     for i, name in enumerate(c.params):
         if name not in nodes or nodes[name].op != PARAM:
             raise f["params"].elements()[i].fail("the name of a parameter node in nodes")
 
 
-def _read_stage(f: _Field, axes: tuple[str, ...]) -> Stage:
+def _read_stage(f: JsonField, axes: tuple[str, ...]) -> Stage:
     boundary = f["boundary"]
     p = f["predicted"]
     predicted = None
@@ -289,18 +244,29 @@ def _read_stage(f: _Field, axes: tuple[str, ...]) -> Stage:
         layers=tuple(n.text() for n in f["layers"].elements()),
         received=tuple(n.text() for n in f["received"].elements()),
         sent=tuple(n.text() for n in f["sent"].elements()),
-        boundary=boundary.placements(axes) if boundary.obj() else {},
+        boundary=_placements(boundary, axes) if boundary.obj() else {},
         predicted=predicted,
     )
 
 
-def _read_pipeline(f: _Field) -> Pipeline | None:
+def _read_pipeline(f: JsonField) -> Pipeline | None:
     if f.value is None:
         return None
-    schedule = f["schedule"].text()
-    if schedule not in SCHEDULES:
-        raise f["schedule"].fail(f"one of {', '.join(SCHEDULES)}")
-    count = f["num_microbatches"].integer()
-    if count < 1:
-        raise f["num_microbatches"].fail("at least 1")
+    schedule = f["schedule"].one_of(SCHEDULES)
+    count = f["num_microbatches"].integer(minimum=1)
     return Pipeline(schedule, count, f["bubble_fraction"].number())
+
+
+def _placements(f: JsonField, axes: tuple[str, ...]) -> Placements:
+    """A placement for each of the mesh axes `axes`, keyed by axis name."""
+    found = {}
+    for axis, placement in f.items():
+        if axis not in axes:
+            raise f.problem(f"{axis!r} is not a mesh axis; the mesh has {', '.join(axes)}")
+        text = placement.text()
+        if not is_placement(text):
+            raise placement.fail('a placement: "R", "P" or "S(<dim>)"')
+        found[axis] = text
+    if set(found) != set(axes):
+        raise f.fail(f"a placement for every mesh axis ({', '.join(axes)})")
+    return found

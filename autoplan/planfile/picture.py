@@ -11,7 +11,8 @@ import os
 from typing import TYPE_CHECKING
 
 from autoplan.errors import AutoplanError
-from autoplan.planfile.schema import Pipeline, Plan
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import Pipeline
 from autoplan.planfile.show import GIB, fmt_ranks, fmt_time, stage_layers
 from autoplan.schedules import FORWARD, simulate
 

@@ -8,7 +8,8 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from autoplan.planfile.schema import Pipeline, Placements, Plan, Stage
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import Pipeline, Placements, Stage
 from autoplan.schedules import simulate
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 

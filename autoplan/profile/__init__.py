@@ -4,7 +4,7 @@
 - `bench`: the timing, on every rank of a torchrun job (torch.distributed);
 - `fit`: the analytic constants fitted to the curves (plain data).
 
-The curves land in the cluster file's `measured` section (schema in `autoplan/cluster/model.py`,
+The curves land in the cluster file's `measured` section (schema in `autoplan/cluster/fileio.py`,
 interpolation in `autoplan/cluster/measured.py`), where `autoplan.cluster.timing` uses them.
 """
 

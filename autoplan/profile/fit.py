@@ -29,7 +29,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autoplan.cluster.model import Cluster, Device, Link
+from autoplan.cluster.hardware import Device, Link
+from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import analytic_collective_time
 
 __all__ = ["device_on_base", "fitted_cluster"]

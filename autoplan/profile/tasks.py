@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.cluster.hardware import REQUIRED_DTYPES
 from autoplan.cluster.measured import COLLECTIVE_KINDS, OP_OVERHEAD_KINDS, OVERHEADS
-from autoplan.cluster.model import REQUIRED_DTYPES, mesh_groups
+from autoplan.cluster.mesh import mesh_groups
 
 __all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
 
@@ -65,7 +66,7 @@ class Settings:
 
 @dataclass(frozen=True)
 class Task:
-    """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster/model.py`).
+    """One curve: `section` and `key` as in the `measured` schema (`autoplan/cluster/fileio.py`).
 
     `sizes[i]` is what the operation is built from (matmul: n; element-wise and activation: elements
     per tensor; collective and redistribute_overhead: bytes; op_overhead and op_overheads: ops in

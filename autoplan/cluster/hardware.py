@@ -1,0 +1,103 @@
+"""The parts a cluster is made of: its `Device` (one rank's accelerator) and its `Link`s.
+
+Plain frozen data; `autoplan.cluster.fileio` reads and validates them from a cluster file and
+`autoplan.cluster.model.Cluster` puts them together. They live apart from `Cluster` so that the
+file reader can build them without importing the cluster, which imports the reader. Units:
+bytes, seconds, FLOP/s and bytes/s.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BACKENDS", "FALLBACK_DTYPE", "REQUIRED_DTYPES", "Device", "Link"]
+
+BACKENDS = ("gloo", "nccl")
+# Every cluster file must give peak FLOP/s for these dtypes; more (e.g. "float64") are allowed.
+REQUIRED_DTYPES = ("bfloat16", "float16", "float32")
+# The dtype whose peak stands in for any dtype the file does not list (int64 index math, bool
+# masks, float64): such ops run on the vector units at roughly the fp32 rate, not the tensor cores.
+FALLBACK_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one CPU rank's share of a host).
+
+    `peak_flops` maps torch dtype names ("float32", "bfloat16", "float16") to FLOP/s;
+    `memory_bandwidth` is bytes/s; the efficiencies are the fractions of those peaks that a
+    large matmul and an element-wise op reach (0 < x <= 1).
+    """
+
+    kind: str
+    memory_bytes: int
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float
+    compute_efficiency: float
+    memory_efficiency: float
+
+    def __post_init__(self) -> None:
+        # Sorted, read-only copy with float values so equal devices compare, hash and
+        # serialize identically whether built from JSON ints or Python floats.
+        flops = {str(k): float(v) for k, v in sorted(self.peak_flops.items())}
+        object.__setattr__(self, "peak_flops", types.MappingProxyType(flops))
+        object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
+        object.__setattr__(self, "compute_efficiency", float(self.compute_efficiency))
+        object.__setattr__(self, "memory_efficiency", float(self.memory_efficiency))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # mappingproxy cannot be pickled or deep-copied; rebuild from plain values instead.
+        return (
+            Device,
+            (
+                self.kind,
+                self.memory_bytes,
+                dict(self.peak_flops),
+                self.memory_bandwidth,
+                self.compute_efficiency,
+                self.memory_efficiency,
+            ),
+        )
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.kind,
+                self.memory_bytes,
+                tuple(self.peak_flops.items()),
+                self.memory_bandwidth,
+                self.compute_efficiency,
+                self.memory_efficiency,
+            )
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `device` section of a cluster file."""
+        return {
+            "kind": self.kind,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "compute_efficiency": self.compute_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+        }
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class between devices: `bandwidth` in bytes/s per device in one direction,
+    `latency` in seconds per message (the alpha of the alpha-beta model)."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", float(self.bandwidth))
+        object.__setattr__(self, "latency", float(self.latency))
+
+    def to_dict(self) -> dict[str, float]:
+        """An `intra_node` or `inter_node` section of a cluster file."""
+        return {"bandwidth": self.bandwidth, "latency": self.latency}

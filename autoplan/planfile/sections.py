@@ -1,0 +1,119 @@
+"""The sections of a plan (`autoplan.planfile.schema.Plan`): its provenance, mesh, stages,
+pipeline, parameters, nodes, collectives and predictions, each a plain frozen dataclass.
+
+Placements are keyed by mesh-axis name and written as "R", "P" or "S(d)". The sections live
+apart from `Plan` so that the plan file's reader (`autoplan.planfile.io`) can build them
+without importing the plan, which imports the reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
+PLAN_VERSION = 5
+
+Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    autoplan: str
+    torch: str
+    graph_fingerprint: str
+    cluster_fingerprint: str
+    cluster: str  # the cluster's name, for people
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # row-major over the mesh, last axis fastest
+
+
+@dataclass(frozen=True)
+class StagePredicted:
+    time_s: float  # one microbatch, forward + backward, with the send to the next stage
+    forward_s: float
+    backward_s: float
+    memory_bytes: float  # per device, with the activations of the microbatches in flight
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (a plan without pipelining has one, on every rank). A stage runs
+    on the ranks of its row of the mesh's "pp" axis, with the remaining axes as its mesh."""
+
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    layers: tuple[str, ...] = ()  # "blocks.3" ...
+    received: tuple[str, ...] = ()  # tensors from the stage before (named by their producer)
+    sent: tuple[str, ...] = ()  # tensors to the stage after
+    boundary: Placements = field(default_factory=dict)  # of every tensor received or sent
+    predicted: StagePredicted | None = None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    schedule: str  # a torch.distributed.pipelining schedule: "1F1B" | "GPipe"
+    num_microbatches: int
+    bubble_fraction: float  # predicted idle share of the step
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    placements: Placements  # as the first op that reads it needs it
+    storage: Placements  # as it is kept between steps (with its gradient and optimizer state)
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    op: str
+    module: str
+    output: Placements
+    inputs: tuple[Placements, ...]
+    rule: str  # where the strategy came from: ours | dtensor | replicated | storage | data | output
+    # where a replicated op keeps its output's gradient, when partial ("P" on some axis): its
+    # backward then runs on partial sums and passes them on (strategies/space.kept_partial);
+    # empty for the output's placement
+    grad: Placements = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    bytes: int  # per device: the gathered output for all_gather, else the input
+    # the mesh axes whose ranks form the group: one, or several for a gradient bucket
+    # all-reduced over them together (their flattened group)
+    axes: tuple[str, ...]
+    phase: str  # forward | backward | grad_sync
+    node: str  # the op (or output) that needs the redistribution; "gradients" for a bucket
+    tensor: str  # the node whose output is redistributed; a bucket's name ("bucket0")
+    stage: int = 0  # issued on that stage's mesh, once per microbatch (grad_sync: per step)
+    # a gradient bucket: the parameter nodes whose gradients it all-reduces together, in the
+    # order of its flat buffer (strategies/buckets.py); empty for every other collective
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Predicted:
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    peak_memory_bytes: float
+    memory_limit_bytes: float
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    status: str
+    objective: float
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+    num_groups: int
+    meshes_tried: tuple[tuple[int, ...], ...]
