@@ -1,9 +1,4 @@
-"""Baselines: the conventional hand-written plan of a model, as a `Plan`.
-
-``baseline(model, inputs, cluster, dp=2, tp=4)`` is Megatron-style tensor parallelism over
-groups of ``tp`` devices and data parallelism over ``dp`` such groups, optionally with ZeRO-3.
-Every node's placement is fixed (nothing is searched) and priced by the planner's cost model,
-so a baseline is shown, estimated, compared and executed like any plan.
+"""Build a baseline `Plan` (the package docstring says what a baseline is).
 
 Each mesh axis is placed by *propagation*: parameters and inputs are seeded, and each op in
 graph order takes the first of its own sharding rules (`axis_rules`: ours, else DTensor's)
