@@ -1,17 +1,14 @@
 """Build a baseline `Plan` (the package docstring says what a baseline is).
 
-Each mesh axis is placed by *propagation*: parameters and inputs are seeded, and each op in
-graph order takes the first of its own sharding rules (`axis_rules`: ours, else DTensor's)
-that accepts its inputs as their producers place them; an op with no such rule runs
-replicated on that axis (its inputs gathered, partial sums all-reduced). On the ``dp`` axis
-the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
-gathered before use), so every op follows the batch and the loss ends as partial sums.
+A one-stage baseline is placed by `autoplan.baselines.propagate` (which splits on ``tp`` what
+`autoplan.baselines.regions` finds) and priced as the planner prices its own choice of one
+strategy per node (`autoplan.intra_op.price_step`).
 
 Pipelines (``pp > 1``) split the step as Megatron does: traced at the shape of one
 microbatch, it is cut into one layer per repeated block (`autoplan.graph.cut`: the embedding
 joins the first, the head and the loss the last), and stage ``s`` of ``pp`` gets a contiguous
 run of equally many layers (the first stages one more when ``pp`` does not divide the count).
-Each stage runs on ``dp * tp`` devices and is placed as above on its own graph
+Each stage runs on ``dp * tp`` devices and is placed as one stage is, on its own graph
 (`stage_graph`), where the tensors it receives are inputs: split along dim 0 on dp like the
 batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
 so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
@@ -21,8 +18,7 @@ Stages are priced as the planner prices its own (`autoplan.inter_op.price_pipeli
 from __future__ import annotations
 
 import itertools
-import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,13 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.baselines.regions import rule_for, tp_seeds
+from autoplan.baselines.propagate import assignment_of, baseline_strategies, boundary, mesh_of
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
+from autoplan.graph.ir import OP, Graph
 from autoplan.inter_op import price_pipeline
 from autoplan.intra_op import IntraOpResult, build_problem, price_step
 from autoplan.options import PlanOptions
@@ -45,127 +41,9 @@ from autoplan.planfile.schema import Plan
 from autoplan.schedules import schedule_refusal
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
-from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.pricing import Pricer
-from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import NodeStrategies, Strategy, node_strategies
-
-log = logging.getLogger(__name__)
 
 GiB = 2**30
-
-Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
-
-
-def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
-    """How ZeRO-3 stores a parameter on the dp axis: split along a dim the tp split leaves
-    whole if one divides by dp (so a gather on dp alone restores what tp reads), else along
-    the tp-split dim if it divides by dp * tp, else replicated."""
-    shape = node.output.shape
-    tp_dim = shard_dim(tp_storage)
-    for d, size in enumerate(shape):
-        if d != tp_dim and size % dp == 0:
-            return shard(d)
-    if tp_dim is not None and shape[tp_dim] % (dp * tp) == 0:
-        return shard(tp_dim)
-    return R
-
-
-def _dp_seeds(
-    graph: Graph, dp: int, tp: int, zero_stage: int, on_tp: Seeds
-) -> dict[str, tuple[str, str]]:
-    seeds = {}
-    kept = []
-    for i, node in enumerate(n for n in graph if n.kind == INPUT):
-        if not node.output.shape or node.output.shape[0] % dp:
-            raise AutoplanError(
-                f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
-                f"{node.output.shape}); use a batch size that is a multiple of {dp}"
-            )
-        seeds[node.name] = (shard(0), shard(0))
-    if zero_stage == 3:
-        for node in graph.params:
-            if node.needs_grad:
-                storage = _zero3_storage(node, on_tp.get(node.name, (R, R))[0], dp, tp)
-                seeds[node.name] = (storage, R)
-                if storage == R:
-                    kept.append(node.target)
-    if kept:
-        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
-    return seeds
-
-
-def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
-    """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
-    partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp)."""
-    read: dict[str, str] = {}  # how consumers read each node's output
-    placed: dict[str, AxisRule] = {}
-    for node in graph:
-        if node.kind in (PARAM, INPUT):
-            stored, read[node.name] = seeds.get(node.name, (R, R))
-            placed[node.name] = (stored,)
-            continue
-        ins = tuple(read[r.name] for r in node.refs)
-        rule = rule_for(node, graph, ins) if node.kind == OP else None
-        placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
-        # partial sums are all-reduced for the next op, as Megatron does after a row linear
-        read[node.name] = R if placed[node.name][0] == P else placed[node.name][0]
-    return placed
-
-
-def _strategies(
-    graph: Graph, dp: int, tp: int, zero_stage: int, sent: Collection[str] = ()
-) -> dict[str, NodeStrategies]:
-    """Each node's one strategy in the baseline, on mesh `_mesh_shape(dp, tp)`. On a pipeline
-    stage's graph, the tensors received are inputs (seeded as the batch is: the `_boundary`
-    placement) and the output reads those ``sent`` on in the `_boundary` placement."""
-    on_tp = tp_seeds(graph, tp) if tp > 1 else {}
-    seeds = [_dp_seeds(graph, dp, tp, zero_stage, on_tp)] if dp > 1 else []
-    seeds += [on_tp] if tp > 1 else []
-    mesh_shape = _mesh_shape(dp, tp)
-    per_axis = [_propagate(graph, s) for s in seeds or [{}]]  # one device: all replicated
-    space = {}
-    for node in graph:
-        rules = [placed[node.name] for placed in per_axis]
-        strategy = Strategy(
-            output=tuple(r[0] for r in rules) if node.outputs else (),
-            inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
-        )
-        if node.kind == OUTPUT:
-            inputs = zip(node.refs, strategy.inputs, strict=True)
-            strategy = Strategy(
-                (), tuple(_boundary(dp, tp) if r.name in sent else spec for r, spec in inputs)
-            )
-            space[node.name] = NodeStrategies(node.name, (strategy,), "output")
-            continue
-        allowed = node_strategies(node, graph, mesh_shape)
-        if strategy not in allowed.strategies:
-            raise AutoplanError(
-                f"the baseline places {node.op} in {node.module_path or 'the top level'!r} "
-                f"({node.name}) as {_text(strategy.output)} from {_text(*strategy.inputs)}, "
-                f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
-            )
-        space[node.name] = NodeStrategies(node.name, (strategy,), allowed.source)
-    return space
-
-
-def _assignment(space: Mapping[str, NodeStrategies]) -> dict[str, Strategy]:
-    return {name: ns.strategies[0] for name, ns in space.items()}
-
-
-def _text(*specs: Spec) -> str:
-    return ", ".join("(" + ", ".join(s) + ")" for s in specs)
-
-
-def _mesh_shape(dp: int, tp: int) -> tuple[int, ...]:
-    """``(dp, tp)`` when both are > 1, else the one that is (``(1,)`` on a single device)."""
-    return tuple(n for n in (dp, tp) if n > 1) or (1,)
-
-
-def _boundary(dp: int, tp: int) -> Spec:
-    """How tensors cross pipeline stages on mesh `_mesh_shape(dp, tp)`: each dp group's slice
-    of the batch, whole on tp (as Megatron keeps the residual stream between blocks)."""
-    return (shard(0),) * (dp > 1) + (R,) * (tp > 1) or (R,)
 
 
 def _check_options(
@@ -277,13 +155,13 @@ def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
 def _one_stage(
     graph: Graph, cluster: Cluster, dp: int, tp: int, zero_stage: int, optimizer: str, limit: float
 ) -> Plan:
-    space = _strategies(graph, dp, tp, zero_stage)
-    mesh_shape = _mesh_shape(dp, tp)
+    space = baseline_strategies(graph, dp, tp, zero_stage)
+    mesh_shape = mesh_of(dp, tp)
     costs = Pricer(cluster, mesh_shape, optimizer)
     problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
     choice = (0,) * problem.num_groups
     solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
-    assignment = _assignment(space)
+    assignment = assignment_of(space)
     result = IntraOpResult(mesh_shape, assignment, solution, problem)
     rules = {name: ns.source for name, ns in space.items()}
     return make_plan(
@@ -322,18 +200,18 @@ def _pipelined(
         stage = stage_graph(graph, stages, s, s + 1)
         try:
             assignments.append(
-                _assignment(_strategies(stage.graph, dp, tp, zero_stage, stage.sent))
+                assignment_of(baseline_strategies(stage.graph, dp, tp, zero_stage, stage.sent))
             )
         except AutoplanError as e:
             names = ", ".join(layer.name for layer in group)
             raise AutoplanError(f"pipeline stage {s} ({names}): {e}") from e
-    mesh_shape = _mesh_shape(dp, tp)
+    mesh_shape = mesh_of(dp, tp)
     pipe = price_pipeline(
         graph,
         tuple(stages),
         cluster,
         mesh_shape=mesh_shape,
-        boundary=_boundary(dp, tp),
+        boundary=boundary(dp, tp),
         assignments=assignments,
         num_microbatches=num_microbatches,
         schedule=schedule,
@@ -362,9 +240,9 @@ def baseline(
     options: PlanOptions | None = None,
 ) -> Plan:
     """The conventional plan of ``model`` on ``cluster``: Megatron tensor parallelism over
-    ``tp`` devices (the module docstring says which linears it splits) and data parallelism
-    over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D if one is 1),
-    in ``pp`` pipeline stages.
+    ``tp`` devices (`autoplan.baselines.regions` says which linears it splits) and data
+    parallelism over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D
+    if one is 1), in ``pp`` pipeline stages.
 
     ``zero_stage=3`` stores parameters, with their gradients and optimizer state, split along
     the dp axis and gathers each before use (ZeRO-3 / FSDP); a parameter with no dim divisible
@@ -373,7 +251,7 @@ def baseline(
     parameter together with its gradient and optimizer state: they raise an error.
 
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
-    (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (the module
+    (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
     docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
     ``("pp", dp, tp)``. ``options`` also give the optimizer and the memory budget; what the
     planner would search (mesh, pins, stages) must be left unset.

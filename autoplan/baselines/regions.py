@@ -49,7 +49,8 @@ class Region:
 
 
 def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
-    """The first per-axis rule of ``node`` that takes its inputs placed as ``inputs``."""
+    """The first per-axis rule of ``node`` that takes its inputs placed as ``inputs``: how a
+    split follows an op, inside a region here and on every axis in `propagate`."""
     if all(p == R for p in inputs):
         return (R, *inputs)
     rules, _ = axis_rules(node, graph)
