@@ -1,7 +1,7 @@
 """autoplan: automatic parallelization planning for PyTorch."""
 
 from autoplan.api import plan
-from autoplan.baseline import baseline
+from autoplan.baselines import baseline
 from autoplan.cluster import Cluster
 from autoplan.estimate import estimate
 from autoplan.options import PlanOptions

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoplan.api import plan
-from autoplan.baseline import baseline
+from autoplan.baselines import baseline
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate

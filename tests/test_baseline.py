@@ -14,7 +14,7 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.baseline import find_regions
+from autoplan.baselines.regions import find_regions
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.planfile.schema import Plan

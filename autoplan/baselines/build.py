@@ -1,0 +1,288 @@
+"""Build a baseline `Plan` (the package docstring says what a baseline is).
+
+A one-stage baseline is placed by `autoplan.baselines.propagate` (which splits on ``tp`` what
+`autoplan.baselines.regions` finds) and priced as the planner prices its own choice of one
+strategy per node (`autoplan.intra_op.price_step`).
+
+Pipelines (``pp > 1``) split the step as Megatron does: traced at the shape of one
+microbatch, it is cut into one layer per repeated block (`autoplan.graph.cut`: the embedding
+joins the first, the head and the loss the last), and stage ``s`` of ``pp`` gets a contiguous
+run of equally many layers (the first stages one more when ``pp`` does not divide the count).
+Each stage runs on ``dp * tp`` devices and is placed as one stage is, on its own graph
+(`stage_graph`), where the tensors it receives are inputs: split along dim 0 on dp like the
+batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
+so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
+Stages are priced as the planner prices its own (`autoplan.inter_op.price_pipeline`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.baselines.propagate import assignment_of, baseline_strategies, boundary, mesh_of
+from autoplan.cluster.model import Cluster
+from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.graph.blocks import BlockSharing, block_of
+from autoplan.graph.capture import as_tuple, capture, microbatch
+from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
+from autoplan.graph.ir import OP, Graph
+from autoplan.inter_op import price_pipeline
+from autoplan.intra_op import IntraOpResult, build_problem, price_step
+from autoplan.options import PlanOptions
+from autoplan.planfile.assemble import make_pipeline_plan, make_plan
+from autoplan.planfile.schema import Plan
+from autoplan.schedules import schedule_refusal
+from autoplan.solve.evaluate import evaluate
+from autoplan.solve.problem import IntraOpSolution
+from autoplan.strategies.pricing import Pricer
+
+GiB = 2**30
+
+
+def _check_options(
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero_stage: int,
+    options: PlanOptions,
+) -> None:
+    searched = {
+        "mesh_shape": options.mesh_shape,
+        "pin": dict(options.pin) or None,
+        "pipeline": options.pipeline,
+        "num_stages": options.num_stages,
+    }
+    for name, value in searched.items():
+        if value is not None:
+            raise AutoplanError(
+                f"a baseline takes its mesh and stages from dp, tp and pp, not from options; "
+                f"leave PlanOptions.{name} unset (it is {value!r})"
+            )
+    num_microbatches = options.num_microbatches
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise AutoplanError(f"{name} must be a positive integer, got {value!r}")
+    if dp * tp * pp != cluster.num_devices:
+        raise AutoplanError(
+            f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp}, but cluster {cluster.name!r} "
+            f"has {cluster.num_devices} devices; choose degrees whose product is "
+            f"{cluster.num_devices}"
+        )
+    if pp == 1 and num_microbatches not in (None, 1):
+        raise AutoplanError(
+            f"num_microbatches={num_microbatches} applies to pipeline stages (pp > 1); with "
+            "pp=1 leave it out"
+        )
+    if zero_stage in (1, 2):
+        raise AutoplanError(
+            f"zero_stage={zero_stage} cannot be written in a plan: a plan stores each parameter "
+            "together with its gradient and optimizer state, so the optimizer state (ZeRO-1) "
+            "or gradients (ZeRO-2) cannot be split alone; use zero_stage=0 or 3"
+        )
+    if zero_stage not in (0, 3):
+        raise AutoplanError(f"zero_stage must be 0 or 3, got {zero_stage!r}")
+    if zero_stage == 3 and dp == 1:
+        raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
+
+
+def _check_pipeline(
+    cluster: Cluster,
+    example_inputs: Any,
+    example_target: Any,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int,
+    schedule: str,
+) -> None:
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise AutoplanError(
+            f"num_microbatches must be a positive integer, got {num_microbatches!r}"
+        )
+    refusal = schedule_refusal(schedule, pp, num_microbatches)
+    if refusal:
+        raise AutoplanError(refusal)
+    size, per_node = dp * tp, cluster.devices_per_node
+    if per_node % size and size % per_node:
+        raise AutoplanError(
+            f"a pipeline stage of dp * tp = {size} devices would straddle the nodes of cluster "
+            f"{cluster.name!r} ({per_node} devices each); choose dp * tp dividing {per_node} "
+            "or a multiple of it"
+        )
+    named = [(f"input {i}", x) for i, x in enumerate(as_tuple(example_inputs))]
+    for what, x in [*named, ("the target", example_target)]:
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            continue
+        batch = x.shape[0]
+        if batch % num_microbatches:
+            raise AutoplanError(
+                f"num_microbatches={num_microbatches} does not divide the batch (dim 0, size "
+                f"{batch}) of {what}; use a divisor of {batch}"
+            )
+        if batch // num_microbatches % dp:
+            raise AutoplanError(
+                f"dp={dp} does not divide the microbatches of {what} ({batch} in "
+                f"{num_microbatches} microbatches of {batch // num_microbatches}); use a batch "
+                f"that is a multiple of dp * num_microbatches = {dp * num_microbatches}"
+            )
+
+
+def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
+    """Megatron's split: one layer per block (without repeated blocks, runs of ops of about
+    equal FLOPs, see `autoplan.graph.cut`) in ``pp`` contiguous runs of equal length, the
+    first ones one layer longer when ``pp`` does not divide the layer count."""
+    blocks = {b for n in graph if n.kind == OP and (b := block_of(n)) is not None}
+    layers = cut_layers(graph, len(blocks) or DEFAULT_MAX_LAYERS)
+    if len(layers) < pp:
+        names = ", ".join(layer.name for layer in layers)
+        raise AutoplanError(
+            f"pp={pp}, but the model has {len(layers)} layer(s) to split into stages ({names}); "
+            f"use pp <= {len(layers)}"
+        )
+    size, extra = divmod(len(layers), pp)
+    bounds = [s * size + min(s, extra) for s in range(pp + 1)]
+    return [layers[start:stop] for start, stop in itertools.pairwise(bounds)]
+
+
+def _one_stage(
+    graph: Graph, cluster: Cluster, dp: int, tp: int, zero_stage: int, optimizer: str, limit: float
+) -> Plan:
+    space = baseline_strategies(graph, dp, tp, zero_stage)
+    mesh_shape = mesh_of(dp, tp)
+    costs = Pricer(cluster, mesh_shape, optimizer)
+    problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
+    choice = (0,) * problem.num_groups
+    solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
+    assignment = assignment_of(space)
+    result = IntraOpResult(mesh_shape, assignment, solution, problem)
+    rules = {name: ns.source for name, ns in space.items()}
+    return make_plan(
+        graph, cluster, result, price_step(graph, assignment, costs), rules, (mesh_shape,)
+    )
+
+
+def _pipelined(
+    graph: Graph,
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int,
+    schedule: str,
+    zero_stage: int,
+    optimizer: str,
+    limit: float,
+) -> Plan:
+    """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
+    own graph as a one-stage baseline is."""
+    groups = _split_layers(graph, pp)
+    stages = []  # each stage as one layer, the unit `price_pipeline` prices
+    for s, group in enumerate(groups):
+        members = {name for layer in group for name in layer.nodes}
+        stages.append(Layer(f"stage {s}", tuple(n.name for n in graph if n.name in members)))
+    shared = shared_params(graph, stages)
+    if shared:
+        name, readers = next(iter(shared.items()))
+        raise AutoplanError(
+            f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
+            "which cannot share it; use pp=1 or untie the weights"
+        )
+    assignments = []
+    for s, group in enumerate(groups):
+        stage = stage_graph(graph, stages, s, s + 1)
+        try:
+            assignments.append(
+                assignment_of(baseline_strategies(stage.graph, dp, tp, zero_stage, stage.sent))
+            )
+        except AutoplanError as e:
+            names = ", ".join(layer.name for layer in group)
+            raise AutoplanError(f"pipeline stage {s} ({names}): {e}") from e
+    mesh_shape = mesh_of(dp, tp)
+    pipe = price_pipeline(
+        graph,
+        tuple(stages),
+        cluster,
+        mesh_shape=mesh_shape,
+        boundary=boundary(dp, tp),
+        assignments=assignments,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        memory_limit=limit,
+    )
+    plan = make_pipeline_plan(pipe, cluster, (mesh_shape,))
+    named = (
+        replace(st, layers=tuple(layer.name for layer in group))
+        for st, group in zip(plan.stages, groups, strict=True)
+    )
+    return replace(plan, stages=tuple(named), solver=replace(plan.solver, status="baseline"))
+
+
+def baseline(
+    model: nn.Module,
+    example_inputs: Any,
+    cluster: Cluster | str | Path,
+    *,
+    dp: int,
+    tp: int,
+    pp: int = 1,
+    zero_stage: int = 0,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """The conventional plan of ``model`` on ``cluster``: Megatron tensor parallelism over
+    ``tp`` devices (`autoplan.baselines.regions` says which linears it splits) and data
+    parallelism over ``dp`` (inputs and target split along dim 0), on mesh ``(dp, tp)`` (1-D
+    if one is 1), in ``pp`` pipeline stages.
+
+    ``zero_stage=3`` stores parameters, with their gradients and optimizer state, split along
+    the dp axis and gathers each before use (ZeRO-3 / FSDP); a parameter with no dim divisible
+    by ``dp`` stays replicated (with a warning). Stages 1 and 2 (only the optimizer state, or
+    it and the gradients, split) cannot be written in a plan, whose storage placement covers a
+    parameter together with its gradient and optimizer state: they raise an error.
+
+    ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
+    (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
+    docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
+    ``("pp", dp, tp)``. ``options`` also give the optimizer and the memory budget; what the
+    planner would search (mesh, pins, stages) must be left unset.
+
+    ``dp * tp * pp`` must equal the cluster's device count. Time and memory are predicted by
+    the planner's cost model; a baseline that does not fit in ``options.memory_fraction`` of
+    device memory raises `InfeasiblePlanError`.
+    """
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)
+    options = options or PlanOptions()
+    _check_options(cluster, dp, tp, pp, zero_stage, options)
+    schedule = options.schedule or "1F1B"
+    optimizer, memory_fraction = options.optimizer, options.memory_fraction
+    limit = cluster.device.memory_bytes * memory_fraction
+    degrees = f"dp={dp} tp={tp}"
+    if pp == 1:
+        graph = capture(model, example_inputs, loss_fn, example_target)
+        plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit)
+    else:
+        count = pp if options.num_microbatches is None else options.num_microbatches
+        _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
+        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+        graph = capture(model, inputs, loss_fn, target)
+        plan = _pipelined(graph, cluster, dp, tp, pp, count, schedule, zero_stage, optimizer, limit)
+        degrees += f" pp={pp} num_microbatches={count}"
+    need = plan.predicted.peak_memory_bytes
+    if need > limit:
+        raise InfeasiblePlanError(
+            f"the baseline {degrees} zero_stage={zero_stage} needs {need / GiB:.2f} GiB per "
+            f"device, but a device of cluster {cluster.name!r} offers {limit / GiB:.2f} GiB "
+            f"({memory_fraction:.0%} of {cluster.device.memory_bytes / GiB:.0f} GiB)"
+        )
+    return plan

@@ -1,0 +1,142 @@
+"""Placing a baseline: each mesh axis by propagation from its seeds, then one strategy a node.
+
+Each mesh axis is placed by *propagation*: parameters and inputs are seeded, and each op in
+graph order takes the first of its own sharding rules (`axis_rules`: ours, else DTensor's)
+that accepts its inputs as their producers place them; an op with no such rule runs
+replicated on that axis (its inputs gathered, partial sums all-reduced). On the ``dp`` axis
+the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
+gathered before use), so every op follows the batch and the loss ends as partial sums. On
+the ``tp`` axis the seeds are the split linears' parameters (`autoplan.baselines.regions`).
+
+The axes combine into one strategy per node on mesh `mesh_of(dp, tp)`; it must be one of the
+node's own strategies on that mesh (`node_strategies`: every split divides evenly), else the
+degrees are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+
+from autoplan.baselines.regions import rule_for, tp_seeds
+from autoplan.errors import AutoplanError
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
+from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+from autoplan.strategies.rules import AxisRule
+from autoplan.strategies.space import NodeStrategies, Strategy, node_strategies
+
+log = logging.getLogger(__name__)
+
+Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
+
+
+def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
+    """How ZeRO-3 stores a parameter on the dp axis: split along a dim the tp split leaves
+    whole if one divides by dp (so a gather on dp alone restores what tp reads), else along
+    the tp-split dim if it divides by dp * tp, else replicated."""
+    shape = node.output.shape
+    tp_dim = shard_dim(tp_storage)
+    for d, size in enumerate(shape):
+        if d != tp_dim and size % dp == 0:
+            return shard(d)
+    if tp_dim is not None and shape[tp_dim] % (dp * tp) == 0:
+        return shard(tp_dim)
+    return R
+
+
+def _dp_seeds(
+    graph: Graph, dp: int, tp: int, zero_stage: int, on_tp: Seeds
+) -> dict[str, tuple[str, str]]:
+    seeds = {}
+    kept = []
+    for i, node in enumerate(n for n in graph if n.kind == INPUT):
+        if not node.output.shape or node.output.shape[0] % dp:
+            raise AutoplanError(
+                f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
+                f"{node.output.shape}); use a batch size that is a multiple of {dp}"
+            )
+        seeds[node.name] = (shard(0), shard(0))
+    if zero_stage == 3:
+        for node in graph.params:
+            if node.needs_grad:
+                storage = _zero3_storage(node, on_tp.get(node.name, (R, R))[0], dp, tp)
+                seeds[node.name] = (storage, R)
+                if storage == R:
+                    kept.append(node.target)
+    if kept:
+        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
+    return seeds
+
+
+def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
+    """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
+    partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp)."""
+    read: dict[str, str] = {}  # how consumers read each node's output
+    placed: dict[str, AxisRule] = {}
+    for node in graph:
+        if node.kind in (PARAM, INPUT):
+            stored, read[node.name] = seeds.get(node.name, (R, R))
+            placed[node.name] = (stored,)
+            continue
+        ins = tuple(read[r.name] for r in node.refs)
+        rule = rule_for(node, graph, ins) if node.kind == OP else None
+        placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
+        # partial sums are all-reduced for the next op, as Megatron does after a row linear
+        read[node.name] = R if placed[node.name][0] == P else placed[node.name][0]
+    return placed
+
+
+def baseline_strategies(
+    graph: Graph, dp: int, tp: int, zero_stage: int, sent: Collection[str] = ()
+) -> dict[str, NodeStrategies]:
+    """Each node's one strategy in the baseline, on mesh `mesh_of(dp, tp)`. On a pipeline
+    stage's graph, the tensors received are inputs (seeded as the batch is: the `boundary`
+    placement) and the output reads those ``sent`` on in the `boundary` placement."""
+    on_tp = tp_seeds(graph, tp) if tp > 1 else {}
+    seeds = [_dp_seeds(graph, dp, tp, zero_stage, on_tp)] if dp > 1 else []
+    seeds += [on_tp] if tp > 1 else []
+    mesh_shape = mesh_of(dp, tp)
+    per_axis = [_propagate(graph, s) for s in seeds or [{}]]  # one device: all replicated
+    space = {}
+    for node in graph:
+        rules = [placed[node.name] for placed in per_axis]
+        strategy = Strategy(
+            output=tuple(r[0] for r in rules) if node.outputs else (),
+            inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
+        )
+        if node.kind == OUTPUT:
+            inputs = zip(node.refs, strategy.inputs, strict=True)
+            strategy = Strategy(
+                (), tuple(boundary(dp, tp) if r.name in sent else spec for r, spec in inputs)
+            )
+            space[node.name] = NodeStrategies(node.name, (strategy,), "output")
+            continue
+        allowed = node_strategies(node, graph, mesh_shape)
+        if strategy not in allowed.strategies:
+            raise AutoplanError(
+                f"the baseline places {node.op} in {node.module_path or 'the top level'!r} "
+                f"({node.name}) as {_text(strategy.output)} from {_text(*strategy.inputs)}, "
+                f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
+            )
+        space[node.name] = NodeStrategies(node.name, (strategy,), allowed.source)
+    return space
+
+
+def assignment_of(space: Mapping[str, NodeStrategies]) -> dict[str, Strategy]:
+    """The one strategy of each node in ``space``."""
+    return {name: ns.strategies[0] for name, ns in space.items()}
+
+
+def _text(*specs: Spec) -> str:
+    return ", ".join("(" + ", ".join(s) + ")" for s in specs)
+
+
+def mesh_of(dp: int, tp: int) -> tuple[int, ...]:
+    """``(dp, tp)`` when both are > 1, else the one that is (``(1,)`` on a single device)."""
+    return tuple(n for n in (dp, tp) if n > 1) or (1,)
+
+
+def boundary(dp: int, tp: int) -> Spec:
+    """How tensors cross pipeline stages on mesh `mesh_of(dp, tp)`: each dp group's slice
+    of the batch, whole on tp (as Megatron keeps the residual stream between blocks)."""
+    return (shard(0),) * (dp > 1) + (R,) * (tp > 1) or (R,)

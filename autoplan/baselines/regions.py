@@ -1,0 +1,184 @@
+"""Megatron's tensor-parallel regions: which linears a baseline splits on the ``tp`` axis.
+
+On the ``tp`` axis, which linears Megatron splits is found in the traced graph, not from
+parameter names. Activations outside a tensor-parallel *region* are replicated. A region
+starts at *column* linears (``aten.linear`` reading an activation outside any region: the
+residual stream, a normalized activation, an input); their output is split along its last
+dim. The split follows every op that has a rule taking the split inputs, with its other inputs
+replicated, to a split output: views and transposes that keep the split dim whole, attention
+over split heads, activation functions, products of two split tensors. A region ends at *row*
+linears that contract the split dim; their partial sums are all-reduced by the next op.
+Regions that meet at an op are one region. A region is kept only if every path out of it
+ends at a row linear; one that reaches anything else (a normalization or residual add over the
+split dim, the loss, the output, a view that moves the split dim) stays replicated, as do
+linears whose weight or bias another op also reads (tied weights). Column weights and biases
+are split ``S(0)`` (output features), row weights ``S(1)`` (input features), row biases are
+stored replicated and read as partial sums (added on one rank).
+
+Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter, convolutions or
+embeddings (no vocabulary-parallel embedding or head); a parameter read inside a region by
+anything but its linears breaks the region; a fused projection chunked along its features
+(one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row split of its weight
+would mix the pieces (Megatron interleaves them); no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from autoplan.errors import AutoplanError
+from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
+from autoplan.strategies.placement import P, R, shard, shard_dim
+from autoplan.strategies.rules import AxisRule
+from autoplan.strategies.space import axis_rules
+
+log = logging.getLogger(__name__)
+
+LINEAR = "aten.linear.default"
+
+
+@dataclass(frozen=True)
+class Region:
+    """One tensor-parallel region: linears split by output features, then by input features."""
+
+    columns: tuple[str, ...]  # linear node names, in graph order
+    rows: tuple[str, ...]
+    split: tuple[tuple[str, int], ...]  # (node, dim) of every split activation inside
+
+
+def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
+    """The first per-axis rule of ``node`` that takes its inputs placed as ``inputs``: how a
+    split follows an op, inside a region here and on every axis in `propagate`."""
+    if all(p == R for p in inputs):
+        return (R, *inputs)
+    rules, _ = axis_rules(node, graph)
+    return next((rule for rule in rules if rule[1:] == inputs), None)
+
+
+def _own_params(graph: Graph, node: Node) -> bool:
+    """The linear's weight (and bias) are parameters that no other op reads."""
+    return all(
+        graph.node(r.name).kind == PARAM and graph.users(r.name) == (node.name,)
+        for r in node.refs[1:]
+    )
+
+
+def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
+    """A linear whose only split input is its activation, split along the contracted dim."""
+    x = node.refs[0].name
+    return (
+        node.op == LINEAR
+        and [r.name for r in node.refs if r.name in split] == [x]
+        and split[x] == len(graph.node(x).outputs[0].shape) - 1
+        and _own_params(graph, node)
+    )
+
+
+def find_regions(graph: Graph) -> tuple[Region, ...]:
+    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
+    split: dict[str, int] = {}  # activation inside a region -> its split dim
+    parent: dict[str, str] = {}  # union-find over column linears; a class is one region
+    region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
+    rows: set[str] = set()
+    broken: set[str] = set()
+
+    def find(column: str) -> str:
+        while parent[column] != column:
+            column = parent[column]
+        return column
+
+    for node in graph:
+        if node.kind not in (OP, OUTPUT):
+            continue
+        inside = [r.name for r in node.refs if r.name in split]
+        if not inside:
+            x = graph.node(node.refs[0].name) if node.refs else None
+            if node.op == LINEAR and x is not None and x.kind != PARAM and _own_params(graph, node):
+                split[node.name] = len(node.output.shape) - 1
+                parent[node.name] = region_of[node.name] = node.name
+            continue
+        roots = sorted({find(region_of[name]) for name in inside})
+        for other in roots[1:]:
+            parent[other] = roots[0]
+        if _is_row(graph, node, split):
+            rows.add(node.name)  # its output is replicated again (after the all-reduce)
+            region_of[node.name] = roots[0]
+            continue
+        ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
+        rule = rule_for(node, graph, ins) if node.kind == OP else None
+        dim = shard_dim(rule[0]) if rule is not None else None
+        if dim is None:
+            broken.add(roots[0])
+        else:
+            split[node.name] = dim
+            region_of[node.name] = roots[0]
+
+    members: dict[str, list[str]] = {}
+    for name in region_of:  # graph order
+        members.setdefault(find(region_of[name]), []).append(name)
+    broken = {find(c) for c in broken}
+    regions = []
+    for root, names in members.items():
+        if root not in broken and any(n in rows for n in names):
+            regions.append(
+                Region(
+                    columns=tuple(n for n in names if n in parent),
+                    rows=tuple(n for n in names if n in rows),
+                    split=tuple((n, split[n]) for n in names if n in split),
+                )
+            )
+    return tuple(regions)
+
+
+def _check_tp_divides(graph: Graph, regions: Sequence[Region], tp: int) -> None:
+    for region in regions:
+        for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
+            weight = graph.node(graph.node(linear).refs[1].name)
+            size = weight.output.shape[dim]
+            if size % tp:
+                kind = "column" if dim == 0 else "row"
+                raise AutoplanError(
+                    f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
+                    f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
+                    "choose a tp that divides it"
+                )
+        for name, dim in region.split:
+            node = graph.node(name)
+            size = node.outputs[0].shape[dim]
+            if size % tp:
+                where = node.module_path or "the top-level module"
+                raise AutoplanError(
+                    f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
+                    "which the tensor-parallel split runs through (e.g. the number of attention "
+                    "heads); choose a tp that divides it"
+                )
+
+
+def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
+    """The ``tp`` axis's seeds (parameter -> stored, read placements) from the regions of
+    ``graph``, checked to split evenly over ``tp`` devices."""
+    regions = find_regions(graph)
+    if not regions:
+        raise AutoplanError(
+            f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
+            "reaches only other linears, through element-wise ops, views or attention); use tp=1"
+        )
+    _check_tp_divides(graph, regions, tp)
+    log.info(
+        "tp=%d: %d tensor-parallel regions, %d column and %d row linears split",
+        tp,
+        len(regions),
+        sum(len(r.columns) for r in regions),
+        sum(len(r.rows) for r in regions),
+    )
+    seeds = {}
+    for region in regions:
+        for column in region.columns:
+            seeds.update({r.name: (shard(0), shard(0)) for r in graph.node(column).refs[1:]})
+        for row in region.rows:
+            weight, *bias = graph.node(row).refs[1:]
+            seeds[weight.name] = (shard(1), shard(1))
+            seeds.update({b.name: (R, P) for b in bias})  # added on one rank: a partial sum
+    return seeds
