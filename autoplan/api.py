@@ -19,11 +19,11 @@ from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import INPUT, PARAM, Graph
 from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
-from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import SCHEDULES, check_schedule, schedule_refusal
+from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.strategies.pricing import OPTIMIZER_STATE, Pricer
 
 log = logging.getLogger(__name__)

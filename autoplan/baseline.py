@@ -64,10 +64,11 @@ from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.inter_op import price_pipeline
-from autoplan.intra_op import IntraOpResult, build_problem, price_step
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import check_schedule, schedule_refusal
+from autoplan.search.intra_op import IntraOpResult, build_problem
+from autoplan.search.step_price import price_step
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim

@@ -37,8 +37,9 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, itemsize
-from autoplan.intra_op import MeshPlan, PricedStep, price_step, solve_mesh
 from autoplan.schedules import schedule_refusal, simulate
+from autoplan.search.intra_op import MeshPlan, solve_mesh
+from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.dp import (
     InfeasibleStagesError,
     StageCost,
