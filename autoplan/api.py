@@ -18,12 +18,12 @@ from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import INPUT, PARAM, Graph
-from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
 from autoplan.pins import Pin, apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import SCHEDULES, check_schedule, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
+from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
 from autoplan.strategies.pricing import OPTIMIZER_STATE, Pricer
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,10 @@ def plan(
     rank waiting in the bubble leaves its core to the others), or one stage does not fit;
     True requires a pipeline, False rules them out. ``num_stages``, ``num_microbatches`` (by
     default the fewest that keep the bubble under a third, twice the most stages tried, and
-    on one node halved while that is faster; see `autoplan.inter_op.plan_pipeline`) and
-    ``schedule`` ("1F1B" or "GPipe"; by default the faster that fits) narrow the search; the
-    step is cut into at most ``max_layers`` layers (see `autoplan.graph.cut`).
+    on one node halved while that is faster; see
+    `autoplan.search.pipeline_search.plan_pipeline`) and ``schedule`` ("1F1B" or "GPipe"; by
+    default the faster that fits) narrow the search; the step is cut into at most
+    ``max_layers`` layers (see `autoplan.graph.cut`).
     """
     start = time.perf_counter()
     log.info("tracing %s ...", type(model).__name__)

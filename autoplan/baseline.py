@@ -41,7 +41,7 @@ Each stage runs on ``dp * tp`` devices and is placed as above on its own graph
 (`stage_graph`), where the tensors it receives are inputs: split along dim 0 on dp like the
 batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
 so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
-Stages are priced as the planner prices its own (`autoplan.inter_op.price_pipeline`).
+Stages are priced as the planner prices its own (`autoplan.search.pipeline_price.price_pipeline`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
-from autoplan.inter_op import price_pipeline
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import check_schedule, schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
+from autoplan.search.pipeline_price import price_pipeline
 from autoplan.search.step_price import price_step
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution

@@ -10,7 +10,6 @@ import torch
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
-from autoplan.inter_op import PipelinePlan
 from autoplan.planfile.schema import (
     CollectivePlan,
     Mesh,
@@ -26,6 +25,7 @@ from autoplan.planfile.schema import (
     StagePredicted,
 )
 from autoplan.search.intra_op import IntraOpResult
+from autoplan.search.pipeline_price import PipelinePlan
 from autoplan.search.step_price import PricedStep
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
