@@ -28,7 +28,7 @@ from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
 from autoplan.schedules import simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
-from autoplan.solve.dp import pipeline_time
+from autoplan.solve.stage_problem import pipeline_time
 from autoplan.strategies.placement import Spec, local_numel
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy

@@ -4,8 +4,8 @@ logical mesh, boundary placement and microbatch count, and the fastest pipeline 
 For each microbatch count ``B`` tried (`plan_pipeline`), the step is traced at the shape of one
 microbatch and cut into layers (`autoplan.graph.cut`). For each stage size (a submesh of
 ``|m|`` devices: part of a node or whole nodes), each logical mesh of it and each boundary
-placement (`autoplan.search.stage_layout`), `solve_stages` (`autoplan.solve.dp`) chooses the
-layer ranges; a range costs the sum of its layers' intra-op ILP plans
+placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solve.stage_search`)
+chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plans
 (`autoplan.search.layer_plans`), each layer solved once per structure. The stages found are
 then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
 the fastest that fits kept.
@@ -36,13 +36,8 @@ from autoplan.search.stage_layout import (
     stage_sizes,
     stage_submesh,
 )
-from autoplan.solve.dp import (
-    InfeasibleStagesError,
-    StageCost,
-    StageProblem,
-    Submesh,
-    solve_stages,
-)
+from autoplan.solve.stage_problem import InfeasibleStagesError, StageCost, StageProblem, Submesh
+from autoplan.solve.stage_search import solve_stages
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
