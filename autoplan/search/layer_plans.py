@@ -25,15 +25,16 @@ from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.pipeline_price import (
     SolvedStage,
     SolverStats,
+    own_decisions,
     priced_stage,
     send_time,
     sent_bytes,
 )
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
 from autoplan.search.step_price import price_step
-from autoplan.strategies.placement import R, Spec, is_valid
+from autoplan.strategies.placement import Spec, is_valid, replicated
 from autoplan.strategies.pricing import Pricer
-from autoplan.strategies.space import NodeStrategies, Strategy
+from autoplan.strategies.space import NodeStrategies
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +109,16 @@ class StageSolver:
         found = self.cost(start, stop)
         assert found is not None, "the DP chose a range it was told does not fit"
         stage = stage_graph(self.graph, self.layers, start, stop)
-        assignment: dict[str, Strategy] = {}
-        rules: dict[str, str] = {}
         parts = [self._renamed(i, found.level) for i in range(start, stop)]
-        for part in parts:
-            own = set(part.stage.nodes)
-            assignment.update({k: v for k, v in part.assignment.items() if k in own})
-            rules.update({k: v for k, v in part.rules.items() if k in own})
+        assignment, rules = own_decisions(parts)
         output = stage.graph.nodes[-1]
-        replicated = tuple(R for _ in self.costs.mesh_shape)
-        loss = tuple(replicated for _ in output.refs[len(stage.sent) :])
+        whole = replicated(len(self.costs.mesh_shape))
+        loss = tuple(whole for _ in output.refs[len(stage.sent) :])
         assignment.update(boundary_assignment(stage, self.boundary, loss))
         rules.update(dict.fromkeys(stage.received, "boundary"))
         rules[output.name] = "output"
         step = price_step(stage.graph, assignment, self.costs)
-        stats = [p.solver for p in parts]
-        solver = SolverStats(*(sum(column) for column in zip(*stats, strict=True)))
+        solver = SolverStats.total(p.solver for p in parts)
         return priced_stage(
             start, stop, stage, assignment, step, rules, self.costs, self.send_s(stop), solver
         )
@@ -156,9 +151,8 @@ class StageSolver:
         stage = self._stages[i]
         graph = stage.graph
         mesh, boundary = self.costs.mesh_shape, self.boundary
-        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.received):
-            return None
-        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in stage.sent):
+        crossing = (*stage.received, *stage.sent)
+        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in crossing):
             return None
 
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:

@@ -17,9 +17,8 @@ A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
@@ -76,13 +75,37 @@ class PipelinePlan:
         return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
 
 
-class SolverStats(NamedTuple):
+@dataclass(frozen=True)
+class SolverStats:
     """What the ILPs behind a stage took to solve (zeros for strategies given)."""
 
     solve_time_s: float
     num_variables: int
     num_constraints: int
     num_groups: int
+
+    @staticmethod
+    def total(stats: Iterable[SolverStats]) -> SolverStats:
+        """The ILPs behind several stages or layers, added up."""
+        found = list(stats)
+        return SolverStats(
+            solve_time_s=sum(s.solve_time_s for s in found),
+            num_variables=sum(s.num_variables for s in found),
+            num_constraints=sum(s.num_constraints for s in found),
+            num_groups=sum(s.num_groups for s in found),
+        )
+
+
+def own_decisions(stages: Iterable[SolvedStage]) -> tuple[dict[str, Strategy], dict[str, str]]:
+    """The strategies and rules of the stages' own nodes (their nodes of the original graph,
+    not the boundary nodes each stage graph adds), merged in stage order."""
+    assignment: dict[str, Strategy] = {}
+    rules: dict[str, str] = {}
+    for st in stages:
+        own = set(st.stage.nodes)
+        assignment.update({k: v for k, v in st.assignment.items() if k in own})
+        rules.update({k: v for k, v in st.rules.items() if k in own})
+    return assignment, rules
 
 
 def priced_stage(

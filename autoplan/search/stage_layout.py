@@ -15,7 +15,6 @@ from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.cut import StageGraph
-from autoplan.graph.ir import OUTPUT
 from autoplan.solve.stage_problem import Submesh
 from autoplan.strategies.placement import R, Spec, on_mesh
 from autoplan.strategies.space import NodeStrategies, Strategy
@@ -81,16 +80,13 @@ def boundary_assignment(
 def pin_boundary(
     space: dict[str, NodeStrategies], stage: StageGraph, boundary: Spec
 ) -> dict[str, NodeStrategies]:
-    """``space`` with the stage graph's own nodes held to the boundary placement (for its
-    ILP): what it receives, and what its output reads of the tensors it sends on."""
+    """``space`` with the stage graph's own nodes held to their `boundary_assignment` (for
+    its ILP), the loss read as its one candidate reads it."""
+    output = stage.graph.nodes[-1]
+    loss_inputs = space[output.name].strategies[0].inputs[len(stage.sent) :]
+    pinned = boundary_assignment(stage, boundary, loss_inputs)
     out = dict(space)
     for name in stage.received:
-        out[name] = replace(out[name], strategies=(Strategy(boundary, ()),), source="boundary")
-    output = next(n for n in stage.graph if n.kind == OUTPUT)
-    ns = out[output.name]
-    inputs = tuple(
-        boundary if r.name in stage.sent else spec
-        for r, spec in zip(output.refs, ns.strategies[0].inputs, strict=True)
-    )
-    out[output.name] = replace(ns, strategies=(Strategy((), inputs),))
+        out[name] = replace(out[name], strategies=(pinned[name],), source="boundary")
+    out[output.name] = replace(out[output.name], strategies=(pinned[output.name],))
     return out
