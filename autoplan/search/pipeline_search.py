@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
@@ -50,6 +51,20 @@ def default_microbatches(batch: int, max_stages: int) -> int:
     the 1F1B bubble of the deepest pipeline tried at or below a third of the step
     (``B >= 2 S``) and divide the batch, or one sample per microbatch."""
     return next((b for b in range(2 * max_stages, batch + 1) if batch % b == 0), batch)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What every pipeline `plan_pipeline` tries shares (its arguments of the same names)."""
+
+    cluster: Cluster
+    schedules: tuple[str, ...]  # the schedules allowed; each stage plan is priced under each
+    optimizer: str  # the optimizer whose state each parameter keeps
+    memory_limit: float  # bytes per device
+    time_limit_s: float  # for each layer's ILP
+    max_layers: int  # the step is cut into at most this many layers
+    meshes: tuple[tuple[int, ...], ...] | None  # each stage's logical mesh; None: stage_meshes
+    num_stages: int | None  # the stage count required, or None for any
 
 
 def plan_pipeline(
@@ -83,14 +98,21 @@ def plan_pipeline(
     ]
     if not sizes or batch < 2:
         return None
+    options = _Options(
+        cluster=cluster,
+        schedules=tuple(schedules),
+        optimizer=optimizer,
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+        max_layers=max_layers,
+        meshes=None if meshes is None else tuple(meshes),
+        num_stages=num_stages,
+    )
     deepest = cluster.num_devices // min(sizes)
     count = num_microbatches or default_microbatches(batch, min(deepest, max_layers))
     best: PipelinePlan | None = None
     while True:
-        found = _best_for_count(
-            graph_for(count), cluster, sizes, count, schedules, optimizer, memory_limit,
-            time_limit_s, max_layers, meshes, num_stages,
-        )  # fmt: skip
+        found = _best_for_count(options, graph_for(count), sizes, count)
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
         best = found
@@ -100,19 +122,12 @@ def plan_pipeline(
 
 
 def _best_for_count(
-    graph: Graph,
-    cluster: Cluster,
-    sizes: Sequence[int],
-    num_microbatches: int,
-    schedules: Sequence[str],
-    optimizer: str,
-    memory_limit: float,
-    time_limit_s: float,
-    max_layers: int,
-    meshes: Sequence[tuple[int, ...]] | None,
-    num_stages: int | None,
+    options: _Options, graph: Graph, sizes: Sequence[int], num_microbatches: int
 ) -> PipelinePlan | None:
-    layers = cut_layers(graph, max_layers)
+    """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
+    sizes ``sizes``."""
+    cluster, num_stages = options.cluster, options.num_stages
+    layers = cut_layers(graph, options.max_layers)
     shared = shared_params(graph, layers)
     if shared:
         name, readers = next(iter(shared.items()))
@@ -127,40 +142,37 @@ def _best_for_count(
     for size in sizes:
         if cluster.num_devices // size > len(layers):
             continue
-        found = _best_for_size(
-            graph, layers, cluster, size, num_microbatches, schedules, optimizer, memory_limit,
-            time_limit_s, meshes,
-        )  # fmt: skip
+        found = _best_for_size(options, graph, layers, size, num_microbatches)
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
 
 
 def _best_for_size(
+    options: _Options,
     graph: Graph,
     layers: tuple[Layer, ...],
-    cluster: Cluster,
     size: int,
     num_microbatches: int,
-    schedules: Sequence[str],
-    optimizer: str,
-    memory_limit: float,
-    time_limit_s: float,
-    meshes: Sequence[tuple[int, ...]] | None,
 ) -> PipelinePlan | None:
+    """The fastest pipeline with stages of ``size`` devices, over their logical meshes,
+    boundary placements and schedules."""
+    cluster, memory_limit = options.cluster, options.memory_limit
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
-    runnable = [s for s in schedules if not schedule_refusal(s, num_stages, num_microbatches)]
+    runnable = [
+        s for s in options.schedules if not schedule_refusal(s, num_stages, num_microbatches)
+    ]
     if not runnable:
         return None
     best: PipelinePlan | None = None
-    for mesh in meshes or stage_meshes(sub_cluster):
+    for mesh in options.meshes or stage_meshes(sub_cluster):
         if math.prod(mesh) != size:
             continue
-        costs = Pricer(sub_cluster, tuple(mesh), optimizer)
+        costs = Pricer(sub_cluster, tuple(mesh), options.optimizer)
         for boundary in boundary_specs(tuple(mesh), spans_nodes=sub_cluster.num_nodes > 1):
             solver = StageSolver(
-                graph, layers, cluster, costs, boundary, memory_limit, time_limit_s
+                graph, layers, cluster, costs, boundary, memory_limit, options.time_limit_s
             )
             solved = _solve_dp(solver, stage_submesh(cluster, size), num_microbatches)
             if solved is None:
