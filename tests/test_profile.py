@@ -546,7 +546,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     partial = Strategy(output=(P,), inputs=())
     seconds, found = costs.forward(t, partial, replicated, 0)
     assert found == (all_reduce,) and seconds == raw + 3.0
-    # the step waits for the ranks' skew at it: sync_s, once per op (intra_op.price_step)
+    # the step waits for the ranks' skew at it: sync_s, once per op (step_price.price_step)
     assert (costs.sync_s, plain.sync_s) == (1.0, 0.0)
     user = dataclasses.replace(op("u"), needs_grad=False)
     assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0

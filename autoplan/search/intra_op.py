@@ -7,6 +7,7 @@ Variables are *groups* of nodes that share one decision:
   element-wise ops) is merged into its producer: for each producer strategy it takes its own
   cheapest strategy given that producer strategy, as Alpa does.
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
+The plan found is priced again from its assignment, node by node (`search.step_price`).
 """
 
 from __future__ import annotations
