@@ -1,7 +1,7 @@
 """The stage DP's cost tables: a `StageProblem`'s ``cost`` and ``send_time`` called once per
 stage and boundary, into arrays indexed ``[k, j, m]`` (notation of
-`autoplan.solve.stage_problem`). A stage ``cost`` reports infeasible is unusable: ``R = 0``
-and ``T = inf`` (:func:`build_tables`).
+`autoplan.solve.stage_problem`). A stage that ``cost`` reports infeasible, or that never fits
+in memory, is unusable: ``R = 0`` and ``T = inf`` (:func:`build_tables`).
 
 Memory (:func:`_max_stages_left`)
     Under 1F1B stage ``s`` keeps ``S - s`` microbatches in flight: ``mem + (S - s) * act <=
