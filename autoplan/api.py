@@ -17,13 +17,13 @@ from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.ir import INPUT, PARAM, Graph
-from autoplan.inter_op import GraphForMicrobatches, plan_pipeline
-from autoplan.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import SCHEDULES, schedule_refusal
+from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
+from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,6 @@ from autoplan.errors import PlanFormatError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
-from autoplan.inter_op import boundary_assignment, price_pipeline
-from autoplan.intra_op import price_step
 from autoplan.planfile.assemble import (
     collective_plans,
     make_pipeline_plan,
@@ -26,6 +24,9 @@ from autoplan.planfile.assemble import (
 )
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
+from autoplan.search.pipeline_price import price_pipeline
+from autoplan.search.stage_layout import boundary_assignment
+from autoplan.search.step_price import price_step
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 

@@ -506,9 +506,9 @@ CAUSES = """\
 ## What is missed, and why
 
 From the cost model's code (`autoplan/cluster/timing.py`, `autoplan/strategies/pricing.py`,
-`autoplan/inter_op.py`), the columns above, and checks run by hand on the same host (figures
-from those are labelled "by hand": scripts that time plain torch, DDP and autoplan's steps on 4
-ranks, with torch.profiler or cProfile). No constant was tuned for this benchmark.
+`autoplan/search/pipeline_price.py`), the columns above, and checks run by hand on the same host
+(figures from those are labelled "by hand": scripts that time plain torch, DDP and autoplan's steps
+on 4 ranks, with torch.profiler or cProfile). No constant was tuned for this benchmark.
 
 1. **What the model prices.** The profile measures, and the model charges
    (`autoplan/cluster/timing.py`):
@@ -534,7 +534,7 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
      (`sync_overhead`), timed at a DTensor redistribution as the executor issues one (by hand, after
      10 ms of matmuls on every rank: 2.9 ms at a DTensor redistribution, 1.7 ms at a raw
      all-reduce), charged once per op whose inputs are redistributed, once per tensor whose gradient
-     is, once for all the gradients reduced outside the buckets (`intra_op.price_step`,
+     is, once for all the gradients reduced outside the buckets (`step_price.price_step`,
      `Pricer.gradients_s`), and for every message between pipeline stages. It is now timed in one
      task, 45 rounds of three runs: compute then the redistribution, the compute alone, the
      redistribution alone; each round's difference, the median kept. It had been the difference of
@@ -552,9 +552,10 @@ ranks, with torch.profiler or cProfile). No constant was tuned for this benchmar
 2. **Pipelines are priced with the ranks sharing cores.** Gloo's waits sleep (by hand: a rank
    blocked 2 s in recv or all_reduce used 0.01 s of CPU), so a rank waiting in a pipeline's bubble
    leaves its core to the others. A pipeline is priced by simulating its schedule with the running
-   stages sharing the cores (`autoplan/inter_op.py`, `Cluster.rank_speed`); the 1F1B formula, which
-   charged the wait at the profiled speed, had given Spearman's rho of 0.39-0.56 (MLP) and 0.59-0.79
-   (GPT). What is left is a cost per microbatch. By hand, the MLP's pipelines measured with this
+   stages sharing the cores (`autoplan/search/pipeline_price.py`, `Cluster.rank_speed`); the 1F1B
+   formula, which charged the wait at the profiled speed, had given Spearman's rho of 0.39-0.56
+   (MLP) and 0.59-0.79 (GPT). What is left is a cost per microbatch. By hand, the MLP's pipelines
+   measured with this
    benchmark's code against one profile, at 2, 4 and 8 microbatches: pp2x2 1F1B 1.05x, 1.10x and
    1.17x their prediction, pp2x2 GPipe 1.01x, 1.06x and 1.11x, pp4 1F1B 0.98x (4) and 1.10x (8),
    while the data-parallel plan measured 0.88x: ~2-3 ms a microbatch that the model misses, the

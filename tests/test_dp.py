@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.solve.dp import (
+from autoplan.solve.stage_problem import (
     InfeasibleStagesError,
     SendTimeFn,
     StageCost,
@@ -21,10 +21,9 @@ from autoplan.solve.dp import (
     StageSolution,
     Submesh,
     pipeline_time,
-    solve_stages,
-    solve_stages_plain,
     submesh_choices,
 )
+from autoplan.solve.stage_search import solve_stages, solve_stages_plain
 
 ONE = Submesh(1, 1)
 TWO = Submesh(1, 2)

@@ -16,7 +16,7 @@ from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.cut import cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM
-from autoplan.inter_op import boundary_specs, stage_sizes
+from autoplan.search.stage_layout import boundary_specs, stage_sizes
 from tests.conftest import example
 from tests.distributed.cases import data_parallel
 

@@ -11,7 +11,8 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture
-from autoplan.intra_op import build_problem, price_step, solve_problem
+from autoplan.search.intra_op import build_problem, solve_problem
+from autoplan.search.step_price import price_step
 from autoplan.solve.evaluate import evaluate
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import strategy_space

@@ -36,10 +36,10 @@ from autoplan.cluster.timing import (
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
-from autoplan.inter_op import _send_time
 from autoplan.profile import Progress, bench
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
+from autoplan.search.pipeline_price import send_time
 from autoplan.strategies.placement import Collective, P, R
 from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import Strategy
@@ -547,7 +547,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     partial = Strategy(output=(P,), inputs=())
     seconds, found = costs.forward(t, partial, replicated, 0)
     assert found == (all_reduce,) and seconds == raw + 3.0
-    # the step waits for the ranks' skew at it: sync_s, once per op (intra_op.price_step)
+    # the step waits for the ranks' skew at it: sync_s, once per op (step_price.price_step)
     assert (costs.sync_s, plain.sync_s) == (1.0, 0.0)
     user = dataclasses.replace(op("u"), needs_grad=False)
     assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0
@@ -560,8 +560,8 @@ def test_step_costs_add_the_measured_overheads() -> None:
     assert costs.gradients_s([zero, zero, bucket]) == 3 * raw + 2 * 3.0 + 1.0
     # a pipeline's activation and its gradient: two messages, each waited for
     message = collective_time(costs.cluster, "send_recv", 4000, 2, costs.cluster.inter_node)
-    assert _send_time(costs.cluster, 4000) == 2 * (message + 1.0)
-    assert _send_time(plain.cluster, 4000) == 2 * message and _send_time(costs.cluster, 0) == 0
+    assert send_time(costs.cluster, 4000) == 2 * (message + 1.0)
+    assert send_time(plain.cluster, 4000) == 2 * message and send_time(costs.cluster, 0) == 0
 
 
 # ------------------------------------------------------------------ what is measured, and the fit

@@ -2,7 +2,7 @@
 
 A one-stage baseline is placed by `autoplan.baselines.propagate` (which splits on ``tp`` what
 `autoplan.baselines.regions` finds) and priced as the planner prices its own choice of one
-strategy per node (`autoplan.intra_op.price_step`).
+strategy per node (`autoplan.search.step_price.price_step`).
 
 Pipelines (``pp > 1``) split the step as Megatron does: traced at the shape of one
 microbatch, it is cut into one layer per repeated block (`autoplan.graph.cut`: the embedding
@@ -12,7 +12,8 @@ Each stage runs on ``dp * tp`` devices and is placed as one stage is, on its own
 (`stage_graph`), where the tensors it receives are inputs: split along dim 0 on dp like the
 batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
 so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
-Stages are priced as the planner prices its own (`autoplan.inter_op.price_pipeline`).
+Stages are priced as the planner prices its own
+(`autoplan.search.pipeline_price.price_pipeline`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import OP, Graph
-from autoplan.inter_op import price_pipeline
-from autoplan.intra_op import IntraOpResult, build_problem, price_step
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import schedule_refusal
+from autoplan.search.intra_op import IntraOpResult, build_problem
+from autoplan.search.pipeline_price import price_pipeline
+from autoplan.search.step_price import price_step
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.pricing import Pricer

@@ -10,8 +10,6 @@ import torch
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
-from autoplan.inter_op import PipelinePlan
-from autoplan.intra_op import IntraOpResult, PricedStep
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import (
     CollectivePlan,
@@ -26,6 +24,9 @@ from autoplan.planfile.sections import (
     Stage,
     StagePredicted,
 )
+from autoplan.search.intra_op import IntraOpResult
+from autoplan.search.pipeline_price import PipelinePlan, SolverStats, own_decisions
+from autoplan.search.step_price import PricedStep
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
 from autoplan.version import __version__
@@ -172,12 +173,7 @@ def make_pipeline_plan(
     """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s``. The stage
     axes are named by role unless ``axes`` gives their names."""
     graph = pipe.graph
-    assignment: dict[str, Strategy] = {}
-    rules: dict[str, str] = {}
-    for st in pipe.stages:
-        own = set(st.stage.nodes)
-        assignment.update({k: v for k, v in st.assignment.items() if k in own})
-        rules.update({k: v for k, v in st.rules.items() if k in own})
+    assignment, rules = own_decisions(pipe.stages)
     final = next(n.name for n in graph if n.kind == OUTPUT)
     last = pipe.stages[-1]
     out = last.assignment[final]
@@ -214,6 +210,7 @@ def make_pipeline_plan(
         for c in collective_plans(st.step, axes)
     )
     compute = sum(st.step.compute_s for st in pipe.stages)
+    solver = SolverStats.total(st.solver for st in pipe.stages)
     return Plan(
         provenance=provenance(graph, cluster),
         mesh=mesh,
@@ -231,10 +228,10 @@ def make_pipeline_plan(
         solver=SolverInfo(
             status="optimal",
             objective=pipe.step_time_s,
-            solve_time_s=sum(st.solver.solve_time_s for st in pipe.stages),
-            num_variables=sum(st.solver.num_variables for st in pipe.stages),
-            num_constraints=sum(st.solver.num_constraints for st in pipe.stages),
-            num_groups=sum(st.solver.num_groups for st in pipe.stages),
+            solve_time_s=solver.solve_time_s,
+            num_variables=solver.num_variables,
+            num_constraints=solver.num_constraints,
+            num_groups=solver.num_groups,
             meshes_tried=meshes_tried,
         ),
         pipeline=Pipeline(pipe.schedule, pipe.num_microbatches, pipe.bubble_fraction),

@@ -115,7 +115,7 @@ class Pricer:
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
         `node_time` holds it): a step's compute takes at least its nodes' sum
-        (`intra_op.price_step`). The same for every strategy of the node."""
+        (`step_price.price_step`). The same for every strategy of the node."""
         if node.kind == PARAM:
             return host_overhead(self.cluster) if node.needs_grad else 0.0
         if node.kind != "op":
@@ -175,7 +175,7 @@ class Pricer:
         return self.redistribution_s(p.collective)
 
     def gradients_s(self, phased: Sequence[Phased]) -> float:
-        """Seconds of the step's gradient synchronization (`intra_op.price_step`): each
+        """Seconds of the step's gradient synchronization (`step_price.price_step`): each
         collective's `phased_s`, and one wait for the ranks' skew where any gradient is reduced
         outside the buckets. The executor issues those reductions asynchronously as backward
         produces them, as DDP does its buckets', and the step waits for them once, at the

@@ -7,6 +7,7 @@ Variables are *groups* of nodes that share one decision:
   element-wise ops) is merged into its producer: for each producer strategy it takes its own
   cheapest strategy given that producer strategy, as Alpa does.
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
+The plan found is priced again from its assignment, node by node (`search.step_price`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import BlockSharing, block_of
-from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
+from autoplan.graph.ir import OP, Graph, Node
+from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
-from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
-from autoplan.strategies.placement import Spec, grad_spec
-from autoplan.strategies.pricing import Phased, Pricer
+from autoplan.strategies.placement import Spec
+from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
 
 log = logging.getLogger(__name__)
@@ -195,77 +196,6 @@ def solve_problem(
     assert check.feasible, check.violations
     assignment = decode(graph, layers, space, grouping, solution.choice)
     return IntraOpResult(mesh_shape, assignment, solution, problem)
-
-
-@dataclass(frozen=True)
-class PricedStep:
-    """Costs recomputed node by node and edge by edge from an assignment (no grouping)."""
-
-    compute_s: float
-    comm_s: float
-    memory_bytes: float
-    collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
-
-
-def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) -> PricedStep:
-    """The step as the executor runs it: each tensor redistributed once per placement its
-    users need; in backward, the gradients of those users summed and reduced once per such
-    placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
-    are redistributed, once per tensor whose gradient is, and once for the parameters'
-    gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
-    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes."""
-    compute = memory = comm = host = 0.0
-    found: list[tuple[str, str, Phased]] = []
-    # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
-    needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
-    for node in graph:
-        s = assignment[node.name]
-        compute += costs.node_time(node, s)
-        host += costs.host_time(node)
-        memory += costs.node_memory(node, s)
-        comm += costs.internal_time(node, s)
-        found += [(node.name, node.name, p) for p in costs.internal(node, s)]
-        for i, ref in enumerate(node.refs):
-            grad = None
-            if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
-                grad = grad_spec(s.inputs[i], s.output, s.grad)
-            needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
-    syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
-    waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
-    for (name, index, _), (user, i, grad) in needs.items():
-        producer, tensor = graph.node(name), graph.node(name).outputs[index]
-        seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
-        comm += seconds
-        found += [(user, name, Phased(c, "forward")) for c in fwd]
-        if fwd:
-            waits.add(("forward", user))
-        if grad is None:
-            continue
-        seconds, bwd = costs.gradient(tensor, grad, assignment[name])
-        if producer.kind == PARAM:
-            syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
-            continue
-        comm += seconds
-        found += [(user, name, Phased(c, "backward")) for c in bwd]
-        if bwd:
-            waits.add(("backward", name))
-    # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
-    # reduce-scatters, a parameter used in several placements) are reduced one by one
-    bucketed: list[GradientSync] = []
-    gradients: list[tuple[str, str, Phased]] = []
-    for name, entries in syncs.items():
-        if len(entries) == 1 and entries[0][1].bucket_axes is not None:
-            bucketed.append(entries[0][1])
-            continue
-        for user, sync in entries:
-            gradients += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
-    for i, bucket in enumerate(make_buckets(bucketed[::-1])):
-        phased = Phased(bucket.collective, "grad_sync", bucket.params)
-        gradients.append((GRADIENTS, f"bucket{i}", phased))
-    comm += costs.gradients_s([p for _, _, p in gradients])
-    found += gradients
-    comm += len(waits) * costs.sync_s
-    return PricedStep(max(compute, host), comm, memory, tuple(found))
 
 
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:

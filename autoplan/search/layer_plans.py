@@ -1,0 +1,189 @@
+"""Per-layer plans for the stage DP: a layer range priced as the sum of its layers' intra-op
+plans, each layer's ILP solved once per structure.
+
+A layer range is priced by composition: each layer is planned as a stage graph of its own (the
+ILP of `autoplan.search.intra_op`, memoized by structure, so identical blocks are solved once)
+with the tensors between layers at the boundary placement (`autoplan.search.stage_layout`),
+and a range costs the sum of its layers. The union of the layers' plans is a valid plan of the
+range (the placements agree where layers meet), so a range never costs less than its ILP
+would find; in exchange the DP's table costs one ILP per distinct layer instead of one per
+range. When the fastest layer plans do not fit together, each layer is planned again within
+``memory_limit / level`` for ``level`` = 2, 4, ... until the range fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+
+from autoplan.cluster.model import Cluster
+from autoplan.graph.blocks import find_sharing, signature
+from autoplan.graph.cut import Layer, stage_graph
+from autoplan.graph.ir import Graph
+from autoplan.search.intra_op import MeshPlan, solve_mesh
+from autoplan.search.pipeline_price import (
+    SolvedStage,
+    SolverStats,
+    own_decisions,
+    priced_stage,
+    send_time,
+    sent_bytes,
+)
+from autoplan.search.stage_layout import boundary_assignment, pin_boundary
+from autoplan.search.step_price import price_step
+from autoplan.strategies.placement import Spec, is_valid, replicated
+from autoplan.strategies.pricing import Pricer
+from autoplan.strategies.space import NodeStrategies
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RangeCost:
+    """A layer range priced as the sum of its layers (what the DP's cost table holds)."""
+
+    time_s: float
+    extra_s: float
+    memory_bytes: float
+    activation_bytes: float
+    level: int  # each layer was planned within memory_limit / level
+
+
+class StageSolver:
+    """Plans layers on one stage size, logical mesh and boundary placement, and prices layer
+    ranges from them (module docstring): `cost` for the DP's table, `stage` for a range it
+    chose."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        layers: tuple[Layer, ...],
+        cluster: Cluster,
+        costs: Pricer,
+        boundary: Spec,
+        memory_limit: float,
+        time_limit_s: float,
+    ) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.layers = layers
+        self.costs = costs
+        self.boundary = boundary
+        self.memory_limit = memory_limit
+        self.time_limit_s = time_limit_s
+        self._memo: dict[Hashable, SolvedStage | None] = {}
+        self._stages = [stage_graph(graph, layers, i, i + 1) for i in range(len(layers))]
+        self._keys = [
+            signature(st.graph, tuple(n.name for n in st.graph), None) for st in self._stages
+        ]
+
+    def send_s(self, stop: int) -> float:
+        """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
+        stage = self._stages[stop - 1]
+        return send_time(self.cluster, sent_bytes(stage, self.costs.mesh_shape, self.boundary))
+
+    def cost(self, start: int, stop: int) -> RangeCost | None:
+        """Layers ``[start, stop)`` as the sum of their plans within ``memory_limit / level``
+        for the first level at which they fit together; None if none does."""
+        level = 1
+        while level <= 2 * (stop - start):
+            parts = [self._layer(i, level) for i in range(start, stop)]
+            if any(p is None for p in parts):
+                return None  # a tighter budget cannot help
+            done = [p for p in parts if p is not None]
+            found = RangeCost(
+                time_s=sum(p.time_s for p in done),
+                extra_s=sum(p.extra_s for p in done),
+                memory_bytes=sum(p.memory_bytes for p in done),
+                activation_bytes=sum(p.activation_bytes for p in done),
+                level=level,
+            )
+            if found.memory_bytes + found.activation_bytes <= self.memory_limit:
+                return found
+            level *= 2
+        return None
+
+    def stage(self, start: int, stop: int) -> SolvedStage:
+        """The plan of layers ``[start, stop)``: the union of its layers' plans, priced whole."""
+        found = self.cost(start, stop)
+        assert found is not None, "the DP chose a range it was told does not fit"
+        stage = stage_graph(self.graph, self.layers, start, stop)
+        parts = [self._renamed(i, found.level) for i in range(start, stop)]
+        assignment, rules = own_decisions(parts)
+        output = stage.graph.nodes[-1]
+        whole = replicated(len(self.costs.mesh_shape))
+        loss = tuple(whole for _ in output.refs[len(stage.sent) :])
+        assignment.update(boundary_assignment(stage, self.boundary, loss))
+        rules.update(dict.fromkeys(stage.received, "boundary"))
+        rules[output.name] = "output"
+        step = price_step(stage.graph, assignment, self.costs)
+        solver = SolverStats.total(p.solver for p in parts)
+        return priced_stage(
+            start, stop, stage, assignment, step, rules, self.costs, self.send_s(stop), solver
+        )
+
+    def _layer(self, i: int, level: int) -> SolvedStage | None:
+        key = (self._keys[i], self.costs.mesh_shape, self.boundary, level)
+        if key not in self._memo:
+            self._memo[key] = self._solve(i, level)
+        return self._memo[key]
+
+    def _renamed(self, i: int, level: int) -> SolvedStage:
+        """Layer ``i``'s plan, possibly solved on another layer of the same structure."""
+        found = self._layer(i, level)
+        assert found is not None
+        stage = self._stages[i]
+        if found.stage is stage:
+            return found
+        names = (n.name for n in stage.graph)
+        rename = dict(zip((n.name for n in found.stage.graph), names, strict=True))
+        return replace(
+            found,
+            start=i,
+            stop=i + 1,
+            stage=stage,
+            assignment={rename[k]: v for k, v in found.assignment.items()},
+            rules={rename[k]: v for k, v in found.rules.items()},
+        )
+
+    def _solve(self, i: int, level: int) -> SolvedStage | None:
+        stage = self._stages[i]
+        graph = stage.graph
+        mesh, boundary = self.costs.mesh_shape, self.boundary
+        crossing = (*stage.received, *stage.sent)
+        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in crossing):
+            return None
+
+        def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
+            return pin_boundary(space, stage, boundary)
+
+        found = solve_mesh(
+            graph,
+            find_sharing(graph),
+            self.costs,
+            self.memory_limit / level,
+            self.time_limit_s,
+            restrict,
+        )
+        log.debug(
+            "layer %d on %s, boundary %s, 1/%d of memory: %s",
+            i,
+            mesh,
+            boundary,
+            level,
+            "does not fit" if not isinstance(found, MeshPlan) else "planned",
+        )
+        if not isinstance(found, MeshPlan):
+            return None
+        solution = found.result.solution
+        solver = SolverStats(
+            solution.solve_time_s,
+            solution.num_variables,
+            solution.num_constraints,
+            found.result.problem.num_groups,
+        )
+        return priced_stage(
+            i, i + 1, stage, found.result.assignment, found.step, found.rules, self.costs,
+            self.send_s(i + 1), solver,
+        )  # fmt: skip

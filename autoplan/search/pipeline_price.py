@@ -1,0 +1,250 @@
+"""The price of a pipeline: each stage's time per microbatch, the send to the next stage, its
+once-per-step work and its memory, and the step the stages make under a schedule.
+
+Times. A stage's time per microbatch covers its forward and backward, the collectives inside
+them, and the send of its boundary tensors (and their gradients) to the next stage
+(`send_time`). The gradient synchronization and optimizer update run once per step: the
+predicted step time adds them once, after the last microbatch: ``sum(t) + (B - 1) * max(t) +
+max(extra)`` (`pipeline_plan`; the stage DP amortizes them as ``extra / B`` per microbatch,
+`autoplan.search.pipeline_search`). Memory: a stage's parameters, gradients and optimizer
+state once, plus the activations of each microbatch in flight (1F1B: ``S - s`` for stage
+``s``; GPipe: all ``B``; `PipelinePlan.stage_memory`).
+
+A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) or are given
+(`price_pipeline`: a plan to re-price, a baseline); both are priced here the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autoplan.cluster.model import Cluster
+from autoplan.cluster.timing import collective_time, sync_overhead
+from autoplan.graph.cut import Layer, StageGraph, stage_graph
+from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
+from autoplan.schedules import simulate
+from autoplan.search.stage_layout import stage_cluster
+from autoplan.search.step_price import PricedStep, price_step
+from autoplan.solve.stage_problem import pipeline_time
+from autoplan.strategies.placement import Spec, local_numel
+from autoplan.strategies.pricing import Pricer
+from autoplan.strategies.space import Strategy
+
+
+@dataclass(frozen=True)
+class SolvedStage:
+    """Layers ``[start, stop)`` as one pipeline stage: its strategies and their price."""
+
+    start: int  # layers [start, stop)
+    stop: int
+    stage: StageGraph
+    assignment: dict[str, Strategy]  # by node name of ``stage.graph``
+    step: PricedStep
+    rules: dict[str, str]
+    time_s: float  # one microbatch, forward + backward, without the send
+    forward_s: float
+    send_s: float  # the boundary tensors to the next stage and their gradients back
+    extra_s: float  # gradient synchronization and optimizer update, once per step
+    memory_bytes: float  # parameters, gradients, optimizer state
+    activation_bytes: float  # one microbatch in flight
+    solver: SolverStats
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages on uniform submeshes and the step they make under ``schedule``."""
+
+    graph: Graph  # the step at the microbatch's shape
+    layers: tuple[Layer, ...]
+    num_microbatches: int
+    schedule: str
+    mesh_shape: tuple[int, ...]  # each stage's logical mesh
+    costs: Pricer
+    boundary: Spec
+    stages: tuple[SolvedStage, ...]
+    step_time_s: float
+    bubble_fraction: float
+    memory_limit: float
+
+    def stage_memory(self, s: int) -> float:
+        """Peak bytes per device of stage ``s`` under the schedule."""
+        in_flight = self.num_microbatches if self.schedule == "GPipe" else len(self.stages) - s
+        stage = self.stages[s]
+        return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    """What the ILPs behind a stage took to solve (zeros for strategies given)."""
+
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+    num_groups: int
+
+    @staticmethod
+    def total(stats: Iterable[SolverStats]) -> SolverStats:
+        """The ILPs behind several stages or layers, added up."""
+        found = list(stats)
+        return SolverStats(
+            solve_time_s=sum(s.solve_time_s for s in found),
+            num_variables=sum(s.num_variables for s in found),
+            num_constraints=sum(s.num_constraints for s in found),
+            num_groups=sum(s.num_groups for s in found),
+        )
+
+
+def own_decisions(stages: Iterable[SolvedStage]) -> tuple[dict[str, Strategy], dict[str, str]]:
+    """The strategies and rules of the stages' own nodes (their nodes of the original graph,
+    not the boundary nodes each stage graph adds), merged in stage order."""
+    assignment: dict[str, Strategy] = {}
+    rules: dict[str, str] = {}
+    for st in stages:
+        own = set(st.stage.nodes)
+        assignment.update({k: v for k, v in st.assignment.items() if k in own})
+        rules.update({k: v for k, v in st.rules.items() if k in own})
+    return assignment, rules
+
+
+def priced_stage(
+    start: int,
+    stop: int,
+    stage: StageGraph,
+    assignment: dict[str, Strategy],
+    step: PricedStep,
+    rules: dict[str, str],
+    costs: Pricer,
+    send_s: float,
+    solver: SolverStats,
+) -> SolvedStage:
+    """A stage's price from its step's: the parameters' updates and the gradient
+    synchronization are its once-per-step ``extra_s``, the rest its time per microbatch, split
+    into forward and backward by FLOPs; its parameters and inputs are the memory it holds
+    once, the rest one microbatch's activations."""
+    graph = stage.graph
+    extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
+    extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
+    static = sum(
+        costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
+    )
+    flops = sum(n.flops for n in graph)
+    total_flops = flops + sum(n.bwd_flops for n in graph)
+    time = step.compute_s + step.comm_s - extra
+    return SolvedStage(
+        start=start,
+        stop=stop,
+        stage=stage,
+        assignment=dict(assignment),
+        step=step,
+        rules=rules,
+        time_s=time,
+        forward_s=time * flops / total_flops if total_flops else time / 3,
+        send_s=send_s,
+        extra_s=extra,
+        memory_bytes=static,
+        activation_bytes=step.memory_bytes - static,
+        solver=solver,
+    )
+
+
+def sent_bytes(stage: StageGraph, mesh: tuple[int, ...], boundary: Spec) -> int:
+    """Bytes each rank sends to its peer in the next stage."""
+    infos = [stage.graph.node(n).output for n in stage.sent]
+    return sum(local_numel(boundary, t.shape, mesh) * itemsize(t.dtype) for t in infos)
+
+
+def send_time(cluster: Cluster, nbytes: float) -> float:
+    """Activations forward and their gradients back, between peers of consecutive stages;
+    priced on the inter-node link whenever the pipeline spans nodes (some boundary does). The
+    receiver waits for each right after computing, as for a blocking collective: each pays
+    the measured `sync_overhead`."""
+    link = cluster.inter_node if cluster.num_nodes > 1 else cluster.intra_node
+    message = collective_time(cluster, "send_recv", nbytes, 2, link)
+    return 2 * (message + sync_overhead(cluster)) if message else 0.0
+
+
+def pipeline_plan(
+    cluster: Cluster,
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    num_microbatches: int,
+    schedule: str,
+    costs: Pricer,
+    boundary: Spec,
+    stages: tuple[SolvedStage, ...],
+    memory_limit: float,
+) -> PipelinePlan:
+    """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
+    ``sum(t) + (B - 1) max(t)``; or, where ranks share fewer cores than they are (CPU ranks on
+    one node, `Cluster.shares_cores`), by simulating the schedule with the stages sharing
+    them (`autoplan.schedules.simulate`), as the DP's formula cannot say."""
+    times = [s.time_s + s.send_s for s in stages]
+    if not (cluster.shares_cores and cluster.num_nodes == 1):
+        scheduled = pipeline_time(times, num_microbatches)
+    else:
+        stage_size = math.prod(costs.mesh_shape)
+        # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
+        # Its sends are its CPU work too (gloo), half with each forward, half with each backward
+        steps = [
+            (s.forward_s + s.send_s / 2, s.time_s - s.forward_s + s.send_s / 2) for s in stages
+        ]
+        events = simulate(
+            schedule,
+            len(stages),
+            num_microbatches,
+            steps,
+            lambda running: cluster.rank_speed(running * stage_size),
+        )
+        scheduled = max(e.end for e in events)
+    # gradient sync and the optimizer update run once, after the last microbatch
+    step = scheduled + max(s.extra_s for s in stages)
+    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
+    busy = num_microbatches * sum(times) / len(times)
+    return PipelinePlan(
+        graph=graph,
+        layers=layers,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        mesh_shape=costs.mesh_shape,
+        costs=costs,
+        boundary=boundary,
+        stages=stages,
+        step_time_s=step,
+        bubble_fraction=max(0.0, 1.0 - busy / scheduled) if scheduled > 0 else 0.0,
+        memory_limit=memory_limit,
+    )
+
+
+def price_pipeline(
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    cluster: Cluster,
+    *,
+    mesh_shape: tuple[int, ...],
+    boundary: Spec,
+    assignments: Sequence[dict[str, Strategy]],
+    num_microbatches: int,
+    schedule: str,
+    optimizer: str,
+    memory_limit: float,
+) -> PipelinePlan:
+    """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
+    ``layers[s]`` with strategies ``assignments[s]`` (by node name of its stage graph)."""
+    sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
+    costs = Pricer(sub_cluster, mesh_shape, optimizer)
+    stages = []
+    for s, assignment in enumerate(assignments):
+        stage = stage_graph(graph, layers, s, s + 1)
+        step = price_step(stage.graph, assignment, costs)
+        send = send_time(cluster, sent_bytes(stage, mesh_shape, boundary))
+        rules = dict.fromkeys(assignment, "given")
+        no_solver = SolverStats(0.0, 0, 0, 0)
+        stages.append(
+            priced_stage(s, s + 1, stage, assignment, step, rules, costs, send, no_solver)
+        )
+    return pipeline_plan(
+        cluster, graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages),
+        memory_limit,
+    )  # fmt: skip

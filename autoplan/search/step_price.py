@@ -1,0 +1,91 @@
+"""A step's price on one logical mesh, recomputed from a strategy assignment node by node and
+edge by edge (no decision groups, no ILP).
+
+It is what a plan reports, whichever way its strategies were found: the intra-op ILP
+(`autoplan.search.intra_op`), a pipeline stage's layers (`autoplan.search.pipeline_price`), a
+baseline's fixed strategies, or a plan read back to re-price (`autoplan.estimate`). Times are
+seconds per step (per microbatch for a pipeline stage); memory is bytes per device.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from autoplan.graph.ir import OUTPUT, PARAM, Graph
+from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
+from autoplan.strategies.placement import Spec, grad_spec
+from autoplan.strategies.pricing import Phased, Pricer
+from autoplan.strategies.space import Strategy
+
+
+@dataclass(frozen=True)
+class PricedStep:
+    """Costs recomputed node by node and edge by edge from an assignment (no grouping)."""
+
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+    collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
+
+
+def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) -> PricedStep:
+    """The step as the executor runs it: each tensor redistributed once per placement its
+    users need; in backward, the gradients of those users summed and reduced once per such
+    placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
+    are redistributed, once per tensor whose gradient is, and once for the parameters'
+    gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
+    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes."""
+    compute = memory = comm = host = 0.0
+    found: list[tuple[str, str, Phased]] = []
+    # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
+    needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
+    for node in graph:
+        s = assignment[node.name]
+        compute += costs.node_time(node, s)
+        host += costs.host_time(node)
+        memory += costs.node_memory(node, s)
+        comm += costs.internal_time(node, s)
+        found += [(node.name, node.name, p) for p in costs.internal(node, s)]
+        for i, ref in enumerate(node.refs):
+            grad = None
+            if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
+                grad = grad_spec(s.inputs[i], s.output, s.grad)
+            needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
+    syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
+    waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
+    for (name, index, _), (user, i, grad) in needs.items():
+        producer, tensor = graph.node(name), graph.node(name).outputs[index]
+        seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
+        comm += seconds
+        found += [(user, name, Phased(c, "forward")) for c in fwd]
+        if fwd:
+            waits.add(("forward", user))
+        if grad is None:
+            continue
+        seconds, bwd = costs.gradient(tensor, grad, assignment[name])
+        if producer.kind == PARAM:
+            syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
+            continue
+        comm += seconds
+        found += [(user, name, Phased(c, "backward")) for c in bwd]
+        if bwd:
+            waits.add(("backward", name))
+    # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
+    # reduce-scatters, a parameter used in several placements) are reduced one by one
+    bucketed: list[GradientSync] = []
+    gradients: list[tuple[str, str, Phased]] = []
+    for name, entries in syncs.items():
+        if len(entries) == 1 and entries[0][1].bucket_axes is not None:
+            bucketed.append(entries[0][1])
+            continue
+        for user, sync in entries:
+            gradients += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
+    for i, bucket in enumerate(make_buckets(bucketed[::-1])):
+        phased = Phased(bucket.collective, "grad_sync", bucket.params)
+        gradients.append((GRADIENTS, f"bucket{i}", phased))
+    comm += costs.gradients_s([p for _, _, p in gradients])
+    found += gradients
+    comm += len(waits) * costs.sync_s
+    return PricedStep(max(compute, host), comm, memory, tuple(found))
