@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.graph.ir import INPUT  # noqa: E402
-from autoplan.profile.bench import matmul_seconds  # noqa: E402
+from autoplan.profile.timer import matmul_seconds  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import RESULTS, write_results  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
