@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from autoplan.cluster.model import Cluster
 from autoplan.options import PlanOptions
-from autoplan.parallel import Step, parallelize
+from autoplan.parallel import Step
 from autoplan.planfile.schema import Plan
 from autoplan.workload import Workload
 
@@ -45,16 +45,7 @@ def train(
 ) -> tuple[Step, Iterator[StepRecord]]:
     """Build the parallel step (planning on rank 0 with ``options`` unless ``plan`` is given)
     and return it with a generator that trains ``steps`` steps on the example batch."""
-    step = parallelize(
-        w.model,
-        cluster,
-        example_inputs=w.example_inputs,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        optimizer_options={"lr": lr},
-        plan=plan,
-        options=options,
-    )
+    step = w.parallelize(cluster, optimizer_options={"lr": lr}, plan=plan, options=options)
     items, unit = _items(w)
 
     def run() -> Iterator[StepRecord]:

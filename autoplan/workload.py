@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,9 @@ from autoplan.baselines import baseline
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
+from autoplan.execute.step import OptimizerFactory
 from autoplan.options import PlanOptions
+from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
 
 
@@ -64,6 +66,32 @@ class Workload:
             zero_stage=zero_stage,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
+            options=options,
+        )
+
+    def parallelize(
+        self,
+        cluster: Cluster | str | Path,
+        *,
+        optimizer: str | OptimizerFactory = "adamw",
+        optimizer_options: Mapping[str, Any] | None = None,
+        plan: Plan | str | Path | None = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
+        max_grad_norm: float | None = None,
+        options: PlanOptions | None = None,
+    ) -> Step:
+        """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
+        return parallelize(
+            self.model,
+            cluster,
+            example_inputs=self.example_inputs,
+            loss_fn=self.loss_fn,
+            example_target=self.example_target,
+            optimizer=optimizer,
+            optimizer_options=optimizer_options,
+            plan=plan,
+            init_fn=init_fn,
+            max_grad_norm=max_grad_norm,
             options=options,
         )
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,20 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from autoplan.workload import load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.steps import median_seconds  # noqa: E402
 
-REPEATS, STEPS = 30, 3
+REPEATS, STEPS, WARMUP = 30, 3, 3
 GPT = {"size": "small", "num_layers": 4, "batch_size": 8, "seq_len": 128}
 
 
-def _median_ms(fn: Callable[[], Any], warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def _median_ms(fn: Callable[[], object]) -> float:
+    return 1000 * median_seconds(fn, WARMUP, REPEATS)
 
 
 def _parameter_path(mesh: DeviceMesh, count: int) -> dict[str, float]:
@@ -143,7 +135,7 @@ def main() -> None:
         "command": "python benchmarks/executor_costs.py",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, one thread",
         "torch": torch.__version__,
-        "timing": f"median of {REPEATS} runs after 3 warm-up",
+        "timing": f"median of {REPEATS} runs after {WARMUP} warm-up",
         "parameter_path": f"{count} parameters of 64 floats, forward and backward: plain "
         f"{path['plain_ms']:.2f} ms, DTensor {path['dtensor_ms']:.2f} ms, "
         f"{per_param:.3f} ms a parameter",

@@ -23,12 +23,9 @@ error and the rank correlation.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
-from benchmarks.fidelity import spearman  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.stats import median_error, spearman  # noqa: E402
+from benchmarks.steps import median_seconds, one_device, plain_step  # noqa: E402
 
 GPT = "examples/gpt.py"
 MLP = "examples/mlp.py"
@@ -70,10 +68,6 @@ def workload(case: str, device: str) -> Workload:
     return load_workload(ROOT / path, device=device, **options, **dtype)
 
 
-def one_gpu(cluster: autoplan.Cluster) -> autoplan.Cluster:
-    return dataclasses.replace(cluster, num_nodes=1, devices_per_node=1, name=f"{cluster.name}[:1]")
-
-
 def plan_case(case: str, cluster: autoplan.Cluster) -> autoplan.Plan:
     w = workload(case, "meta")
     return w.plan(cluster)
@@ -82,49 +76,26 @@ def plan_case(case: str, cluster: autoplan.Cluster) -> autoplan.Plan:
 def write_plans(folder: Path, cluster_path: str) -> None:
     """Each case's one-GPU plan, and the one-GPU cluster they were made for, into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    cluster = one_gpu(autoplan.Cluster.load(cluster_path))
+    cluster = one_device(autoplan.Cluster.load(cluster_path))
     cluster.save(folder / ONE_GPU_CLUSTER)
     for case in CASES:
         plan_case(case, cluster).save(str(folder / f"{case}.json"))
         print(f"wrote {folder / case}.json")
 
 
-def _median_step(step: Any) -> float:
-    times = []
-    for i in range(WARMUP + STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _plain(w: Workload) -> float:
     optimizer = torch.optim.AdamW(w.model.parameters(), lr=LR, fused=True)
-    loss_fn = w.loss_fn
-    assert loss_fn is not None
-
-    def step() -> None:
-        loss_fn(w.model(*w.example_inputs), w.example_target).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return _median_step(step)
+    step = plain_step(w.model, optimizer, w.loss_fn, w.example_inputs, w.example_target)
+    return median_seconds(step, WARMUP, STEPS, cuda=True)
 
 
 def _executor(w: Workload, folder: Path, case: str) -> float:
-    step = autoplan.parallelize(
-        w.model,
-        folder / ONE_GPU_CLUSTER,
-        example_inputs=w.example_inputs,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        optimizer_options={"lr": LR},
-        plan=folder / f"{case}.json",
+    step = w.parallelize(
+        folder / ONE_GPU_CLUSTER, optimizer_options={"lr": LR}, plan=folder / f"{case}.json"
     )
-    return _median_step(lambda: step(w.example_inputs, w.example_target))
+    return median_seconds(
+        lambda: step(w.example_inputs, w.example_target), WARMUP, STEPS, cuda=True
+    )
 
 
 def measure(folder: Path, out: Path) -> None:
@@ -156,7 +127,7 @@ def measure(folder: Path, out: Path) -> None:
 def report(measured_path: Path, cluster_path: str) -> None:
     """Predicted against measured, into benchmarks/results/gpu_steps.{json,md}."""
     measured = json.loads(measured_path.read_text())
-    cluster = one_gpu(autoplan.Cluster.load(cluster_path))
+    cluster = one_device(autoplan.Cluster.load(cluster_path))
     rows = []
     for case, found in measured["cases"].items():
         seconds = plan_case(case, cluster).predicted.step_time_s
@@ -173,14 +144,13 @@ def report(measured_path: Path, cluster_path: str) -> None:
         print(row)
     predicted = [r["predicted_s"] for r in rows]
     plain = [r["plain_s"] for r in rows]
-    errors = sorted(abs(p - m) / m for p, m in zip(predicted, plain, strict=True))
     meta = {
         "what": "one-GPU training steps (forward, backward, fused AdamW) of the examples: "
         "predicted by the planner with the GPU's profile against measured in plain torch and "
         "through autoplan's executor (`python benchmarks/gpu_steps.py`, module docstring)",
         "measured on": f"{measured['device']}, torch {measured['torch']}",
         "cluster": f"{cluster_path}, one device of it",
-        "median error (plain)": f"{statistics.median(errors):.1%}",
+        "median error (plain)": f"{median_error(predicted, plain):.1%}",
         "rank correlation (plain)": round(spearman(predicted, plain), 3),
         "executor failed": _failures(measured) or "nowhere",
     }

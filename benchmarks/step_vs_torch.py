@@ -16,9 +16,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.stats import quartiles  # noqa: E402
+from benchmarks.steps import Step, autoplan_step, plain_step, timed, torchrun  # noqa: E402
 from tests.distributed.cases import data_parallel, mlp_megatron  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND, LR = 3, 10, 4, 1e-4
@@ -49,16 +49,6 @@ SETUPS: list[tuple[str, str, dict[str, Any]]] = [
     ("data parallel", "gpt", {"size": "small", "num_layers": 4, "batch_size": 8, "seq_len": 128}),
     ("tensor parallel", "mlp", {"batch_size": 64, "hidden": 2048, "num_layers": 6}),
 ]
-Step = Callable[[], Any]
-
-
-def _timed(step: Step, times: list[float], count: int) -> None:
-    """Run ``count`` steps, each after a barrier that aligns the ranks, appending their times."""
-    for _ in range(count):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
 
 
 def _rounds(steps: dict[str, Step]) -> dict[str, list[float]]:
@@ -69,31 +59,17 @@ def _rounds(steps: dict[str, Step]) -> dict[str, list[float]]:
     rounds: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for step in steps.values():
-        _timed(step, [], WARMUP)
+        timed(step, WARMUP, barrier=True)
     for r in range(ROUNDS):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times: list[float] = []
-            _timed(steps[name], times, STEPS_PER_ROUND)
+            times = timed(steps[name], STEPS_PER_ROUND, barrier=True).wall
             rounds[name].append(statistics.median(times))
     return rounds
 
 
 def _iqr(values: list[float]) -> str:
-    q1, _, q3 = statistics.quantiles(values, n=4)
+    q1, q3 = quartiles(values)
     return f"{q1:.3f}-{q3:.3f}"
-
-
-def _autoplan(w: Workload, options: autoplan.PlanOptions, cluster: autoplan.Cluster) -> Step:
-    step = autoplan.parallelize(
-        copy.deepcopy(w.model),
-        cluster,
-        example_inputs=w.example_inputs,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        optimizer_options={"lr": LR},
-        options=options,
-    )
-    return lambda: step(w.example_inputs, w.example_target)
 
 
 def _torch_step(
@@ -102,15 +78,7 @@ def _torch_step(
     """AdamW by torch's default (``fused=None``: a loop over the parameters on CPU) or fused,
     autoplan's default."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
-    loss_fn = w.loss_fn
-    assert loss_fn is not None
-
-    def step() -> None:
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
+    return plain_step(model, opt, w.loss_fn, (x,), y)
 
 
 def _ddp(w: Workload, bucket_cap_mb: float = 25.0, fused: bool | None = None) -> Step:
@@ -133,15 +101,7 @@ def _tensor_parallel(w: Workload, fused: bool | None = None) -> Step:
 
 def main() -> None:
     if "RANK" not in os.environ:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=4",
-            __file__,
-        ]
-        sys.exit(subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
+        torchrun(__file__, 4)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cluster = autoplan.Cluster.load(ROOT / "costmodels/cpu-gloo-4.json")
@@ -164,7 +124,7 @@ def main() -> None:
     for name, example, size in SETUPS:
         w = load_workload(ROOT / f"examples/{example}.py", **size)
         layout = data_parallel if name == "data parallel" else mlp_megatron
-        steps = {"autoplan": _autoplan(w, layout(w, (4,)), cluster)}
+        steps = {"autoplan": autoplan_step(w, cluster, LR, options=layout(w, (4,)))}
         steps.update((baseline, make(w)) for baseline, make in baselines[name])
         rounds = _rounds(steps)
         ours = rounds.pop("autoplan")

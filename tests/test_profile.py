@@ -36,7 +36,7 @@ from autoplan.cluster.timing import (
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
-from autoplan.profile import Progress, bench
+from autoplan.profile import Progress, ops, run
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
 from autoplan.search.pipeline_price import send_time
@@ -574,30 +574,30 @@ def test_local_curves_keep_each_points_median_over_passes_spread_through_the_pro
         [[1.0, 9.0], [2.0, 9.5]],  # slow, and ended early: its next size was predicted too slow
     ]
     # one slow pass moves no point; past the short pass the median of two, kept non-decreasing
-    assert bench._median_curve(passes) == [[1.0, 3.0], [2.0, 5.0], [4.0, 8.5]]
-    assert bench._median_curve(passes[::-1]) == bench._median_curve(passes)
+    assert run._median_curve(passes) == [[1.0, 3.0], [2.0, 5.0], [4.0, 8.5]]
+    assert run._median_curve(passes[::-1]) == run._median_curve(passes)
     tasks = plan_tasks(1, 4, Settings())
-    order = bench._in_passes(tasks)
-    local = [t for t in tasks if t.section in bench.LOCAL]
-    others = [t for t in tasks if t.section not in bench.LOCAL]
-    assert set(bench.LOCAL) == {"matmul", "elementwise", "activation"}
+    order = run._in_passes(tasks)
+    local = [t for t in tasks if t.section in run.LOCAL]
+    others = [t for t in tasks if t.section not in run.LOCAL]
+    assert set(run.LOCAL) == {"matmul", "elementwise", "activation"}
     assert order[: len(local)] == local and order[-len(local) :] == local
-    assert [t for t in order if t.section not in bench.LOCAL] == others  # each once, in order
-    assert len(order) == len(others) + bench.LOCAL_PASSES * len(local)
+    assert [t for t in order if t.section not in run.LOCAL] == others  # each once, in order
+    assert len(order) == len(others) + run.LOCAL_PASSES * len(local)
     middle = len(local) + len(others) // 2  # the second pass, halfway through the others
-    assert bench.LOCAL_PASSES == 3 and order[middle : middle + len(local)] == local
+    assert run.LOCAL_PASSES == 3 and order[middle : middle + len(local)] == local
 
 
 def test_local_ops_are_timed_on_operands_cycled_through_the_caches() -> None:
     cpu = torch.device("cpu")
     seen: list[int] = []
-    small = bench._cold((64, 64), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
-    for _ in range(2 * bench.COLD_POOL_SETS):
+    small = ops.cold((64, 64), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    for _ in range(2 * ops.COLD_POOL_SETS):
         small.call()
-    assert small.local and len(set(seen)) == bench.COLD_POOL_SETS  # 48 KiB a set: capped
-    assert seen[: bench.COLD_POOL_SETS] == seen[bench.COLD_POOL_SETS :]  # in turn, again
+    assert small.local and len(set(seen)) == ops.COLD_POOL_SETS  # 48 KiB a set: capped
+    assert seen[: ops.COLD_POOL_SETS] == seen[ops.COLD_POOL_SETS :]  # in turn, again
     seen.clear()
-    large = bench._cold((2**23,), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    large = ops.cold((2**23,), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
     for _ in range(4):
         large.call()
     assert len(set(seen)) == 2  # 96 MiB a set: two pass 128 MiB

@@ -1,14 +1,16 @@
 """`autoplan profile`: measure a cluster's compute and collectives, and write its cluster file.
 
 - `tasks`: which curves, sizes and rank groups are measured (plain data);
-- `bench`: the timing, on every rank of a torchrun job (torch.distributed);
+- `run`: the profile on every rank of a torchrun job: the tasks in order, progress, the result;
+- `timer`: how each point is timed, every rank at once (torch.distributed);
+- `ops`: the operations timed, one per point of a curve;
 - `fit`: the analytic constants fitted to the curves (plain data).
 
 The curves land in the cluster file's `measured` section (schema in `autoplan/cluster/fileio.py`,
 interpolation in `autoplan/cluster/measured.py`), where `autoplan.cluster.timing` uses them.
 """
 
-from autoplan.profile.bench import base_refusal, profile_cluster
+from autoplan.profile.run import base_refusal, profile_cluster
 from autoplan.profile.tasks import Progress, Settings
 
 __all__ = ["Progress", "Settings", "base_refusal", "profile_cluster"]

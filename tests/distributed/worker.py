@@ -4,6 +4,7 @@ and writes what the tests assert on (rank 0) to the JSON file named on the comma
 from __future__ import annotations
 
 import copy
+import dataclasses
 import faulthandler
 import json
 import operator
@@ -82,15 +83,8 @@ def reference(
 
 
 def parallel(w: Workload, c: autoplan.Cluster, **options: Any) -> autoplan.Step:
-    """`autoplan.parallelize` on a copy of ``w``'s model, with its inputs, loss and target."""
-    return autoplan.parallelize(
-        copy.deepcopy(w.model),
-        c,
-        example_inputs=w.example_inputs,
-        loss_fn=w.loss_fn,
-        example_target=w.example_target,
-        **options,
-    )
+    """`Workload.parallelize` of ``w`` with a copy of its model, so that ``w``'s stays whole."""
+    return dataclasses.replace(w, model=copy.deepcopy(w.model)).parallelize(c, **options)
 
 
 def _layout(layout: autoplan.PlanOptions | autoplan.Plan) -> dict[str, Any]:
@@ -212,13 +206,7 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     found: dict[str, str] = {}
     small = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     other = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=32)
-    plan = autoplan.plan(
-        small.model,
-        small.example_inputs,
-        c,
-        loss_fn=small.loss_fn,
-        example_target=small.example_target,
-    )
+    plan = small.plan(c)
     found["other_model"] = _error_of(
         lambda: autoplan.parallelize(
             other.model,
