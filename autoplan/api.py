@@ -21,7 +21,7 @@ from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import SCHEDULES, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
 from autoplan.strategies.pricing import Pricer
@@ -119,7 +119,6 @@ def _plan_pipelined(
     memory_limit: float,
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
-    schedules = SCHEDULES if options.schedule is None else (options.schedule,)
     batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
     if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
         raise AutoplanError(
@@ -133,26 +132,15 @@ def _plan_pipelined(
             f"{cluster.num_devices} devices of cluster {cluster.name!r}"
         )
     if num_stages and num_microbatches:
-        refusals = [schedule_refusal(s, num_stages, num_microbatches) for s in schedules]
+        refusals = [schedule_refusal(s, num_stages, num_microbatches) for s in options.schedules]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
-    meshes = [options.mesh_shape] if options.mesh_shape is not None else None
     found = plan_pipeline(
-        microbatch_graph,
-        cluster,
-        batch=batch,
-        num_microbatches=num_microbatches,
-        schedules=schedules,
-        optimizer=options.optimizer,
-        memory_limit=memory_limit,
-        time_limit_s=options.time_limit_s,
-        max_layers=options.max_layers,
-        meshes=meshes,
-        num_stages=num_stages,
+        microbatch_graph, cluster, options, batch=batch, memory_limit=memory_limit
     )
     if found is None:
         return None
-    return make_pipeline_plan(found, cluster, tuple(meshes or [found.mesh_shape]))
+    return make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
 
 
 def _plan_one_stage(

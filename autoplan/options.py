@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.pins import Pin
-from autoplan.schedules import check_schedule
+from autoplan.schedules import SCHEDULES, check_schedule
 from autoplan.strategies.pricing import OPTIMIZER_STATE
 
 
@@ -73,6 +73,11 @@ class PlanOptions:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.max_layers < 1:
             raise AutoplanError(f"max_layers must be at least 1, got {self.max_layers}")
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules a pipeline may run: `schedule`, or every one."""
+        return SCHEDULES if self.schedule is None else (self.schedule,)
 
     @property
     def wants_pipeline(self) -> bool | None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import Layer, cut_layers, shared_params
 from autoplan.graph.ir import Graph
+from autoplan.options import PlanOptions
 from autoplan.schedules import schedule_refusal
 from autoplan.search.layer_plans import StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
@@ -53,44 +53,26 @@ def default_microbatches(batch: int, max_stages: int) -> int:
     return next((b for b in range(2 * max_stages, batch + 1) if batch % b == 0), batch)
 
 
-@dataclass(frozen=True)
-class _Options:
-    """What every pipeline `plan_pipeline` tries shares (its arguments of the same names)."""
-
-    cluster: Cluster
-    schedules: tuple[str, ...]  # the schedules allowed; each stage plan is priced under each
-    optimizer: str  # the optimizer whose state each parameter keeps
-    memory_limit: float  # bytes per device
-    time_limit_s: float  # for each layer's ILP
-    max_layers: int  # the step is cut into at most this many layers
-    meshes: tuple[tuple[int, ...], ...] | None  # each stage's logical mesh; None: stage_meshes
-    num_stages: int | None  # the stage count required, or None for any
-
-
 def plan_pipeline(
     graph_for: GraphForMicrobatches,
     cluster: Cluster,
+    options: PlanOptions,
     *,
     batch: int,
-    num_microbatches: int | None,
-    schedules: Sequence[str],
-    optimizer: str,
     memory_limit: float,
-    time_limit_s: float,
-    max_layers: int,
-    meshes: Sequence[tuple[int, ...]] | None = None,
-    num_stages: int | None = None,
 ) -> PipelinePlan | None:
-    """The fastest pipeline of two or more uniform stages (``num_stages`` if given) under one
-    of ``schedules``, or None if none fits.
+    """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
+    under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
+    ``memory_limit`` bytes per device, or None if none fits.
 
-    The microbatch count is ``num_microbatches`` if given, else `default_microbatches`; on
+    The microbatch count is ``options.num_microbatches`` if given, else `default_microbatches`; on
     one node the search then halves it while the best pipeline gets faster: fewer, larger
     microbatches pay the framework's work per microbatch fewer times and run larger kernels,
     against a longer bubble (where ranks share cores, a bubble leaves them to the others).
     The step is traced for each count tried, and every stage size solved again: across nodes
     that multiplied planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
     the one count serves, as in Alpa."""
+    num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
         for size in stage_sizes(cluster)
@@ -98,21 +80,11 @@ def plan_pipeline(
     ]
     if not sizes or batch < 2:
         return None
-    options = _Options(
-        cluster=cluster,
-        schedules=tuple(schedules),
-        optimizer=optimizer,
-        memory_limit=memory_limit,
-        time_limit_s=time_limit_s,
-        max_layers=max_layers,
-        meshes=None if meshes is None else tuple(meshes),
-        num_stages=num_stages,
-    )
     deepest = cluster.num_devices // min(sizes)
-    count = num_microbatches or default_microbatches(batch, min(deepest, max_layers))
+    count = num_microbatches or default_microbatches(batch, min(deepest, options.max_layers))
     best: PipelinePlan | None = None
     while True:
-        found = _best_for_count(options, graph_for(count), sizes, count)
+        found = _best_for_count(cluster, options, memory_limit, graph_for(count), sizes, count)
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
         best = found
@@ -122,11 +94,16 @@ def plan_pipeline(
 
 
 def _best_for_count(
-    options: _Options, graph: Graph, sizes: Sequence[int], num_microbatches: int
+    cluster: Cluster,
+    options: PlanOptions,
+    memory_limit: float,
+    graph: Graph,
+    sizes: Sequence[int],
+    num_microbatches: int,
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""
-    cluster, num_stages = options.cluster, options.num_stages
+    num_stages = options.num_stages
     layers = cut_layers(graph, options.max_layers)
     shared = shared_params(graph, layers)
     if shared:
@@ -142,14 +119,18 @@ def _best_for_count(
     for size in sizes:
         if cluster.num_devices // size > len(layers):
             continue
-        found = _best_for_size(options, graph, layers, size, num_microbatches)
+        found = _best_for_size(
+            cluster, options, memory_limit, graph, layers, size, num_microbatches
+        )
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
 
 
 def _best_for_size(
-    options: _Options,
+    cluster: Cluster,
+    options: PlanOptions,
+    memory_limit: float,
     graph: Graph,
     layers: tuple[Layer, ...],
     size: int,
@@ -157,7 +138,6 @@ def _best_for_size(
 ) -> PipelinePlan | None:
     """The fastest pipeline with stages of ``size`` devices, over their logical meshes,
     boundary placements and schedules."""
-    cluster, memory_limit = options.cluster, options.memory_limit
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
     runnable = [
@@ -166,7 +146,8 @@ def _best_for_size(
     if not runnable:
         return None
     best: PipelinePlan | None = None
-    for mesh in options.meshes or stage_meshes(sub_cluster):
+    meshes = [options.mesh_shape] if options.mesh_shape is not None else None
+    for mesh in meshes or stage_meshes(sub_cluster):
         if math.prod(mesh) != size:
             continue
         costs = Pricer(sub_cluster, tuple(mesh), options.optimizer)
