@@ -133,3 +133,25 @@ def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
     assert not [n for n in graph if n.kind == OP and "_assert" in n.op]
     constants = [n for n in graph if n.kind == PARAM and "lifted_tensor" in n.target]
     assert len(constants) == 1 and not constants[0].needs_grad  # torch.tensor(0.01)
+
+
+def test_a_tied_parameter_is_one_parameter() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight  # a language model's tied head
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids)).sum()
+
+    ids = torch.randint(0, 16, (2, 4))
+    ep = export_step(Tied(), (ids,))
+    assert list(ep.graph_signature.inputs_to_parameters.values()) == ["model.embed.weight"]
+    graph = capture(Tied(), (ids,))
+    params = [n for n in graph if n.kind == PARAM]
+    # one node under the name named_parameters() gives, read by the embedding and the head
+    assert [n.target for n in params] == ["embed.weight"]
+    readers = [n.op for n in graph if any(r.name == params[0].name for r in n.refs)]
+    assert readers == ["aten.embedding.default", "aten.linear.default"]

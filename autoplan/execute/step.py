@@ -231,7 +231,17 @@ def materialize(
     axes = plan.stage_axes
     device = mesh.device_type
     on_meta = False
-    for fqn, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    placed: dict[int, torch.Tensor] = {}  # by id of the tensor replaced: tied ones once
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for fqn, tensor in named:
+        owner_name, _, leaf = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if id(tensor) in placed:  # a tied parameter's other name: the same new parameter
+            setattr(owner, leaf, placed[id(tensor)])
+            continue
         if fqn not in plan.params:
             raise AutoplanError(f"the plan has no placement for {fqn}; was it made for this model?")
         placements = to_dtensor(plan.params[fqn].storage, axes)
@@ -253,11 +263,11 @@ def materialize(
             dt = distribute_tensor(whole, mesh, placements, src_data_rank=None)
         else:
             dt = distribute_tensor(tensor.detach().to(device), mesh, placements, src_data_rank=0)
-        owner_name, _, leaf = fqn.rpartition(".")
-        owner = model.get_submodule(owner_name)
         if isinstance(tensor, nn.Parameter):
-            setattr(owner, leaf, nn.Parameter(dt, requires_grad=tensor.requires_grad))
+            placed[id(tensor)] = nn.Parameter(dt, requires_grad=tensor.requires_grad)
+            setattr(owner, leaf, placed[id(tensor)])
         else:
+            placed[id(tensor)] = dt
             owner.register_buffer(leaf, dt)
     if on_meta:
         with torch.no_grad():

@@ -97,7 +97,34 @@ def export_step(
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(_explain_trace_failure(model, e)) from e
     _drop_checks(ep)
+    _tie_parameters(ep)
     return ep
+
+
+def _tie_parameters(ep: ExportedProgram) -> None:
+    """One placeholder per parameter: export gives a tied parameter (a language model's head
+    sharing the embedding's weight) a placeholder under each of its names, and reads it
+    through one of them. Every read goes to the placeholder of its first name, the one
+    ``named_parameters()`` gives, and the others are removed, so that planner and executor
+    see one parameter: one placement, one gradient, synchronized once."""
+    first: dict[int, torch.fx.Node] = {}  # id of the tensor -> its first name's placeholder
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    aliases: list[str] = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind != InputKind.PARAMETER or spec.target is None:
+            continue
+        node = placeholders[spec.arg.name]
+        key = id(ep.state_dict[spec.target])
+        if key not in first:
+            first[key] = node
+            continue
+        node.replace_all_uses_with(first[key])
+        ep.graph.erase_node(node)
+        aliases.append(spec.arg.name)
+    if aliases:
+        specs = ep.graph_signature.input_specs
+        specs[:] = [spec for spec in specs if spec.arg.name not in aliases]
+        ep.graph_module.recompile()
 
 
 def _is_check(node: torch.fx.Node) -> bool:
