@@ -68,8 +68,7 @@ def one_process(
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
-        assert w.loss_fn is not None
-        loss = w.loss_fn(model(*w.example_inputs), w.example_target)
+        loss = w.loss(model)
         loss.backward()
         opt.step()
         opt.zero_grad()

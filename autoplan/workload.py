@@ -19,6 +19,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.step import OptimizerFactory
+from autoplan.graph.capture import TrainStep, step_args
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
@@ -33,6 +34,15 @@ class Workload:
     example_inputs: tuple[Any, ...]
     loss_fn: Callable[..., torch.Tensor] | None = None
     example_target: Any = None
+
+    def loss(self, model: nn.Module | None = None) -> torch.Tensor:
+        """One step's loss as it is traced: ``loss_fn(model(*example_inputs), example_target)``,
+        or the model's own output without a ``loss_fn``. ``model`` (a copy, to train apart)
+        defaults to the workload's."""
+        model = self.model if model is None else model
+        with_loss = self.loss_fn is not None
+        args = step_args(model, self.example_inputs, self.example_target, with_loss)
+        return TrainStep(model, self.loss_fn)(*args)
 
     def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:
         """`autoplan.plan` of this workload."""

@@ -70,7 +70,7 @@ def reference(
     opt = OPTIMIZERS[optimizer](model.parameters(), **(options or {"lr": LR}))  # type: ignore[arg-type]
     losses, grads = [], {}
     for i in range(STEPS):
-        loss = w.loss_fn(model(*w.example_inputs), w.example_target)  # type: ignore[misc]
+        loss = w.loss(model)
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -264,7 +264,7 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
     assert w.loss_fn is not None
     ref = copy.deepcopy(w.model)
     for _ in range(2):
-        w.loss_fn(ref(*w.example_inputs), w.example_target).backward()
+        w.loss(ref).backward()
     expected = {n: p.grad for n, p in ref.named_parameters()}
     mesh = (world_size(),)
     layouts = {"dp": data_parallel(w, mesh), "zero3": zero3(w, mesh), "tp": mlp_megatron(w, mesh)}
