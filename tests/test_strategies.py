@@ -156,3 +156,31 @@ def test_dtensor_adapter_translates_single_dim_rules() -> None:
         dtensor_rules.axis_rules("aten.cumsum.default", (Ref("a"), 0), (), tensors, 1, 2, [2])
         is None
     )
+
+
+def test_pad_slice_cat_and_expand_split_only_the_dims_they_leave_alone() -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Shifts(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            padded = F.pad(x, (0, 2), value=-100.0)  # the last dim, as labels are shifted
+            shifted = padded[:, 1:]
+            both = torch.cat([shifted, shifted], dim=1)
+            return both + both[:, :1].expand(8, 14)
+
+    graph = capture(Shifts(), (torch.randn(8, 6),))
+    expected = {
+        "aten.pad.default": [("S(0)", "S(0)")],
+        "aten.slice.Tensor": [("S(0)", "S(0)")],
+        "aten.cat.default": [("S(0)", "S(0)", "S(0)")],
+        "aten.expand.default": [("S(0)", "S(0)")],  # dim 1 is broadcast from size 1
+    }
+    found = {}
+    for node in graph:
+        if node.op in expected and node.op not in found:
+            rule = own_rule(node.op)
+            assert rule is not None, node.op
+            found[node.op] = rule(node, [graph.tensor(r) for r in node.refs])
+    assert found == expected

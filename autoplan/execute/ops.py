@@ -110,6 +110,11 @@ LOCAL_OPS = {
     _aten.transpose.int,
     _aten.permute.default,
     _aten.flatten.using_ints,
+    # padding, slicing and concatenation (their rules split only the dims they leave alone)
+    _aten.pad.default,
+    _aten.slice.Tensor,
+    _aten.cat.default,
+    _aten.constant_pad_nd.default,
     # dtype casts (``logits.float()``): element by element
     _aten.to.dtype,
     _aten.to.dtype_layout,

@@ -152,6 +152,43 @@ def _broadcast(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return rules
 
 
+def _pad(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # pad(input, pad, ...): ``pad`` gives (before, after) amounts from the last dim backwards
+    # (as labels are shifted for a language model's loss); a dim that is not padded may stay
+    # split, and the pad value fills each shard's padded dims alike
+    x = ins[0]
+    amounts: Sequence[int] = _arg(node, 1, "pad", ())  # type: ignore[assignment]
+    padded = {len(x.shape) - 1 - i // 2 for i, a in enumerate(amounts) if a != 0}
+    return [(shard(d), shard(d)) for d in range(len(x.shape)) if d not in padded]
+
+
+def _other_dims(node: Node, ins: Sequence[TensorInfo], index: int) -> list[AxisRule]:
+    # slice and cat work along one dim (argument ``index``, default 0); any other dim may be
+    # split, every tensor input alike
+    ndim = len(node.outputs[0].shape)
+    dim = int(_arg(node, index, "dim", 0)) % ndim  # type: ignore[call-overload]
+    same = all(len(t.shape) == ndim for t in ins)
+    return [(shard(d), *[shard(d)] * len(ins)) for d in range(ndim) if d != dim and same]
+
+
+def _slice(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return _other_dims(node, ins, 1)  # slice(input, dim, start, end, step)
+
+
+def _cat(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return _other_dims(node, ins, 1)  # cat(tensors, dim)
+
+
+def _expand(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # the output dims the input has at full size may be split along with it
+    return [rule for rule in _broadcast(node, ins) if rule[1] != R]
+
+
+def _elementwise(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # dropout and the like: any dim split, no partial sums (each element is drawn anew)
+    return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
+
+
 def _no_inputs(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return []  # factories (arange, zeros ...): replicated only
 
@@ -184,6 +221,16 @@ _RULES: dict[str, Rule] = {
     "split_with_sizes": _split,
     "chunk": _split,
     "broadcast_tensors": _broadcast,
+    "pad": _pad,
+    "slice": _slice,
+    "cat": _cat,
+    "expand": _expand,
+    "dropout": _elementwise,
+    "to": _identity,
+    "_to_copy": _identity,
+    "detach_": _identity,
+    "lift_fresh_copy": _identity,
+    "constant_pad_nd": _pad,
     "arange": _no_inputs,
     "zeros": _no_inputs,
     "ones": _no_inputs,
