@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,24 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```bash\n{ci}\n```" in readme
+
+
+def test_plan_output_has_no_solver_banner(tmp_path: Path) -> None:
+    # a fresh process: HiGHS prints its banner when a process makes its first solver
+    out = tmp_path / "plan.json"
+    args = [
+        "plan",
+        str(ROOT / "examples/mlp.py"),
+        "--cluster",
+        str(ROOT / "costmodels/cpu-gloo-4.json"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "autoplan.cli", *args, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step time" in proc.stdout and out.exists()
+    assert "HiGHS" not in proc.stdout + proc.stderr

@@ -45,9 +45,12 @@ the solver.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import re
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -277,10 +280,29 @@ def _set_objective(
 # ---------------------------------------------------------------- solving
 
 
+@functools.cache
+def _highs_banner_silenced() -> None:
+    """HiGHS's C library prints its banner to the process's stdout when the first solver of
+    the process is made, before any option can turn its output off, and Python cannot catch
+    it: that first solver is made here, with file descriptor 1 pointed at /dev/null."""
+    import highspy  # pulp's HiGHS interface, installed with autoplan
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _make_solver(solver: str, time_limit_s: float) -> pulp.LpSolver:
     if solver == "highs":
         highs = pulp.HiGHS(msg=False, threads=1, timeLimit=time_limit_s, gapRel=MIP_REL_GAP)
         if highs.available():
+            _highs_banner_silenced()
             return highs
         logger.warning("HiGHS is not available to pulp; falling back to CBC")
     # PuLP >= 3.3 deprecates its bundled CBC (PULP_CBC_CMD); it is still the one CBC that ships
