@@ -184,3 +184,39 @@ def test_pad_slice_cat_and_expand_split_only_the_dims_they_leave_alone() -> None
             assert rule is not None, node.op
             found[node.op] = rule(node, [graph.tensor(r) for r in node.refs])
     assert found == expected
+
+
+def test_reductions_selects_convolutions_and_masks_keep_their_other_dims_split() -> None:
+    import torch
+    from torch import nn
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, kernel_size=2, stride=2)
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)  # (8, 4, 2, 2)
+            rms = y.pow(2).mean(-1, keepdim=True)  # as RMSNorm
+            total = y.sum(dim=[2, 3])  # (8, 4)
+            first = y.select(1, 0)  # (8, 2, 2)
+            both = keep & keep  # masks combined
+            return rms.sum() + total.sum() + first.sum() + both.sum()
+
+    graph = capture(Mixed(), (torch.randn(8, 3, 4, 4), torch.ones(8, 4, dtype=torch.bool)))
+    expected = {
+        "aten.conv2d.default": [("S(0)", "S(0)", "R", "R")],  # the batch only
+        "aten.mean.dim": [(f"S({d})", f"S({d})") for d in range(3)],  # kept dims, keepdim
+        # kept dims (numbered in the output), and a partial sum over a reduced split dim
+        "aten.sum.dim_IntList": [("S(0)", "S(0)"), ("S(1)", "S(1)"), ("P", "S(2)"), ("P", "S(3)")],
+        "aten.select.int": [("S(0)", "S(0)"), ("S(1)", "S(2)"), ("S(2)", "S(3)")],
+        "aten.__and__.Tensor": [("S(0)", "S(0)", "S(0)"), ("S(1)", "S(1)", "S(1)")],
+    }
+    found = {}
+    for node in graph:
+        if node.op in expected and node.op not in found:
+            rule = own_rule(node.op)
+            assert rule is not None, node.op
+            found[node.op] = rule(node, [graph.tensor(r) for r in node.refs])
+    assert found == expected
+    assert own_rule("aten.sum.default") is None  # a whole sum: DTensor's own rule

@@ -114,6 +114,15 @@ LOCAL_OPS = {
     _aten.pad.default,
     _aten.slice.Tensor,
     _aten.cat.default,
+    _aten.select.int,
+    # reductions over dims that are not split (a sum's partial output goes to DTensor)
+    _aten.mean.dim,
+    _aten.sum.dim_IntList,
+    # convolutions over a split batch, masks combined element by element
+    _aten.conv1d.default,
+    _aten.conv2d.default,
+    _aten.__and__.Tensor,
+    _aten.__or__.Tensor,
     _aten.constant_pad_nd.default,
     # dtype casts (``logits.float()``): element by element
     _aten.to.dtype,

@@ -184,6 +184,32 @@ def _expand(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [rule for rule in _broadcast(node, ins) if rule[1] != R]
 
 
+def _reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # mean.dim / sum.dim_IntList(input, dims, keepdim): a dim not reduced may stay split; a
+    # sum over a split dim is a partial sum (a mean's is not: its shards divide by their size)
+    ndim = len(ins[0].shape)
+    dims = _arg(node, 1, "dim", None)
+    reduced = set(range(ndim)) if dims is None else {int(d) % ndim for d in dims}  # type: ignore[attr-defined]
+    keep = bool(_arg(node, 2, "keepdim", False))
+    kept = [d for d in range(ndim) if d not in reduced]
+    rules: list[AxisRule] = [(shard(d if keep else kept.index(d)), shard(d)) for d in kept]
+    if node.op.startswith("aten.sum."):
+        rules += [(P, shard(d)) for d in sorted(reduced)]
+    return rules
+
+
+def _select(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # select(input, dim, index): the other dims may stay split, one lower past ``dim``
+    ndim = len(ins[0].shape)
+    dim = int(_arg(node, 1, "dim", 0)) % ndim  # type: ignore[call-overload]
+    return [(shard(d if d < dim else d - 1), shard(d)) for d in range(ndim) if d != dim]
+
+
+def _convolution(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # conv(input, weight, bias, ...): data parallel only (the batch split, filters whole)
+    return [(shard(0), shard(0), *[R] * (len(ins) - 1))]
+
+
 def _elementwise(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # dropout and the like: any dim split, no partial sums (each element is drawn anew)
     return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
@@ -226,6 +252,13 @@ _RULES: dict[str, Rule] = {
     "cat": _cat,
     "expand": _expand,
     "dropout": _elementwise,
+    "mean.dim": _reduce,
+    "sum.dim_IntList": _reduce,
+    "select": _select,
+    "conv1d": _convolution,
+    "conv2d": _convolution,
+    "__and__": _broadcast,
+    "__or__": _broadcast,
     "to": _identity,
     "_to_copy": _identity,
     "detach_": _identity,
@@ -239,5 +272,9 @@ _RULES: dict[str, Rule] = {
 
 
 def own_rule(op: str) -> Rule | None:
+    """Our rule for ``op`` ("aten.<name>.<overload>"): one for that overload, else one for
+    every overload of the name, else None."""
     parts = op.split(".")
-    return _RULES.get(parts[1]) if len(parts) == 3 and parts[0] == "aten" else None
+    if len(parts) != 3 or parts[0] != "aten":
+        return None
+    return _RULES.get(f"{parts[1]}.{parts[2]}", _RULES.get(parts[1]))
