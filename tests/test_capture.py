@@ -155,3 +155,28 @@ def test_a_tied_parameter_is_one_parameter() -> None:
     assert [n.target for n in params] == ["embed.weight"]
     readers = [n.op for n in graph if any(r.name == params[0].name for r in n.refs)]
     assert readers == ["aten.embedding.default", "aten.linear.default"]
+
+
+def test_writes_through_views_are_made_functional() -> None:
+    class Shift(nn.Module):  # as BART makes its decoder's inputs from the labels
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 4)
+
+        def forward(self, labels: torch.Tensor) -> torch.Tensor:
+            shifted = labels.new_zeros(labels.shape)
+            shifted[:, 1:] = labels[:, :-1].clone()
+            shifted[:, 0] = 2
+            return self.embed(shifted).sum()
+
+    labels = torch.randint(0, 16, (2, 5))
+    model = Shift()
+    ep = export_step(model, (labels,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not {"aten.copy_.default", "aten.fill_.Tensor"} & targets
+    assert "aten.slice_scatter.default" in targets
+    assert torch.equal(ep.module()(labels), model(labels))  # computes what the model does
+    # the examples' graphs, which write nothing in place, stay as export gave them
+    w = example("mlp", batch_size=4, hidden=8)
+    plain = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    assert "aten.linear.default" in {str(n.target) for n in plain.graph.nodes}

@@ -15,6 +15,7 @@ import logging
 import operator
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,9 +97,31 @@ def export_step(
         ep = torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(_explain_trace_failure(model, e)) from e
+    if _mutates(ep):
+        with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = ep.run_decompositions({})
     _drop_checks(ep)
     _tie_parameters(ep)
     return ep
+
+
+_DETACH_ = torch.ops.aten.detach_.default
+
+
+def _mutates(ep: ExportedProgram) -> bool:
+    """Whether an op of the step writes into a tensor in place (``shifted[:, 1:] = labels``
+    ... as BART shifts its labels): a write through a view changes the tensor it views,
+    which placing and sharding each op's value apart cannot follow. Such a graph is made
+    functional (``run_decompositions({})``: in-place writes become ``slice_scatter`` and the
+    like; composite ops such as ``linear`` stay whole); other graphs stay as export gave
+    them. ``detach_`` (on a tensor made in forward) writes no data."""
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        writes = schema is not None and schema.is_mutable
+        if node.op == "call_function" and writes and node.target is not _DETACH_:
+            return True
+    return False
 
 
 def _tie_parameters(ep: ExportedProgram) -> None:
