@@ -166,10 +166,11 @@ CASES = [
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
     # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
     Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
-    # Hugging Face's GPT-2, its own loss, its head tied to the embedding (tests/models/)
-    Case(
-        "hf-gpt2-dp", "hf_gpt2", {"batch_size": 64, "seq_len": 32}, lambda w: data_parallel(w, (4,))
-    ),
+    # models nobody here wrote (tests/models/zoo.py), each with its own loss, as planned
+    *[
+        Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
+        for model in ("gpt2", "llama", "bert", "bart", "vit")
+    ],
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

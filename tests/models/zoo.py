@@ -1,0 +1,115 @@
+"""Models nobody here wrote: Hugging Face transformers built from small configs with random
+weights (nothing is downloaded), each computing its own loss as users call it. Dropout is off,
+so that training can be compared with one process exactly.
+
+- gpt2: tied embedding and head, Conv1D projections (addmm), labels shifted by padding.
+- llama: grouped-query attention, rotary embeddings, RMSNorm, SwiGLU.
+- bert: masked language model with an attention mask and token types.
+- bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
+- vit: image classification from patches (a strided convolution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from autoplan import Workload
+
+VOCAB = 128
+NO_DROPOUT = {"attention_dropout": 0.0}
+
+
+class OwnLoss(nn.Module):
+    """``forward(*batch)`` is the model's own loss: ``model(**named(batch)).loss``."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = names
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.names, batch, strict=True))).loss  # type: ignore[no-any-return]
+
+
+def _gpt2(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=seq, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    return transformers.GPT2LMHeadModel(config), ("input_ids", "labels"), (ids, ids)
+
+
+def _llama(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq,
+        bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    return transformers.LlamaForCausalLM(config), ("input_ids", "labels"), (ids, ids)
+
+
+def _bert(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=seq, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    types = torch.randint(0, 2, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[:, -seq // 4 :] = 0  # padding at the end of every sequence
+    labels = torch.where(torch.rand(batch, seq) < 0.25, ids, -100)  # masked positions only
+    names = ("input_ids", "token_type_ids", "attention_mask", "labels")
+    return transformers.BertForMaskedLM(config), names, (ids, types, mask, labels)
+
+
+def _bart(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.BartConfig(
+        encoder_layers=2, decoder_layers=2, d_model=64, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=seq, dropout=0.0, activation_dropout=0.0,
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, decoder_start_token_id=2,
+        forced_eos_token_id=None, **NO_DROPOUT,
+    )  # fmt: skip
+    ids = torch.randint(3, VOCAB, (batch, seq))
+    labels = torch.randint(3, VOCAB, (batch, seq))
+    model = transformers.BartForConditionalGeneration(config)
+    return model, ("input_ids", "labels"), (ids, labels)
+
+
+def _vit(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        image_size=32, patch_size=8, num_labels=10, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    pixels = torch.randn(batch, 3, 32, 32)
+    labels = torch.randint(0, 10, (batch,))
+    model = transformers.ViTForImageClassification(config)
+    return model, ("pixel_values", "labels"), (pixels, labels)
+
+
+MODELS: dict[str, Callable[[int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]] = {
+    "gpt2": _gpt2,
+    "llama": _llama,
+    "bert": _bert,
+    "bart": _bart,
+    "vit": _vit,
+}
+
+
+def workload(
+    model: str = "gpt2", batch_size: int = 8, seq_len: int = 16, seed: int = 0
+) -> Workload:
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(MODELS)}")
+    torch.manual_seed(seed)
+    module, names, batch = MODELS[model](batch_size, seq_len)
+    return Workload(OwnLoss(module, names), batch)
