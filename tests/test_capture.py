@@ -180,3 +180,36 @@ def test_writes_through_views_are_made_functional() -> None:
     w = example("mlp", batch_size=4, hidden=8)
     plain = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target)
     assert "aten.linear.default" in {str(n.target) for n in plain.graph.nodes}
+
+
+def test_no_grad_and_autocast_off_regions_are_inlined_with_their_gradients() -> None:
+    from tests.models.regions import workload
+
+    w = workload(batch_size=4, hidden=8)
+    ep = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    assert all(n.op != "get_attr" for n in ep.graph.nodes)  # no wrapped submodules left
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    means = [n for n in graph if n.op == "aten.mean.dim"]
+    assert len(means) == 1 and not means[0].needs_grad  # the no_grad statistic
+    # the inlined graph computes the model's loss and gradients
+    import copy
+
+    model = copy.deepcopy(w.model)
+    ep.module()(*w.example_inputs, w.example_target).backward()
+    w.loss(model).backward()
+    for (name, p), q in zip(w.model.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_an_enabled_autocast_region_is_refused_by_name() -> None:
+    class Autocast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc(x).float().sum()
+
+    with pytest.raises(TraceError, match=r"torch\.autocast\('cpu', dtype=torch\.bfloat16\)"):
+        capture(Autocast(), (torch.randn(4, 8),))

@@ -16,7 +16,7 @@ import operator
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,9 @@ _WRAPPED = "model."  # prefix of parameter and module paths inside TrainStep
 
 
 class TrainStep(nn.Module):
-    """``model`` followed by ``loss_fn(output, target)``: the module that gets traced."""
+    """``model`` followed by ``loss_fn(output, target)``: the module that gets traced. Without
+    a ``loss_fn`` the model computes its own loss: its output, or the output's ``loss``
+    (Hugging Face's ``ModelOutput``, or a dict with a "loss")."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
         super().__init__()
@@ -43,7 +45,10 @@ class TrainStep(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if self.loss_fn is None:
-            return self.model(*args)
+            output = self.model(*args)
+            if isinstance(output, Mapping) and "loss" in output:
+                return output["loss"]
+            return output
         *inputs, target = args
         return self.loss_fn(self.model(*inputs), target)
 
@@ -97,6 +102,7 @@ def export_step(
         ep = torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(_explain_trace_failure(model, e)) from e
+    _inline_regions(ep)
     if _mutates(ep):
         with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
             warnings.simplefilter("ignore", FutureWarning)
@@ -107,6 +113,65 @@ def export_step(
 
 
 _DETACH_ = torch.ops.aten.detach_.default
+_GRAD_STOPS = {"aten.detach.default"}
+_DETACH = torch.ops.aten.detach.default
+# export's wrappers of a region of forward run under a context manager: (the index of the
+# submodule among the wrapper's arguments, what the region's outputs need)
+_REGIONS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+
+
+def _inline_regions(ep: ExportedProgram) -> None:
+    """Regions that export wraps in a submodule of their own, because forward ran them under
+    ``torch.no_grad()`` / ``torch.set_grad_enabled`` or ``torch.autocast(enabled=False)`` (as
+    Llama's rotary embedding is), are put back inline, so that the planner places their ops
+    like any others. A region without gradients computes from detached values, as it did in
+    forward. An enabled autocast region is refused: autoplan runs the model's own dtypes."""
+    root = ep.graph_module
+    graph = root.graph
+    for node in list(graph.nodes):
+        at = _REGIONS.get(str(node.target)) if node.op == "call_function" else None
+        if at is None:
+            continue
+        where = _module_path(node) or "the model"
+        if str(node.target) == "wrap_with_autocast" and node.args[2]:
+            raise TraceError(
+                f"{where} runs part of forward under torch.autocast({node.args[0]!r}, "
+                f"dtype={node.args[1]}); autoplan plans and runs the model's own dtypes: cast "
+                "explicitly (x.to(torch.bfloat16)) or build the model in that dtype"
+            )
+        submodule = getattr(root, str(node.args[at].target))
+        if any(n.op == "get_attr" for n in submodule.graph.nodes):
+            raise TraceError(f"{where}: nested no_grad/autocast regions are not supported")
+        no_grad = str(node.target) == "wrap_with_set_grad_enabled" and not node.args[0]
+        env: dict[torch.fx.Node, Any] = {}
+        inputs = iter(node.args[at + 1 :])
+        outputs: tuple[Any, ...] = ()
+        with graph.inserting_before(node):
+            for inner in submodule.graph.nodes:
+                if inner.op == "placeholder":  # without gradients, what enters is detached
+                    value = next(inputs)
+                    env[inner] = _detached(graph, value) if no_grad else value
+                elif inner.op == "output":
+                    outputs = tuple(env[o] for o in inner.args[0])
+                else:
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+        for user in list(node.users):  # getitem(region, i)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        wrapped = node.args[at]
+        graph.erase_node(node)
+        if isinstance(wrapped, torch.fx.Node) and not wrapped.users:
+            graph.erase_node(wrapped)
+            delattr(root, str(wrapped.target))
+    root.recompile()
+
+
+def _detached(graph: torch.fx.Graph, value: Any) -> Any:
+    if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    out = graph.call_function(_DETACH, (value,))
+    out.meta = {**value.meta, "val": value.meta["val"].detach()}
+    return out
 
 
 def _mutates(ep: ExportedProgram) -> bool:
@@ -295,8 +360,9 @@ def _convert(
     refs = Node(fx_node.name, OP, "", args, kwargs, (), 0, 0, 0, "", "", (), False, False).refs
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
-    needs_grad = any(grads) and any(o.is_float for o in outputs)
     op = str(fx_node.target)
+    # detach hands out the same values without a gradient
+    needs_grad = any(grads) and any(o.is_float for o in outputs) and op not in _GRAD_STOPS
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
     flops, bwd = (0.0, 0.0) if is_view else op_flops(op, ins, outputs, grads)

@@ -166,6 +166,8 @@ CASES = [
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
     # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
     Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
+    # no_grad and autocast(enabled=False) regions, inlined (tests/models/regions.py)
+    Case("regions-dp", "regions", {}, lambda w: data_parallel(w, (4,))),
     # models nobody here wrote (tests/models/zoo.py), each with its own loss, as planned
     *[
         Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
