@@ -14,7 +14,8 @@ from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture, export_step
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM
-from tests.conftest import example
+from autoplan.workload import load_workload
+from tests.conftest import ROOT, example
 
 
 def test_mlp_graph_has_shapes_flops_paths_and_params() -> None:
@@ -213,3 +214,14 @@ def test_an_enabled_autocast_region_is_refused_by_name() -> None:
 
     with pytest.raises(TraceError, match=r"torch\.autocast\('cpu', dtype=torch\.bfloat16\)"):
         capture(Autocast(), (torch.randn(4, 8),))
+
+
+def test_blocks_that_make_tensors_in_forward_still_share_decisions() -> None:
+    # Hugging Face's Llama makes a tensor in each attention's forward; export numbers them
+    # across the model, which must not make the blocks look different
+    w = load_workload(ROOT / "examples" / "hf_llama.py", size="small", batch_size=2, seq_len=8)
+    graph = capture(w.model, w.example_inputs)
+    sharing = find_sharing(graph)
+    copies = list(sharing.canonical)  # nodes that take another node's decision
+    in_blocks = [n.name for n in graph if (block_of(n) or "").endswith(("layers.2", "layers.3"))]
+    assert in_blocks and sorted(copies) == sorted(in_blocks)  # every node of the copies

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.ir import PARAM, Graph, Node, Ref
 
+_LIFTED = re.compile(r"lifted_tensor_\d+$")
 _INDEXED = re.compile(r"^(.*?\b[A-Za-z_]\w*)\.(\d+)(?:\.|$)")
 
 
@@ -63,6 +64,9 @@ def signature(graph: Graph, names: tuple[str, ...], prefix: str | None) -> tuple
     for name in names:
         n = graph.node(name)
         path = n.target if n.kind == PARAM else n.module_path
+        # export numbers the tensors made in forward across the model (lifted_tensor_0 in one
+        # block, lifted_tensor_2 in the next): the number says nothing of the structure
+        path = _LIFTED.sub("lifted_tensor", path)
         local = None if prefix is None else path.removeprefix(prefix)
         sig.append(
             (
