@@ -225,3 +225,11 @@ def test_blocks_that_make_tensors_in_forward_still_share_decisions() -> None:
     copies = list(sharing.canonical)  # nodes that take another node's decision
     in_blocks = [n.name for n in graph if (block_of(n) or "").endswith(("layers.2", "layers.3"))]
     assert in_blocks and sorted(copies) == sorted(in_blocks)  # every node of the copies
+
+
+def test_a_forward_that_updates_buffers_is_refused_by_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))  # training mode: running stats
+    with pytest.raises(TraceError, match=r"updates buffers in forward \(1\.num_batches_tracked"):
+        capture(model, (torch.randn(8, 4),))
+    model.eval()  # running statistics read, not written: it plans
+    assert capture(model, (torch.randn(8, 4),)).num_params > 0

@@ -107,6 +107,7 @@ def export_step(
         with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
             warnings.simplefilter("ignore", FutureWarning)
             ep = ep.run_decompositions({})
+    _refuse_buffer_updates(ep)
     _drop_checks(ep)
     _tie_parameters(ep)
     return ep
@@ -172,6 +173,24 @@ def _detached(graph: torch.fx.Graph, value: Any) -> Any:
     out = graph.call_function(_DETACH, (value,))
     out.meta = {**value.meta, "val": value.meta["val"].detach()}
     return out
+
+
+def _refuse_buffer_updates(ep: ExportedProgram) -> None:
+    """A forward that updates buffers (batch norm's running statistics in training) is not
+    run yet: the step would have to write them back, and a batch norm over a split batch
+    normalizes by each rank's statistics, not the batch's."""
+    updated = sorted(
+        {b.removeprefix(_WRAPPED) for b in ep.graph_signature.buffers_to_mutate.values()}
+    )
+    if updated:
+        shown = ", ".join(updated[:4]) + (
+            f" and {len(updated) - 4} more" if len(updated) > 4 else ""
+        )
+        raise TraceError(
+            f"the model updates buffers in forward ({shown}): autoplan does not train models "
+            "whose forward writes buffers yet (batch norm in training mode does); use "
+            "GroupNorm or LayerNorm, or put the batch norms in eval mode (model.eval() on them)"
+        )
 
 
 def _mutates(ep: ExportedProgram) -> bool:
