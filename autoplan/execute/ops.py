@@ -121,6 +121,13 @@ LOCAL_OPS = {
     # convolutions over a split batch, masks combined element by element
     _aten.conv1d.default,
     _aten.conv2d.default,
+    _aten.max_pool1d.default,
+    _aten.max_pool2d.default,
+    _aten.avg_pool1d.default,
+    _aten.avg_pool2d.default,
+    _aten.adaptive_avg_pool1d.default,
+    _aten.adaptive_avg_pool2d.default,
+    _aten.batch_norm.default,  # only ever split along the batch, and only in eval mode
     _aten.__and__.Tensor,
     _aten.__or__.Tensor,
     _aten.constant_pad_nd.default,

@@ -210,6 +210,21 @@ def _convolution(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [(shard(0), shard(0), *[R] * (len(ins) - 1))]
 
 
+def _pool(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # pooling over the trailing (spatial) dims: the batch and channels may stay split
+    spatial = 2 if "2d" in node.op else 1
+    return [(shard(d), shard(d)) for d in range(len(ins[0].shape) - spatial)]
+
+
+def _batch_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # batch_norm(input, weight, bias, running_mean, running_var, training, ...): with its
+    # running statistics (eval mode) each sample is normalized alone, so the batch may be
+    # split; in training it normalizes by the batch's statistics: whole only
+    if _arg(node, 5, "training", True):
+        return []
+    return [(shard(0), shard(0), *[R] * (len(ins) - 1))]
+
+
 def _elementwise(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # dropout and the like: any dim split, no partial sums (each element is drawn anew)
     return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
@@ -257,6 +272,13 @@ _RULES: dict[str, Rule] = {
     "select": _select,
     "conv1d": _convolution,
     "conv2d": _convolution,
+    "max_pool1d": _pool,
+    "max_pool2d": _pool,
+    "avg_pool1d": _pool,
+    "avg_pool2d": _pool,
+    "adaptive_avg_pool1d": _pool,
+    "adaptive_avg_pool2d": _pool,
+    "batch_norm": _batch_norm,
     "__and__": _broadcast,
     "__or__": _broadcast,
     "to": _identity,

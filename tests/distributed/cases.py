@@ -171,7 +171,7 @@ CASES = [
     # models nobody here wrote (tests/models/zoo.py), each with its own loss, as planned
     *[
         Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
-        for model in ("gpt2", "llama", "bert", "bart", "vit")
+        for model in ("gpt2", "llama", "bert", "bart", "vit", "cnn")
     ],
     # the planner keeps ViT on the flat mesh: forced onto (2, 2), as the others chose
     Case("zoo-vit-2x2", "zoo", {"model": "vit", "batch_size": 64, "seq_len": 32}, own((2, 2))),

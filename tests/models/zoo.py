@@ -7,6 +7,9 @@ so that training can be compared with one process exactly.
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
+- cnn: a plain convolutional classifier (convolutions, batch norm, pooling), not from
+  transformers; its batch norms run in eval mode: a forward that updates running statistics
+  is refused by name (tests/test_capture.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 
@@ -97,12 +101,36 @@ def _vit(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, .
     return model, ("pixel_values", "labels"), (pixels, labels)
 
 
+class SmallCNN(nn.Module):
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.norm2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        x = F.max_pool2d(F.relu(self.norm1(self.conv1(pixel_values))), 2)
+        x = F.relu(self.norm2(self.conv2(x)))
+        logits = self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def _cnn(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    model = SmallCNN(classes=10)
+    model.norm1.eval()
+    model.norm2.eval()
+    pixels = torch.randn(batch, 3, seq, seq)
+    labels = torch.randint(0, 10, (batch,))
+    return model, ("pixel_values", "labels"), (pixels, labels)
+
+
 MODELS: dict[str, Callable[[int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]] = {
     "gpt2": _gpt2,
     "llama": _llama,
     "bert": _bert,
     "bart": _bart,
     "vit": _vit,
+    "cnn": _cnn,
 }
 
 
