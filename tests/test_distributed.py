@@ -145,6 +145,22 @@ def test_optimizers_train_like_one_process(results: dict[int, dict[str, Any]]) -
             assert diff <= TOLERANCE, (world, case, diff)
 
 
+def test_random_ops_draw_at_their_rate_and_keep_replicas_equal(
+    results: dict[int, dict[str, Any]],
+) -> None:
+    for world, r in results.items():
+        found = r["randomness"]
+        for layout in ("own", "dp"):
+            # E[loss] = mean(h**2) / (1 - p) at p = 0.25; 16384 elements: ~1% noise
+            assert abs(found[layout]["rate"] - 4 / 3) < 0.05, (world, layout, found)
+            assert found[layout]["replicas"] == 0.0, (world, layout, found)
+        assert found["dp"]["placed"] == {
+            "aten.rand_like.default": ["R"],
+            "aten.dropout.default": ["S(0)"],
+        }, found
+        assert found["split"] == world and found["whole"] == 1, (world, found)
+
+
 def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         ranks = r["errors"]

@@ -201,14 +201,19 @@ def test_reductions_selects_convolutions_and_masks_keep_their_other_dims_split()
             total = y.sum(dim=[2, 3])  # (8, 4)
             first = y.select(1, 0)  # (8, 2, 2)
             both = keep & keep  # masks combined
-            return rms.sum() + total.sum() + first.sum() + both.sum()
+            return rms.sum() + total.sum() + first.sum() + both.sum() + y.mean()
 
     graph = capture(Mixed(), (torch.randn(8, 3, 4, 4), torch.ones(8, 4, dtype=torch.bool)))
     expected = {
         "aten.conv2d.default": [("S(0)", "S(0)", "R", "R")],  # the batch only
-        "aten.mean.dim": [(f"S({d})", f"S({d})") for d in range(3)],  # kept dims, keepdim
-        # kept dims (numbered in the output), and a partial sum over a reduced split dim
+        # kept dims (keepdim), and a partial sum over a reduced split dim: the executor runs a
+        # mean as a sum over the global count
+        "aten.mean.dim": [*[(f"S({d})", f"S({d})") for d in range(3)], ("P", "S(3)")],
+        # kept dims (numbered in the output)
         "aten.sum.dim_IntList": [("S(0)", "S(0)"), ("S(1)", "S(1)"), ("P", "S(2)"), ("P", "S(3)")],
+        # whole reductions: partial sums only
+        "aten.sum.default": [("P", f"S({d})") for d in range(4)],
+        "aten.mean.default": [("P", f"S({d})") for d in range(4)],
         "aten.select.int": [("S(0)", "S(0)"), ("S(1)", "S(2)"), ("S(2)", "S(3)")],
         "aten.__and__.Tensor": [("S(0)", "S(0)", "S(0)"), ("S(1)", "S(1)", "S(1)")],
     }
@@ -219,4 +224,3 @@ def test_reductions_selects_convolutions_and_masks_keep_their_other_dims_split()
             assert rule is not None, node.op
             found[node.op] = rule(node, [graph.tensor(r) for r in node.refs])
     assert found == expected
-    assert own_rule("aten.sum.default") is None  # a whole sum: DTensor's own rule

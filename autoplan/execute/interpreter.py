@@ -44,6 +44,7 @@ from autoplan.execute.ops import (
     runs_locally,
 )
 from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
+from autoplan.execute.randomness import Draws, is_random
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -153,6 +154,7 @@ class PlanInterpreter:
         self.plan = plan
         self.mesh = mesh
         self.device = torch.device(mesh.device_type)
+        self.draws = Draws(mesh)
         axes = plan.stage_axes
         self.nodes = frozenset(plan.stages[stage].nodes)
         self.sent = plan.stages[stage].sent
@@ -354,11 +356,11 @@ class PlanInterpreter:
 
         reads = zip(self.reads[name], self.inputs[name], self.grads[name], strict=True)
         args, kwargs = self.arguments[name].fill([fetch(*read) for read in reads])
+        placements = self.outputs[node.name]
         if node.target is CROSS_ENTROPY:
             out = local_cross_entropy(node, args, kwargs, total)
         else:
-            out = call_op(node, args, kwargs)
-        placements = self.outputs[node.name]
+            out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)
         if isinstance(out, list | tuple):  # broadcast_tensors
             return [Local(t, placements, kept) for t in out]
@@ -369,8 +371,8 @@ class PlanInterpreter:
         args, kwargs = self.arguments[node.name].fill(
             [self._placed(read, target, env, placed) for read, target in reads]
         )
-        out = call_op(node, args, kwargs)
         planned = self.outputs.get(node.name)
+        out = self._call_op(node, args, kwargs, planned)
         if planned is None:
             return out
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
@@ -385,6 +387,18 @@ class PlanInterpreter:
         if isinstance(out, DTensor) and out.requires_grad:
             out.register_hook(self._gradient_to(planned))
         return out
+
+    def _call_op(
+        self,
+        node: torch.fx.Node,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Sequence[Placement] | None,
+    ) -> Any:
+        if output is None or not is_random(node):
+            return call_op(node, args, kwargs)
+        with self.draws.drawing(output):
+            return call_op(node, args, kwargs)
 
     def _gradient_to(self, planned: Sequence[Placement]) -> Callable[[Any], Any]:
         """Backward mirrors forward: the gradient of an op's output, summed over its users, is

@@ -11,6 +11,7 @@ its targets, are partial sums along the axes their inputs are split on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,7 +80,20 @@ def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         rest = {k: v for k, v in kwargs.items() if k != "reduction"}
         summed = target(args[0], args[1], SUM, *args[3:], **rest)
         return summed / node.args[0].meta["val"].numel()  # type: ignore[union-attr]
+    if target in MEANS:
+        return _mean_as_sum(node, args[0], kwargs.get("dtype"))
     return target(*args, **kwargs)
+
+
+def _mean_as_sum(node: torch.fx.Node, x: torch.Tensor, dtype: torch.dtype | None) -> Any:
+    """A mean as a sum over the global count of what it reduces: on a shard split along a
+    reduced dim, its partial sum (a mean of the shard would divide by the shard's count)."""
+    shape = node.args[0].meta["val"].shape  # type: ignore[union-attr]
+    dims = _arg(node, 1, "dim", None) if node.target is _aten.mean.dim else None
+    reduced = [int(d) % len(shape) for d in dims] if dims else list(range(len(shape)))
+    keepdim = bool(_arg(node, 2, "keepdim", False)) and node.target is _aten.mean.dim
+    count = math.prod(shape[d] for d in reduced)
+    return torch.sum(x, dim=reduced, keepdim=keepdim, dtype=dtype) / count
 
 
 _aten = torch.ops.aten
@@ -101,6 +115,17 @@ LOCAL_OPS = {
     _aten.silu.default,
     _aten.tanh.default,
     _aten.sigmoid.default,
+    _aten.pow.Tensor_Scalar,
+    _aten.exp.default,
+    _aten.log.default,
+    _aten.sqrt.default,
+    _aten.rsqrt.default,
+    _aten.abs.default,
+    _aten.erf.default,
+    # random draws: each shard from its own generator (randomness.Draws)
+    _aten.dropout.default,
+    _aten.rand_like.default,
+    _aten.randn_like.default,
     _aten.layer_norm.default,
     _aten.softmax.int,
     _aten.log_softmax.int,
@@ -115,9 +140,11 @@ LOCAL_OPS = {
     _aten.slice.Tensor,
     _aten.cat.default,
     _aten.select.int,
-    # reductions over dims that are not split (a sum's partial output goes to DTensor)
+    # reductions: over a split dim, a partial sum (`REDUCTIONS`)
     _aten.mean.dim,
+    _aten.mean.default,
     _aten.sum.dim_IntList,
+    _aten.sum.default,
     # convolutions over a split batch, masks combined element by element
     _aten.conv1d.default,
     _aten.conv2d.default,
@@ -137,6 +164,9 @@ LOCAL_OPS = {
     _aten._to_copy.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
+MEANS = {_aten.mean.dim, _aten.mean.default}
+# their local result over a split dim is a partial sum, as planned
+REDUCTIONS = MEANS | {_aten.sum.dim_IntList, _aten.sum.default}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
 # views whose size argument (args[1]) is the global shape: made local from the planned output
 SHAPED_VIEWS = {
@@ -154,7 +184,7 @@ def runs_locally(
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
     if node.target not in LOCAL_OPS | SHAPED_VIEWS | LOSSES | MULTI_OUTPUT:
-        return _replicated_and_deterministic(node, inputs, output)
+        return _replicated(node, inputs, output)
     val = node.meta.get("val")
     values = val if node.target in MULTI_OUTPUT else [val]
     if not isinstance(values, list | tuple) or not all(isinstance(v, torch.Tensor) for v in values):
@@ -167,21 +197,18 @@ def runs_locally(
         # the loss of this rank's shards is a partial sum along the axes they are split on
         split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
         return tuple(output) == tuple(Partial() if s else Replicate() for s in split)
-    return not any(isinstance(p, Partial) for p in output)
+    return node.target in REDUCTIONS or not any(isinstance(p, Partial) for p in output)
 
 
-def _replicated_and_deterministic(
+def _replicated(
     node: torch.fx.Node,
     inputs: Sequence[Sequence[Placement]],
     output: Sequence[Placement],
 ) -> bool:
     """Any op (one DTensor has no rule for, too) run whole on every rank from whole inputs:
-    each rank computes the same value, so plain torch on the local tensors is exact. Random
-    ops stay with DTensor, whose RNG tracker keeps the ranks' draws the same."""
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags or not isinstance(
-        node.meta.get("val"), torch.Tensor
-    ):
+    each rank computes the same value, so plain torch on the local tensors is exact (a random
+    op too: every rank draws from the same generator, see `randomness`)."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
     placed = [*inputs, output]
     return all(isinstance(p, Replicate) for ps in placed for p in ps)

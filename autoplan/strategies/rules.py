@@ -185,17 +185,15 @@ def _expand(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # mean.dim / sum.dim_IntList(input, dims, keepdim): a dim not reduced may stay split; a
-    # sum over a split dim is a partial sum (a mean's is not: its shards divide by their size)
+    # sum / mean (input, dims, keepdim): a dim not reduced may stay split; a reduction over a
+    # split dim is a partial sum (the executor runs a mean as a sum over the global count)
     ndim = len(ins[0].shape)
-    dims = _arg(node, 1, "dim", None)
-    reduced = set(range(ndim)) if dims is None else {int(d) % ndim for d in dims}  # type: ignore[attr-defined]
+    dims = _arg(node, 1, "dim", None) if node.op.endswith((".dim", ".dim_IntList")) else None
+    reduced = {int(d) % ndim for d in dims} if dims else set(range(ndim))  # type: ignore[attr-defined]
     keep = bool(_arg(node, 2, "keepdim", False))
     kept = [d for d in range(ndim) if d not in reduced]
     rules: list[AxisRule] = [(shard(d if keep else kept.index(d)), shard(d)) for d in kept]
-    if node.op.startswith("aten.sum."):
-        rules += [(P, shard(d)) for d in sorted(reduced)]
-    return rules
+    return rules + [(P, shard(d)) for d in sorted(reduced)]
 
 
 def _select(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -226,7 +224,8 @@ def _batch_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _elementwise(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # dropout and the like: any dim split, no partial sums (each element is drawn anew)
+    # dropout and random draws shaped like their input: any dim split, no partial sums (each
+    # element is drawn anew; the executor seeds each shard's draws apart, see randomness)
     return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
 
 
@@ -267,8 +266,13 @@ _RULES: dict[str, Rule] = {
     "cat": _cat,
     "expand": _expand,
     "dropout": _elementwise,
+    "rand_like": _elementwise,
+    "randn_like": _elementwise,
+    "bernoulli": _elementwise,
     "mean.dim": _reduce,
+    "mean.default": _reduce,
     "sum.dim_IntList": _reduce,
+    "sum.default": _reduce,
     "select": _select,
     "conv1d": _convolution,
     "conv2d": _convolution,

@@ -166,6 +166,9 @@ CASES = [
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
     # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
     Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
+    # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
+    Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
+    Case("mean-own", "dropout", {"p": 0.0}, own()),
     # no_grad and autocast(enabled=False) regions, inlined (tests/models/regions.py)
     Case("regions-dp", "regions", {}, lambda w: data_parallel(w, (4,))),
     # models nobody here wrote (tests/models/zoo.py), each with its own loss, as planned

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -26,6 +26,7 @@ import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
+from autoplan.execute.randomness import Draws  # noqa: E402
 from autoplan.execute.step import OPTIMIZERS  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -306,6 +307,45 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     return found
 
 
+def randomness(c: autoplan.Cluster) -> dict[str, Any]:
+    """Dropout (p = 0.25) of a linear layer whose weight gets noise from `rand_like`, trained
+    3 steps under the planner's plan and data parallel (noise drawn whole, dropout split):
+    the first loss over the loss without dropout (the rate shows in it: expected 1 / (1 - p)),
+    how far each rank's parameters are from rank 0's after training, and the placements of the
+    random ops. Then draws under the executor's generator, split and whole."""
+    w = load_workload(ROOT / "tests/models/dropout.py", noise=0.1)
+    exact = w.loss(copy.deepcopy(w.model).eval()).item()
+    layouts = {"own": autoplan.PlanOptions(), "dp": data_parallel(w, (world_size(),))}
+    found: dict[str, Any] = {}
+    for name, options in layouts.items():
+        torch.manual_seed(dist.get_rank())  # as for a data loader: the executor draws alike
+        step = parallel(w, c, options=options)
+        losses = [step(w.example_inputs, w.example_target).item() for _ in range(STEPS)]
+        mine = torch.cat([v.flatten() for v in step.state_dict().values()])
+        first = mine.clone()
+        dist.broadcast(first, src=0)
+        assert step.plan is not None
+        random = {
+            n.op: sorted(set(n.output.values()))
+            for n in step.plan.nodes.values()
+            if n.op in ("aten.rand_like.default", "aten.dropout.default")
+        }
+        found[name] = {
+            "rate": losses[0] / exact,
+            "replicas": (mine - first).abs().max().item(),
+            "placed": random,
+        }
+    assert step.mesh is not None
+    draws = Draws(step.mesh)
+    for name, placement in (("split", Shard(0)), ("whole", Replicate())):
+        with draws.drawing([placement]):
+            drawn = torch.rand(4)
+        gathered = [torch.empty(4) for _ in range(world_size())]
+        dist.all_gather(gathered, drawn)
+        found[name] = len({tuple(g.tolist()) for g in gathered})
+    return found
+
+
 def world_size() -> int:
     return dist.get_world_size()
 
@@ -323,6 +363,7 @@ def main() -> None:
             results[case.name] = run_case(case, c)
     results["accumulation"] = accumulation(c)
     results["optimizers"] = optimizers(c)
+    results["randomness"] = randomness(c)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)
