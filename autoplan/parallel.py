@@ -28,7 +28,7 @@ from autoplan.execute.step import (
     make_optimizer,
     materialize,
 )
-from autoplan.graph.capture import export_step, graph_from_export, microbatch
+from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import wait_collective
@@ -121,10 +121,12 @@ class Step:
         self.optimizer: torch.optim.Optimizer | None = None
         self.plan: Plan | None = None
         self.mesh: DeviceMesh | None = None
+        self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
 
     def build(self, example_inputs: Any, example_target: Any) -> None:
         """Trace, plan (or check the given plan) and place the parameters."""
         init_distributed(self.cluster)
+        self._keywords = keywords(example_inputs)
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target)
         graph = graph_from_export(ep)
 
@@ -187,6 +189,11 @@ class Step:
         if self.optimizer is None:
             self.build(inputs, target)  # plan from the first batch's shapes, as Alpa does
         assert self.optimizer is not None
+        if keywords(inputs) != self._keywords:
+            raise AutoplanError(
+                f"the step was traced with inputs {self._keywords or 'by position'}, got "
+                f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
+            )
         if self.pipeline is not None:
             args = batch_args(inputs, target)
             self.placeholders.check(args, batches=self.pipeline.num_microbatches)

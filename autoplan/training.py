@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.cluster.model import Cluster
+from autoplan.graph.capture import as_tuple
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step
 from autoplan.planfile.schema import Plan
@@ -28,7 +29,7 @@ class StepRecord:
 
 
 def _items(w: Workload) -> tuple[int, str]:
-    x = w.example_inputs[0]
+    x = as_tuple(w.example_inputs)[0]
     if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() == 2:
         return x.numel(), "tokens/s"
     return (x.shape[0] if isinstance(x, torch.Tensor) else 1), "samples/s"

@@ -19,7 +19,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.step import OptimizerFactory
-from autoplan.graph.capture import TrainStep, step_args
+from autoplan.graph.capture import TrainStep, keywords, step_args
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
@@ -28,10 +28,11 @@ from autoplan.planfile.schema import Plan
 @dataclass(frozen=True)
 class Workload:
     """A model with an example batch: ``loss_fn(model(*example_inputs), example_target)`` is
-    one step's loss (without ``loss_fn``, the model's output is)."""
+    one step's loss (without ``loss_fn``, the model's output is); inputs given as a mapping
+    are passed by name, ``model(**example_inputs)``."""
 
     model: nn.Module
-    example_inputs: tuple[Any, ...]
+    example_inputs: Any
     loss_fn: Callable[..., torch.Tensor] | None = None
     example_target: Any = None
 
@@ -42,7 +43,7 @@ class Workload:
         model = self.model if model is None else model
         with_loss = self.loss_fn is not None
         args = step_args(model, self.example_inputs, self.example_target, with_loss)
-        return TrainStep(model, self.loss_fn)(*args)
+        return TrainStep(model, self.loss_fn, keywords(self.example_inputs))(*args)
 
     def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:
         """`autoplan.plan` of this workload."""

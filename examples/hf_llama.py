@@ -1,5 +1,6 @@
 """A Llama from Hugging Face transformers (grouped-query attention, rotary embeddings, RMSNorm,
-SwiGLU), random weights, trained with its own loss: no loss_fn, the model's output carries it.
+SwiGLU), random weights, called as users call it, ``model(input_ids=ids, labels=ids)``: the
+inputs are a dict (passed by keyword) and there is no loss_fn (the model's output carries it).
 
     pip install transformers
     autoplan run examples/hf_llama.py --cluster costmodels/cpu-gloo-4.json --steps 3 --check
@@ -12,10 +13,7 @@ Large sizes are built on the meta device, for planning:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 
 from autoplan import Workload
 from autoplan.errors import AutoplanError
@@ -33,17 +31,6 @@ SIZES = {
 }
 
 
-class CausalLM(nn.Module):
-    """``forward(ids)`` returns the model's output, whose ``loss`` autoplan trains."""
-
-    def __init__(self, config: transformers.LlamaConfig) -> None:
-        super().__init__()
-        self.lm = transformers.LlamaForCausalLM(config)
-
-    def forward(self, ids: torch.Tensor) -> Any:
-        return self.lm(input_ids=ids, labels=ids)
-
-
 def workload(
     size: str = "tiny", batch_size: int = 16, seq_len: int = 32, device: str = "cpu", seed: int = 0
 ) -> Workload:
@@ -57,6 +44,6 @@ def workload(
     )  # fmt: skip
     torch.manual_seed(seed)
     with torch.device(device):
-        model = CausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
-    return Workload(model, (ids,))
+    return Workload(model, {"input_ids": ids, "labels": ids})

@@ -176,6 +176,7 @@ def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
             # a parameter frozen after planning: its gradient bucket never fills
             assert seen["frozen"].startswith("AutoplanError") and "requires_grad" in seen["frozen"]
             assert seen["twice"].startswith("AutoplanError") and "already" in seen["twice"]
+            assert seen["keywords"].startswith("AutoplanError") and "('x',)" in seen["keywords"]
             assert seen["lazy"] == "ok"  # planned at the first call, then trained
             assert seen["meta"] == "ok"  # built shard by shard from a meta model, then trained
 

@@ -72,6 +72,9 @@ class ParallelModule(nn.Module):
             self.add_module(name, child)
         for name, param in model.named_parameters(recurse=False):
             self.register_parameter(name, param)
+        for name, buffer in model.named_buffers(recurse=False):  # BART's final_logits_bias
+            persistent = name not in model._non_persistent_buffers_set
+            self.register_buffer(name, buffer, persistent=persistent)
         self.mesh = mesh
         self.plan = plan
         self.interpreter = PlanInterpreter(ep, plan, mesh)

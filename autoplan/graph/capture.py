@@ -36,24 +36,49 @@ _WRAPPED = "model."  # prefix of parameter and module paths inside TrainStep
 class TrainStep(nn.Module):
     """``model`` followed by ``loss_fn(output, target)``: the module that gets traced. Without
     a ``loss_fn`` the model computes its own loss: its output, or the output's ``loss``
-    (Hugging Face's ``ModelOutput``, or a dict with a "loss")."""
+    (Hugging Face's ``ModelOutput``, or a dict with a "loss"). The last ``len(keywords)``
+    inputs are passed to ``model`` by those names (see `keywords`)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        keywords: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.keywords = keywords
 
     def forward(self, *args: Any) -> Any:
-        if self.loss_fn is None:
-            output = self.model(*args)
-            if isinstance(output, Mapping) and "loss" in output:
-                return output["loss"]
-            return output
-        *inputs, target = args
-        return self.loss_fn(self.model(*inputs), target)
+        inputs, target = (args, None) if self.loss_fn is None else (args[:-1], args[-1])
+        positional = len(inputs) - len(self.keywords)
+        named = dict(zip(self.keywords, inputs[positional:], strict=True))
+        output = self.model(*inputs[:positional], **named)
+        if self.loss_fn is not None:
+            return self.loss_fn(output, target)
+        if isinstance(output, Mapping) and "loss" in output:
+            return output["loss"]
+        return output
+
+
+def keywords(example_inputs: Any) -> tuple[str, ...]:
+    """The names of the inputs passed by keyword: a mapping's keys, sorted (``model(**inputs)``,
+    as Hugging Face models are called); none for a tensor, tuple or list."""
+    if not isinstance(example_inputs, Mapping):
+        return ()
+    names = tuple(sorted(example_inputs))
+    if not all(isinstance(n, str) for n in names):
+        raise TraceError(
+            f"example inputs given as a mapping must have argument names as keys, got {names}"
+        )
+    return names
 
 
 def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    """The inputs as positional values: a mapping's in the order of `keywords`."""
+    if isinstance(example_inputs, Mapping):
+        return tuple(example_inputs[name] for name in keywords(example_inputs))
     if isinstance(example_inputs, tuple):
         return example_inputs
     if isinstance(example_inputs, list):
@@ -63,11 +88,13 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
 
 def microbatch(batch: Any, count: int) -> Any:
     """The first of ``count`` equal microbatches of ``batch`` (tensors split along dim 0;
-    tuples and lists element by element); what a pipeline stage sees per step."""
+    tuples, lists and mappings element by element); what a pipeline stage sees per step."""
     if isinstance(batch, torch.Tensor):
         return batch[: batch.shape[0] // count] if batch.dim() else batch
     if isinstance(batch, tuple | list):
         return type(batch)(microbatch(b, count) for b in batch)
+    if isinstance(batch, Mapping):
+        return {name: microbatch(b, count) for name, b in batch.items()}
     return batch
 
 
@@ -97,7 +124,7 @@ def export_step(
 ) -> ExportedProgram:
     """Export the train step; a failure becomes a `TraceError` that names the user's line."""
     args = step_args(model, example_inputs, example_target, loss_fn is not None)
-    wrapper = TrainStep(model, loss_fn)
+    wrapper = TrainStep(model, loss_fn, keywords(example_inputs))
     try:
         ep = torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error

@@ -237,6 +237,16 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     found["twice"] = _error_of(
         lambda: autoplan.parallelize(module, c, example_inputs=again.example_inputs)
     )
+    # inputs traced by keyword, then given by position
+    named = autoplan.parallelize(
+        copy.deepcopy(small.model),
+        c,
+        example_inputs={"x": small.example_inputs[0]},
+        loss_fn=small.loss_fn,
+        example_target=small.example_target,
+        plan=plan,
+    )
+    found["keywords"] = _error_of(lambda: named(small.example_inputs, small.example_target))
     fresh = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
     losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]

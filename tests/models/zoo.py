@@ -28,19 +28,6 @@ VOCAB = 128
 NO_DROPOUT = {"attention_dropout": 0.0}
 
 
-class OwnLoss(nn.Module):
-    """``forward(*batch)`` is ``model(**named(batch))``: its output, a ``ModelOutput`` whose
-    ``loss`` autoplan trains (no ``loss_fn``)."""
-
-    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
-        super().__init__()
-        self.model = model
-        self.names = names
-
-    def forward(self, *batch: torch.Tensor) -> Any:
-        return self.model(**dict(zip(self.names, batch, strict=True)))
-
-
 def _gpt2(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=seq, bos_token_id=0,
@@ -141,4 +128,6 @@ def workload(
         raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(MODELS)}")
     torch.manual_seed(seed)
     module, names, batch = MODELS[model](batch_size, seq_len)
-    return Workload(OwnLoss(module, names), batch)
+    # called as users call them, ``model(input_ids=..., labels=...)``: a ``ModelOutput`` whose
+    # ``loss`` autoplan trains (no ``loss_fn``)
+    return Workload(module, dict(zip(names, batch, strict=True)))
