@@ -8,6 +8,7 @@ Large sizes are built on the meta device (no memory) and are meant for planning:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,12 +72,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, mlp: nn.Module) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -84,11 +85,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """``make_mlp(cfg)`` builds each block's feed-forward layer (examples/moe.py passes a
+    mixture of experts)."""
+
+    def __init__(self, cfg: GPTConfig, make_mlp: Callable[[GPTConfig], nn.Module] = MLP) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, make_mlp(cfg)) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

@@ -122,6 +122,22 @@ LOCAL_OPS = {
     _aten.rsqrt.default,
     _aten.abs.default,
     _aten.erf.default,
+    _aten.cumsum.default,
+    _aten.clamp.default,
+    _aten.rsub.Scalar,
+    _aten.lt.Scalar,
+    _aten.gt.Scalar,
+    _aten.le.Scalar,
+    _aten.ge.Scalar,
+    _aten.eq.Scalar,
+    _aten.unsqueeze.default,
+    _aten.stack.default,
+    _aten.zeros_like.default,
+    _aten.ones_like.default,
+    _aten.argmax.default,
+    _aten.argmin.default,
+    _aten.one_hot.default,
+    _aten.einsum.default,  # over a split contracted letter: a partial sum (`PARTIAL_SUMS`)
     # random draws: each shard from its own generator (randomness.Draws)
     _aten.dropout.default,
     _aten.rand_like.default,
@@ -140,7 +156,7 @@ LOCAL_OPS = {
     _aten.slice.Tensor,
     _aten.cat.default,
     _aten.select.int,
-    # reductions: over a split dim, a partial sum (`REDUCTIONS`)
+    # reductions: over a split dim, a partial sum (`PARTIAL_SUMS`)
     _aten.mean.dim,
     _aten.mean.default,
     _aten.sum.dim_IntList,
@@ -165,8 +181,8 @@ LOCAL_OPS = {
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
-# their local result over a split dim is a partial sum, as planned
-REDUCTIONS = MEANS | {_aten.sum.dim_IntList, _aten.sum.default}
+# their local result over a split reduced dim (contracted letter) is a partial sum, as planned
+PARTIAL_SUMS = MEANS | {_aten.sum.dim_IntList, _aten.sum.default, _aten.einsum.default}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
 # views whose size argument (args[1]) is the global shape: made local from the planned output
 SHAPED_VIEWS = {
@@ -197,7 +213,7 @@ def runs_locally(
         # the loss of this rank's shards is a partial sum along the axes they are split on
         split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
         return tuple(output) == tuple(Partial() if s else Replicate() for s in split)
-    return node.target in REDUCTIONS or not any(isinstance(p, Partial) for p in output)
+    return node.target in PARTIAL_SUMS or not any(isinstance(p, Partial) for p in output)
 
 
 def _replicated(

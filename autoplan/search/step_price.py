@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autoplan.graph.ir import OUTPUT, PARAM, Graph
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
-from autoplan.strategies.placement import Spec, grad_spec
+from autoplan.strategies.placement import P, Spec, grad_spec
 from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import Strategy
 
@@ -28,6 +28,15 @@ class PricedStep:
     comm_s: float
     memory_bytes: float
     collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
+
+
+def summed_gradient(a: Spec | None, b: Spec | None) -> Spec | None:
+    """The placement of two users' gradients of one tensor, read in one placement, summed:
+    partial on an axis where either is (a replicated input's user whose output is split
+    sends a partial sum; its sum with a whole gradient is still partial)."""
+    if a is None or b is None:
+        return a or b
+    return tuple(P if P in (x, y) else x for x, y in zip(a, b, strict=True))
 
 
 def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) -> PricedStep:
@@ -52,7 +61,12 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
             grad = None
             if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
                 grad = grad_spec(s.inputs[i], s.output, s.grad)
-            needs.setdefault((ref.name, ref.index, s.inputs[i]), (node.name, i, grad))
+            key = (ref.name, ref.index, s.inputs[i])
+            if key in needs:  # the users' gradients are summed, then reduced once
+                user, at, summed = needs[key]
+                needs[key] = (user, at, summed_gradient(summed, grad))
+            else:
+                needs[key] = (node.name, i, grad)
     syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
     waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
     for (name, index, _), (user, i, grad) in needs.items():

@@ -171,6 +171,54 @@ def _other_dims(node: Node, ins: Sequence[TensorInfo], index: int) -> list[AxisR
     return [(shard(d), *[shard(d)] * len(ins)) for d in range(ndim) if d != dim and same]
 
 
+def _along(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    return _other_dims(node, ins, 1)  # softmax / log_softmax / cumsum (input, dim)
+
+
+def _arg_reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # argmax / argmin (input, dim, keepdim): the other dims may stay split (an index is not a
+    # sum: no partial outputs)
+    ndim = len(ins[0].shape)
+    dim = _arg(node, 1, "dim", None)
+    if dim is None:
+        return []
+    dim = int(dim) % ndim  # type: ignore[call-overload]
+    keep = bool(_arg(node, 2, "keepdim", False))
+    kept = [d for d in range(ndim) if d != dim]
+    return [(shard(d if keep else kept.index(d)), shard(d)) for d in kept]
+
+
+def _one_hot(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # one_hot(indices, classes): a new last dim; the indices' dims may stay split
+    return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
+
+
+def _einsum(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """einsum(equation, operands): per subscript letter, every operand that has it split
+    along it; the output too where it has the letter, else partial sums (a contraction).
+    Operands without the letter stay whole. Equations with "..." or a letter repeated within
+    an operand (a diagonal) get no rule (planned replicated)."""
+    equation = str(node.args[0]).replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return []
+    inputs, output = equation.split("->")
+    operands = inputs.split(",")
+    if len(operands) != len(ins) or any(len(set(o)) != len(o) for o in [*operands, output]):
+        return []
+    rules: list[AxisRule] = []
+    for letter in sorted(set(inputs) - {","}):
+        out = shard(output.index(letter)) if letter in output else P
+        rules.append((out, *[shard(o.index(letter)) if letter in o else R for o in operands]))
+    return rules
+
+
+def _stack(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # stack(tensors, dim): every input split alike, the output one dim further past ``dim``
+    ndim = len(ins[0].shape)
+    dim = int(_arg(node, 1, "dim", 0)) % (ndim + 1)  # type: ignore[call-overload]
+    return [(shard(d if d < dim else d + 1), *[shard(d)] * len(ins)) for d in range(ndim)]
+
+
 def _slice(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return _other_dims(node, ins, 1)  # slice(input, dim, start, end, step)
 
@@ -224,8 +272,8 @@ def _batch_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _elementwise(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # dropout and random draws shaped like their input: any dim split, no partial sums (each
-    # element is drawn anew; the executor seeds each shard's draws apart, see randomness)
+    # dropout, and tensors made like their input (random draws, zeros): any dim split, no
+    # partial sums (the executor seeds each shard's draws apart, see execute/randomness)
     return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
 
 
@@ -266,7 +314,21 @@ _RULES: dict[str, Rule] = {
     "cat": _cat,
     "expand": _expand,
     "dropout": _elementwise,
+    "softmax.int": _along,
+    "log_softmax.int": _along,
+    "_softmax": _along,
+    "_log_softmax": _along,
+    "cumsum": _along,
+    "argmax": _arg_reduce,
+    "argmin": _arg_reduce,
+    "one_hot": _one_hot,
+    "einsum": _einsum,
     "rand_like": _elementwise,
+    "zeros_like": _elementwise,
+    "ones_like": _elementwise,
+    "empty_like": _elementwise,
+    "full_like": _elementwise,
+    "stack": _stack,
     "randn_like": _elementwise,
     "bernoulli": _elementwise,
     "mean.dim": _reduce,

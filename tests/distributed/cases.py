@@ -72,6 +72,13 @@ def gpt_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
     return PlanOptions(mesh_shape=mesh, pin=pins)
 
 
+def expert_parallel(w: Workload) -> PlanOptions:
+    """Data parallel, the experts split across the ranks (GShard): tokens go to their
+    experts' ranks and back by all-to-all."""
+    experts = {n: "S(0)" for n in _params(w) if n.endswith(("w_in", "w_out"))}
+    return PlanOptions(mesh_shape=(4,), pin={"input:0": "S(0)", "target": "S(0)", **experts})
+
+
 def cluster(world: int) -> Cluster:
     """The cluster every case is planned for: the 4-CPU gloo profile with ``world`` devices."""
     base = Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
@@ -166,6 +173,10 @@ CASES = [
     Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
     # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
     Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
+    # mixtures of experts (examples/moe.py): top-1 and top-2 routing, einsums, cumsum
+    Case("moe-own", "moe", {"batch_size": 64}, own()),
+    Case("moe-top2-ep", "moe", {"size": "tiny-top2", "batch_size": 16}, expert_parallel),
+    Case("moe-top2-2x2", "moe", {"size": "tiny-top2", "batch_size": 64}, own((2, 2))),
     # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
     Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
     Case("mean-own", "dropout", {"p": 0.0}, own()),
