@@ -64,6 +64,7 @@ class Workload:
         tp: int,
         pp: int = 1,
         zero_stage: int = 0,
+        sequence_parallel: bool = False,
         options: PlanOptions | None = None,
     ) -> Plan:
         """`autoplan.baseline` of this workload."""
@@ -75,6 +76,7 @@ class Workload:
             tp=tp,
             pp=pp,
             zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
             options=options,

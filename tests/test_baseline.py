@@ -22,7 +22,7 @@ from autoplan.planfile.sections import CollectivePlan
 from autoplan.strategies.placement import Collective
 from autoplan.strategies.pricing import Pricer
 from autoplan.workload import Workload
-from tests.conftest import example
+from tests.conftest import ROOT, example
 from tests.distributed.cases import (
     GPT,
     MLP_LARGE_BATCH,
@@ -470,3 +470,48 @@ def test_pipeline_refusals(cpu4: autoplan.Cluster) -> None:
         example("gpt", **GPT).baseline(
             cpu4, dp=1, tp=2, pp=2, options=PlanOptions(memory_fraction=1e-6)
         )
+
+
+def _kinds(plan: Plan, phase: str) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for c in plan.collectives:
+        if c.phase == phase:
+            found[c.kind] = found.get(c.kind, 0) + 1
+    return found
+
+
+def _block_norms(plan: Plan) -> list[str]:
+    """The placements of the layer norms inside the blocks (past the first)."""
+    norms = [n for n in plan.nodes.values() if n.op == "aten.layer_norm.default"]
+    return [placement for n in norms[1:-1] for placement in n.output.values()]
+
+
+def test_sequence_parallel_baseline_splits_the_sequence_between_regions(
+    cpu4: autoplan.Cluster,
+) -> None:
+    w = example("gpt", size="small", batch_size=8, num_layers=2)
+    megatron = w.baseline(cpu4, dp=1, tp=4)
+    sequence = w.baseline(cpu4, dp=1, tp=4, sequence_parallel=True)
+    # each row linear's all-reduce becomes a reduce-scatter, gathered before the next column
+    assert _kinds(megatron, "forward") == {"all_reduce": 4}
+    assert _kinds(sequence, "forward") == {"reduce_scatter": 4, "all_gather": 4}
+    assert set(_block_norms(megatron)) == {"R"} and set(_block_norms(sequence)) == {"S(1)"}
+    assert sequence.predicted.peak_memory_bytes < megatron.predicted.peak_memory_bytes
+
+
+def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
+    # a 1.3B GPT's blocks, tensor parallel over 8 A100s: under a budget that Megatron's plan
+    # (layer norms and residuals whole on every GPU) exceeds, the planner's fits by splitting
+    # them (along the sequence or the batch: the same collectives, a reduce-scatter after each
+    # row linear and an all-gather before each column linear)
+    cluster = autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
+    w = example("gpt", size="1.3b", batch_size=8, num_layers=2, device="meta", dtype="bfloat16")
+    budget = PlanOptions(memory_fraction=3.5 * 2**30 / cluster.device.memory_bytes)
+    with pytest.raises(InfeasiblePlanError, match=r"needs 4\.33 GiB"):
+        w.baseline(cluster, dp=1, tp=8, options=budget)
+    pins = gpt_megatron(w).pin
+    plan = w.plan(cluster, dataclasses.replace(budget, mesh_shape=(8,), pin=pins))
+    assert plan.predicted.peak_memory_bytes < 3.5 * 2**30
+    assert set(_block_norms(plan)) <= {"S(0)", "S(1)"}
+    forward = _kinds(plan, "forward")
+    assert forward["reduce_scatter"] >= 4 and forward["all_gather"] >= 4

@@ -155,9 +155,16 @@ def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
 
 
 def _one_stage(
-    graph: Graph, cluster: Cluster, dp: int, tp: int, zero_stage: int, optimizer: str, limit: float
+    graph: Graph,
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    zero_stage: int,
+    optimizer: str,
+    limit: float,
+    sequence_parallel: bool,
 ) -> Plan:
-    space = baseline_strategies(graph, dp, tp, zero_stage)
+    space = baseline_strategies(graph, dp, tp, zero_stage, sequence_parallel=sequence_parallel)
     mesh_shape = mesh_of(dp, tp)
     costs = Pricer(cluster, mesh_shape, optimizer)
     problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
@@ -182,6 +189,7 @@ def _pipelined(
     zero_stage: int,
     optimizer: str,
     limit: float,
+    sequence_parallel: bool,
 ) -> Plan:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
     own graph as a one-stage baseline is."""
@@ -202,7 +210,11 @@ def _pipelined(
         stage = stage_graph(graph, stages, s, s + 1)
         try:
             assignments.append(
-                assignment_of(baseline_strategies(stage.graph, dp, tp, zero_stage, stage.sent))
+                assignment_of(
+                    baseline_strategies(
+                        stage.graph, dp, tp, zero_stage, stage.sent, sequence_parallel
+                    )
+                )
             )
         except AutoplanError as e:
             names = ", ".join(layer.name for layer in group)
@@ -237,6 +249,7 @@ def baseline(
     tp: int,
     pp: int = 1,
     zero_stage: int = 0,
+    sequence_parallel: bool = False,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     options: PlanOptions | None = None,
@@ -251,6 +264,11 @@ def baseline(
     by ``dp`` stays replicated (with a warning). Stages 1 and 2 (only the optimizer state, or
     it and the gradients, split) cannot be written in a plan, whose storage placement covers a
     parameter together with its gradient and optimizer state: they raise an error.
+
+    ``sequence_parallel=True`` adds Megatron's sequence parallelism on the tp axis: the ops
+    between tensor-parallel regions (layer norms, residual adds, dropout) run split along the
+    sequence (dim 1), a row linear's partial sums are reduce-scattered and gathered again
+    before the next column linear, in place of the all-reduce.
 
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
@@ -272,13 +290,16 @@ def baseline(
     degrees = f"dp={dp} tp={tp}"
     if pp == 1:
         graph = capture(model, example_inputs, loss_fn, example_target)
-        plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit)
+        plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit, sequence_parallel)
     else:
         count = pp if options.num_microbatches is None else options.num_microbatches
         _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
         graph = capture(model, inputs, loss_fn, target)
-        plan = _pipelined(graph, cluster, dp, tp, pp, count, schedule, zero_stage, optimizer, limit)
+        plan = _pipelined(
+            graph, cluster, dp, tp, pp, count, schedule, zero_stage, optimizer, limit,
+            sequence_parallel,
+        )  # fmt: skip
         degrees += f" pp={pp} num_microbatches={count}"
     need = plan.predicted.peak_memory_bytes
     if need > limit:

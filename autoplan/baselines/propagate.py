@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 
-from autoplan.baselines.regions import rule_for, tp_seeds
+from autoplan.baselines.regions import rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
@@ -68,9 +68,12 @@ def _dp_seeds(
     return seeds
 
 
-def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
+def _propagate(graph: Graph, seeds: Seeds, sequence_parallel: bool = False) -> dict[str, AxisRule]:
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
-    partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp)."""
+    partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,
+    with ``sequence_parallel``, reduce-scattered along the sequence (dim 1) when they have one
+    (Megatron's sequence parallelism: the ops between tensor-parallel regions run split along
+    the sequence, and an op whose seeded parameters need its activation whole gathers it)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
@@ -80,23 +83,35 @@ def _propagate(graph: Graph, seeds: Seeds) -> dict[str, AxisRule]:
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == OP else None
+        if rule is None and sequence_parallel and node.kind == OP:
+            rule = rule_moving(node, graph, ins)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
-        # partial sums are all-reduced for the next op, as Megatron does after a row linear
-        read[node.name] = R if placed[node.name][0] == P else placed[node.name][0]
+        read[node.name] = placed[node.name][0]
+        if read[node.name] == P:
+            sequence = sequence_parallel and len(node.outputs[0].shape) >= 3
+            read[node.name] = shard(1) if sequence else R
     return placed
 
 
 def baseline_strategies(
-    graph: Graph, dp: int, tp: int, zero_stage: int, sent: Collection[str] = ()
+    graph: Graph,
+    dp: int,
+    tp: int,
+    zero_stage: int,
+    sent: Collection[str] = (),
+    sequence_parallel: bool = False,
 ) -> dict[str, NodeStrategies]:
     """Each node's one strategy in the baseline, on mesh `mesh_of(dp, tp)`. On a pipeline
     stage's graph, the tensors received are inputs (seeded as the batch is: the `boundary`
-    placement) and the output reads those ``sent`` on in the `boundary` placement."""
+    placement) and the output reads those ``sent`` on in the `boundary` placement.
+    ``sequence_parallel``: Megatron's, on the tp axis (`_propagate`)."""
     on_tp = tp_seeds(graph, tp) if tp > 1 else {}
     seeds = [_dp_seeds(graph, dp, tp, zero_stage, on_tp)] if dp > 1 else []
     seeds += [on_tp] if tp > 1 else []
     mesh_shape = mesh_of(dp, tp)
     per_axis = [_propagate(graph, s) for s in seeds or [{}]]  # one device: all replicated
+    if tp > 1 and sequence_parallel:
+        per_axis[-1] = _propagate(graph, on_tp, sequence_parallel=True)
     space = {}
     for node in graph:
         rules = [placed[node.name] for placed in per_axis]

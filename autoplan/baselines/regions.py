@@ -57,6 +57,27 @@ def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | No
     return next((rule for rule in rules if rule[1:] == inputs), None)
 
 
+def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
+    """The rule of ``node`` that keeps its parameters as placed and moves the fewest of its
+    activations: a whole one is sliced (free), a split one gathered. None if every rule
+    needs a parameter placed otherwise (`propagate`'s sequence parallelism)."""
+    rules, _ = axis_rules(node, graph)
+    params = [graph.node(r.name).kind == PARAM for r in node.refs]
+
+    def gathers(rule: AxisRule) -> int | None:
+        count = 0
+        for want, have, param in zip(rule[1:], inputs, params, strict=True):
+            if want == have or (have == R and not param):
+                continue
+            if param or want != R:
+                return None
+            count += 1
+        return count
+
+    ranked = [(n, i) for i, rule in enumerate(rules) if (n := gathers(rule)) is not None]
+    return rules[min(ranked)[1]] if ranked else None
+
+
 def _own_params(graph: Graph, node: Node) -> bool:
     """The linear's weight (and bias) are parameters that no other op reads."""
     return all(

@@ -85,9 +85,9 @@ def cluster(world: int) -> Cluster:
     return dataclasses.replace(base, devices_per_node=world, name=f"cpu-gloo-{world}")
 
 
-def baseline_plan(dp: int, tp: int, pp: int = 1, zero_stage: int = 0) -> Callable[[Workload], Plan]:
+def baseline_plan(dp: int, tp: int, pp: int = 1, **options: Any) -> Callable[[Workload], Plan]:
     """`autoplan.baseline`'s plan (Megatron tp, dp, ZeRO) with these degrees, on 4 devices."""
-    return lambda w: w.baseline(cluster(4), dp=dp, tp=tp, pp=pp, zero_stage=zero_stage)
+    return lambda w: w.baseline(cluster(4), dp=dp, tp=tp, pp=pp, **options)
 
 
 def own(mesh: Mesh = None) -> Callable[[Workload], PlanOptions]:
@@ -156,6 +156,8 @@ CASES = [
     Case("gpt-tp-2", "gpt", GPT, lambda w: gpt_megatron(w, (2,)), 2),
     Case("gpt-baseline-2x2", "gpt", {**GPT, "batch_size": 8}, baseline_plan(dp=2, tp=2)),
     Case("gpt-baseline-tp", "gpt", GPT, baseline_plan(dp=1, tp=4)),
+    Case("gpt-baseline-sp", "gpt", GPT, baseline_plan(dp=1, tp=4, sequence_parallel=True)),
+    Case("gpt-baseline-sp-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, sequence_parallel=True)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
     Case("gpt-pipeline-2x2", "gpt", GPT, pipeline(stages=2, microbatches=2, mesh=(2,))),
     Case("mlp-pipeline-2x2", "mlp", MLP_LARGE_BATCH, pipeline(stages=2, microbatches=4, mesh=(2,))),

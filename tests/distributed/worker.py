@@ -238,15 +238,16 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
         lambda: autoplan.parallelize(module, c, example_inputs=again.example_inputs)
     )
     # inputs traced by keyword, then given by position
+    keyed = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     named = autoplan.parallelize(
-        copy.deepcopy(small.model),
+        keyed.model,
         c,
-        example_inputs={"x": small.example_inputs[0]},
-        loss_fn=small.loss_fn,
-        example_target=small.example_target,
+        example_inputs={"x": keyed.example_inputs[0]},
+        loss_fn=keyed.loss_fn,
+        example_target=keyed.example_target,
         plan=plan,
     )
-    found["keywords"] = _error_of(lambda: named(small.example_inputs, small.example_target))
+    found["keywords"] = _error_of(lambda: named(keyed.example_inputs, keyed.example_target))
     fresh = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     lazy = autoplan.parallelize(fresh.model, c, loss_fn=fresh.loss_fn)  # plans at the first call
     losses = [lazy(fresh.example_inputs, fresh.example_target).item() for _ in range(2)]
