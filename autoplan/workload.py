@@ -65,6 +65,7 @@ class Workload:
         pp: int = 1,
         zero_stage: int = 0,
         sequence_parallel: bool = False,
+        ep: int = 1,
         options: PlanOptions | None = None,
     ) -> Plan:
         """`autoplan.baseline` of this workload."""
@@ -77,6 +78,7 @@ class Workload:
             pp=pp,
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
+            ep=ep,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
             options=options,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.errors import AutoplanError
 from autoplan.graph.capture import capture
 from autoplan.search.step_price import summed_gradient
 from autoplan.strategies.rules import own_rule
@@ -24,41 +25,99 @@ from examples.moe import MoE, MoEConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class _Layer(torch.nn.Module):
+    """A projection (so that the tokens carry gradients, as inside a model), then experts."""
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.moe = MoE(dim, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.proj(x))[0]
+
+
 def _layer(batch: int = 32, seq: int = 1024, dim: int = 1024) -> autoplan.Workload:
     cfg = MoEConfig(GPTConfig(1, dim, 16, 128, seq), experts=8, hidden=4 * dim, top_k=1)
     with torch.device("meta"):
-        layer = MoE(dim, cfg)
+        layer = _Layer(dim, cfg)
         x, y = torch.randn(batch, seq, dim), torch.randn(batch, seq, dim)
-    return autoplan.Workload(layer, (x,), _output_loss, y)
-
-
-def _output_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output[0], target)
+    return autoplan.Workload(layer, (x,), F.mse_loss, y)
 
 
 @pytest.fixture(scope="module")
-def expert_plan() -> autoplan.Plan:
-    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
-    return _layer().plan(cluster, PlanOptions(mesh_shape=(8,)))
+def a100x8() -> autoplan.Cluster:
+    return autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
+
+
+@pytest.fixture(scope="module")
+def expert_plan(a100x8: autoplan.Cluster) -> autoplan.Plan:
+    return _layer().plan(a100x8, PlanOptions(mesh_shape=(8,)))
+
+
+EXPERTS = {"moe.w_in", "moe.w_out"}
+
+
+def _storage(plan: autoplan.Plan) -> dict[str, str]:
+    return {name: p.storage["dp"] for name, p in plan.params.items()}
 
 
 def test_experts_are_split_across_the_gpus(expert_plan: autoplan.Plan) -> None:
-    storage = {name: p.storage["dp"] for name, p in expert_plan.params.items()}
-    assert storage == {"w_in": "S(0)", "w_out": "S(0)", "gate.weight": "R"}
+    storage = _storage(expert_plan)
+    assert {storage[n] for n in EXPERTS} == {"S(0)"}
+    assert {s for n, s in storage.items() if n not in EXPERTS} == {"R"}
+
+
+def _gshard(plan: autoplan.Plan) -> None:
+    """As Alpa's MoE layer test expects on a data x expert mesh: the dispatch and combine
+    all-to-alls in forward and backward (4 in all), all-reduces of the other weights'
+    gradients (in buckets), and nothing else but scalars (the loss)."""
+    assert {storage for n, storage in _storage(plan).items() if n in EXPERTS} == {"S(0)"}
+    moved = sorted((c.kind, c.phase, c.node) for c in plan.collectives if c.bytes > 8)
+    dispatch, combine = "einsum_1", "einsum_3"  # the einsums that read the moved tokens
+    assert [m for m in moved if m[0] == "all_to_all"] == [
+        ("all_to_all", "backward", dispatch),
+        ("all_to_all", "backward", combine),
+        ("all_to_all", "forward", dispatch),
+        ("all_to_all", "forward", combine),
+    ]
+    synced = [c for c in plan.collectives if c.phase == "grad_sync"]
+    assert {c.kind for c in synced} == {"all_reduce"}
+    assert sorted(p for c in synced for p in c.params) == [
+        "p_model_moe_gate_weight",
+        "p_model_proj_bias",
+        "p_model_proj_weight",
+    ]
+    assert len(moved) == 4 + len(synced)
 
 
 def test_tokens_reach_their_experts_by_all_to_all(expert_plan: autoplan.Plan) -> None:
-    kinds = [(c.kind, c.phase) for c in expert_plan.collectives]
-    assert ("all_to_all", "forward") in kinds and ("all_to_all", "backward") in kinds
-    # one bucket of gradients, the gate's: each GPU's experts train on its own
-    (bucket,) = [c for c in expert_plan.collectives if c.phase == "grad_sync"]
-    assert bucket.kind == "all_reduce" and bucket.params == ("p_model_gate_weight",)
+    _gshard(expert_plan)
 
 
-def test_replicating_the_experts_is_priced_slower(expert_plan: autoplan.Plan) -> None:
-    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
-    data_parallel = _layer().baseline(cluster, dp=8, tp=1)
-    assert expert_plan.predicted.step_time_s < data_parallel.predicted.step_time_s
+def test_gshard_baseline_is_what_alpa_expects(a100x8: autoplan.Cluster) -> None:
+    _gshard(_layer().baseline(a100x8, dp=8, tp=1, ep=8))
+
+
+def test_the_planner_is_as_fast_as_gshard_and_beats_replicated_experts(
+    a100x8: autoplan.Cluster, expert_plan: autoplan.Plan
+) -> None:
+    gshard = _layer().baseline(a100x8, dp=8, tp=1, ep=8)
+    replicated = _layer().baseline(a100x8, dp=8, tp=1)
+    assert expert_plan.predicted.step_time_s <= gshard.predicted.step_time_s * 1.001
+    assert gshard.predicted.step_time_s < replicated.predicted.step_time_s
+
+
+def test_ep_is_refused_without_experts_or_when_it_does_not_divide(
+    a100x8: autoplan.Cluster,
+) -> None:
+    with pytest.raises(AutoplanError, match="ep must be 1 or dp=8"):
+        _layer().baseline(a100x8, dp=8, tp=1, ep=4)
+    w = autoplan.Workload(
+        torch.nn.Linear(8, 8), (torch.randn(8, 8),), F.mse_loss, torch.randn(8, 8)
+    )
+    with pytest.raises(AutoplanError, match="the model has none"):
+        w.baseline(a100x8, dp=8, tp=1, ep=8)
 
 
 def test_einsum_rules_follow_the_subscripts() -> None:

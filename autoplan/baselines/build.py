@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.baselines.propagate import assignment_of, baseline_strategies, boundary, mesh_of
+from autoplan.baselines.propagate import (
+    Layout,
+    assignment_of,
+    baseline_strategies,
+    boundary,
+    mesh_of,
+)
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
@@ -155,17 +161,10 @@ def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
 
 
 def _one_stage(
-    graph: Graph,
-    cluster: Cluster,
-    dp: int,
-    tp: int,
-    zero_stage: int,
-    optimizer: str,
-    limit: float,
-    sequence_parallel: bool,
+    graph: Graph, cluster: Cluster, layout: Layout, optimizer: str, limit: float
 ) -> Plan:
-    space = baseline_strategies(graph, dp, tp, zero_stage, sequence_parallel=sequence_parallel)
-    mesh_shape = mesh_of(dp, tp)
+    space = baseline_strategies(graph, layout)
+    mesh_shape = mesh_of(layout.dp, layout.tp)
     costs = Pricer(cluster, mesh_shape, optimizer)
     problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
     choice = (0,) * problem.num_groups
@@ -181,15 +180,12 @@ def _one_stage(
 def _pipelined(
     graph: Graph,
     cluster: Cluster,
-    dp: int,
-    tp: int,
+    layout: Layout,
     pp: int,
     num_microbatches: int,
     schedule: str,
-    zero_stage: int,
     optimizer: str,
     limit: float,
-    sequence_parallel: bool,
 ) -> Plan:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
     own graph as a one-stage baseline is."""
@@ -209,23 +205,17 @@ def _pipelined(
     for s, group in enumerate(groups):
         stage = stage_graph(graph, stages, s, s + 1)
         try:
-            assignments.append(
-                assignment_of(
-                    baseline_strategies(
-                        stage.graph, dp, tp, zero_stage, stage.sent, sequence_parallel
-                    )
-                )
-            )
+            assignments.append(assignment_of(baseline_strategies(stage.graph, layout, stage.sent)))
         except AutoplanError as e:
             names = ", ".join(layer.name for layer in group)
             raise AutoplanError(f"pipeline stage {s} ({names}): {e}") from e
-    mesh_shape = mesh_of(dp, tp)
+    mesh_shape = mesh_of(layout.dp, layout.tp)
     pipe = price_pipeline(
         graph,
         tuple(stages),
         cluster,
         mesh_shape=mesh_shape,
-        boundary=boundary(dp, tp),
+        boundary=boundary(layout.dp, layout.tp),
         assignments=assignments,
         num_microbatches=num_microbatches,
         schedule=schedule,
@@ -250,6 +240,7 @@ def baseline(
     pp: int = 1,
     zero_stage: int = 0,
     sequence_parallel: bool = False,
+    ep: int = 1,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     options: PlanOptions | None = None,
@@ -270,6 +261,11 @@ def baseline(
     sequence (dim 1), a row linear's partial sums are reduce-scattered and gathered again
     before the next column linear, in place of the all-reduce.
 
+    ``ep=dp`` splits the experts of a mixture of experts along the dp axis (GShard): their
+    weights (parameters of three or more dims read only by einsums, experts along dim 0)
+    are stored and used split by expert, and tokens go to their experts' devices and back
+    by all-to-all.
+
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
     docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
@@ -284,22 +280,25 @@ def baseline(
         cluster = Cluster.load(cluster)
     options = options or PlanOptions()
     _check_options(cluster, dp, tp, pp, zero_stage, options)
+    if ep not in (1, dp) or (ep > 1 and zero_stage == 3):
+        raise AutoplanError(
+            f"ep={ep}: experts are split along the whole dp axis (GShard), so ep must be 1 or "
+            f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
+        )
+    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep)
     schedule = options.schedule or "1F1B"
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
     degrees = f"dp={dp} tp={tp}"
     if pp == 1:
         graph = capture(model, example_inputs, loss_fn, example_target)
-        plan = _one_stage(graph, cluster, dp, tp, zero_stage, optimizer, limit, sequence_parallel)
+        plan = _one_stage(graph, cluster, layout, optimizer, limit)
     else:
         count = pp if options.num_microbatches is None else options.num_microbatches
         _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
         graph = capture(model, inputs, loss_fn, target)
-        plan = _pipelined(
-            graph, cluster, dp, tp, pp, count, schedule, zero_stage, optimizer, limit,
-            sequence_parallel,
-        )  # fmt: skip
+        plan = _pipelined(graph, cluster, layout, pp, count, schedule, optimizer, limit)
         degrees += f" pp={pp} num_microbatches={count}"
     need = plan.predicted.peak_memory_bytes
     if need > limit:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from autoplan.baselines.regions import rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
@@ -27,7 +28,31 @@ from autoplan.strategies.space import NodeStrategies, Strategy, node_strategies
 
 log = logging.getLogger(__name__)
 
+EINSUM = "aten.einsum.default"
+
 Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A baseline's degrees and what it does on each mesh axis."""
+
+    dp: int
+    tp: int
+    zero_stage: int = 0  # 3: parameters stored split along dp (ZeRO-3)
+    sequence_parallel: bool = False  # Megatron's, on the tp axis
+    ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
+
+
+def expert_weights(graph: Graph) -> list[Node]:
+    """The experts' weights: parameters of three or more dims that only einsums read, the
+    experts along dim 0 (as GShard writes them: "emh" for expert, model, hidden)."""
+    found = []
+    for node in graph.params:
+        users = [graph.node(u) for u in graph.users(node.name)]
+        if len(node.output.shape) >= 3 and users and all(u.op == EINSUM for u in users):
+            found.append(node)
+    return found
 
 
 def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
@@ -44,9 +69,8 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
     return R
 
 
-def _dp_seeds(
-    graph: Graph, dp: int, tp: int, zero_stage: int, on_tp: Seeds
-) -> dict[str, tuple[str, str]]:
+def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str, str]]:
+    dp, tp, zero_stage = layout.dp, layout.tp, layout.zero_stage
     seeds = {}
     kept = []
     for i, node in enumerate(n for n in graph if n.kind == INPUT):
@@ -65,15 +89,33 @@ def _dp_seeds(
                     kept.append(node.target)
     if kept:
         log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
+    if layout.ep > 1:
+        experts = expert_weights(graph)
+        if not experts:
+            raise AutoplanError(
+                f"ep={layout.ep} splits experts, but the model has none (parameters of three or "
+                "more dims read only by einsums, the experts along dim 0); use ep=1"
+            )
+        for node in experts:
+            if node.output.shape[0] % layout.ep:
+                raise AutoplanError(
+                    f"ep={layout.ep} does not divide the {node.output.shape[0]} experts of "
+                    f"{node.target!r}; use an ep that divides the number of experts"
+                )
+            seeds[node.name] = (shard(0), shard(0))
     return seeds
 
 
-def _propagate(graph: Graph, seeds: Seeds, sequence_parallel: bool = False) -> dict[str, AxisRule]:
+def _propagate(
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+) -> dict[str, AxisRule]:
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
     partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,
-    with ``sequence_parallel``, reduce-scattered along the sequence (dim 1) when they have one
-    (Megatron's sequence parallelism: the ops between tensor-parallel regions run split along
-    the sequence, and an op whose seeded parameters need its activation whole gathers it)."""
+    with ``sequence``, reduce-scattered along the sequence (dim 1) when they have one
+    (Megatron's sequence parallelism). An op that no rule takes with its inputs as placed runs
+    replicated, or, with ``move``, as the rule that keeps its parameters as seeded and moves
+    the fewest activations (`rule_moving`: gathered for a column linear under sequence
+    parallelism, sent to their experts by all-to-all under expert parallelism)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
@@ -83,35 +125,33 @@ def _propagate(graph: Graph, seeds: Seeds, sequence_parallel: bool = False) -> d
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == OP else None
-        if rule is None and sequence_parallel and node.kind == OP:
+        if rule is None and move and node.kind == OP:
             rule = rule_moving(node, graph, ins)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
         if read[node.name] == P:
-            sequence = sequence_parallel and len(node.outputs[0].shape) >= 3
-            read[node.name] = shard(1) if sequence else R
+            split = sequence and len(node.outputs[0].shape) >= 3
+            read[node.name] = shard(1) if split else R
     return placed
 
 
 def baseline_strategies(
-    graph: Graph,
-    dp: int,
-    tp: int,
-    zero_stage: int,
-    sent: Collection[str] = (),
-    sequence_parallel: bool = False,
+    graph: Graph, layout: Layout, sent: Collection[str] = ()
 ) -> dict[str, NodeStrategies]:
     """Each node's one strategy in the baseline, on mesh `mesh_of(dp, tp)`. On a pipeline
     stage's graph, the tensors received are inputs (seeded as the batch is: the `boundary`
-    placement) and the output reads those ``sent`` on in the `boundary` placement.
-    ``sequence_parallel``: Megatron's, on the tp axis (`_propagate`)."""
+    placement) and the output reads those ``sent`` on in the `boundary` placement."""
+    dp, tp = layout.dp, layout.tp
     on_tp = tp_seeds(graph, tp) if tp > 1 else {}
-    seeds = [_dp_seeds(graph, dp, tp, zero_stage, on_tp)] if dp > 1 else []
-    seeds += [on_tp] if tp > 1 else []
+    per_axis = []
+    if dp > 1:
+        seeds = _dp_seeds(graph, layout, on_tp)
+        per_axis.append(_propagate(graph, seeds, move=layout.ep > 1))
+    if tp > 1:
+        sequence = layout.sequence_parallel
+        per_axis.append(_propagate(graph, on_tp, sequence=sequence, move=sequence))
+    per_axis = per_axis or [_propagate(graph, {})]  # one device: all replicated
     mesh_shape = mesh_of(dp, tp)
-    per_axis = [_propagate(graph, s) for s in seeds or [{}]]  # one device: all replicated
-    if tp > 1 and sequence_parallel:
-        per_axis[-1] = _propagate(graph, on_tp, sequence_parallel=True)
     space = {}
     for node in graph:
         rules = [placed[node.name] for placed in per_axis]

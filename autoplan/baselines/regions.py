@@ -59,23 +59,26 @@ def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | No
 
 def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
     """The rule of ``node`` that keeps its parameters as placed and moves the fewest of its
-    activations: a whole one is sliced (free), a split one gathered. None if every rule
-    needs a parameter placed otherwise (`propagate`'s sequence parallelism)."""
+    activations (a whole one is sliced for free; a split one is gathered, or re-split by an
+    all-to-all), preferring an output without partial sums. None if every rule needs a
+    parameter placed otherwise."""
     rules, _ = axis_rules(node, graph)
     params = [graph.node(r.name).kind == PARAM for r in node.refs]
 
-    def gathers(rule: AxisRule) -> int | None:
+    def moves(rule: AxisRule) -> int | None:
         count = 0
         for want, have, param in zip(rule[1:], inputs, params, strict=True):
             if want == have or (have == R and not param):
                 continue
-            if param or want != R:
+            if param:
                 return None
             count += 1
         return count
 
-    ranked = [(n, i) for i, rule in enumerate(rules) if (n := gathers(rule)) is not None]
-    return rules[min(ranked)[1]] if ranked else None
+    ranked = [
+        (n, rule[0] == P, i) for i, rule in enumerate(rules) if (n := moves(rule)) is not None
+    ]
+    return rules[min(ranked)[2]] if ranked else None
 
 
 def _own_params(graph: Graph, node: Node) -> bool:
