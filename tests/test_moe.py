@@ -143,3 +143,18 @@ def test_a_tensor_read_whole_by_two_users_sums_their_gradients() -> None:
     # a user whose output is split sends a partial gradient: the sum is reduced once
     assert summed_gradient(("R", "S(0)"), ("P", "S(0)")) == ("P", "S(0)")
     assert summed_gradient(None, ("R",)) == ("R",)
+
+
+def test_show_names_expert_and_sequence_splits_in_words(a100x8: autoplan.Cluster) -> None:
+    from autoplan.planfile.show import summary
+    from tests.conftest import example
+
+    experts = summary(_layer().baseline(a100x8, dp=8, tp=1, ep=8))
+    assert "experts split 8 ways on dp (all-to-alls carry the tokens): moe.w_in, moe.w_out" in (
+        experts
+    )
+    cpu4 = autoplan.Cluster.load(ROOT / "costmodels/cpu-gloo-4.json")
+    gpt = example("gpt", size="small", batch_size=8, num_layers=2)
+    sequence = summary(gpt.baseline(cpu4, dp=1, tp=4, sequence_parallel=True))
+    assert "4 of 5 norms split along the sequence on tp" in sequence
+    assert "in words" not in summary(gpt.baseline(cpu4, dp=4, tp=1))  # nothing to say

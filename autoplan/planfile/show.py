@@ -57,6 +57,39 @@ def _param_lines(plan: Plan) -> list[str]:
     return lines
 
 
+_NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
+
+
+def _words(plan: Plan) -> list[str]:
+    """The splits a reader looks for, in words: experts (stacked weights of three or more
+    dims stored split along dim 0) and norms split along the sequence or the batch between
+    tensor-parallel regions (sequence parallelism)."""
+    sizes = dict(zip(plan.mesh.axes, plan.mesh.shape, strict=True))
+    experts: dict[str, dict[str, None]] = defaultdict(dict)
+    for name, p in plan.params.items():
+        for axis, placement in p.storage.items():
+            if len(p.shape) >= 3 and placement == "S(0)":
+                experts[axis][_INDEX.sub(".*.", name, count=1)] = None
+    lines = [
+        f"  experts split {sizes[axis]} ways on {axis} (all-to-alls carry the tokens): "
+        + ", ".join(names)
+        for axis, names in experts.items()
+    ]
+    norms = [n for n in plan.nodes.values() if n.op in _NORMS]
+    for axis in plan.mesh.axes:
+        # on an axis that splits weights, norms split along the tokens: sequence parallelism
+        if all(p.placements.get(axis, "R") == "R" for p in plan.params.values()):
+            continue
+        for dim, what in (("S(1)", "sequence"), ("S(0)", "batch")):
+            count = sum(n.output.get(axis) == dim for n in norms)
+            if count:
+                lines.append(
+                    f"  {count} of {len(norms)} norms split along the {what} on {axis}, between "
+                    "the weights' tensor-parallel splits (sequence parallelism)"
+                )
+    return lines
+
+
 def fmt_ranks(ranks: Sequence[int]) -> str:
     if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
@@ -195,6 +228,7 @@ def summary(plan: Plan) -> str:
         *(_pipeline_lines(plan, plan.pipeline) if plan.pipeline is not None else []),
         "parameters (as used by ops; storage when it differs):",
         *_param_lines(plan),
+        *(["", "in words:", *words] if (words := _words(plan)) else []),
         "",
         "collectives per step:"
         if plan.pipeline is None
