@@ -137,23 +137,16 @@ class StageGraph:
 def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) -> StageGraph:
     inside = {name for layer in layers[start:stop] for name in layer.nodes}
     later = {name for layer in layers[stop:] for name in layer.nodes}
-    # read here or passed through to a later stage (the target travels to the loss)
-    received: dict[str, None] = {}
-    sent: dict[str, None] = {}
-    for n in graph:
-        if n.name in inside or n.name in later:
-            for r in n.refs:
-                if r.name not in inside and r.name not in later:
-                    received[r.name] = None
-                if n.name in later and r.name not in later:
-                    sent[r.name] = None
-    read_here = {r.name for n in graph if n.name in inside for r in n.refs}
+    onward = inside | later
+    dag = graph.dataflow
     order = {n.name: i for i, n in enumerate(graph)}
-    received = {
-        k: None for k in sorted(received, key=order.__getitem__) if k in read_here or k in sent
-    }
-    sent = {k: None for k in sorted(sent, key=order.__getitem__)}
-    for name in list(received) + list(sent):
+    entering = {u for u, _ in dag.in_edges(onward) if u not in onward}
+    leaving = {u for u, _ in dag.in_edges(later) if u not in later}
+    read_here = {u for u, _ in dag.in_edges(inside)}
+    # read here or passed through to a later stage (the target travels to the loss)
+    received = tuple(sorted(entering & (read_here | leaving), key=order.__getitem__))
+    sent = tuple(sorted(leaving, key=order.__getitem__))
+    for name in received + sent:
         if len(graph.node(name).outputs) != 1:
             raise AutoplanError(
                 f"the stage boundary after layer {stop - 1} cuts through {name}, an op with "
@@ -184,12 +177,12 @@ def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) ->
         elif n.name in inside and n.kind != OUTPUT:
             nodes.append(n)
     final = next((n for n in graph if n.kind == OUTPUT and n.name in inside), None)
-    nodes.append(_output(graph, tuple(sent), final))
+    nodes.append(_output(graph, sent, final))
     sub_fingerprint = f"{graph.fingerprint}:{start}-{stop}"
     return StageGraph(
         graph=Graph(tuple(nodes), sub_fingerprint),
-        received=tuple(received),
-        sent=tuple(sent),
+        received=received,
+        sent=sent,
         nodes=tuple(n.name for n in graph if n.name in inside),
     )
 
