@@ -21,6 +21,7 @@ from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
+from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
@@ -83,9 +84,10 @@ def plan_graph(
     if pipeline and options.pin:
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
+    tally = Tally(options.on_progress, "ILP")
     single: Plan | InfeasiblePlanError | None = None
     if not pipeline:
-        single = _plan_one_stage(graph, cluster, options, memory_limit)
+        single = _plan_one_stage(graph, cluster, options, memory_limit, tally)
     piped, weighed = None, False
     # by default pipelines are weighed across nodes, on ranks sharing cores, or when one stage
     # does not fit (inside a node of devices intra-op sharding is as fast, and planning
@@ -95,7 +97,7 @@ def plan_graph(
     )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit)
+        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit, tally)
     if piped is None:
         if isinstance(single, Plan):
             return single
@@ -117,6 +119,7 @@ def _plan_pipelined(
     cluster: Cluster,
     options: PlanOptions,
     memory_limit: float,
+    tally: Tally,
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
@@ -136,7 +139,7 @@ def _plan_pipelined(
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
     found = plan_pipeline(
-        microbatch_graph, cluster, options, batch=batch, memory_limit=memory_limit
+        microbatch_graph, cluster, options, batch=batch, memory_limit=memory_limit, tally=tally
     )
     if found is None:
         return None
@@ -144,7 +147,7 @@ def _plan_pipelined(
 
 
 def _plan_one_stage(
-    graph: Graph, cluster: Cluster, options: PlanOptions, memory_limit: float
+    graph: Graph, cluster: Cluster, options: PlanOptions, memory_limit: float, tally: Tally
 ) -> Plan | InfeasiblePlanError:
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
@@ -158,8 +161,10 @@ def _plan_one_stage(
 
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
+    tally.expect(len(meshes))
     for m in meshes:
         log.info("mesh %s: solving ...", m)
+        tally.report(f"one stage on mesh {m}")
         found = solve_mesh(
             graph,
             sharing,
@@ -168,6 +173,7 @@ def _plan_one_stage(
             options.time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
+        tally.did(f"one stage on mesh {m}", milestone=True)
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)

@@ -1,5 +1,6 @@
 """`autoplan profile|plan|show|estimate|run`: the command line. The only module that configures
-logging."""
+logging: warnings only by default (``-v`` adds the planner's account of what it tried, ``-vv``
+the solvers' own logs), and long work shows progress on stderr instead (`ProgressLine`)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,39 @@ from autoplan.options import PlanOptions
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
-from autoplan.profile import Progress, Settings, base_refusal, profile_cluster
+from autoplan.profile import Settings, base_refusal, profile_cluster
+from autoplan.progress import Progress
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
 
 CHECK_TOLERANCE = 1e-5
+PROGRESS_AFTER_S = 3.0  # planning quicker than this shows no progress
+
+
+class ProgressLine:
+    """Progress on stderr once the work has run ``after_s`` seconds: on a terminal one line
+    redrawn in place, in a log one line per milestone (a curve measured, a mesh planned)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.redraw = sys.stderr.isatty()
+        self.drawn = False
+
+    def __call__(self, p: Progress) -> None:
+        if p.elapsed < self.after_s:
+            return
+        if self.redraw:
+            print(f"\r{p.line()}\x1b[K", end="", file=sys.stderr, flush=True)
+            self.drawn = True
+        elif p.milestone:
+            print(p.line(), file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        """Ends the line redrawn in place, before other output."""
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
+            self.drawn = False
 
 
 def _value(text: str) -> Any:
@@ -70,6 +98,16 @@ def _pins(pairs: Sequence[str]) -> dict[str, Any]:
     return pins
 
 
+def _progress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress-after",
+        type=float,
+        default=PROGRESS_AFTER_S,
+        metavar="SECONDS",
+        help=f"show planning's progress once it has run this long (default {PROGRESS_AFTER_S:g})",
+    )
+
+
 def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     pipe = parser.add_mutually_exclusive_group()
     pipe.add_argument(
@@ -93,11 +131,12 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _plan_options(args: argparse.Namespace) -> PlanOptions:
+def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptions:
     """The planner's options from the command line; `autoplan run` has no --pin, --optimizer
     or --time-limit, whose defaults then apply."""
     defaults = PlanOptions()
     return PlanOptions(
+        on_progress=None if args.quiet else progress,
         mesh_shape=_mesh(args.mesh),
         pin=_pins(getattr(args, "pin", [])),
         optimizer=getattr(args, "optimizer", defaults.optimizer),
@@ -111,7 +150,16 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoplan", description=__doc__)
-    parser.add_argument("-q", "--quiet", action="store_true", help="print only results")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="print only results (and warnings)"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log what the planner tries (-vv: and the ILP solver's own log)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="trace a workload file and plan it for a cluster")
@@ -128,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
     _pipeline_arguments(p)
+    _progress_argument(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
     s = sub.add_parser("show", help="summarize a plan file")
@@ -152,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", help="train with this plan instead of planning")
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     _pipeline_arguments(r)
+    _progress_argument(r)
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
     )
@@ -212,14 +262,18 @@ def _plan(args: argparse.Namespace) -> None:
     cluster = Cluster.load(args.cluster, num_nodes=args.nodes)
     workload = load_workload(args.workload, **_options(args.set))
     start = time.perf_counter()
-    result = make_plan(
-        workload.model,
-        workload.example_inputs,
-        cluster,
-        loss_fn=workload.loss_fn,
-        example_target=workload.example_target,
-        options=_plan_options(args),
-    )
+    progress = ProgressLine(args.progress_after)
+    try:
+        result = make_plan(
+            workload.model,
+            workload.example_inputs,
+            cluster,
+            loss_fn=workload.loss_fn,
+            example_target=workload.example_target,
+            options=_plan_options(args, progress),
+        )
+    finally:
+        progress.end()  # before the plan, or the error
     result.save(args.output)
     print(summary(result))
     print(f"\nwrote {args.output} ({time.perf_counter() - start:.1f} s)")
@@ -302,14 +356,18 @@ def _train(args: argparse.Namespace) -> int:
     cluster = _run_cluster(args)
     options = _options(args.set)
     workload = load_workload(args.workload, **options)
-    step, records = train(
-        workload,
-        cluster,
-        args.steps,
-        args.lr,
-        plan=args.plan,
-        options=_plan_options(args),
-    )
+    progress = ProgressLine(args.progress_after)
+    try:
+        step, records = train(
+            workload,
+            cluster,
+            args.steps,
+            args.lr,
+            plan=args.plan,
+            options=_plan_options(args, progress),
+        )
+    finally:
+        progress.end()
     rank0 = dist.get_rank() == 0
     if rank0:
         assert step.plan is not None
@@ -352,15 +410,7 @@ def _profile(args: argparse.Namespace) -> None:
         max_seconds=args.max_seconds,
         repeats=args.repeats,
     )
-    show = sys.stderr.isatty()
-
-    def progress(p: Progress) -> None:
-        # on a terminal one line redrawn in place; in a log one line per curve
-        if show:
-            print(f"\r{p.line()}", end="", file=sys.stderr, flush=True)
-        elif p.curve_done:
-            print(p.line(), file=sys.stderr, flush=True)
-
+    progress = ProgressLine(after_s=0.0)  # a profile takes minutes
     name = Path(args.output).stem
     base = None if args.base is None else Cluster.load(args.base)
     cluster = profile_cluster(
@@ -368,8 +418,7 @@ def _profile(args: argparse.Namespace) -> None:
     )
     if cluster is None:  # not rank 0
         return
-    if show and not args.quiet:
-        print(file=sys.stderr)
+    progress.end()
     cluster.save(args.output)
     print(f"wrote {args.output}: {cluster.source}")
 
@@ -378,8 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    levels = [logging.WARNING, logging.INFO, logging.DEBUG]
     logging.basicConfig(
-        level=logging.WARNING if args.quiet or rank != 0 else logging.INFO,
+        level=levels[0 if args.quiet or rank != 0 else min(args.verbose, 2)],
         format="%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )

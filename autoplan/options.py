@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.pins import Pin
+from autoplan.progress import OnProgress
 from autoplan.schedules import SCHEDULES, check_schedule
 from autoplan.strategies.pricing import OPTIMIZER_STATE
 
@@ -61,6 +62,12 @@ class PlanOptions:
     max_layers: int = DEFAULT_MAX_LAYERS
     """The step is cut into at most this many layers for the stage search
     (`autoplan.graph.cut`)."""
+
+    on_progress: OnProgress | None = field(default=None, compare=False)
+    """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known
+    so far, and the mesh or pipeline (stages, mesh, boundary placement, microbatches) they are
+    for. The command line draws it on stderr once planning has run a few seconds. No part of
+    the plan."""
 
     def __post_init__(self) -> None:
         check_budget(self.optimizer, self.memory_fraction)

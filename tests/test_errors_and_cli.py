@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,22 +108,59 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert f"```bash\n{ci}\n```" in readme
 
 
-def test_plan_output_has_no_solver_banner(tmp_path: Path) -> None:
-    # a fresh process: HiGHS prints its banner when a process makes its first solver
-    out = tmp_path / "plan.json"
-    args = [
-        "plan",
-        str(ROOT / "examples/mlp.py"),
-        "--cluster",
-        str(ROOT / "costmodels/cpu-gloo-4.json"),
-    ]
+def _plan_in_a_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``autoplan [args] -o PLAN`` in a fresh process (HiGHS prints its banner when a process
+    makes its first solver); stderr is a pipe, as in a log."""
     proc = subprocess.run(
-        [sys.executable, "-m", "autoplan.cli", *args, "-o", str(out)],
+        [sys.executable, "-m", "autoplan.cli", *args, "-o", str(tmp_path / "plan.json")],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "predicted step time" in proc.stdout and out.exists()
+    assert "predicted step time" in proc.stdout and (tmp_path / "plan.json").exists()
+    return proc
+
+
+MLP = ("plan", str(ROOT / "examples/mlp.py"), "--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"))
+PROGRESS = re.compile(
+    r"\[[#-]+\] +(\d+)% ILP (\d+)/(\d+): (.*) elapsed \d+:\d\d, about \d+:\d\d left"
+)
+
+
+def test_short_planning_is_quiet_and_has_no_solver_banner(tmp_path: Path) -> None:
+    proc = _plan_in_a_process(tmp_path, *MLP)
+    assert proc.stderr == ""  # well under the few seconds after which progress shows
+    assert "HiGHS" not in proc.stdout
+
+
+def test_long_planning_shows_progress_on_stderr(tmp_path: Path) -> None:
+    # every plan is long past a threshold of 0 s: one line per pipeline tried (in a log), from
+    # 4 microbatches (twice the stages) halved while faster
+    gpt = [
+        "plan",
+        str(ROOT / "examples/gpt.py"),
+        "--cluster",
+        str(ROOT / "costmodels/cpu-gloo-4.json"),
+    ]
+    gpt += ["--set", "size=tiny", "--set", "batch_size=8", "--pipeline", "--stages", "2"]
+    proc = _plan_in_a_process(tmp_path, *gpt, "--progress-after", "0")
+    found = [PROGRESS.fullmatch(line) for line in proc.stderr.splitlines()]
+    assert found and all(found), proc.stderr  # nothing else on stderr
+    lines = [m for m in found if m is not None]
+    assert all(m[4].startswith("2 stages of mesh (2,), boundary ") for m in lines)
+    assert {"4 microbatches", "2 microbatches"} <= {
+        m[4].split(", ")[2].split(":")[0] for m in lines
+    }
+    solved = [int(m[2]) for m in lines]
+    assert solved == sorted(solved) and solved[0] > 0
+    assert lines[-1][1] == "100" and lines[-1][2] == lines[-1][3]  # all the ILPs it expected
     assert "HiGHS" not in proc.stdout + proc.stderr
+    assert proc.stdout.startswith("plan v")
+
+
+def test_the_solvers_log_is_debug_output_on_stderr(tmp_path: Path) -> None:
+    proc = _plan_in_a_process(tmp_path, "-vv", *MLP)
+    assert "HiGHS: " in proc.stderr  # the solver's own log, at debug level
+    assert "HiGHS" not in proc.stdout and proc.stdout.startswith("plan v")

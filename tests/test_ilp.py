@@ -234,6 +234,26 @@ def test_highs_unavailable_falls_back_to_cbc(
     assert "falling back to CBC" in caplog.text
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_the_solvers_own_log_goes_to_the_debug_log_and_nowhere_else(
+    solver: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    prefix = {"highs": "HiGHS: ", "cbc": "CBC: "}[solver]
+
+    def solver_lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith(prefix)]
+
+    with caplog.at_level(logging.INFO, logger=ilp.__name__):
+        check_solution(chain_problem(), solver, (1, 1, 1), 5.0)
+    assert not solver_lines()  # silent unless asked
+    with caplog.at_level(logging.DEBUG, logger=ilp.__name__):
+        check_solution(chain_problem(), solver, (1, 1, 1), 5.0)
+    lines = solver_lines()
+    assert len(lines) > 3 and {r.levelno for r in lines} == {logging.DEBUG}
+    out, err = capfd.readouterr()  # what the process wrote, the solver's C code included
+    assert (out, err) == ("", "")
+
+
 def test_unknown_solver_is_rejected() -> None:
     with pytest.raises(AutoplanError, match="'gurobi'"):
         solve_intra_op(chain_problem(), solver="gurobi")

@@ -4,6 +4,7 @@ baseline and `parallelize`."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import AutoplanError
+from autoplan.progress import Progress
+from autoplan.search.intra_op import candidate_meshes
 from tests.conftest import example
 
 
@@ -69,3 +72,18 @@ def test_the_options_reach_the_planner(cpu4: autoplan.Cluster) -> None:
     adamw = w.plan(cpu4, PlanOptions(mesh_shape=(4,)))
     # SGD keeps no state per parameter: less memory for the same placements
     assert sgd.predicted.peak_memory_bytes < adamw.predicted.peak_memory_bytes
+
+
+def test_planning_reports_its_progress(cpu4: autoplan.Cluster) -> None:
+    seen: list[Progress] = []
+    options = PlanOptions(on_progress=seen.append)
+    assert options == PlanOptions()  # no part of what is planned
+    example("mlp", batch_size=8, hidden=32).plan(cpu4, options)
+    meshes = candidate_meshes(cpu4)
+    done = [p for p in seen if p.milestone]
+    assert [p.label for p in done] == [
+        f"ILP {i}/{len(meshes)}: one stage on mesh {m}" for i, m in enumerate(meshes, 1)
+    ]
+    assert [p.done for p in done] == [i / len(meshes) for i in range(1, len(meshes) + 1)]
+    assert len(seen) == 2 * len(meshes)  # and what it is solving, before each
+    assert all(a.elapsed <= b.elapsed for a, b in itertools.pairwise(seen))

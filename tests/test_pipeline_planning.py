@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+import networkx as nx
 import pytest
 import torch
 from torch import nn
@@ -14,8 +15,10 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.graph.capture import capture
-from autoplan.graph.cut import cut_layers, shared_params, stage_graph
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM
+from autoplan.graph.crossing import crossing_points
+from autoplan.graph.cut import Layer, cut_layers, shared_params, stage_graph
+from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph
+from autoplan.search.pipeline_price import sent_bytes
 from autoplan.search.stage_layout import boundary_specs, stage_sizes
 from tests.conftest import example
 from tests.distributed.cases import data_parallel
@@ -62,6 +65,99 @@ def test_a_model_without_blocks_is_cut_by_flops() -> None:
     assert len(layers) == 4
     flops = [sum(graph.node(n).flops for n in layer.nodes) for layer in layers]
     assert max(flops) <= 1.5 * min(flops), flops
+
+
+class _Residual(nn.Module):
+    """No repeated blocks (no ``name.<index>`` module paths): groups of three linears, each
+    group skipped over by a residual add, so that inside a group two activations cross."""
+
+    def __init__(self, width: int = 32, groups: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.names = [[f"g{g}_fc{k}" for k in range(3)] for g in range(groups)]
+        for name in (n for group in self.names for n in group):
+            self.add_module(name, nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for group in self.names:
+            skipped = h
+            for k, name in enumerate(group):
+                h = getattr(self, name)(h)
+                h = torch.relu(h) if k < 2 else h
+            h = h + skipped
+        return h
+
+
+def _residual_graph() -> Graph:
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    return capture(_Residual(), x, nn.functional.mse_loss, y)
+
+
+def _first_ops(graph: Graph, layers: tuple[Layer, ...]) -> list[int]:
+    """Where each layer after the first starts, as a point of the graph's op order."""
+    ops = [n.name for n in graph if n.kind == OP]
+    return [ops.index(next(n for n in layer.nodes if n in ops)) for layer in layers[1:]]
+
+
+@pytest.mark.parametrize("max_layers", [2, 3, 4])
+def test_a_model_without_blocks_is_cut_where_one_tensor_crosses(max_layers: int) -> None:
+    graph = _residual_graph()
+    layers = cut_layers(graph, max_layers=max_layers)
+    assert len(layers) == max_layers
+    x, target = [n.name for n in graph if n.kind == INPUT]
+    loss = next(n for n in graph if n.op == "aten.mse_loss.default").name
+    for i in range(len(layers) - 1):
+        sent = stage_graph(graph, layers, i, i + 1).sent
+        (h,) = [name for name in sent if name != target]  # one tensor, besides the target
+        assert graph.node(h).op == "aten.add.Tensor"  # the residual stream, after a group
+        # an articulation of the dataflow: every path from the input to the loss runs through h
+        dag = graph.dataflow.copy()
+        dag.remove_node(h)
+        assert not nx.has_path(dag, x, loss)
+    flops = [sum(graph.node(n).flops for n in layer.nodes) for layer in layers]
+    assert max(flops) <= 1.5 * sum(flops) / len(flops), flops  # and still about balanced
+
+
+@pytest.mark.parametrize("model", ["residual", "gpt"])
+def test_the_bytes_crossing_a_cut_are_what_the_stage_dp_charges(model: str) -> None:
+    graph = _residual_graph() if model == "residual" else _gpt_graph(4)
+    points = crossing_points(graph)
+    layers = cut_layers(graph, max_layers=4)
+    assert points.nbytes[0] == sum(n.output.nbytes for n in graph if n.kind == INPUT)
+    for i, point in enumerate(_first_ops(graph, layers)):
+        stage = stage_graph(graph, layers, i, i + 1)
+        assert points.tensors[point] == len(stage.sent)
+        assert points.nbytes[point] == sum(graph.node(n).output.nbytes for n in stage.sent)
+        # what one rank sends on under a replicated boundary: the whole tensors
+        assert points.nbytes[point] == sent_bytes(stage, (1,), ("R",))
+
+
+class _Halves(nn.Module):
+    """A chunk (an op with two outputs) whose halves are read far apart."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 2 * width), nn.Linear(width, width)
+        self.c, self.d = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right = self.a(x).chunk(2, dim=-1)
+        return self.d(self.c(self.b(left))) + right
+
+
+@pytest.mark.parametrize("max_layers", [2, 4, 8])
+def test_a_model_without_blocks_is_not_cut_through_an_op_with_several_outputs(
+    max_layers: int,
+) -> None:
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    graph = capture(_Halves(), x, nn.functional.mse_loss, y)
+    chunk = next(n for n in graph if len(n.outputs) > 1 and n.op == "aten.chunk.default")
+    layers = cut_layers(graph, max_layers=max_layers)
+    assert len(layers) > 1
+    for i in range(len(layers) - 1):
+        stage = stage_graph(graph, layers, i, i + 1)  # refuses a cut through a chunk
+        assert chunk.name not in stage.sent
 
 
 def test_a_stage_receives_what_it_reads_and_passes_the_target_on() -> None:

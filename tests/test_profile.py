@@ -36,9 +36,10 @@ from autoplan.cluster.timing import (
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
-from autoplan.profile import Progress, ops, run
+from autoplan.profile import ops, run
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
+from autoplan.progress import Progress
 from autoplan.search.pipeline_price import send_time
 from autoplan.strategies.placement import Collective, P, R
 from autoplan.strategies.pricing import Phased, Pricer
@@ -655,7 +656,7 @@ def test_fit_recovers_alpha_and_beta() -> None:
 
 
 def test_progress_line_estimates_time_left() -> None:
-    line = Progress(done=0.25, elapsed=10.0, label="all_reduce intra/4 1 MiB", curve_done=False)
+    line = Progress(done=0.25, elapsed=10.0, label="all_reduce intra/4 1 MiB", milestone=False)
     text = line.line()
     assert text.startswith("[######------------------]  25% all_reduce intra/4 1 MiB")
     assert "elapsed 0:10, about 0:30 left" in text

@@ -28,6 +28,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import networkx as nx
+
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
 from autoplan.strategies.placement import P, R, shard, shard_dim
@@ -103,15 +105,11 @@ def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
 def find_regions(graph: Graph) -> tuple[Region, ...]:
     """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
     split: dict[str, int] = {}  # activation inside a region -> its split dim
-    parent: dict[str, str] = {}  # union-find over column linears; a class is one region
+    columns: set[str] = set()
+    regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
     region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
     rows: set[str] = set()
     broken: set[str] = set()
-
-    def find(column: str) -> str:
-        while parent[column] != column:
-            column = parent[column]
-        return column
 
     for node in graph:
         if node.kind not in (OP, OUTPUT):
@@ -121,34 +119,34 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
             x = graph.node(node.refs[0].name) if node.refs else None
             if node.op == LINEAR and x is not None and x.kind != PARAM and _own_params(graph, node):
                 split[node.name] = len(node.output.shape) - 1
-                parent[node.name] = region_of[node.name] = node.name
+                columns.add(node.name)
+                region_of[node.name] = node.name
             continue
-        roots = sorted({find(region_of[name]) for name in inside})
-        for other in roots[1:]:
-            parent[other] = roots[0]
+        regions_met.union(*(region_of[name] for name in inside))
+        region = region_of[inside[0]]
         if _is_row(graph, node, split):
             rows.add(node.name)  # its output is replicated again (after the all-reduce)
-            region_of[node.name] = roots[0]
+            region_of[node.name] = region
             continue
         ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == OP else None
         dim = shard_dim(rule[0]) if rule is not None else None
         if dim is None:
-            broken.add(roots[0])
+            broken.add(region)
         else:
             split[node.name] = dim
-            region_of[node.name] = roots[0]
+            region_of[node.name] = region
 
     members: dict[str, list[str]] = {}
-    for name in region_of:  # graph order
-        members.setdefault(find(region_of[name]), []).append(name)
-    broken = {find(c) for c in broken}
+    for name, column in region_of.items():  # graph order
+        members.setdefault(regions_met[column], []).append(name)
+    broken = {regions_met[c] for c in broken}
     regions = []
     for root, names in members.items():
         if root not in broken and any(n in rows for n in names):
             regions.append(
                 Region(
-                    columns=tuple(n for n in names if n in parent),
+                    columns=tuple(n for n in names if n in columns),
                     rows=tuple(n for n in names if n in rows),
                     split=tuple((n, split[n]) for n in names if n in split),
                 )

@@ -6,8 +6,10 @@ blocks are merged evenly when there are more than ``max_layers`` of them. Ops ou
 block join the layer they run in (the embedding joins the first, the head and the loss the
 last); a parameter joins the layer of its first reader; the step's inputs (the batch and the
 target) join the first layer, so that a stage receives everything it reads from the stage
-before it. A model without repeated blocks is cut into ``max_layers`` runs of ops of about
-equal FLOPs, in graph order, as Alpa's layer clustering does without its communication term.
+before it. A model without repeated blocks is cut into ``max_layers`` runs of ops in graph order
+where the fewest bytes cross, each of about equal FLOPs, as Alpa's layer clustering does
+(`autoplan.graph.crossing`): where one tensor crosses if it can, not in the middle of a skip
+connection or beside a residual stream.
 
 Because every layer is a set of nodes that only reads nodes of itself or of earlier layers,
 any contiguous run of layers is a valid pipeline stage: `stage_graph` turns it into a graph
@@ -16,12 +18,18 @@ whose inputs are the tensors it receives and whose output lists the tensors it s
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
+from autoplan.graph.crossing import balanced_cut, crossing_points
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LAYERS = 16
 SEND = "send"  # the output node of a stage graph that is not the last: what it sends on
@@ -29,7 +37,7 @@ SEND = "send"  # the output node of a stage graph that is not the last: what it 
 
 @dataclass(frozen=True)
 class Layer:
-    name: str  # "blocks.0-2", or "ops 0-41" for a FLOPs-balanced cut
+    name: str  # "blocks.0-2", or "ops 0-41" (of the graph's ops in graph order) without blocks
     nodes: tuple[str, ...]  # in graph order
 
 
@@ -45,7 +53,7 @@ def cut_layers(graph: Graph, max_layers: int = DEFAULT_MAX_LAYERS) -> tuple[Laye
         names = [g[0] if len(g) == 1 else f"{g[0]}-{g[-1].rsplit('.', 1)[-1]}" for g in groups]
         op_layer = _follow_blocks(ops, index)
     else:
-        op_layer, names = _balanced(ops, max_layers)
+        op_layer, names = _balanced(graph, max_layers)
     return _assemble(graph, op_layer, names)
 
 
@@ -72,22 +80,20 @@ def _follow_blocks(ops: list[Node], index: dict[str, int]) -> dict[str, int]:
     return layer_of
 
 
-def _balanced(ops: list[Node], count: int) -> tuple[dict[str, int], list[str]]:
-    total = sum(n.flops for n in ops) or 1.0
-    count = max(1, min(count, len(ops)))
-    layer_of, done = {}, 0.0
-    for n in ops:
-        # the layer in whose share of the FLOPs this op's midpoint falls
-        layer_of[n.name] = min(count - 1, int((done + n.flops / 2) / total * count))
-        done += n.flops
-    used = sorted(set(layer_of.values()))
-    renumber = {old: new for new, old in enumerate(used)}
-    layer_of = {k: renumber[v] for k, v in layer_of.items()}
-    names = []
-    for i in range(len(used)):
-        members = [j for j, n in enumerate(ops) if layer_of[n.name] == i]
-        names.append(f"ops {members[0]}-{members[-1]}")
-    return layer_of, names
+def _balanced(graph: Graph, count: int) -> tuple[dict[str, int], list[str]]:
+    points = crossing_points(graph)
+    starts = list(balanced_cut(points, count))
+    for p in starts[1:]:
+        log.debug(
+            "cut before op %d (%s): %d tensor(s), %d bytes cross",
+            p,
+            points.ops[p],
+            points.tensors[p],
+            points.nbytes[p],
+        )
+    layer_of = {name: bisect.bisect_right(starts, i) - 1 for i, name in enumerate(points.ops)}
+    bounds = itertools.pairwise([*starts, len(points.ops)])
+    return layer_of, [f"ops {start}-{stop - 1}" for start, stop in bounds]
 
 
 def _assemble(graph: Graph, op_layer: dict[str, int], names: Sequence[str]) -> tuple[Layer, ...]:
@@ -137,23 +143,16 @@ class StageGraph:
 def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) -> StageGraph:
     inside = {name for layer in layers[start:stop] for name in layer.nodes}
     later = {name for layer in layers[stop:] for name in layer.nodes}
-    # read here or passed through to a later stage (the target travels to the loss)
-    received: dict[str, None] = {}
-    sent: dict[str, None] = {}
-    for n in graph:
-        if n.name in inside or n.name in later:
-            for r in n.refs:
-                if r.name not in inside and r.name not in later:
-                    received[r.name] = None
-                if n.name in later and r.name not in later:
-                    sent[r.name] = None
-    read_here = {r.name for n in graph if n.name in inside for r in n.refs}
+    onward = inside | later
+    dag = graph.dataflow
     order = {n.name: i for i, n in enumerate(graph)}
-    received = {
-        k: None for k in sorted(received, key=order.__getitem__) if k in read_here or k in sent
-    }
-    sent = {k: None for k in sorted(sent, key=order.__getitem__)}
-    for name in list(received) + list(sent):
+    entering = {u for u, _ in dag.in_edges(onward) if u not in onward}
+    leaving = {u for u, _ in dag.in_edges(later) if u not in later}
+    read_here = {u for u, _ in dag.in_edges(inside)}
+    # read here or passed through to a later stage (the target travels to the loss)
+    received = tuple(sorted(entering & (read_here | leaving), key=order.__getitem__))
+    sent = tuple(sorted(leaving, key=order.__getitem__))
+    for name in received + sent:
         if len(graph.node(name).outputs) != 1:
             raise AutoplanError(
                 f"the stage boundary after layer {stop - 1} cuts through {name}, an op with "
@@ -184,12 +183,12 @@ def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) ->
         elif n.name in inside and n.kind != OUTPUT:
             nodes.append(n)
     final = next((n for n in graph if n.kind == OUTPUT and n.name in inside), None)
-    nodes.append(_output(graph, tuple(sent), final))
+    nodes.append(_output(graph, sent, final))
     sub_fingerprint = f"{graph.fingerprint}:{start}-{stop}"
     return StageGraph(
         graph=Graph(tuple(nodes), sub_fingerprint),
-        received=tuple(received),
-        sent=tuple(sent),
+        received=received,
+        sent=sent,
         nodes=tuple(n.name for n in graph if n.name in inside),
     )
 

@@ -2,7 +2,8 @@
 
 The IR is what the planner reads. It is made once by `capture` and never mutated. Tensor
 arguments of a node appear in ``args`` as `Ref` to the producing node (``Ref(name, index)``
-where ``index`` picks one output of a multi-output node).
+where ``index`` picks one output of a multi-output node). `Graph.dataflow` is the same graph as
+a networkx DAG, for the graph algorithms the planner runs on it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import networkx as nx
 
 # Node kinds.
 PARAM = "param"  # a trainable parameter (or a buffer: ``trainable`` False)
@@ -129,16 +132,23 @@ class Graph:
             object.__setattr__(self, "_by_name_cache", cache)
         return cache
 
-    def users(self, name: str) -> tuple[str, ...]:
-        cache = self.__dict__.get("_users_cache")
+    @property
+    def dataflow(self) -> nx.DiGraph:
+        """The graph as a networkx DAG: an edge from each node to each node that reads it (one
+        however many times it reads it); nodes, and each node's readers, in graph order."""
+        cache = self.__dict__.get("_dataflow_cache")
         if cache is None:
-            users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
-            for n in self.nodes:
-                for r in dict.fromkeys(r.name for r in n.refs):
-                    users[r].append(n.name)
-            cache = {k: tuple(v) for k, v in users.items()}
-            object.__setattr__(self, "_users_cache", cache)
-        return cache[name]
+            cache = nx.DiGraph()
+            cache.add_nodes_from(n.name for n in self.nodes)
+            cache.add_edges_from(
+                (read, n.name) for n in self.nodes for read in dict.fromkeys(r.name for r in n.refs)
+            )
+            object.__setattr__(self, "_dataflow_cache", cache)
+        return cache
+
+    def users(self, name: str) -> tuple[str, ...]:
+        """The nodes that read node ``name``, in graph order."""
+        return tuple(self.dataflow.successors(name))
 
     def fan_out(self, name: str) -> int:
         """How many op inputs read node ``name`` (a node read twice by one op counts twice)."""

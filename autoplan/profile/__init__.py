@@ -1,7 +1,8 @@
 """`autoplan profile`: measure a cluster's compute and collectives, and write its cluster file.
 
 - `tasks`: which curves, sizes and rank groups are measured (plain data);
-- `run`: the profile on every rank of a torchrun job: the tasks in order, progress, the result;
+- `run`: the profile on every rank of a torchrun job: the tasks in order, progress
+  (`autoplan.progress`), the result;
 - `timer`: how each point is timed, every rank at once (torch.distributed);
 - `ops`: the operations timed, one per point of a curve;
 - `fit`: the analytic constants fitted to the curves (plain data).
@@ -11,6 +12,6 @@ interpolation in `autoplan/cluster/measured.py`), where `autoplan.cluster.timing
 """
 
 from autoplan.profile.run import base_refusal, profile_cluster
-from autoplan.profile.tasks import Progress, Settings
+from autoplan.profile.tasks import Settings
 
-__all__ = ["Progress", "Settings", "base_refusal", "profile_cluster"]
+__all__ = ["Settings", "base_refusal", "profile_cluster"]

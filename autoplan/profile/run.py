@@ -16,7 +16,6 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,8 +25,9 @@ from autoplan.cluster.measured import OVERHEADS, machine_fingerprint, monotone
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.profile.fit import device_on_base, fitted_cluster
-from autoplan.profile.tasks import Progress, Settings, Task, plan_tasks
+from autoplan.profile.tasks import Settings, Task, plan_tasks
 from autoplan.profile.timer import Report, Timer
+from autoplan.progress import OnProgress, Progress
 
 __all__ = ["base_refusal", "profile_cluster"]
 
@@ -45,7 +45,7 @@ def profile_cluster(
     name: str,
     settings: Settings,
     backend: str | None = None,
-    on_progress: Callable[[Progress], None] | None = None,
+    on_progress: OnProgress | None = None,
     base: Cluster | None = None,
 ) -> Cluster | None:
     """Measure the cluster this torchrun job runs on; every rank calls this. Rank 0 gets the
@@ -95,7 +95,7 @@ def _profile(
     settings: Settings,
     backend: str,
     device: torch.device,
-    on_progress: Callable[[Progress], None] | None,
+    on_progress: OnProgress | None,
     base: Cluster | None,
 ) -> Cluster | None:
     world = dist.get_world_size()
@@ -202,7 +202,7 @@ def _reporter(
     num_tasks: int,
     task: Task,
     start: float,
-    on_progress: Callable[[Progress], None] | None,
+    on_progress: OnProgress | None,
 ) -> Report:
     """What tells `on_progress` (if any) how far the profile is as task number `index` goes."""
 

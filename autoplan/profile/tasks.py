@@ -23,7 +23,7 @@ from autoplan.cluster.hardware import REQUIRED_DTYPES
 from autoplan.cluster.measured import COLLECTIVE_KINDS, OP_OVERHEAD_KINDS, OVERHEADS
 from autoplan.cluster.mesh import mesh_groups
 
-__all__ = ["ITEMSIZE", "Progress", "Settings", "Task", "plan_tasks"]
+__all__ = ["ITEMSIZE", "Settings", "Task", "plan_tasks"]
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 COLLECTIVE_ITEMSIZE = ITEMSIZE["float32"]  # collectives move float32 tensors
@@ -83,27 +83,6 @@ class Task:
     xs: tuple[float, ...]
     groups: tuple[tuple[int, ...], ...] = ()
     repeats: int = 0  # timed runs per point at least (Settings.repeats when more)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """How far a profile is: `done` in [0, 1] of the planned curves, `elapsed` seconds, what is
-    being measured, and whether that curve has just been finished."""
-
-    done: float
-    elapsed: float
-    label: str
-    curve_done: bool
-
-    def line(self, width: int = 24) -> str:
-        """One line of text: a bar, the percentage, the label, elapsed and estimated time left
-        (elapsed time scaled by the work left; the curves of a profile cost roughly alike)."""
-        filled = round(self.done * width)
-        left = _clock(self.elapsed * (1 - self.done) / self.done) if self.done > 0 else "?"
-        return (
-            f"[{'#' * filled}{'-' * (width - filled)}] {self.done:4.0%} {self.label:<34} "
-            f"elapsed {_clock(self.elapsed)}, about {left} left"
-        )
 
 
 def plan_tasks(num_nodes: int, devices_per_node: int, settings: Settings) -> tuple[Task, ...]:
@@ -199,8 +178,3 @@ def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
         out.append(n)
         n *= factor
     return tuple(out)
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes}:{secs:02d}"

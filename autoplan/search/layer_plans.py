@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import find_sharing, signature
-from autoplan.graph.cut import Layer, stage_graph
+from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
+from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.pipeline_price import (
     SolvedStage,
@@ -37,6 +38,27 @@ from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerGraphs:
+    """A step's layers, each as a stage graph of its own (`stage_graph`), and its structure:
+    layers of one structure are planned once per logical mesh and boundary placement."""
+
+    graph: Graph
+    layers: tuple[Layer, ...]
+    stages: tuple[StageGraph, ...]
+    keys: tuple[Hashable, ...]
+
+    @staticmethod
+    def of(graph: Graph, layers: tuple[Layer, ...]) -> LayerGraphs:
+        stages = tuple(stage_graph(graph, layers, i, i + 1) for i in range(len(layers)))
+        keys = tuple(signature(st.graph, tuple(n.name for n in st.graph), None) for st in stages)
+        return LayerGraphs(graph, layers, stages, keys)
+
+    @property
+    def num_structures(self) -> int:
+        return len(set(self.keys))
 
 
 @dataclass(frozen=True)
@@ -57,26 +79,34 @@ class StageSolver:
 
     def __init__(
         self,
-        graph: Graph,
-        layers: tuple[Layer, ...],
+        parts: LayerGraphs,
         cluster: Cluster,
         costs: Pricer,
         boundary: Spec,
         memory_limit: float,
         time_limit_s: float,
+        tally: Tally,
+        label: str,
     ) -> None:
-        self.graph = graph
+        self.graph = parts.graph
         self.cluster = cluster
-        self.layers = layers
+        self.layers = parts.layers
         self.costs = costs
         self.boundary = boundary
         self.memory_limit = memory_limit
         self.time_limit_s = time_limit_s
-        self._memo: dict[Hashable, SolvedStage | None] = {}
-        self._stages = [stage_graph(graph, layers, i, i + 1) for i in range(len(layers))]
-        self._keys = [
-            signature(st.graph, tuple(n.name for n in st.graph), None) for st in self._stages
-        ]
+        self.tally = tally  # one ILP per structure at the full budget is expected of us
+        self.label = label  # what the tally reports the layers' ILPs as part of
+        # (structure, mesh, boundary, level) -> its plan
+        self._memo: dict[tuple[Hashable, tuple[int, ...], Spec, int], SolvedStage | None] = {}
+        self._stages = parts.stages
+        self._keys = parts.keys
+
+    def unplanned(self) -> int:
+        """How many structures were never planned at the full budget (the DP never needed
+        them, or an earlier layer ruled its ranges out)."""
+        planned = [key for key in self._memo if key[-1] == 1]
+        return len(set(self._keys)) - len(planned)
 
     def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
@@ -126,7 +156,11 @@ class StageSolver:
     def _layer(self, i: int, level: int) -> SolvedStage | None:
         key = (self._keys[i], self.costs.mesh_shape, self.boundary, level)
         if key not in self._memo:
+            if level > 1:
+                self.tally.expect(1)
             self._memo[key] = self._solve(i, level)
+            budget = "" if level == 1 else f" in 1/{level} of the memory"
+            self.tally.did(f"{self.label}: layer {i}{budget}")
         return self._memo[key]
 
     def _renamed(self, i: int, level: int) -> SolvedStage:

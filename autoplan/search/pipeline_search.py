@@ -24,11 +24,12 @@ from collections.abc import Callable, Sequence
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
-from autoplan.graph.cut import Layer, cut_layers, shared_params
+from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
+from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
-from autoplan.search.layer_plans import StageSolver
+from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.stage_layout import (
     boundary_specs,
@@ -39,6 +40,7 @@ from autoplan.search.stage_layout import (
 )
 from autoplan.solve.stage_problem import InfeasibleStagesError, StageCost, StageProblem, Submesh
 from autoplan.solve.stage_search import solve_stages
+from autoplan.strategies.placement import Spec
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def plan_pipeline(
     *,
     batch: int,
     memory_limit: float,
+    tally: Tally,
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
@@ -69,8 +72,9 @@ def plan_pipeline(
     one node the search then halves it while the best pipeline gets faster: fewer, larger
     microbatches pay the framework's work per microbatch fewer times and run larger kernels,
     against a longer bubble (where ranks share cores, a bubble leaves them to the others).
-    The step is traced for each count tried, and every stage size solved again: across nodes
-    that multiplied planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
+    Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
+    for each count tried, and every stage size solved again: across nodes that multiplied
+    planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
     the one count serves, as in Alpa."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
@@ -84,7 +88,9 @@ def plan_pipeline(
     count = num_microbatches or default_microbatches(batch, min(deepest, options.max_layers))
     best: PipelinePlan | None = None
     while True:
-        found = _best_for_count(cluster, options, memory_limit, graph_for(count), sizes, count)
+        found = _best_for_count(
+            cluster, options, memory_limit, graph_for(count), sizes, count, tally
+        )
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
         best = found
@@ -100,6 +106,7 @@ def _best_for_count(
     graph: Graph,
     sizes: Sequence[int],
     num_microbatches: int,
+    tally: Tally,
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""
@@ -115,67 +122,95 @@ def _best_for_count(
             f"num_stages={num_stages}, but the step has only {len(layers)} layer(s) to divide "
             f"({', '.join(layer.name for layer in layers)}); use at most {len(layers)} stages"
         )
+    parts = LayerGraphs.of(graph, layers)
+    tried = {
+        size: _configurations(cluster, options, size, num_microbatches)
+        for size in sizes
+        if cluster.num_devices // size <= len(layers)
+    }
+    tally.expect(parts.num_structures * sum(len(c) for c in tried.values()))
     best: PipelinePlan | None = None
-    for size in sizes:
-        if cluster.num_devices // size > len(layers):
-            continue
+    for size, configurations in tried.items():
         found = _best_for_size(
-            cluster, options, memory_limit, graph, layers, size, num_microbatches
+            cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally
         )
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
 
 
+def _configurations(
+    cluster: Cluster, options: PlanOptions, size: int, num_microbatches: int
+) -> list[tuple[tuple[int, ...], Spec]]:
+    """The logical meshes and boundary placements tried for stages of ``size`` devices: none
+    if no schedule allowed runs their pipeline of ``num_microbatches``."""
+    num_stages = cluster.num_devices // size
+    if all(schedule_refusal(s, num_stages, num_microbatches) for s in options.schedules):
+        return []
+    sub_cluster = stage_cluster(cluster, size)
+    meshes = [options.mesh_shape] if options.mesh_shape is not None else None
+    return [
+        (tuple(mesh), boundary)
+        for mesh in meshes or stage_meshes(sub_cluster)
+        if math.prod(mesh) == size
+        for boundary in boundary_specs(tuple(mesh), spans_nodes=sub_cluster.num_nodes > 1)
+    ]
+
+
 def _best_for_size(
     cluster: Cluster,
     options: PlanOptions,
     memory_limit: float,
-    graph: Graph,
-    layers: tuple[Layer, ...],
+    parts: LayerGraphs,
     size: int,
     num_microbatches: int,
+    configurations: Sequence[tuple[tuple[int, ...], Spec]],
+    tally: Tally,
 ) -> PipelinePlan | None:
-    """The fastest pipeline with stages of ``size`` devices, over their logical meshes,
-    boundary placements and schedules."""
+    """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
+    (logical mesh, boundary placement) and schedules."""
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
     runnable = [
         s for s in options.schedules if not schedule_refusal(s, num_stages, num_microbatches)
     ]
-    if not runnable:
-        return None
     best: PipelinePlan | None = None
-    meshes = [options.mesh_shape] if options.mesh_shape is not None else None
-    for mesh in meshes or stage_meshes(sub_cluster):
-        if math.prod(mesh) != size:
+    for mesh, boundary in configurations:
+        costs = Pricer(sub_cluster, mesh, options.optimizer)
+        label = (
+            f"{num_stages} stages of mesh {mesh}, boundary {'/'.join(boundary)}, "
+            f"{num_microbatches} microbatches"
+        )
+        solver = StageSolver(
+            parts, cluster, costs, boundary, memory_limit, options.time_limit_s, tally, label
+        )
+        solved = _solve_dp(solver, stage_submesh(cluster, size), num_microbatches)
+        tally.withdraw(solver.unplanned())
+        if solved is None:
+            tally.report(f"{label}: none fits", milestone=True)
             continue
-        costs = Pricer(sub_cluster, tuple(mesh), options.optimizer)
-        for boundary in boundary_specs(tuple(mesh), spans_nodes=sub_cluster.num_nodes > 1):
-            solver = StageSolver(
-                graph, layers, cluster, costs, boundary, memory_limit, options.time_limit_s
+        fitting = []
+        for schedule in runnable:
+            found = pipeline_plan(
+                cluster, parts.graph, parts.layers, num_microbatches, schedule, costs, boundary,
+                solved, memory_limit,
+            )  # fmt: skip
+            log.info(
+                "pipeline %d x %s, %d microbatches, %s, boundary %s: %.4g s per step",
+                len(found.stages),
+                mesh,
+                num_microbatches,
+                schedule,
+                boundary,
+                found.step_time_s,
             )
-            solved = _solve_dp(solver, stage_submesh(cluster, size), num_microbatches)
-            if solved is None:
-                continue
-            for schedule in runnable:
-                found = pipeline_plan(
-                    cluster, graph, layers, num_microbatches, schedule, costs, boundary, solved,
-                    memory_limit,
-                )  # fmt: skip
-                log.info(
-                    "pipeline %d x %s, %d microbatches, %s, boundary %s: %.4g s per step",
-                    len(solved),
-                    mesh,
-                    num_microbatches,
-                    schedule,
-                    boundary,
-                    found.step_time_s,
-                )
-                if any(found.stage_memory(s) > memory_limit for s in range(len(solved))):
-                    continue
-                if best is None or found.step_time_s < best.step_time_s:
-                    best = found
+            if all(found.stage_memory(s) <= memory_limit for s in range(len(found.stages))):
+                fitting.append(found)
+        fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
+        outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"
+        tally.report(f"{label}: {outcome}", milestone=True)
+        if fastest is not None and (best is None or fastest.step_time_s < best.step_time_s):
+            best = fastest
     return best
 
 

@@ -40,7 +40,8 @@ Constraints
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
 
 The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
-the solver.
+the solver. The solver's own log goes to this module's logger at debug level and nowhere else
+(`_solve`): a plan's output carries no solver text.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pulp
 
@@ -100,7 +104,7 @@ def solve_intra_op(
         num_variables,
         num_constraints,
     )
-    model.solve(_make_solver(solver, time_limit_s))
+    _solve(model, solver, time_limit_s)
     status = _status(model, problem, time_limit_s)
     choice = _extract_choice(reduced, s)
     return _solution(problem, choice, status, start, num_variables, num_constraints)
@@ -298,18 +302,57 @@ def _highs_banner_silenced() -> None:
         os.close(saved)
 
 
-def _make_solver(solver: str, time_limit_s: float) -> pulp.LpSolver:
+def _solve(model: pulp.LpProblem, solver: str, time_limit_s: float) -> None:
+    """Solve ``model`` with ``solver``, its own log sent to `logger` at debug level (when that
+    is enabled; else the solver logs nothing): HiGHS's lines through its logging callback,
+    CBC's written to a file and read back."""
+    debug = logger.isEnabledFor(logging.DEBUG)
     if solver == "highs":
-        highs = pulp.HiGHS(msg=False, threads=1, timeLimit=time_limit_s, gapRel=MIP_REL_GAP)
+        to_log = _highs_to_log() if debug else {}
+        highs = pulp.HiGHS(
+            msg=debug, threads=1, timeLimit=time_limit_s, gapRel=MIP_REL_GAP, **to_log
+        )
         if highs.available():
             _highs_banner_silenced()
-            return highs
+            model.solve(highs)
+            return
         logger.warning("HiGHS is not available to pulp; falling back to CBC")
-    # PuLP >= 3.3 deprecates its bundled CBC (PULP_CBC_CMD); it is still the one CBC that ships
-    # with pulp, so keep using it without the warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_REL_GAP)
+    with tempfile.TemporaryDirectory() as folder:
+        log_path = Path(folder) / "cbc.log"
+        # PuLP >= 3.3 deprecates its bundled CBC (PULP_CBC_CMD); it is still the one CBC that
+        # ships with pulp, so keep using it without the warning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cbc = pulp.PULP_CBC_CMD(
+                msg=False,
+                timeLimit=time_limit_s,
+                threads=1,
+                gapRel=MIP_REL_GAP,
+                logPath=str(log_path) if debug else None,
+            )
+        model.solve(cbc)
+        if debug:
+            _log_lines("CBC", log_path.read_text())
+
+
+def _highs_to_log() -> dict[str, Any]:
+    """pulp.HiGHS's arguments that send HiGHS's log to `_log_lines` instead of the console."""
+    import highspy
+
+    def forward(kind: object, message: str, *_: object) -> None:
+        _log_lines("HiGHS", message)
+
+    return {
+        "log_to_console": False,
+        "callbackTuple": (forward, None),
+        "callbacksToActivate": [highspy.cb.HighsCallbackType.kCallbackLogging],
+    }
+
+
+def _log_lines(solver: str, text: str) -> None:
+    for line in text.splitlines():
+        if line.strip():
+            logger.debug("%s: %s", solver, line.rstrip())
 
 
 def _status(model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float) -> str:
