@@ -150,10 +150,11 @@ class Graph:
         """The nodes that read node ``name``, in graph order."""
         return tuple(self.dataflow.successors(name))
 
-    def fan_out(self, name: str) -> int:
-        """How many op inputs read node ``name`` (a node read twice by one op counts twice)."""
+    def fan_out(self, ref: Ref) -> int:
+        """How many op inputs read tensor ``ref`` (one read twice by one op counts twice); the
+        other outputs of its node are other tensors, each redistributed on its own."""
         return max(
-            1, sum(1 for user in self.users(name) for r in self.node(user).refs if r.name == name)
+            1, sum(1 for user in self.users(ref.name) for r in self.node(user).refs if r == ref)
         )
 
     @property

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import BlockSharing, block_of
-from autoplan.graph.ir import OP, Graph, Node
+from autoplan.graph.ir import OP, OUTPUT, Graph, Node, Ref
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
-from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
-from autoplan.strategies.placement import Spec
+from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
 
@@ -47,13 +47,28 @@ class IntraOpResult:
     problem: IntraOpProblem
 
 
-def _edges(graph: Graph, layers: BlockSharing) -> dict[tuple[str, str, int], int]:
-    """(canonical producer, canonical consumer, input index) -> number of such edges."""
-    counts: dict[tuple[str, str, int], int] = defaultdict(int)
+Reader = tuple[str, int]  # (canonical consumer, input index)
+Read = tuple[str, int, tuple[Reader, ...]]  # (canonical producer, output index, its readers)
+
+
+def _reads(
+    graph: Graph, layers: BlockSharing
+) -> tuple[dict[tuple[str, str, int], int], dict[Read, int]]:
+    """How the graph's tensors are read, by canonical node, each with its number of copies:
+    tensors read once as edges ``(producer, consumer, input index)``, tensors read more than
+    once (`Read`)."""
+    readers: dict[Ref, list[Reader]] = defaultdict(list)
     for node in graph:
         for i, ref in enumerate(node.refs):
-            counts[(layers.rep(ref.name), layers.rep(node.name), i)] += 1
-    return counts
+            readers[ref].append((layers.rep(node.name), i))
+    edges: dict[tuple[str, str, int], int] = defaultdict(int)
+    shared: dict[Read, int] = defaultdict(int)
+    for ref, found in readers.items():
+        if len(found) == 1:
+            edges[(layers.rep(ref.name), *found[0])] += 1
+        else:
+            shared[(layers.rep(ref.name), ref.index, tuple(found))] += 1
+    return edges, shared
 
 
 def _edge_matrix(
@@ -62,11 +77,52 @@ def _edge_matrix(
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
-    fan_out = graph.fan_out(u)
     return [
-        [costs.edge(producer, tensor, su, consumer, sv, i, fan_out) for sv in space[v].strategies]
+        [costs.edge(producer, tensor, su, consumer, sv, i) for sv in space[v].strategies]
         for su in space[u].strategies
     ]
+
+
+def _shared_costs(
+    graph: Graph,
+    space: Mapping[str, NodeStrategies],
+    costs: Pricer,
+    grouping: Grouping,
+    read: Read,
+    count: int,
+) -> list[SharedCost]:
+    """A tensor read more than once, as the executor runs it (`price_step`): moved once per
+    placement its readers read it in, and their gradients summed and brought back once per
+    such placement and gradient placement (exact unless readers in one placement send
+    gradients placed differently, then reduced apart). One shared cost each, ``count``
+    times (the copies of a repeated layer)."""
+    name, index, readers = read
+    producer = graph.node(name)
+    tensor = producer.outputs[index]
+    sources = [space[name].strategies[k] for k in grouping.pick[name]]
+    moves: dict[Spec, list[tuple[int, int]]] = defaultdict(list)
+    grads: dict[tuple[Spec, Spec], list[tuple[int, int]]] = defaultdict(list)
+    for consumer, i in readers:
+        group = grouping.group_of[consumer]
+        with_grad = producer.needs_grad and graph.node(consumer).kind != OUTPUT
+        for k, j in enumerate(grouping.pick[consumer]):
+            dst = space[consumer].strategies[j]
+            moves[dst.inputs[i]].append((group, k))
+            if with_grad:
+                grad = grad_spec(dst.inputs[i], dst.output, dst.grad)
+                grads[(dst.inputs[i], grad)].append((group, k))
+    src = grouping.group_of[name]
+    found = [
+        SharedCost(src, tuple(count * costs.read_s(tensor, s, p) for s in sources), tuple(when))
+        for p, when in moves.items()
+    ]
+    found += [
+        SharedCost(
+            src, tuple(count * costs.grad_s(producer, tensor, s, g) for s in sources), tuple(when)
+        )
+        for (_, g), when in grads.items()
+    ]
+    return found
 
 
 def _follower_producer(node: Node, graph: Graph) -> str | None:
@@ -106,7 +162,7 @@ def build_problem(
     memory_limit: float,
 ) -> tuple[IntraOpProblem, Grouping]:
     reps = [n for n in graph if n.name not in layers.canonical]
-    edge_counts = _edges(graph, layers)
+    edge_counts, shared_reads = _reads(graph, layers)
     matrices = {key: _edge_matrix(graph, space, costs, key) for key in edge_counts}
 
     group_of: dict[str, int] = {}
@@ -154,6 +210,12 @@ def build_problem(
             for b in range(cols):
                 acc[a][b] += matrix[pick[u][a]][pick[v][b]] * n_edges
 
+    grouping = Grouping(group_of, pick)
+    shared = [
+        c
+        for read, count in shared_reads.items()
+        for c in _shared_costs(graph, space, costs, grouping, read, count)
+    ]
     problem = IntraOpProblem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
@@ -162,8 +224,9 @@ def build_problem(
             Edge(gu, gv, tuple(tuple(r) for r in m)) for (gu, gv), m in sorted(grouped.items())
         ),
         memory_limit=memory_limit,
+        shared=tuple(shared),
     )
-    return problem, Grouping(group_of, pick)
+    return problem, grouping
 
 
 def decode(

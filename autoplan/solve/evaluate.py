@@ -24,9 +24,10 @@ class Evaluation:
     computed and are ``inf``; ``violations`` says why.
     """
 
-    objective: float  # node_cost + edge_cost, seconds
+    objective: float  # node_cost + edge_cost + shared_cost, seconds
     node_cost: float
     edge_cost: float
+    shared_cost: float
     memory: float  # bytes per device
     memory_limit: float
     feasible: bool
@@ -46,6 +47,7 @@ def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> Evaluation:
             objective=math.inf,
             node_cost=math.inf,
             edge_cost=math.inf,
+            shared_cost=math.inf,
             memory=math.inf,
             memory_limit=problem.memory_limit,
             feasible=False,
@@ -54,13 +56,17 @@ def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> Evaluation:
     node_cost = math.fsum(costs[k] for costs, k in zip(problem.node_costs, choice, strict=True))
     # For a self-edge (src == dst) choice[src] == choice[dst], so this picks the diagonal.
     edge_cost = math.fsum(e.cost[choice[e.src]][choice[e.dst]] for e in problem.edges)
+    shared_cost = math.fsum(
+        c.cost[choice[c.src]] for c in problem.shared if any(choice[g] == k for g, k in c.when)
+    )
     memory = math.fsum(mem[k] for mem, k in zip(problem.node_memory, choice, strict=True))
     if memory > problem.memory_limit:
         violations = (f"memory {memory:.1e} B exceeds limit {problem.memory_limit:.1e} B",)
     return Evaluation(
-        objective=node_cost + edge_cost,
+        objective=node_cost + edge_cost + shared_cost,
         node_cost=node_cost,
         edge_cost=edge_cost,
+        shared_cost=shared_cost,
         memory=memory,
         memory_limit=problem.memory_limit,
         feasible=not violations,

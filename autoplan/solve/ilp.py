@@ -15,6 +15,10 @@ the original and on the simplified problem:
 - :func:`drop_zero_edges`: an edge whose matrix is all zeros is dropped.
 - :func:`fold_single_strategy_edges`: an edge with a one-strategy end is folded into the other
   end's node costs (``R[u,v][i][0]`` into ``c[u][i]``, or ``R[u,v][0][j]`` into ``c[v][j]``).
+- :func:`fold_certain_shared`: a shared cost ``C[t]`` (paid as ``C[t][i]`` when its group
+  ``src(t)`` takes ``i`` and any ``(g, k)`` of ``when(t)`` is chosen) that a one-strategy group
+  triggers is always paid: it is added to ``c[src(t)]``. Shared costs that are zero or that
+  nothing triggers are dropped, and those with the same ``src`` and ``when`` summed.
 
 Groups with one strategy are then fixed to it and get no variable; what remains goes to the ILP
 built by :func:`build_model`:
@@ -22,9 +26,12 @@ built by :func:`build_model`:
 Variables
     ``s[v][k]`` in {0, 1}: group ``v`` takes strategy ``k`` (groups with 2+ strategies only).
     ``e[u,v][i][j]`` in [0, 1], continuous: edge ``(u, v)`` sees strategies ``(i, j)``.
+    ``z[t]`` in [0, 1], continuous: shared cost ``t`` is paid.
+    ``w[t][i][b]`` in [0, 1], continuous: ``src(t)`` takes ``i`` and ``z[t] == b``.
 
 Objective (minimize, :func:`_set_objective`)
-    ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]``,
+    ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]
+    + sum_t sum_i C[t][i] w[t][i][1]`` (``C[t][0] z[t]`` where ``src(t)`` has one strategy),
     divided by its largest coefficient so that solver tolerances are relative to the costs
     (which are seconds, often 1e-6 or smaller).
 
@@ -35,6 +42,11 @@ Constraints
     With ``s`` integral these force ``e[u,v][i][j] == s[u][i] * s[v][j]``: every row and column
     but the chosen ones sum to zero. Its LP relaxation is much tighter, and the ILP much faster
     to solve, than with the three-inequality linearization of a product.
+    ``any_<t>_<g>``: ``z[t] >= sum_(k: (g, k) in when(t)) s[g][k]`` for each group ``g`` of
+    ``when(t)``, so ``z[t]`` is 1 when any is chosen (and 0 otherwise, as costs are >= 0);
+    ``wrow_<t>_<i>``: ``w[t][i][0] + w[t][i][1] == s[src(t)][i]`` and ``wsum_<t>``:
+    ``sum_i w[t][i][1] == z[t]``, so ``w[t][i][1] == s[src(t)][i] * z[t]`` as for edges
+    (:func:`_add_shared_variables`).
     ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
     the largest ``m`` so the coefficients are at most 1 whatever the unit
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
@@ -63,7 +75,7 @@ import pulp
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.solve.evaluate import evaluate, min_memory
-from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +128,7 @@ def solve_intra_op(
 def simplify(problem: IntraOpProblem) -> IntraOpProblem:
     """Apply every preprocessing step; the cost of each assignment is unchanged."""
     merged = merge_parallel_edges(fold_self_edges(problem))
-    return fold_single_strategy_edges(drop_zero_edges(merged))
+    return fold_certain_shared(fold_single_strategy_edges(drop_zero_edges(merged)))
 
 
 def fold_self_edges(problem: IntraOpProblem) -> IntraOpProblem:
@@ -173,6 +185,26 @@ def fold_single_strategy_edges(problem: IntraOpProblem) -> IntraOpProblem:
     return replace(problem, node_costs=_freeze(costs), edges=tuple(kept))
 
 
+def fold_certain_shared(problem: IntraOpProblem) -> IntraOpProblem:
+    """Fold each shared cost that a one-strategy group triggers into its ``src``'s node costs;
+    drop zero ones and sum those with the same ``src`` and ``when``."""
+    costs = [list(c) for c in problem.node_costs]
+    kept: dict[tuple[int, tuple[tuple[int, int], ...]], list[float]] = {}
+    for shared in problem.shared:
+        if not any(shared.cost) or not shared.when:
+            continue
+        if any(len(costs[g]) == 1 for g, _ in shared.when):
+            for i, x in enumerate(shared.cost):
+                costs[shared.src][i] += x
+            continue
+        key = (shared.src, tuple(sorted(set(shared.when))))
+        total = kept.setdefault(key, [0.0] * len(shared.cost))
+        for i, x in enumerate(shared.cost):
+            total[i] += x
+    merged = tuple(SharedCost(src, tuple(c), when) for (src, when), c in kept.items())
+    return replace(problem, node_costs=_freeze(costs), shared=merged)
+
+
 def _freeze(matrix: list[list[float]]) -> Matrix:
     return tuple(tuple(row) for row in matrix)
 
@@ -193,8 +225,9 @@ def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = _add_node_variables(model, problem, labels)
     e = _add_edge_variables(model, problem, s, labels)
+    paid = _add_shared_variables(model, problem, s, labels)
     _add_memory_constraint(model, problem, s)
-    _set_objective(model, problem, s, e)
+    _set_objective(model, problem, s, e, paid)
     return model, s
 
 
@@ -252,6 +285,35 @@ def _add_edge_variables(
     return e
 
 
+def _add_shared_variables(
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
+) -> list[list[pulp.LpVariable]]:
+    """For each shared cost, in ``problem.shared`` order, the variables its ``C[t][i]``
+    multiply: ``w[t][i][1]`` for each strategy ``i`` of its ``src``, or ``[z[t]]`` when
+    ``src`` has one strategy."""
+    paid = []
+    for t, shared in enumerate(problem.shared):
+        z = _new_variable(model, f"z_{t}", pulp.LpContinuous)
+        by_group: dict[int, list[int]] = {}
+        for g, k in shared.when:
+            assert g in s, "build_model expects a simplified problem"
+            by_group.setdefault(g, []).append(k)
+        for g, ks in sorted(by_group.items()):
+            model += z >= pulp.lpSum(s[g][k] for k in ks), f"any_{t}_{labels[g]}"
+        if shared.src not in s:
+            paid.append([z])
+            continue
+        w = [
+            [_new_variable(model, f"w_{t}_{i}_{b}", pulp.LpContinuous) for b in (0, 1)]
+            for i in range(len(s[shared.src]))
+        ]
+        for i, (off, on) in enumerate(w):
+            model += off + on == s[shared.src][i], f"wrow_{t}_{i}"
+        model += pulp.lpSum(on for _, on in w) == z, f"wsum_{t}"
+        paid.append([on for _, on in w])
+    return paid
+
+
 def _add_memory_constraint(
     model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables
 ) -> None:
@@ -269,6 +331,7 @@ def _set_objective(
     problem: IntraOpProblem,
     s: NodeVariables,
     e: list[list[list[pulp.LpVariable]]],
+    paid: list[list[pulp.LpVariable]],
 ) -> None:
     terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
     for edge, ev in zip(problem.edges, e, strict=True):
@@ -277,6 +340,8 @@ def _set_objective(
             for xs, cs in zip(ev, edge.cost, strict=True)
             for x, c in zip(xs, cs, strict=True)
         ]
+    for shared, xs in zip(problem.shared, paid, strict=True):
+        terms += list(zip(xs, shared.cost, strict=True))
     scale = max((abs(c) for _, c in terms), default=0.0) or 1.0
     model += pulp.LpAffineExpression([(x, c / scale) for x, c in terms if c != 0])
 

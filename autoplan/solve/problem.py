@@ -3,7 +3,9 @@
 A problem has one *group* per set of graph nodes that share a decision (a node, a node with
 its merged followers, or the same node in every copy of a repeated layer). Group ``v`` has
 ``len(node_costs[v])`` candidate strategies. Costs are seconds per training step and already
-multiplied by how many graph nodes the group stands for; memory is bytes per device.
+multiplied by how many graph nodes the group stands for; memory is bytes per device. A cost
+depends on one group's strategy (node costs), on two groups' (edges), or on one group's and
+whether any of several others take given strategies (shared costs).
 """
 
 from __future__ import annotations
@@ -26,14 +28,31 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class SharedCost:
+    """A cost paid once however many groups incur it: ``cost[i]`` when group ``src`` takes
+    strategy ``i`` and any ``(group, strategy)`` of ``when`` is chosen.
+
+    A tensor read by several ops is redistributed once per placement they read it in: one
+    shared cost per placement, ``src`` its producer, ``when`` the readers' strategies that
+    read it so (`autoplan.search.intra_op`). ``src`` may be among the groups of ``when``.
+    """
+
+    src: int
+    cost: tuple[float, ...]
+    when: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class IntraOpProblem:
-    """Choose one strategy per group to minimize node + edge costs within a memory limit."""
+    """Choose one strategy per group to minimize node + edge + shared costs within a memory
+    limit."""
 
     names: tuple[str, ...]
     node_costs: tuple[tuple[float, ...], ...]
     node_memory: tuple[tuple[float, ...], ...]
     edges: tuple[Edge, ...]
     memory_limit: float
+    shared: tuple[SharedCost, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.names) == len(self.node_costs) == len(self.node_memory)
@@ -42,6 +61,9 @@ class IntraOpProblem:
         for e in self.edges:
             assert len(e.cost) == len(self.node_costs[e.src])
             assert all(len(row) == len(self.node_costs[e.dst]) for row in e.cost)
+        for c in self.shared:
+            assert len(c.cost) == len(self.node_costs[c.src])
+            assert all(0 <= k < len(self.node_costs[g]) for g, k in c.when)
 
     @property
     def num_groups(self) -> int:

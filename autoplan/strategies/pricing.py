@@ -238,28 +238,35 @@ class Pricer:
         consumer: Node,
         dst: Strategy,
         index: int,
-        fan_out: int,
     ) -> float:
-        """An edge's time for the ILP: its share of moving the tensor and its gradient.
-
-        The executor redistributes a tensor once per placement its users need, and autograd
-        sums those users' gradients before the one reduction back; so each of the
-        ``fan_out`` edges of a tensor carries 1/fan_out of both (exact when the users agree,
-        as the q, k and v projections of one input do).
-        """
-        seconds, found = self.forward(tensor, src, dst, index)
-        # a wait for each edge that moves anything: price_step waits once per op, so the ILP
-        # prices an op with several redistributed inputs a little high
-        seconds += self.sync_s if found else 0.0
+        """An edge's time for the ILP: moving the tensor into input ``index`` of ``dst`` and its
+        gradient back (`read_s`, `grad_s`). For a tensor with one reader; one read by several
+        is moved once per placement they read it in, and their gradients summed before one
+        reduction back (`autoplan.search.intra_op` prices those as shared costs)."""
+        placement = dst.inputs[index]
+        seconds = self.read_s(tensor, src, placement)
         if producer.needs_grad and consumer.kind != OUTPUT:
-            grad = grad_spec(dst.inputs[index], dst.output, dst.grad)
-            grad_s, found = self.gradient(tensor, grad, src)
-            if producer.kind == PARAM:
-                grad_s = self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
-            elif found:
-                grad_s += self.sync_s
-            seconds += grad_s
-        return seconds / fan_out
+            grad = grad_spec(placement, dst.output, dst.grad)
+            seconds += self.grad_s(producer, tensor, src, grad)
+        return seconds
+
+    def read_s(self, tensor: TensorInfo, src: Strategy, placement: Spec) -> float:
+        """Moving ``tensor`` from the producer's placement to ``placement`` in forward, with a
+        wait for the ranks' skew if anything moves: `price_step` waits once per op whose
+        inputs move, so the ILP prices an op with several moved inputs a little high."""
+        found, seconds = self._redistribute(
+            src.output, placement, tensor.shape, itemsize(tensor.dtype)
+        )
+        return seconds + self.sync_s if found else seconds
+
+    def grad_s(self, producer: Node, tensor: TensorInfo, src: Strategy, grad: Spec) -> float:
+        """Bringing a gradient placed ``grad`` back to where the producer keeps it, with a
+        wait for the ranks' skew if anything moves; for a parameter, its gradient
+        synchronization (`grad_sync_s`)."""
+        seconds, found = self.gradient(tensor, grad, src)
+        if producer.kind == PARAM:
+            return self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
+        return seconds + self.sync_s if found else seconds
 
     def grad_sync_s(self, sync: GradientSync) -> float:
         """A parameter's gradient synchronization as the ILP prices it, before buckets exist:

@@ -150,7 +150,7 @@ def kept_partial(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> list[
     name = node.op.split(".")[1] if "." in node.op else node.op
     if name.rstrip("_") in _RANDOM:
         return []
-    if any(graph.node(r.name).needs_grad and graph.fan_out(r.name) > 1 for r in node.refs):
+    if any(graph.node(r.name).needs_grad and graph.fan_out(r) > 1 for r in node.refs):
         return []
     whole = replicated(len(mesh_shape))
     grad = on_mesh((P,) * len(mesh_shape), mesh_shape)
