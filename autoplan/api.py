@@ -182,11 +182,12 @@ def _plan_one_stage(
         log.info(
             "mesh %s: predicted %.4g s per step (%s, %.2f s)",
             m,
-            solution.objective,
+            found.step.time_s,
             solution.status,
             solution.solve_time_s,
         )
-        if best is None or solution.objective < best.result.solution.objective:
+        # meshes compare by the step's price, which the ILP's objective only approximates
+        if best is None or found.step.time_s < best.step.time_s:
             best = found
     if best is None:
         return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction)

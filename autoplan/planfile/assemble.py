@@ -79,7 +79,7 @@ def collective_plans(step: PricedStep, axes: tuple[str, ...]) -> tuple[Collectiv
 
 def predicted(step: PricedStep, memory_limit: float) -> Predicted:
     return Predicted(
-        step_time_s=step.compute_s + step.comm_s,
+        step_time_s=step.time_s,
         compute_s=step.compute_s,
         comm_s=step.comm_s,
         peak_memory_bytes=step.memory_bytes,

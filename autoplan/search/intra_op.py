@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import BlockSharing, block_of
-from autoplan.graph.ir import OP, OUTPUT, Graph, Node, Ref
+from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node, Ref
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
-from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solve.problem import Edge, FixedCost, IntraOpProblem, IntraOpSolution, SharedCost
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
@@ -154,6 +154,36 @@ def _exact_follow(
     return tuple(follow)
 
 
+def _bucket_costs(
+    graph: Graph,
+    space: Mapping[str, NodeStrategies],
+    costs: Pricer,
+    grouping: Grouping,
+    reads: Mapping[Reader, tuple[Reader, ...]],
+) -> list[FixedCost]:
+    """The first bucket of each axes and dtype (`Pricer.first_bucket_s`), paid once if any
+    parameter and its reader choose strategies that put the parameter's gradient in it.
+    ``reads``: each parameter (canonical name, output 0) and its canonical readers."""
+    pairs: dict[tuple[tuple[int, ...], str], set[tuple[int, int, int, int]]] = defaultdict(set)
+    for (name, index), readers in reads.items():
+        producer = graph.node(name)
+        tensor = producer.outputs[index]
+        for consumer, i in readers:
+            for kp, jp in enumerate(grouping.pick[name]):
+                src = space[name].strategies[jp]
+                for kc, jc in enumerate(grouping.pick[consumer]):
+                    dst = space[consumer].strategies[jc]
+                    grad = grad_spec(dst.inputs[i], dst.output, dst.grad)
+                    bucket = costs.bucket_of(producer, tensor, src, grad)
+                    if bucket is not None:
+                        pair = (grouping.group_of[name], kp, grouping.group_of[consumer], kc)
+                        pairs[bucket].add(pair)
+    return [
+        FixedCost(costs.first_bucket_s(axes), tuple(sorted(when)))
+        for (axes, _), when in sorted(pairs.items())
+    ]
+
+
 def build_problem(
     graph: Graph,
     layers: BlockSharing,
@@ -216,6 +246,16 @@ def build_problem(
         for read, count in shared_reads.items()
         for c in _shared_costs(graph, space, costs, grouping, read, count)
     ]
+    param_reads: dict[Reader, set[Reader]] = defaultdict(set)
+    for u, v, i in edge_counts:
+        param_reads[(u, 0)].add((v, i))
+    for u, index, readers in shared_reads:
+        param_reads[(u, index)].update(readers)
+    trained = {
+        key: tuple(sorted(r for r in readers if graph.node(r[0]).kind != OUTPUT))
+        for key, readers in param_reads.items()
+        if graph.node(key[0]).kind == PARAM and graph.node(key[0]).needs_grad
+    }
     problem = IntraOpProblem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
@@ -225,6 +265,7 @@ def build_problem(
         ),
         memory_limit=memory_limit,
         shared=tuple(shared),
+        fixed=tuple(_bucket_costs(graph, space, costs, grouping, trained)),
     )
     return problem, grouping
 

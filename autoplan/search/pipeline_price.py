@@ -131,7 +131,7 @@ def priced_stage(
     )
     flops = sum(n.flops for n in graph)
     total_flops = flops + sum(n.bwd_flops for n in graph)
-    time = step.compute_s + step.comm_s - extra
+    time = step.time_s - extra
     return SolvedStage(
         start=start,
         stop=stop,

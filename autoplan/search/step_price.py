@@ -29,6 +29,11 @@ class PricedStep:
     memory_bytes: float
     collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
 
+    @property
+    def time_s(self) -> float:
+        """The step's time: its compute, then its communication."""
+        return self.compute_s + self.comm_s
+
 
 def summed_gradient(a: Spec | None, b: Spec | None) -> Spec | None:
     """The placement of two users' gradients of one tensor, read in one placement, summed:

@@ -25,28 +25,33 @@ built by :func:`build_model`:
 
 Variables
     ``s[v][k]`` in {0, 1}: group ``v`` takes strategy ``k`` (groups with 2+ strategies only).
-    ``e[u,v][i][j]`` in [0, 1], continuous: edge ``(u, v)`` sees strategies ``(i, j)``.
-    ``z[t]`` in [0, 1], continuous: shared cost ``t`` is paid.
-    ``w[t][i][b]`` in [0, 1], continuous: ``src(t)`` takes ``i`` and ``z[t] == b``.
+    ``e[u,v][i][j]`` in [0, 1], continuous: groups ``u`` and ``v`` take strategies ``(i, j)``;
+    for each pair of groups an edge, a shared cost or a fixed cost relates.
+    ``y[t][i]`` in [0, 1], continuous: shared cost ``t`` is paid with ``src(t)`` at ``i`` (for
+    each ``i`` with ``C[t][i] != 0``).
+    ``x[f]`` in [0, 1], continuous: fixed cost ``f`` (``F[f]`` seconds) is paid.
 
 Objective (minimize, :func:`_set_objective`)
     ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]
-    + sum_t sum_i C[t][i] w[t][i][1]`` (``C[t][0] z[t]`` where ``src(t)`` has one strategy),
-    divided by its largest coefficient so that solver tolerances are relative to the costs
-    (which are seconds, often 1e-6 or smaller).
+    + sum_t sum_i C[t][i] y[t][i] + sum_f F[f] x[f]``, divided by its largest coefficient so
+    that solver tolerances are relative to the costs (which are seconds, often 1e-6 or
+    smaller).
 
 Constraints
     ``pick_<v>``: ``sum_k s[v][k] == 1`` (:func:`_add_node_variables`).
     ``row_<u>__<v>_<i>``: ``sum_j e[u,v][i][j] == s[u][i]`` and
-    ``col_<u>__<v>_<j>``: ``sum_i e[u,v][i][j] == s[v][j]`` (:func:`_add_edge_variables`).
+    ``col_<u>__<v>_<j>``: ``sum_i e[u,v][i][j] == s[v][j]`` (:func:`_add_link_variables`).
     With ``s`` integral these force ``e[u,v][i][j] == s[u][i] * s[v][j]``: every row and column
     but the chosen ones sum to zero. Its LP relaxation is much tighter, and the ILP much faster
-    to solve, than with the three-inequality linearization of a product.
-    ``any_<t>_<g>``: ``z[t] >= sum_(k: (g, k) in when(t)) s[g][k]`` for each group ``g`` of
-    ``when(t)``, so ``z[t]`` is 1 when any is chosen (and 0 otherwise, as costs are >= 0);
-    ``wrow_<t>_<i>``: ``w[t][i][0] + w[t][i][1] == s[src(t)][i]`` and ``wsum_<t>``:
-    ``sum_i w[t][i][1] == z[t]``, so ``w[t][i][1] == s[src(t)][i] * z[t]`` as for edges
-    (:func:`_add_shared_variables`).
+    to solve, than with the three-inequality linearization of a product. Below, ``e`` of a
+    group with one strategy stands for the other group's ``s``, and of one group with itself
+    for its ``s`` on the diagonal.
+    ``shared_<t>_<i>_<g>``: ``y[t][i] >= sum_(k: (g, k) in when(t)) e[src(t),g][i][k]`` for
+    each group ``g`` of ``when(t)``: with costs >= 0, ``y[t][i]`` is 1 exactly when ``src(t)``
+    takes ``i`` and some trigger is chosen (:func:`_add_shared_variables`).
+    ``fixed_<f>_<g>_<h>``: ``x[f] >= sum_((k, l): (g, k, h, l) in when(f)) e[g,h][k][l]``
+    for each pair of groups in ``when(f)`` (:func:`_add_fixed_variables`; a fixed cost that a
+    pair of one-strategy groups triggers is a constant and left out).
     ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
     the largest ``m`` so the coefficients are at most 1 whatever the unit
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
@@ -224,10 +229,19 @@ def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]
     labels = group_labels(problem.names)
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = _add_node_variables(model, problem, labels)
-    e = _add_edge_variables(model, problem, s, labels)
-    paid = _add_shared_variables(model, problem, s, labels)
+    links = _add_link_variables(model, problem, s, labels)
+    terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
+    for edge in problem.edges:
+        matrix = links[edge.src, edge.dst]
+        terms += [
+            (x, c)
+            for xs, cs in zip(matrix, edge.cost, strict=True)
+            for x, c in zip(xs, cs, strict=True)
+        ]
+    terms += _add_shared_variables(model, problem, s, links)
+    terms += _add_fixed_variables(model, problem, s, links)
     _add_memory_constraint(model, problem, s)
-    _set_objective(model, problem, s, e, paid)
+    _set_objective(model, terms)
     return model, s
 
 
@@ -262,14 +276,27 @@ def _add_node_variables(
     return s
 
 
-def _add_edge_variables(
+Links = dict[tuple[int, int], list[list[pulp.LpVariable]]]  # (u, v), u < v -> e[u,v]
+Term = tuple[pulp.LpVariable, float]  # a variable and its cost in the objective
+
+
+def _linked_pairs(problem: IntraOpProblem, s: NodeVariables) -> list[tuple[int, int]]:
+    """The pairs of groups, both with variables, that an edge, a shared cost or a fixed cost
+    relates, each as ``(u, v)`` with ``u < v``, in sorted order."""
+    pairs = {(e.src, e.dst) for e in problem.edges}
+    pairs |= {(c.src, g) for c in problem.shared for g, _ in c.when}
+    pairs |= {(g, h) for f in problem.fixed for g, _, h, _ in f.when}
+    ordered = {(min(u, v), max(u, v)) for u, v in pairs if u != v and u in s and v in s}
+    return sorted(ordered)
+
+
+def _add_link_variables(
     model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
-) -> list[list[list[pulp.LpVariable]]]:
-    """One matrix of ``e`` variables per edge, in ``problem.edges`` order."""
-    e = []
-    for edge in problem.edges:
-        u, v = edge.src, edge.dst
-        assert u != v and u in s and v in s, "build_model expects a simplified problem"
+) -> Links:
+    """One matrix of ``e`` variables per pair of `_linked_pairs`."""
+    assert all(e.src < e.dst and e.src in s for e in problem.edges), "expects a simplified problem"
+    links: Links = {}
+    for u, v in _linked_pairs(problem, s):
         name = f"{labels[u]}__{labels[v]}"
         rows = range(len(s[u]))
         cols = range(len(s[v]))
@@ -281,37 +308,63 @@ def _add_edge_variables(
             model += pulp.lpSum(ev[i]) == s[u][i], f"row_{name}_{i}"
         for j in cols:
             model += pulp.lpSum(ev[i][j] for i in rows) == s[v][j], f"col_{name}_{j}"
-        e.append(ev)
-    return e
+        links[u, v] = ev
+    return links
+
+
+def _both(links: Links, s: NodeVariables, g: int, k: int, h: int, m: int) -> pulp.LpVariable | int:
+    """``s[g][k] * s[h][m]`` as a variable of the model, or the constant 0 or 1."""
+    if g == h:
+        return (s[g][k] if g in s else 1) if k == m else 0
+    if g not in s:
+        return s[h][m] if h in s else 1
+    if h not in s:
+        return s[g][k]
+    return links[g, h][k][m] if g < h else links[h, g][m][k]
 
 
 def _add_shared_variables(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
-) -> list[list[pulp.LpVariable]]:
-    """For each shared cost, in ``problem.shared`` order, the variables its ``C[t][i]``
-    multiply: ``w[t][i][1]`` for each strategy ``i`` of its ``src``, or ``[z[t]]`` when
-    ``src`` has one strategy."""
-    paid = []
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, links: Links
+) -> list[Term]:
+    """``y[t][i]`` of each shared cost and its constraints; returns their objective terms."""
+    terms = []
     for t, shared in enumerate(problem.shared):
-        z = _new_variable(model, f"z_{t}", pulp.LpContinuous)
         by_group: dict[int, list[int]] = {}
         for g, k in shared.when:
             assert g in s, "build_model expects a simplified problem"
             by_group.setdefault(g, []).append(k)
-        for g, ks in sorted(by_group.items()):
-            model += z >= pulp.lpSum(s[g][k] for k in ks), f"any_{t}_{labels[g]}"
-        if shared.src not in s:
-            paid.append([z])
-            continue
-        w = [
-            [_new_variable(model, f"w_{t}_{i}_{b}", pulp.LpContinuous) for b in (0, 1)]
-            for i in range(len(s[shared.src]))
-        ]
-        for i, (off, on) in enumerate(w):
-            model += off + on == s[shared.src][i], f"wrow_{t}_{i}"
-        model += pulp.lpSum(on for _, on in w) == z, f"wsum_{t}"
-        paid.append([on for _, on in w])
-    return paid
+        for i, cost in enumerate(shared.cost):
+            if cost == 0:
+                continue
+            y = _new_variable(model, f"y_{t}_{i}", pulp.LpContinuous)
+            for g, ks in sorted(by_group.items()):
+                paid = [_both(links, s, shared.src, i, g, k) for k in ks]
+                model += y >= pulp.lpSum(paid), f"shared_{t}_{i}_{g}"
+            terms.append((y, cost))
+    return terms
+
+
+def _add_fixed_variables(
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, links: Links
+) -> list[Term]:
+    """``x[f]`` of each fixed cost and its constraints; returns their objective terms."""
+    terms = []
+    for f, fixed in enumerate(problem.fixed):
+        by_pair: dict[tuple[int, int], list[pulp.LpVariable]] = {}
+        certain = False
+        for g, k, h, m in fixed.when:
+            both = _both(links, s, g, k, h, m)
+            if isinstance(both, int):
+                certain = certain or both == 1
+                continue
+            by_pair.setdefault((g, h), []).append(both)
+        if certain or not by_pair:
+            continue  # always paid (a constant), or never
+        x = _new_variable(model, f"x_{f}", pulp.LpContinuous)
+        for (g, h), products in sorted(by_pair.items()):
+            model += x >= pulp.lpSum(products), f"fixed_{f}_{g}_{h}"
+        terms.append((x, fixed.cost))
+    return terms
 
 
 def _add_memory_constraint(
@@ -326,22 +379,7 @@ def _add_memory_constraint(
     model += used <= (problem.memory_limit - fixed) / scale, "memory"
 
 
-def _set_objective(
-    model: pulp.LpProblem,
-    problem: IntraOpProblem,
-    s: NodeVariables,
-    e: list[list[list[pulp.LpVariable]]],
-    paid: list[list[pulp.LpVariable]],
-) -> None:
-    terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
-    for edge, ev in zip(problem.edges, e, strict=True):
-        terms += [
-            (x, c)
-            for xs, cs in zip(ev, edge.cost, strict=True)
-            for x, c in zip(xs, cs, strict=True)
-        ]
-    for shared, xs in zip(problem.shared, paid, strict=True):
-        terms += list(zip(xs, shared.cost, strict=True))
+def _set_objective(model: pulp.LpProblem, terms: list[Term]) -> None:
     scale = max((abs(c) for _, c in terms), default=0.0) or 1.0
     model += pulp.LpAffineExpression([(x, c / scale) for x, c in terms if c != 0])
 

@@ -4,8 +4,9 @@ A problem has one *group* per set of graph nodes that share a decision (a node, 
 its merged followers, or the same node in every copy of a repeated layer). Group ``v`` has
 ``len(node_costs[v])`` candidate strategies. Costs are seconds per training step and already
 multiplied by how many graph nodes the group stands for; memory is bytes per device. A cost
-depends on one group's strategy (node costs), on two groups' (edges), or on one group's and
-whether any of several others take given strategies (shared costs).
+depends on one group's strategy (node costs), on two groups' (edges), on one group's and
+whether any of several others take given strategies (shared costs), or on whether any of
+several pairs of groups take given strategies (fixed costs).
 """
 
 from __future__ import annotations
@@ -43,9 +44,23 @@ class SharedCost:
 
 
 @dataclass(frozen=True)
+class FixedCost:
+    """A cost paid once if any pair of ``when`` is chosen: ``(g, k, h, l)``, group ``g`` taking
+    strategy ``k`` and group ``h`` strategy ``l`` (``g == h`` with ``k == l``: one group).
+
+    The first bucket of the gradients all-reduced along some mesh axes costs its latency,
+    which the gradients' shares of a full bucket do not cover: one fixed cost per axes, paid
+    if any parameter and its reader choose a bucketed reduction along them
+    (`autoplan.search.intra_op`)."""
+
+    cost: float
+    when: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
 class IntraOpProblem:
-    """Choose one strategy per group to minimize node + edge + shared costs within a memory
-    limit."""
+    """Choose one strategy per group to minimize node + edge + shared + fixed costs within a
+    memory limit."""
 
     names: tuple[str, ...]
     node_costs: tuple[tuple[float, ...], ...]
@@ -53,6 +68,7 @@ class IntraOpProblem:
     edges: tuple[Edge, ...]
     memory_limit: float
     shared: tuple[SharedCost, ...] = ()
+    fixed: tuple[FixedCost, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.names) == len(self.node_costs) == len(self.node_memory)
@@ -64,6 +80,11 @@ class IntraOpProblem:
         for c in self.shared:
             assert len(c.cost) == len(self.node_costs[c.src])
             assert all(0 <= k < len(self.node_costs[g]) for g, k in c.when)
+        for f in self.fixed:
+            assert all(
+                0 <= k < len(self.node_costs[g]) and 0 <= m < len(self.node_costs[h])
+                for g, k, h, m in f.when
+            )
 
     @property
     def num_groups(self) -> int:

@@ -35,7 +35,7 @@ from autoplan.cluster.timing import (
     with_overhead,
 )
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
-from autoplan.strategies.buckets import BUCKET_BYTES, GradientSync
+from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
     R,
@@ -267,6 +267,25 @@ class Pricer:
         if producer.kind == PARAM:
             return self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
         return seconds + self.sync_s if found else seconds
+
+    def bucket_of(
+        self, producer: Node, tensor: TensorInfo, src: Strategy, grad: Spec
+    ) -> tuple[tuple[int, ...], str] | None:
+        """The buckets (axes, dtype) a parameter's gradient placed ``grad`` joins, if it is
+        bucketed (`autoplan.strategies.buckets`)."""
+        if producer.kind != PARAM:
+            return None
+        _, found = self.gradient(tensor, grad, src)
+        axes = GradientSync(producer.name, tensor.dtype, found).bucket_axes
+        return None if axes is None else (axes, tensor.dtype)
+
+    def first_bucket_s(self, axes: tuple[int, ...]) -> float:
+        """What the gradient buckets along ``axes`` cost beyond their gradients' shares of a
+        full bucket (`grad_sync_s`): the first bucket, issued small
+        (`buckets.FIRST_BUCKET_BYTES`) so that communication starts early, costs about one
+        collective's latency more than its bytes' share."""
+        first = self.collective_s(Collective("all_reduce", axes, FIRST_BUCKET_BYTES))
+        return first - self._full_bucket_s(axes) * FIRST_BUCKET_BYTES / BUCKET_BYTES
 
     def grad_sync_s(self, sync: GradientSync) -> float:
         """A parameter's gradient synchronization as the ILP prices it, before buckets exist:
