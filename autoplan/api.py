@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, microbatch
-from autoplan.graph.ir import INPUT, PARAM, Graph
+from autoplan.graph.ir import PARAM, Graph
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -113,6 +114,28 @@ def plan_graph(
     return piped
 
 
+def _keep_faster_conventional(
+    found: Plan, graph: Graph, cluster: Cluster, degrees: list[Degrees], options: PlanOptions
+) -> Plan:
+    """``found``, or the fastest conventional plan of ``degrees`` (of ``graph``) if that is
+    faster. The search's objective only approximates a plan's price (gradient buckets fill up
+    in steps, the stage DP sums its layers' plans), and no plan the baselines write of the
+    shape the search found is to beat it."""
+    best = None
+    for d, plan in conventional_plans(lambda _: graph, cluster, degrees, options):
+        if best is None or plan.predicted.step_time_s < best[1].predicted.step_time_s:
+            best = (d, plan)
+    if best is None or best[1].predicted.step_time_s >= found.predicted.step_time_s:
+        return found
+    log.info(
+        "the conventional plan %s (%.4g s per step) is faster than the one searched (%.4g s): kept",
+        best[0],
+        best[1].predicted.step_time_s,
+        found.predicted.step_time_s,
+    )
+    return best[1]
+
+
 def _plan_pipelined(
     graph: Graph,
     microbatch_graph: GraphForMicrobatches,
@@ -122,7 +145,7 @@ def _plan_pipelined(
     tally: Tally,
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
-    batch = next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
+    batch = batch_of(graph)
     if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
         raise AutoplanError(
             f"num_microbatches={num_microbatches} must be at least 1 and divide the batch "
@@ -143,7 +166,16 @@ def _plan_pipelined(
     )
     if found is None:
         return None
-    return make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
+    plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
+    degrees = shaped_degrees(
+        cluster.num_devices,
+        batch,
+        pp=len(found.stages),
+        num_microbatches=found.num_microbatches,
+        schedule=options.schedule or "1F1B",
+        meshes=None if options.mesh_shape is None else [options.mesh_shape],
+    )
+    return _keep_faster_conventional(plan, found.graph, cluster, degrees, options)
 
 
 def _plan_one_stage(
@@ -191,7 +223,12 @@ def _plan_one_stage(
             best = found
     if best is None:
         return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction)
-    return make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
+    plan = make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
+    if options.pin:  # conventional plans do not take pins
+        return plan
+    solved = [m for m in meshes if m not in needs]
+    degrees = shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
+    return _keep_faster_conventional(plan, graph, cluster, degrees, options)
 
 
 def _infeasible(

@@ -115,16 +115,15 @@ def _estimate_pipeline(
     layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(plan.stages))
     axes = plan.stage_axes
     boundary = _spec(plan.stages[0].boundary, axes) if plan.stages[0].boundary else ()
+    stage_graphs = [stage_graph(graph, layers, s, s + 1) for s in range(len(layers))]
     pipe = price_pipeline(
         graph,
         layers,
         cluster,
+        stage_graphs=stage_graphs,
         mesh_shape=tuple(plan.mesh.shape[1:]),
         boundary=boundary,
-        assignments=[
-            _stage_assignment(plan, s, stage_graph(graph, layers, s, s + 1))
-            for s in range(len(layers))
-        ],
+        assignments=[_stage_assignment(plan, s, st) for s, st in enumerate(stage_graphs)],
         num_microbatches=plan.pipeline.num_microbatches,
         schedule=plan.pipeline.schedule,
         optimizer=optimizer,

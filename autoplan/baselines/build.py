@@ -18,7 +18,9 @@ Stages are priced as the planner prices its own
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -33,12 +35,20 @@ from autoplan.baselines.propagate import (
     baseline_strategies,
     boundary,
     mesh_of,
+    zero3_replicated,
 )
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
-from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
+from autoplan.graph.cut import (
+    DEFAULT_MAX_LAYERS,
+    Layer,
+    StageGraph,
+    cut_layers,
+    shared_params,
+    stage_graph,
+)
 from autoplan.graph.ir import OP, Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -52,6 +62,8 @@ from autoplan.solve.problem import IntraOpSolution
 from autoplan.strategies.pricing import Pricer
 
 GiB = 2**30
+
+log = logging.getLogger(__name__)
 
 
 def _check_options(
@@ -101,15 +113,8 @@ def _check_options(
         raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
 
 
-def _check_pipeline(
-    cluster: Cluster,
-    example_inputs: Any,
-    example_target: Any,
-    dp: int,
-    tp: int,
-    pp: int,
-    num_microbatches: int,
-    schedule: str,
+def _check_stages(
+    cluster: Cluster, dp: int, tp: int, pp: int, num_microbatches: int, schedule: str
 ) -> None:
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise AutoplanError(
@@ -125,6 +130,11 @@ def _check_pipeline(
             f"{cluster.name!r} ({per_node} devices each); choose dp * tp dividing {per_node} "
             "or a multiple of it"
         )
+
+
+def _check_batches(
+    example_inputs: Any, example_target: Any, dp: int, num_microbatches: int
+) -> None:
     named = [(f"input {i}", x) for i, x in enumerate(as_tuple(example_inputs))]
     for what, x in [*named, ("the target", example_target)]:
         if not isinstance(x, torch.Tensor) or not x.dim():
@@ -177,6 +187,29 @@ def _one_stage(
     )
 
 
+# the stages of a step depend on pp alone: all conventional plans of pp stages share them
+@functools.lru_cache(maxsize=8)
+def _stages(
+    graph: Graph, pp: int
+) -> tuple[tuple[tuple[Layer, ...], ...], tuple[Layer, ...], tuple[StageGraph, ...]]:
+    """The layers of each of ``pp`` stages (`_split_layers`), each stage as one layer (the unit
+    `price_pipeline` prices) and as its stage graph."""
+    groups = _split_layers(graph, pp)
+    stages = []
+    for s, group in enumerate(groups):
+        members = {name for layer in group for name in layer.nodes}
+        stages.append(Layer(f"stage {s}", tuple(n.name for n in graph if n.name in members)))
+    shared = shared_params(graph, stages)
+    if shared:
+        name, readers = next(iter(shared.items()))
+        raise AutoplanError(
+            f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
+            "which cannot share it; use pp=1 or untie the weights"
+        )
+    graphs = tuple(stage_graph(graph, stages, s, s + 1) for s in range(pp))
+    return tuple(groups), tuple(stages), graphs
+
+
 def _pipelined(
     graph: Graph,
     cluster: Cluster,
@@ -189,21 +222,9 @@ def _pipelined(
 ) -> Plan:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
     own graph as a one-stage baseline is."""
-    groups = _split_layers(graph, pp)
-    stages = []  # each stage as one layer, the unit `price_pipeline` prices
-    for s, group in enumerate(groups):
-        members = {name for layer in group for name in layer.nodes}
-        stages.append(Layer(f"stage {s}", tuple(n.name for n in graph if n.name in members)))
-    shared = shared_params(graph, stages)
-    if shared:
-        name, readers = next(iter(shared.items()))
-        raise AutoplanError(
-            f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
-            "which cannot share it; use pp=1 or untie the weights"
-        )
+    groups, stages, stage_graphs = _stages(graph, pp)
     assignments = []
-    for s, group in enumerate(groups):
-        stage = stage_graph(graph, stages, s, s + 1)
+    for s, (group, stage) in enumerate(zip(groups, stage_graphs, strict=True)):
         try:
             assignments.append(assignment_of(baseline_strategies(stage.graph, layout, stage.sent)))
         except AutoplanError as e:
@@ -212,8 +233,9 @@ def _pipelined(
     mesh_shape = mesh_of(layout.dp, layout.tp)
     pipe = price_pipeline(
         graph,
-        tuple(stages),
+        stages,
         cluster,
+        stage_graphs=stage_graphs,
         mesh_shape=mesh_shape,
         boundary=boundary(layout.dp, layout.tp),
         assignments=assignments,
@@ -286,25 +308,48 @@ def baseline(
             f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
         )
     layout = Layout(dp, tp, zero_stage, sequence_parallel, ep)
+    count = 1
+    if pp > 1:
+        count = pp if options.num_microbatches is None else options.num_microbatches
+        _check_stages(cluster, dp, tp, pp, count, options.schedule or "1F1B")
+        _check_batches(example_inputs, example_target, dp, count)
+    inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+    graph = capture(model, inputs, loss_fn, target)
+    plan = baseline_of_graph(graph, cluster, layout, pp, count, options)
+    kept = zero3_replicated(graph, layout) if zero_stage == 3 else []
+    if kept:
+        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
+    return plan
+
+
+def baseline_of_graph(
+    graph: Graph,
+    cluster: Cluster,
+    layout: Layout,
+    pp: int = 1,
+    num_microbatches: int = 1,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """`baseline` of a step already traced (`autoplan.graph.capture`), at the shape of one of
+    ``num_microbatches`` microbatches when ``pp > 1``; ``options`` give the schedule, the
+    optimizer and the memory budget. Raises `InfeasiblePlanError` if it does not fit."""
+    options = options or PlanOptions()
+    dp, tp = layout.dp, layout.tp
     schedule = options.schedule or "1F1B"
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
     degrees = f"dp={dp} tp={tp}"
     if pp == 1:
-        graph = capture(model, example_inputs, loss_fn, example_target)
         plan = _one_stage(graph, cluster, layout, optimizer, limit)
     else:
-        count = pp if options.num_microbatches is None else options.num_microbatches
-        _check_pipeline(cluster, example_inputs, example_target, dp, tp, pp, count, schedule)
-        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-        graph = capture(model, inputs, loss_fn, target)
-        plan = _pipelined(graph, cluster, layout, pp, count, schedule, optimizer, limit)
-        degrees += f" pp={pp} num_microbatches={count}"
+        _check_stages(cluster, dp, tp, pp, num_microbatches, schedule)
+        plan = _pipelined(graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit)
+        degrees += f" pp={pp} num_microbatches={num_microbatches}"
     need = plan.predicted.peak_memory_bytes
     if need > limit:
         raise InfeasiblePlanError(
-            f"the baseline {degrees} zero_stage={zero_stage} needs {need / GiB:.2f} GiB per "
-            f"device, but a device of cluster {cluster.name!r} offers {limit / GiB:.2f} GiB "
+            f"the baseline {degrees} zero_stage={layout.zero_stage} needs {need / GiB:.2f} GiB "
+            f"per device, but a device of cluster {cluster.name!r} offers {limit / GiB:.2f} GiB "
             f"({memory_fraction:.0%} of {cluster.device.memory_bytes / GiB:.0f} GiB)"
         )
     return plan

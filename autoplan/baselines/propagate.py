@@ -15,7 +15,6 @@ degrees are refused.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -24,9 +23,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import NodeStrategies, Strategy, node_strategies
-
-log = logging.getLogger(__name__)
+from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
 
 EINSUM = "aten.einsum.default"
 
@@ -69,10 +66,21 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
     return R
 
 
+def zero3_replicated(graph: Graph, layout: Layout) -> list[str]:
+    """The trained parameters ZeRO-3 keeps replicated on the dp axis: no dim divides by dp
+    (`_zero3_storage`). Told to whoever asked for the baseline."""
+    on_tp = tp_seeds(graph, layout.tp) if layout.tp > 1 else {}
+    return [
+        node.target
+        for node in graph.params
+        if node.needs_grad
+        and _zero3_storage(node, on_tp.get(node.name, (R, R))[0], layout.dp, layout.tp) == R
+    ]
+
+
 def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str, str]]:
     dp, tp, zero_stage = layout.dp, layout.tp, layout.zero_stage
     seeds = {}
-    kept = []
     for i, node in enumerate(n for n in graph if n.kind == INPUT):
         if not node.output.shape or node.output.shape[0] % dp:
             raise AutoplanError(
@@ -85,10 +93,6 @@ def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str
             if node.needs_grad:
                 storage = _zero3_storage(node, on_tp.get(node.name, (R, R))[0], dp, tp)
                 seeds[node.name] = (storage, R)
-                if storage == R:
-                    kept.append(node.target)
-    if kept:
-        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
     if layout.ep > 1:
         experts = expert_weights(graph)
         if not experts:
@@ -166,14 +170,13 @@ def baseline_strategies(
             )
             space[node.name] = NodeStrategies(node.name, (strategy,), "output")
             continue
-        allowed = node_strategies(node, graph, mesh_shape)
-        if strategy not in allowed.strategies:
+        if not is_candidate(node, graph, strategy, mesh_shape):
             raise AutoplanError(
                 f"the baseline places {node.op} in {node.module_path or 'the top level'!r} "
                 f"({node.name}) as {_text(strategy.output)} from {_text(*strategy.inputs)}, "
                 f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
             )
-        space[node.name] = NodeStrategies(node.name, (strategy,), allowed.source)
+        space[node.name] = NodeStrategies(node.name, (strategy,), source_of(node, graph))
     return space
 
 

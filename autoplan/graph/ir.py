@@ -95,10 +95,14 @@ class Node:
     @property
     def refs(self) -> tuple[Ref, ...]:
         """Tensor arguments in argument order (lists flattened), then tensor kwargs."""
-        found: list[Ref] = []
-        _collect_refs(self.args, found)
-        _collect_refs(tuple(v for _, v in self.kwargs), found)
-        return tuple(found)
+        cache = self.__dict__.get("_refs_cache")
+        if cache is None:
+            found: list[Ref] = []
+            _collect_refs(self.args, found)
+            _collect_refs(tuple(v for _, v in self.kwargs), found)
+            cache = tuple(found)
+            object.__setattr__(self, "_refs_cache", cache)
+        return cache
 
 
 def _collect_refs(value: Any, found: list[Ref]) -> None:

@@ -72,13 +72,17 @@ def _reads(
 
 
 def _edge_matrix(
-    graph: Graph, space: Mapping[str, NodeStrategies], costs: Pricer, key: tuple[str, str, int]
+    graph: Graph,
+    space: Mapping[str, NodeStrategies],
+    costs: Pricer,
+    key: tuple[str, str, int],
+    once: float,
 ) -> list[list[float]]:
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
     return [
-        [costs.edge(producer, tensor, su, consumer, sv, i) for sv in space[v].strategies]
+        [costs.edge(producer, tensor, su, consumer, sv, i, once) for sv in space[v].strategies]
         for su in space[u].strategies
     ]
 
@@ -90,6 +94,7 @@ def _shared_costs(
     grouping: Grouping,
     read: Read,
     count: int,
+    once: float,
 ) -> list[SharedCost]:
     """A tensor read more than once, as the executor runs it (`price_step`): moved once per
     placement its readers read it in, and their gradients summed and brought back once per
@@ -118,7 +123,9 @@ def _shared_costs(
     ]
     found += [
         SharedCost(
-            src, tuple(count * costs.grad_s(producer, tensor, s, g) for s in sources), tuple(when)
+            src,
+            tuple(count * costs.grad_s(producer, tensor, s, g, once) for s in sources),
+            tuple(when),
         )
         for (_, g), when in grads.items()
     ]
@@ -160,6 +167,7 @@ def _bucket_costs(
     costs: Pricer,
     grouping: Grouping,
     reads: Mapping[Reader, tuple[Reader, ...]],
+    once: float,
 ) -> list[FixedCost]:
     """The first bucket of each axes and dtype (`Pricer.first_bucket_s`), paid once if any
     parameter and its reader choose strategies that put the parameter's gradient in it.
@@ -179,7 +187,7 @@ def _bucket_costs(
                         pair = (grouping.group_of[name], kp, grouping.group_of[consumer], kc)
                         pairs[bucket].add(pair)
     return [
-        FixedCost(costs.first_bucket_s(axes), tuple(sorted(when)))
+        FixedCost(once * costs.first_bucket_s(axes), tuple(sorted(when)))
         for (axes, _), when in sorted(pairs.items())
     ]
 
@@ -190,10 +198,15 @@ def build_problem(
     space: Mapping[str, NodeStrategies],
     costs: Pricer,
     memory_limit: float,
+    once: float = 1.0,
 ) -> tuple[IntraOpProblem, Grouping]:
+    """The ILP of ``graph`` over its candidate strategies ``space``, in decision groups (the
+    module docstring), and how its groups decide each node. ``once`` weighs the work done
+    once per step (parameters' updates and gradient synchronization) against the rest: 1
+    for a whole step, 1 / microbatches for a pipeline stage's layer (`Pricer.grad_s`)."""
     reps = [n for n in graph if n.name not in layers.canonical]
     edge_counts, shared_reads = _reads(graph, layers)
-    matrices = {key: _edge_matrix(graph, space, costs, key) for key in edge_counts}
+    matrices = {key: _edge_matrix(graph, space, costs, key, once) for key in edge_counts}
 
     group_of: dict[str, int] = {}
     pick: dict[str, tuple[int, ...]] = {}
@@ -204,8 +217,9 @@ def build_problem(
     for node in reps:
         strategies = space[node.name].strategies
         count = layers.count(node.name)
+        weight = count * (once if node.kind == PARAM else 1.0)
         own_time = [
-            (costs.node_time(node, s) + costs.internal_time(node, s)) * count for s in strategies
+            (costs.node_time(node, s) + costs.internal_time(node, s)) * weight for s in strategies
         ]
         own_mem = [costs.node_memory(node, s) * count for s in strategies]
         producer = _follower_producer(node, graph)
@@ -244,7 +258,7 @@ def build_problem(
     shared = [
         c
         for read, count in shared_reads.items()
-        for c in _shared_costs(graph, space, costs, grouping, read, count)
+        for c in _shared_costs(graph, space, costs, grouping, read, count, once)
     ]
     param_reads: dict[Reader, set[Reader]] = defaultdict(set)
     for u, v, i in edge_counts:
@@ -265,7 +279,7 @@ def build_problem(
         ),
         memory_limit=memory_limit,
         shared=tuple(shared),
-        fixed=tuple(_bucket_costs(graph, space, costs, grouping, trained)),
+        fixed=tuple(_bucket_costs(graph, space, costs, grouping, trained, once)),
     )
     return problem, grouping
 
@@ -333,14 +347,16 @@ def solve_mesh(
     memory_limit: float,
     time_limit_s: float,
     restrict: SpaceFilter | None = None,
+    once: float = 1.0,
 ) -> MeshPlan | float:
-    """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins).
-    Returns the least memory any plan would need per device when none fits."""
+    """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins),
+    ``once`` weighs the once-per-step work (`build_problem`). Returns the least memory any
+    plan would need per device when none fits."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     space = strategy_space(graph, costs.mesh_shape, reps)
     if restrict is not None:
         space = restrict(space)
-    problem, grouping = build_problem(graph, layers, space, costs, memory_limit)
+    problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once)
     need = min_memory(problem)
     if need > memory_limit:
         return need

@@ -8,7 +8,9 @@ and a range costs the sum of its layers. The union of the layers' plans is a val
 range (the placements agree where layers meet), so a range never costs less than its ILP
 would find; in exchange the DP's table costs one ILP per distinct layer instead of one per
 range. When the fastest layer plans do not fit together, each layer is planned again within
-``memory_limit / level`` for ``level`` = 2, 4, ... until the range fits.
+``memory_limit / level`` for ``level`` = 2, 4, ... until the range fits. A layer's ILP weighs
+its once-per-step work (parameters' updates, gradient synchronization) at 1 / microbatches of
+its work per microbatch, as the stage DP amortizes it.
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ class StageSolver:
         cluster: Cluster,
         costs: Pricer,
         boundary: Spec,
+        num_microbatches: int,
         memory_limit: float,
         time_limit_s: float,
         tally: Tally,
         label: str,
     ) -> None:
         self.graph = parts.graph
+        self.num_microbatches = num_microbatches  # the layers' ILPs amortize work over them
         self.cluster = cluster
         self.layers = parts.layers
         self.costs = costs
@@ -199,6 +203,7 @@ class StageSolver:
             self.memory_limit / level,
             self.time_limit_s,
             restrict,
+            once=1.0 / self.num_microbatches,
         )
         log.debug(
             "layer %d on %s, boundary %s, 1/%d of memory: %s",

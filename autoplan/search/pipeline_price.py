@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
-from autoplan.graph.cut import Layer, StageGraph, stage_graph
+from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
 from autoplan.schedules import simulate
 from autoplan.search.stage_layout import stage_cluster
@@ -222,6 +222,7 @@ def price_pipeline(
     layers: tuple[Layer, ...],
     cluster: Cluster,
     *,
+    stage_graphs: Sequence[StageGraph],
     mesh_shape: tuple[int, ...],
     boundary: Spec,
     assignments: Sequence[dict[str, Strategy]],
@@ -231,12 +232,12 @@ def price_pipeline(
     memory_limit: float,
 ) -> PipelinePlan:
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
-    ``layers[s]`` with strategies ``assignments[s]`` (by node name of its stage graph)."""
+    ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
+    (by node name of its stage graph)."""
     sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
     costs = Pricer(sub_cluster, mesh_shape, optimizer)
     stages = []
-    for s, assignment in enumerate(assignments):
-        stage = stage_graph(graph, layers, s, s + 1)
+    for s, (stage, assignment) in enumerate(zip(stage_graphs, assignments, strict=True)):
         step = price_step(stage.graph, assignment, costs)
         send = send_time(cluster, sent_bytes(stage, mesh_shape, boundary))
         rules = dict.fromkeys(assignment, "given")

@@ -182,7 +182,15 @@ def _best_for_size(
             f"{num_microbatches} microbatches"
         )
         solver = StageSolver(
-            parts, cluster, costs, boundary, memory_limit, options.time_limit_s, tally, label
+            parts,
+            cluster,
+            costs,
+            boundary,
+            num_microbatches,
+            memory_limit,
+            options.time_limit_s,
+            tally,
+            label,
         )
         solved = _solve_dp(solver, stage_submesh(cluster, size), num_microbatches)
         tally.withdraw(solver.unplanned())

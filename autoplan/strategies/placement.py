@@ -6,6 +6,7 @@ the axis) or "S(d)" (split along tensor dim ``d``). A `Spec` is one placement pe
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ def shard(dim: int) -> str:
     return f"S({dim})"
 
 
+@functools.cache  # a handful of distinct placements, asked about millions of times
 def shard_dim(placement: str) -> int | None:
     m = _SHARD.match(placement)
     return int(m.group(1)) if m else None
@@ -49,6 +51,7 @@ def shard_factors(spec: Spec, ndim: int, mesh_shape: tuple[int, ...]) -> list[in
     return factors
 
 
+@functools.lru_cache(maxsize=2**16)
 def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
     """Every split dim exists and divides evenly (uneven shards are not planned)."""
     for placement in spec:

@@ -238,16 +238,18 @@ class Pricer:
         consumer: Node,
         dst: Strategy,
         index: int,
+        once: float = 1.0,
     ) -> float:
         """An edge's time for the ILP: moving the tensor into input ``index`` of ``dst`` and its
-        gradient back (`read_s`, `grad_s`). For a tensor with one reader; one read by several
-        is moved once per placement they read it in, and their gradients summed before one
-        reduction back (`autoplan.search.intra_op` prices those as shared costs)."""
+        gradient back (`read_s`, `grad_s`, which weighs a parameter's by ``once``). For a
+        tensor with one reader; one read by several is moved once per placement they read it
+        in, and their gradients summed before one reduction back (`autoplan.search.intra_op`
+        prices those as shared costs)."""
         placement = dst.inputs[index]
         seconds = self.read_s(tensor, src, placement)
         if producer.needs_grad and consumer.kind != OUTPUT:
             grad = grad_spec(placement, dst.output, dst.grad)
-            seconds += self.grad_s(producer, tensor, src, grad)
+            seconds += self.grad_s(producer, tensor, src, grad, once)
         return seconds
 
     def read_s(self, tensor: TensorInfo, src: Strategy, placement: Spec) -> float:
@@ -259,13 +261,17 @@ class Pricer:
         )
         return seconds + self.sync_s if found else seconds
 
-    def grad_s(self, producer: Node, tensor: TensorInfo, src: Strategy, grad: Spec) -> float:
+    def grad_s(
+        self, producer: Node, tensor: TensorInfo, src: Strategy, grad: Spec, once: float = 1.0
+    ) -> float:
         """Bringing a gradient placed ``grad`` back to where the producer keeps it, with a
         wait for the ranks' skew if anything moves; for a parameter, its gradient
-        synchronization (`grad_sync_s`)."""
+        synchronization (`grad_sync_s`), once per step: weighed by ``once`` against the work
+        of each microbatch (1 / microbatches in a pipeline stage's ILP, as the stage DP
+        amortizes it)."""
         seconds, found = self.gradient(tensor, grad, src)
         if producer.kind == PARAM:
-            return self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
+            return once * self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
         return seconds + self.sync_s if found else seconds
 
     def bucket_of(

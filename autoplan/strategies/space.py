@@ -8,6 +8,7 @@ the edge between them carries the all-gather (ZeRO-3 / FSDP) and the gradient re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Collection, Sequence
@@ -66,12 +67,21 @@ def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[S
 
 
 def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
-    ins = [graph.tensor(r) for r in node.refs]
+    """``node``'s rules on one mesh axis (ours, else DTensor's, else none: "replicated") and
+    where they came from."""
+    rules, source = _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))
+    return list(rules), source
+
+
+# a node's rules depend on it and its inputs alone; baselines and the planner ask for them
+# once per mesh, stage and layout (GPT-175B's conventional plans took 30 s more without)
+@functools.lru_cache(maxsize=2**16)
+def _axis_rules(node: Node, ins: tuple[TensorInfo, ...]) -> tuple[tuple[AxisRule, ...], str]:
     out_ndim = len(node.outputs[0].shape) if node.outputs else 0
     rule = own_rule(node.op)
     if rule is not None:
-        return rule(node, ins), "ours"
-    tensors: dict[Ref, TensorInfo] = {r: graph.tensor(r) for r in node.refs}
+        return tuple(rule(node, list(ins))), "ours"
+    tensors: dict[Ref, TensorInfo] = dict(zip(node.refs, ins, strict=True))
     found = dtensor_rules.axis_rules(
         node.op,
         node.args,
@@ -82,8 +92,8 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
         [len(i.shape) for i in ins],
     )
     if found is not None:
-        return found, "dtensor"
-    return [], "replicated"
+        return tuple(found), "dtensor"
+    return (), "replicated"
 
 
 def _expand(
@@ -125,6 +135,41 @@ def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> No
     strategies = _expand(rules, node, ins, mesh_shape)
     kept = kept_partial(node, graph, mesh_shape)
     return NodeStrategies(node.name, (*strategies, *kept), source)
+
+
+def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether ``strategy`` of a parameter, input or op is among `node_strategies`' candidates
+    (those keeping the output's gradient partial aside), told without listing them all as a
+    baseline checks its own: each mesh axis takes one of the node's rules (replicated on an
+    axis of one device), and every tensor splits evenly."""
+    if strategy.grad is not None or len(strategy.output) != len(mesh_shape):
+        return False
+    if node.kind in (PARAM, INPUT):
+        options = _all_shardings(node.output.shape)
+        placed = zip(strategy.output, mesh_shape, strict=True)
+        return (
+            not strategy.inputs
+            and all(p in options if size > 1 else p == R for p, size in placed)
+            and is_valid(strategy.output, node.output.shape, mesh_shape)
+        )
+    ins = [graph.tensor(r) for r in node.refs]
+    if len(strategy.inputs) != len(ins):
+        return False
+    all_r: AxisRule = (R,) * (1 + len(ins))
+    for axis, size in enumerate(mesh_shape):
+        rule = (strategy.output[axis], *(spec[axis] for spec in strategy.inputs))
+        if rule != all_r and (size == 1 or rule not in axis_rules(node, graph)[0]):
+            return False
+    return all(is_valid(strategy.output, o.shape, mesh_shape) for o in node.outputs) and all(
+        is_valid(spec, t.shape, mesh_shape) for spec, t in zip(strategy.inputs, ins, strict=True)
+    )
+
+
+def source_of(node: Node, graph: Graph) -> str:
+    """Where a node's candidates come from: "storage" (a parameter), "data" (an input),
+    "output", or an op's rules (`axis_rules`)."""
+    sources = {PARAM: "storage", INPUT: "data", OUTPUT: "output"}
+    return sources[node.kind] if node.kind in sources else axis_rules(node, graph)[1]
 
 
 # ops whose result depends on a random generator: run replicated, each rank would draw its own

@@ -1,0 +1,119 @@
+"""Every conventional plan of a step on a cluster: the baselines of each choice of degrees
+(``dp * tp * pp`` devices, ZeRO-3 or not, sequence parallelism or not, the microbatches of a
+pipeline) that divides the cluster and the batch and fits in memory.
+
+The planner must never be slower than the best of them (tests/test_optimality.py). It checks
+its plans against the conventional plans of their shape (`shaped_degrees`: one stage on each
+mesh it solved, or pipelines of the stage and microbatch counts it found) and keeps the faster
+(`autoplan.api`). Expert parallelism (``ep``) is left out: it applies to mixtures of experts
+alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
+
+from autoplan.baselines.build import baseline_of_graph
+from autoplan.baselines.propagate import Layout, mesh_of
+from autoplan.cluster.model import Cluster
+from autoplan.errors import AutoplanError
+from autoplan.graph.ir import INPUT, Graph
+from autoplan.options import PlanOptions
+from autoplan.planfile.schema import Plan
+from autoplan.schedules import schedule_refusal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """One conventional plan's degrees: `autoplan.baseline`'s arguments."""
+
+    dp: int
+    tp: int
+    pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    num_microbatches: int = 1  # of a pipeline; 1 without one
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.dp, self.tp, self.zero_stage, self.sequence_parallel)
+
+    def __str__(self) -> str:
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
+        text += " zero3" * (self.zero_stage == 3) + " sp" * self.sequence_parallel
+        return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[Degrees]:
+    """Every choice of degrees over ``num_devices`` devices for a step of ``batch`` samples:
+    ``dp * tp * pp == num_devices``; ZeRO-3 where ``dp > 1``, sequence parallelism where
+    ``tp > 1``; a pipeline's microbatches divide the batch, ``dp`` divides each, and
+    ``schedule`` runs them. Whether the model splits so is left to `conventional_plans`."""
+    found = []
+    for dp in _divisors(num_devices):
+        for tp in _divisors(num_devices // dp):
+            pp = num_devices // (dp * tp)
+            counts = [1] if pp == 1 else _divisors(batch)
+            for count in counts:
+                if pp > 1 and ((batch // count) % dp or schedule_refusal(schedule, pp, count)):
+                    continue
+                for zero_stage in (0, 3) if dp > 1 else (0,):
+                    for sequence in (False, True) if tp > 1 else (False,):
+                        found.append(Degrees(dp, tp, pp, zero_stage, sequence, count))
+    return found
+
+
+def shaped_degrees(
+    num_devices: int,
+    batch: int,
+    *,
+    pp: int = 1,
+    num_microbatches: int = 1,
+    schedule: str = "1F1B",
+    meshes: Collection[tuple[int, ...]] | None = None,
+) -> list[Degrees]:
+    """The degrees of `all_degrees` with ``pp`` stages of ``num_microbatches`` microbatches
+    (one stage by default), each stage on one of ``meshes`` if given."""
+    return [
+        d
+        for d in all_degrees(num_devices, batch, schedule)
+        if d.pp == pp
+        and d.num_microbatches == num_microbatches
+        and (meshes is None or mesh_of(d.dp, d.tp) in meshes)
+    ]
+
+
+def batch_of(graph: Graph) -> int:
+    """The step's batch: dim 0 of its first input with dims (1 without one)."""
+    return next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
+
+
+def conventional_plans(
+    graph_for: Callable[[int], Graph],
+    cluster: Cluster,
+    degrees: Iterable[Degrees],
+    options: PlanOptions | None = None,
+) -> Iterator[tuple[Degrees, Plan]]:
+    """The baselines of ``degrees`` that can be written and fit, in order, with their degrees;
+    ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
+    (asked once per count, in order of first need). Degrees the model does not split by, or
+    that do not fit, are skipped (logged at debug level)."""
+    graphs: dict[int, Graph] = {}
+    for d in degrees:
+        if d.num_microbatches not in graphs:
+            graphs[d.num_microbatches] = graph_for(d.num_microbatches)
+        graph = graphs[d.num_microbatches]
+        try:
+            plan = baseline_of_graph(graph, cluster, d.layout, d.pp, d.num_microbatches, options)
+        except AutoplanError as e:  # InfeasiblePlanError among them
+            log.debug("conventional plan %s skipped: %s", d, e)
+            continue
+        yield d, plan
