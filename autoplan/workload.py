@@ -19,7 +19,8 @@ from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.step import OptimizerFactory
-from autoplan.graph.capture import TrainStep, keywords, step_args
+from autoplan.graph.capture import TrainStep, capture, keywords, microbatch, step_args
+from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
@@ -44,6 +45,16 @@ class Workload:
         with_loss = self.loss_fn is not None
         args = step_args(model, self.example_inputs, self.example_target, with_loss)
         return TrainStep(model, self.loss_fn, keywords(self.example_inputs))(*args)
+
+    def trace(self, num_microbatches: int = 1) -> Graph:
+        """The step traced (`autoplan.graph.capture`) at the shape of one of
+        ``num_microbatches`` microbatches: what the planner and the baselines place."""
+        return capture(
+            self.model,
+            microbatch(self.example_inputs, num_microbatches),
+            self.loss_fn,
+            microbatch(self.example_target, num_microbatches),
+        )
 
     def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:
         """`autoplan.plan` of this workload."""

@@ -36,8 +36,6 @@ from autoplan.baselines.grid import (  # noqa: E402
     conventional_plans,
 )
 from autoplan.baselines.propagate import mesh_of  # noqa: E402
-from autoplan.graph.capture import capture, microbatch  # noqa: E402
-from autoplan.graph.ir import Graph  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 from tests.models.zoo import workload as zoo  # noqa: E402
@@ -65,16 +63,6 @@ CLUSTERS = {
 }
 
 
-def traced(w: Workload) -> Callable[[int], Graph]:
-    """The step of ``w`` traced at the shape of one of ``count`` microbatches."""
-    return lambda count: capture(
-        w.model,
-        microbatch(w.example_inputs, count),
-        w.loss_fn,
-        microbatch(w.example_target, count),
-    )
-
-
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 4)
 
@@ -90,7 +78,7 @@ def compare(case: str, cluster_name: str) -> list[dict[str, object]]:
     path, nodes = CLUSTERS[cluster_name]
     cluster = autoplan.Cluster.load(ROOT / "costmodels" / path, num_nodes=nodes)
     w = CASES[case]()
-    graph_for = traced(w)
+    graph_for = w.trace
     start = time.perf_counter()
     degrees = all_degrees(cluster.num_devices, batch_of(graph_for(1)))
     plans = list(conventional_plans(graph_for, cluster, degrees))
@@ -116,6 +104,7 @@ def compare(case: str, cluster_name: str) -> list[dict[str, object]]:
             "plan_s": round(plan_s, 2),
             "planned_ms": _ms(plan.predicted.step_time_s),
             "planned": _layout(plan),
+            "found_by": "search" if plan.solver.status != "baseline" else "conventional",
             "conventional": len(rivals),
         }
         if rivals:
@@ -157,8 +146,8 @@ def main() -> None:
         "slower than the best conventional plan (ratio > 1.001)": slower,
     }
     columns = [
-        "case", "cluster", "devices", "options", "planned_ms", "planned", "best_ms", "best",
-        "ratio", "verdict", "conventional", "plan_s", "baselines_s",
+        "case", "cluster", "devices", "options", "planned_ms", "planned", "found_by", "best_ms",
+        "best", "ratio", "verdict", "conventional", "plan_s", "baselines_s",
     ]  # fmt: skip
     write_results(
         "vs_baselines", "The planner against every conventional plan", meta, rows, columns

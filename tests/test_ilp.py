@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -25,7 +26,7 @@ from autoplan.solve.ilp import (
     simplify,
     solve_intra_op,
 )
-from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution
+from autoplan.solve.problem import BucketCost, Edge, IntraOpProblem, IntraOpSolution, SharedCost
 
 GIB = float(2**30)
 SOLVERS = ["highs", "cbc"]
@@ -262,6 +263,31 @@ def test_unknown_solver_is_rejected() -> None:
 # ---------------------------------------------------------------- evaluate
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_a_shared_cost_is_paid_once_however_many_trigger_it(solver: str) -> None:
+    # groups 1 and 2 reading group 0's tensor in placement 0 share one move: 5 s from group
+    # 0's strategy 0, 1 s from its strategy 1 (which costs 2 s itself); reading it otherwise
+    # costs each reader 3 s. Both read it, group 0 takes 1: 2 + 1 = 3 (not 2 + 1 + 1)
+    shared = (SharedCost(0, (5.0, 1.0), ((1, 0), (2, 0))),)
+    problem = dataclasses.replace(make_problem([[0, 2], [0, 3], [0, 3]]), shared=shared)
+    check_solution(problem, solver, (1, 0, 0), 3.0)
+    assert evaluate(problem, (0, 0, 0)).shared_cost == 5.0
+    assert evaluate(problem, (0, 1, 1)).shared_cost == 0.0
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_buckets_cost_one_each_past_the_first(solver: str) -> None:
+    # 10 s a bucket; the first holds 4 bytes, each next 10. Group 0 at 0 with group 1 at 0
+    # buckets 8 bytes (two buckets: 20 s), with group 1 at 1 only 2 (one: 10 s + 1 s of group
+    # 1); group 0 at 1 buckets nothing but costs 15 s
+    buckets = (BucketCost(10.0, 4.0, 10.0, ((0, 0, 1, 0, 8.0), (0, 0, 1, 1, 2.0))),)
+    problem = dataclasses.replace(make_problem([[0, 15], [0, 1]]), buckets=buckets)
+    check_solution(problem, solver, (0, 1), 11.0)
+    assert [evaluate(problem, c).bucket_cost for c in all_choices(problem)] == [20, 10, 0, 0]
+    assert buckets[0].count(4.0) == 1 and buckets[0].count(4.5) == 2
+    assert buckets[0].count(24.0) == 3
+
+
 def test_evaluate_costs_and_memory() -> None:
     problem = memory_problem(10.0)
     evaluation = evaluate(problem, (0, 1, 1))
@@ -309,12 +335,42 @@ def random_problem(seed: int, min_strategies: int = 2) -> IntraOpProblem:
         edges.append((u, v, cost.tolist()))
     memory = [rng.uniform(1, 4, size=k).round(2).tolist() for k in sizes]
     least, most = sum(map(min, memory)), sum(map(max, memory))
-    return make_problem(
+    problem = make_problem(
         [rng.uniform(0, 10, size=k).round(2).tolist() for k in sizes],
         edges,
         memory_gib=memory,
         limit_gib=least + 0.4 * (most - least),
     )
+    return dataclasses.replace(
+        problem, shared=_random_shared(rng, sizes), buckets=_random_buckets(rng, sizes)
+    )
+
+
+def _random_choices(rng: np.random.Generator, sizes: list[int]) -> list[tuple[int, int]]:
+    """A few (group, strategy) pairs, possibly of one group or of a one-strategy group."""
+    groups = rng.integers(0, len(sizes), size=int(rng.integers(1, 4)))
+    return [(int(g), int(rng.integers(0, sizes[g]))) for g in groups]
+
+
+def _random_shared(rng: np.random.Generator, sizes: list[int]) -> tuple[SharedCost, ...]:
+    """Shared costs, some of whose triggers include their own src."""
+    found = []
+    for _ in range(int(rng.integers(1, 4))):
+        src = int(rng.integers(0, len(sizes)))
+        cost = tuple(float(x) for x in rng.uniform(0, 10, size=sizes[src]).round(2))
+        found.append(SharedCost(src, cost, tuple(_random_choices(rng, sizes))))
+    return tuple(found)
+
+
+def _random_buckets(rng: np.random.Generator, sizes: list[int]) -> tuple[BucketCost, ...]:
+    """Bucket costs whose pairs fill 0 to 3 buckets of 10 bytes after a first of 4."""
+    when = [
+        (*a, *b, float(rng.integers(0, 12)))
+        for a, b in zip(_random_choices(rng, sizes), _random_choices(rng, sizes), strict=False)
+        if a[0] != b[0] or a[1] == b[1]
+    ]
+    cost = round(float(rng.uniform(1, 5)), 2)
+    return (BucketCost(cost, 4.0, 10.0, tuple(when)),) if when else ()
 
 
 def all_choices(problem: IntraOpProblem) -> list[tuple[int, ...]]:

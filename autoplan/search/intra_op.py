@@ -23,7 +23,14 @@ from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node, Ref
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
-from autoplan.solve.problem import Edge, FixedCost, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solve.problem import (
+    BucketCost,
+    Edge,
+    IntraOpProblem,
+    IntraOpSolution,
+    SharedCost,
+)
+from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
@@ -163,32 +170,43 @@ def _exact_follow(
 
 def _bucket_costs(
     graph: Graph,
+    layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
     costs: Pricer,
     grouping: Grouping,
     reads: Mapping[Reader, tuple[Reader, ...]],
     once: float,
-) -> list[FixedCost]:
-    """The first bucket of each axes and dtype (`Pricer.first_bucket_s`), paid once if any
-    parameter and its reader choose strategies that put the parameter's gradient in it.
-    ``reads``: each parameter (canonical name, output 0) and its canonical readers."""
-    pairs: dict[tuple[tuple[int, ...], str], set[tuple[int, int, int, int]]] = defaultdict(set)
+) -> list[BucketCost]:
+    """The gradient buckets of each axes and dtype: the latency of each (`Pricer.bucket_line`),
+    for the bytes of the gradients that parameters and their readers choose to put in them.
+    ``reads``: each trained parameter (canonical name, output 0) and its canonical readers;
+    its bytes count once, with its first reader, times its copies."""
+    found: dict[tuple[tuple[int, ...], str], dict[tuple[int, int, int, int], float]]
+    found = defaultdict(lambda: defaultdict(float))
     for (name, index), readers in reads.items():
         producer = graph.node(name)
         tensor = producer.outputs[index]
-        for consumer, i in readers:
+        for r, (consumer, i) in enumerate(readers):
             for kp, jp in enumerate(grouping.pick[name]):
                 src = space[name].strategies[jp]
                 for kc, jc in enumerate(grouping.pick[consumer]):
                     dst = space[consumer].strategies[jc]
                     grad = grad_spec(dst.inputs[i], dst.output, dst.grad)
-                    bucket = costs.bucket_of(producer, tensor, src, grad)
-                    if bucket is not None:
-                        pair = (grouping.group_of[name], kp, grouping.group_of[consumer], kc)
-                        pairs[bucket].add(pair)
+                    sync = costs.bucketed(producer, tensor, src, grad)
+                    if sync is None:
+                        continue
+                    assert sync.bucket_axes is not None
+                    pair = (grouping.group_of[name], kp, grouping.group_of[consumer], kc)
+                    nbytes = sync.collectives[0].nbytes * layers.count(name) if r == 0 else 0
+                    found[(sync.bucket_axes, sync.dtype)][pair] += nbytes
     return [
-        FixedCost(once * costs.first_bucket_s(axes), tuple(sorted(when)))
-        for (axes, _), when in sorted(pairs.items())
+        BucketCost(
+            once * costs.bucket_line(axes)[0],
+            FIRST_BUCKET_BYTES,
+            BUCKET_BYTES,
+            tuple((*pair, nbytes) for pair, nbytes in sorted(pairs.items())),
+        )
+        for (axes, _), pairs in sorted(found.items())
     ]
 
 
@@ -279,7 +297,7 @@ def build_problem(
         ),
         memory_limit=memory_limit,
         shared=tuple(shared),
-        fixed=tuple(_bucket_costs(graph, space, costs, grouping, trained, once)),
+        buckets=tuple(_bucket_costs(graph, layers, space, costs, grouping, trained, once)),
     )
     return problem, grouping
 

@@ -24,11 +24,11 @@ class Evaluation:
     computed and are ``inf``; ``violations`` says why.
     """
 
-    objective: float  # node_cost + edge_cost + shared_cost + fixed_cost, seconds
+    objective: float  # node_cost + edge_cost + shared_cost + bucket_cost, seconds
     node_cost: float
     edge_cost: float
     shared_cost: float
-    fixed_cost: float
+    bucket_cost: float
     memory: float  # bytes per device
     memory_limit: float
     feasible: bool
@@ -49,7 +49,7 @@ def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> Evaluation:
             node_cost=math.inf,
             edge_cost=math.inf,
             shared_cost=math.inf,
-            fixed_cost=math.inf,
+            bucket_cost=math.inf,
             memory=math.inf,
             memory_limit=problem.memory_limit,
             feasible=False,
@@ -61,20 +61,19 @@ def evaluate(problem: IntraOpProblem, choice: Sequence[int]) -> Evaluation:
     shared_cost = math.fsum(
         c.cost[choice[c.src]] for c in problem.shared if any(choice[g] == k for g, k in c.when)
     )
-    fixed_cost = math.fsum(
-        f.cost
-        for f in problem.fixed
-        if any(choice[g] == k and choice[h] == m for g, k, h, m in f.when)
-    )
+    bucket_cost = 0.0
+    for b in problem.buckets:
+        filled = [n for g, k, h, m, n in b.when if choice[g] == k and choice[h] == m]
+        bucket_cost += b.cost * b.count(math.fsum(filled)) if filled else 0.0
     memory = math.fsum(mem[k] for mem, k in zip(problem.node_memory, choice, strict=True))
     if memory > problem.memory_limit:
         violations = (f"memory {memory:.1e} B exceeds limit {problem.memory_limit:.1e} B",)
     return Evaluation(
-        objective=node_cost + edge_cost + shared_cost + fixed_cost,
+        objective=node_cost + edge_cost + shared_cost + bucket_cost,
         node_cost=node_cost,
         edge_cost=edge_cost,
         shared_cost=shared_cost,
-        fixed_cost=fixed_cost,
+        bucket_cost=bucket_cost,
         memory=memory,
         memory_limit=problem.memory_limit,
         feasible=not violations,

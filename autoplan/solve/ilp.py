@@ -26,16 +26,17 @@ built by :func:`build_model`:
 Variables
     ``s[v][k]`` in {0, 1}: group ``v`` takes strategy ``k`` (groups with 2+ strategies only).
     ``e[u,v][i][j]`` in [0, 1], continuous: groups ``u`` and ``v`` take strategies ``(i, j)``;
-    for each pair of groups an edge, a shared cost or a fixed cost relates.
+    for each pair of groups an edge, a shared cost or a bucket cost relates.
     ``y[t][i]`` in [0, 1], continuous: shared cost ``t`` is paid with ``src(t)`` at ``i`` (for
     each ``i`` with ``C[t][i] != 0``).
-    ``x[f]`` in [0, 1], continuous: fixed cost ``f`` (``F[f]`` seconds) is paid.
+    ``x[b]`` in [0, 1], continuous, and ``n[b]`` >= 0, integer: bucket cost ``b`` (``B[b]``
+    seconds a bucket) pays its first bucket, and so many more.
 
 Objective (minimize, :func:`_set_objective`)
     ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]
-    + sum_t sum_i C[t][i] y[t][i] + sum_f F[f] x[f]``, divided by its largest coefficient so
-    that solver tolerances are relative to the costs (which are seconds, often 1e-6 or
-    smaller).
+    + sum_t sum_i C[t][i] y[t][i] + sum_b B[b] (x[b] + n[b])``, divided by its largest
+    coefficient so that solver tolerances are relative to the costs (which are seconds, often
+    1e-6 or smaller).
 
 Constraints
     ``pick_<v>``: ``sum_k s[v][k] == 1`` (:func:`_add_node_variables`).
@@ -49,9 +50,11 @@ Constraints
     ``shared_<t>_<i>_<g>``: ``y[t][i] >= sum_(k: (g, k) in when(t)) e[src(t),g][i][k]`` for
     each group ``g`` of ``when(t)``: with costs >= 0, ``y[t][i]`` is 1 exactly when ``src(t)``
     takes ``i`` and some trigger is chosen (:func:`_add_shared_variables`).
-    ``fixed_<f>_<g>_<h>``: ``x[f] >= sum_((k, l): (g, k, h, l) in when(f)) e[g,h][k][l]``
-    for each pair of groups in ``when(f)`` (:func:`_add_fixed_variables`; a fixed cost that a
-    pair of one-strategy groups triggers is a constant and left out).
+    ``any_<b>_<g>_<h>``: ``x[b] >= sum_((k, l): (g, k, h, l, _) in when(b)) e[g,h][k][l]``
+    for each pair of groups in ``when(b)``, and ``more_<b>``: ``n[b] >= (sum_(g, k, h, l, z)
+    z e[g,h][k][l] - first(b) x[b]) / capacity(b)``: with costs >= 0 these are the bucket
+    count of `BucketCost.count` (:func:`_add_bucket_variables`; one whose pairs are all of
+    one-strategy groups is a constant and left out).
     ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
     the largest ``m`` so the coefficients are at most 1 whatever the unit
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
@@ -239,7 +242,7 @@ def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]
             for x, c in zip(xs, cs, strict=True)
         ]
     terms += _add_shared_variables(model, problem, s, links)
-    terms += _add_fixed_variables(model, problem, s, links)
+    terms += _add_bucket_variables(model, problem, s, links)
     _add_memory_constraint(model, problem, s)
     _set_objective(model, terms)
     return model, s
@@ -255,11 +258,14 @@ def group_labels(names: tuple[str, ...]) -> list[str]:
     return labels
 
 
-def _new_variable(model: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
+def _new_variable(
+    model: pulp.LpProblem, name: str, cat: str, upper: float | None = 1
+) -> pulp.LpVariable:
+    """A variable in [0, ``upper``] (unbounded above for None)."""
     # PuLP >= 3.3 deprecates constructing LpVariable directly in favour of add_variable.
     if hasattr(model, "add_variable"):
-        return model.add_variable(name, 0, 1, cat)
-    return pulp.LpVariable(name, 0, 1, cat)
+        return model.add_variable(name, 0, upper, cat)
+    return pulp.LpVariable(name, 0, upper, cat)
 
 
 def _add_node_variables(
@@ -281,11 +287,11 @@ Term = tuple[pulp.LpVariable, float]  # a variable and its cost in the objective
 
 
 def _linked_pairs(problem: IntraOpProblem, s: NodeVariables) -> list[tuple[int, int]]:
-    """The pairs of groups, both with variables, that an edge, a shared cost or a fixed cost
+    """The pairs of groups, both with variables, that an edge, a shared cost or a bucket cost
     relates, each as ``(u, v)`` with ``u < v``, in sorted order."""
     pairs = {(e.src, e.dst) for e in problem.edges}
     pairs |= {(c.src, g) for c in problem.shared for g, _ in c.when}
-    pairs |= {(g, h) for f in problem.fixed for g, _, h, _ in f.when}
+    pairs |= {(g, h) for b in problem.buckets for g, _, h, _, _ in b.when}
     ordered = {(min(u, v), max(u, v)) for u, v in pairs if u != v and u in s and v in s}
     return sorted(ordered)
 
@@ -344,26 +350,28 @@ def _add_shared_variables(
     return terms
 
 
-def _add_fixed_variables(
+def _add_bucket_variables(
     model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, links: Links
 ) -> list[Term]:
-    """``x[f]`` of each fixed cost and its constraints; returns their objective terms."""
+    """``x[b]`` and ``n[b]`` of each bucket cost and their constraints; returns their
+    objective terms."""
     terms = []
-    for f, fixed in enumerate(problem.fixed):
-        by_pair: dict[tuple[int, int], list[pulp.LpVariable]] = {}
-        certain = False
-        for g, k, h, m in fixed.when:
+    for b, buckets in enumerate(problem.buckets):
+        by_pair: dict[tuple[int, int], list[pulp.LpVariable | int]] = {}
+        filled = []
+        for g, k, h, m, nbytes in buckets.when:
             both = _both(links, s, g, k, h, m)
-            if isinstance(both, int):
-                certain = certain or both == 1
-                continue
             by_pair.setdefault((g, h), []).append(both)
-        if certain or not by_pair:
-            continue  # always paid (a constant), or never
-        x = _new_variable(model, f"x_{f}", pulp.LpContinuous)
+            filled.append((both, nbytes / buckets.capacity))
+        if all(isinstance(x, int) for _, x in filled):
+            continue  # a constant
+        x = _new_variable(model, f"x_{b}", pulp.LpContinuous)
+        n = _new_variable(model, f"n_{b}", pulp.LpInteger, upper=None)
         for (g, h), products in sorted(by_pair.items()):
-            model += x >= pulp.lpSum(products), f"fixed_{f}_{g}_{h}"
-        terms.append((x, fixed.cost))
+            model += x >= pulp.lpSum(products), f"any_{b}_{g}_{h}"
+        more = pulp.lpSum(z * both for both, z in filled) - buckets.first / buckets.capacity * x
+        model += n >= more, f"more_{b}"
+        terms += [(x, buckets.cost), (n, buckets.cost)]
     return terms
 
 

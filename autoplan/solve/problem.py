@@ -5,12 +5,13 @@ its merged followers, or the same node in every copy of a repeated layer). Group
 ``len(node_costs[v])`` candidate strategies. Costs are seconds per training step and already
 multiplied by how many graph nodes the group stands for; memory is bytes per device. A cost
 depends on one group's strategy (node costs), on two groups' (edges), on one group's and
-whether any of several others take given strategies (shared costs), or on whether any of
-several pairs of groups take given strategies (fixed costs).
+whether any of several others take given strategies (shared costs), or on which of several
+pairs of groups take given strategies (bucket costs).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -44,22 +45,29 @@ class SharedCost:
 
 
 @dataclass(frozen=True)
-class FixedCost:
-    """A cost paid once if any pair of ``when`` is chosen: ``(g, k, h, l)``, group ``g`` taking
-    strategy ``k`` and group ``h`` strategy ``l`` (``g == h`` with ``k == l``: one group).
+class BucketCost:
+    """Buckets that the chosen pairs of ``when`` fill, at ``cost`` each: ``(g, k, h, l,
+    nbytes)``, group ``g`` taking strategy ``k`` and group ``h`` strategy ``l`` (``g == h``
+    with ``k == l``: one group), puts ``nbytes`` in them. One bucket if any pair is chosen,
+    holding ``first`` bytes, and one more per ``capacity`` bytes past those (`count`).
 
-    The first bucket of the gradients all-reduced along some mesh axes costs its latency,
-    which the gradients' shares of a full bucket do not cover: one fixed cost per axes, paid
-    if any parameter and its reader choose a bucketed reduction along them
-    (`autoplan.search.intra_op`)."""
+    DDP all-reduces gradients in buckets, each paying a collective's latency: one bucket cost
+    per mesh axes, its pairs a parameter and its reader choosing a bucketed reduction along
+    them (`autoplan.search.intra_op`; the bytes' own time is in the edges)."""
 
     cost: float
-    when: tuple[tuple[int, int, int, int], ...]
+    first: float
+    capacity: float
+    when: tuple[tuple[int, int, int, int, float], ...]
+
+    def count(self, nbytes: float) -> int:
+        """How many buckets ``nbytes`` fill, from the chosen pairs (0 when none is)."""
+        return 1 + max(0, math.ceil((nbytes - self.first) / self.capacity))
 
 
 @dataclass(frozen=True)
 class IntraOpProblem:
-    """Choose one strategy per group to minimize node + edge + shared + fixed costs within a
+    """Choose one strategy per group to minimize node + edge + shared + bucket costs within a
     memory limit."""
 
     names: tuple[str, ...]
@@ -68,7 +76,7 @@ class IntraOpProblem:
     edges: tuple[Edge, ...]
     memory_limit: float
     shared: tuple[SharedCost, ...] = ()
-    fixed: tuple[FixedCost, ...] = ()
+    buckets: tuple[BucketCost, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.names) == len(self.node_costs) == len(self.node_memory)
@@ -80,10 +88,10 @@ class IntraOpProblem:
         for c in self.shared:
             assert len(c.cost) == len(self.node_costs[c.src])
             assert all(0 <= k < len(self.node_costs[g]) for g, k in c.when)
-        for f in self.fixed:
+        for b in self.buckets:
             assert all(
                 0 <= k < len(self.node_costs[g]) and 0 <= m < len(self.node_costs[h])
-                for g, k, h, m in f.when
+                for g, k, h, m, _ in b.when
             )
 
     @property

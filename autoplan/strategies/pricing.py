@@ -74,8 +74,8 @@ class Pricer:
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
         self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
-        self._full_bucket_s = lru_cache(maxsize=None)(
-            lambda axes: self.collective_s(Collective("all_reduce", axes, BUCKET_BYTES))
+        self._all_reduce_s = lru_cache(maxsize=None)(
+            lambda axes, nbytes: self.collective_s(Collective("all_reduce", axes, nbytes))
         )
 
     # ------------------------------------------------------------------ nodes
@@ -274,33 +274,34 @@ class Pricer:
             return once * self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
         return seconds + self.sync_s if found else seconds
 
-    def bucket_of(
+    def bucketed(
         self, producer: Node, tensor: TensorInfo, src: Strategy, grad: Spec
-    ) -> tuple[tuple[int, ...], str] | None:
-        """The buckets (axes, dtype) a parameter's gradient placed ``grad`` joins, if it is
-        bucketed (`autoplan.strategies.buckets`)."""
+    ) -> GradientSync | None:
+        """A parameter's gradient synchronization from ``grad``, if it goes into a bucket
+        (`autoplan.strategies.buckets`: all-reduces alone)."""
         if producer.kind != PARAM:
             return None
         _, found = self.gradient(tensor, grad, src)
-        axes = GradientSync(producer.name, tensor.dtype, found).bucket_axes
-        return None if axes is None else (axes, tensor.dtype)
+        sync = GradientSync(producer.name, tensor.dtype, found)
+        return sync if sync.bucket_axes is not None else None
 
-    def first_bucket_s(self, axes: tuple[int, ...]) -> float:
-        """What the gradient buckets along ``axes`` cost beyond their gradients' shares of a
-        full bucket (`grad_sync_s`): the first bucket, issued small
-        (`buckets.FIRST_BUCKET_BYTES`) so that communication starts early, costs about one
-        collective's latency more than its bytes' share."""
-        first = self.collective_s(Collective("all_reduce", axes, FIRST_BUCKET_BYTES))
-        return first - self._full_bucket_s(axes) * FIRST_BUCKET_BYTES / BUCKET_BYTES
+    def bucket_line(self, axes: tuple[int, ...]) -> tuple[float, float]:
+        """A gradient bucket's all-reduce along ``axes`` as seconds = latency + bytes x
+        seconds per byte: the line through a first bucket's time (`FIRST_BUCKET_BYTES`) and
+        a full one's (`BUCKET_BYTES`), exact under the alpha-beta model. The ILP prices each
+        bucketed gradient's bytes (`grad_sync_s`) and each bucket's latency apart
+        (`autoplan.solve.problem.BucketCost`)."""
+        first = self._all_reduce_s(axes, FIRST_BUCKET_BYTES)
+        per_byte = (self._all_reduce_s(axes, BUCKET_BYTES) - first) / (
+            BUCKET_BYTES - FIRST_BUCKET_BYTES
+        )
+        return max(0.0, first - per_byte * FIRST_BUCKET_BYTES), per_byte
 
     def grad_sync_s(self, sync: GradientSync) -> float:
         """A parameter's gradient synchronization as the ILP prices it, before buckets exist:
-        a bucketable all-reduce at its share of a full bucket (its bytes at the per-byte time
-        of a `BUCKET_BYTES` all-reduce), a larger one or any other collective as issued."""
+        a bucketable all-reduce at its bytes' share of a bucket (`bucket_line`; the buckets'
+        latencies are priced apart), any other collective as issued."""
         axes = sync.bucket_axes
         if axes is None:
             return sum(self.phased_s(Phased(c, "grad_sync")) for c in sync.collectives)
-        nbytes = sync.collectives[0].nbytes
-        if nbytes >= BUCKET_BYTES:
-            return self.collective_s(Collective("all_reduce", axes, nbytes))
-        return self._full_bucket_s(axes) * nbytes / BUCKET_BYTES
+        return sync.collectives[0].nbytes * self.bucket_line(axes)[1]
