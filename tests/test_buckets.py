@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 import autoplan
 from autoplan import PlanOptions
-from autoplan.strategies.buckets import BUCKET_BYTES, Bucket, GradientSync, make_buckets
+from autoplan.strategies.buckets import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    Bucket,
+    GradientSync,
+    make_buckets,
+)
 from autoplan.strategies.placement import Collective
 from autoplan.strategies.pricing import Pricer
 from tests.conftest import example, plan_example
@@ -84,16 +92,19 @@ def test_a_data_parallel_plan_on_a_2d_mesh_buckets_over_both_axes(
     assert grad_syncs and all(c.axes == ("dp0", "dp1") and c.params for c in grad_syncs)
 
 
-def test_the_ilp_prices_a_bucketable_gradient_at_its_share_of_a_full_bucket(
+def test_the_ilp_prices_a_bucketed_gradient_by_its_bytes_and_a_bucket_by_its_latency(
     cpu4: autoplan.Cluster,
 ) -> None:
     costs = Pricer(cpu4, (4,), "adamw")
-    full = costs.collective_s(Collective("all_reduce", (0,), BUCKET_BYTES))
+    latency, per_byte = costs.bucket_line((0,))
+    for nbytes in (FIRST_BUCKET_BYTES, BUCKET_BYTES, 4096):  # the alpha-beta line, exactly
+        issued = costs.collective_s(Collective("all_reduce", (0,), nbytes))
+        assert latency + per_byte * nbytes == pytest.approx(issued, rel=1e-12)
+    assert latency > 0 and per_byte > 0
     small = _sync("b", 1024)
-    assert costs.grad_sync_s(small) == full * 1024 / BUCKET_BYTES
-    assert costs.grad_sync_s(small) < costs.collective_s(small.collectives[0])  # no latency
+    assert costs.grad_sync_s(small) == 1024 * per_byte  # its buckets' latency priced apart
     big = _sync("w", 2 * BUCKET_BYTES)
-    assert costs.grad_sync_s(big) == costs.collective_s(big.collectives[0])
+    assert costs.grad_sync_s(big) == 2 * BUCKET_BYTES * per_byte
     zero = GradientSync("w", "float32", (Collective("reduce_scatter", (0,), 1024),))
     assert costs.grad_sync_s(zero) == costs.collective_s(zero.collectives[0])
 

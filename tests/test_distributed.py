@@ -125,8 +125,8 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     # of a one-rank stage's, a tensor-parallel stage's column splits
     leaves, params = results[2]["gpt-1f1b-2"]["local_leaves"]
     assert leaves == params > 0
-    assert four["gpt-pipeline-2x2"]["axes"] == ["pp", "tp"]
-    leaves, params = four["gpt-pipeline-2x2"]["local_leaves"]
+    assert four["gpt-baseline-pipeline-tp"]["axes"] == ["pp", "tp"]
+    leaves, params = four["gpt-baseline-pipeline-tp"]["local_leaves"]
     assert 0 < leaves < params
 
 
