@@ -133,6 +133,8 @@ def main() -> None:
         for case in args.cases.split(","):
             rows += compare(case, cluster_name)
     slower = sum(1 for r in rows if r.get("verdict") == "SLOWER")
+    kept = sum(1 for r in rows if r["found_by"] == "conventional")
+    compared = sum(1 for r in rows if "ratio" in r)
     meta = {
         "command": "python benchmarks/vs_baselines.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
@@ -143,7 +145,9 @@ def main() -> None:
         "conventional plans": "every dp x tp x pp x microbatches x ZeRO-3 x sequence parallel "
         "baseline that divides and fits (autoplan.baselines.grid); 1F1B",
         "ratio": "planner's predicted step time / the best conventional plan's (same cost model)",
+        "plans compared": f"{compared} of {len(rows)} (the others have no conventional plan)",
         "slower than the best conventional plan (ratio > 1.001)": slower,
+        "kept from the conventional plans of their shape (autoplan.api), not the search": kept,
     }
     columns = [
         "case", "cluster", "devices", "options", "planned_ms", "planned", "found_by", "best_ms",
