@@ -6,6 +6,13 @@ Variables are *groups* of nodes that share one decision:
 * a *follower* (an op with one tensor input from an op of the same layer: views,
   element-wise ops) is merged into its producer: for each producer strategy it takes its own
   cheapest strategy given that producer strategy, as Alpa does.
+Its costs are those `search.step_price` charges the plan: a tensor read once is an edge
+(moving it, and its gradient back); a tensor read by several ops is moved once per placement
+they read it in and its gradients reduced once per such placement (a shared cost each); a
+parameter's bucketed gradient costs its bytes, and the buckets of each mesh axes their latency
+each, counted as DDP fills them (a bucket cost). What the ILP cannot see exactly (which
+gradients share a bucket, ops waiting once for several moved inputs) is why the planner also
+prices the conventional plans of the shape it found (`autoplan.api`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
 The plan found is priced again from its assignment, node by node (`search.step_price`).
 """
