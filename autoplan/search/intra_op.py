@@ -212,6 +212,7 @@ def _bucket_costs(
             FIRST_BUCKET_BYTES,
             BUCKET_BYTES,
             tuple((*pair, nbytes) for pair, nbytes in sorted(pairs.items())),
+            whole=once == 1.0,
         )
         for (axes, _), pairs in sorted(found.items())
     ]

@@ -29,8 +29,8 @@ Variables
     for each pair of groups an edge, a shared cost or a bucket cost relates.
     ``y[t][i]`` in [0, 1], continuous: shared cost ``t`` is paid with ``src(t)`` at ``i`` (for
     each ``i`` with ``C[t][i] != 0``).
-    ``x[b]`` in [0, 1], continuous, and ``n[b]`` >= 0, integer: bucket cost ``b`` (``B[b]``
-    seconds a bucket) pays its first bucket, and so many more.
+    ``x[b]`` in [0, 1], continuous, and ``n[b]`` >= 0: bucket cost ``b`` (``B[b]`` seconds a
+    bucket) pays its first bucket, and so many more.
 
 Objective (minimize, :func:`_set_objective`)
     ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]
@@ -54,7 +54,9 @@ Constraints
     for each pair of groups in ``when(b)``, and ``more_<b>``: ``n[b] >= (sum_(g, k, h, l, z)
     z e[g,h][k][l] - first(b) x[b]) / capacity(b)``: with costs >= 0 these are the bucket
     count of `BucketCost.count` (:func:`_add_bucket_variables`; one whose pairs are all of
-    one-strategy groups is a constant and left out).
+    one-strategy groups is a constant and left out). ``n[b]`` is integer unless ``whole(b)``
+    is false (then the count past the first bucket is not rounded up; ``evaluate`` still
+    counts it whole).
     ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
     the largest ``m`` so the coefficients are at most 1 whatever the unit
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
@@ -366,7 +368,8 @@ def _add_bucket_variables(
         if all(isinstance(x, int) for _, x in filled):
             continue  # a constant
         x = _new_variable(model, f"x_{b}", pulp.LpContinuous)
-        n = _new_variable(model, f"n_{b}", pulp.LpInteger, upper=None)
+        whole = pulp.LpInteger if buckets.whole else pulp.LpContinuous
+        n = _new_variable(model, f"n_{b}", whole, upper=None)
         for (g, h), products in sorted(by_pair.items()):
             model += x >= pulp.lpSum(products), f"any_{b}_{g}_{h}"
         more = pulp.lpSum(z * both for both, z in filled) - buckets.first / buckets.capacity * x

@@ -49,7 +49,10 @@ class BucketCost:
     """Buckets that the chosen pairs of ``when`` fill, at ``cost`` each: ``(g, k, h, l,
     nbytes)``, group ``g`` taking strategy ``k`` and group ``h`` strategy ``l`` (``g == h``
     with ``k == l``: one group), puts ``nbytes`` in them. One bucket if any pair is chosen,
-    holding ``first`` bytes, and one more per ``capacity`` bytes past those (`count`).
+    holding ``first`` bytes, and one more per ``capacity`` bytes past those (`count`). Where
+    a step's buckets cost little (a pipeline stage's, once per step against many
+    microbatches), the ILP may count those past the first in fractions (``whole=False``),
+    which solves several times faster.
 
     DDP all-reduces gradients in buckets, each paying a collective's latency: one bucket cost
     per mesh axes, its pairs a parameter and its reader choosing a bucketed reduction along
@@ -59,6 +62,7 @@ class BucketCost:
     first: float
     capacity: float
     when: tuple[tuple[int, int, int, int, float], ...]
+    whole: bool = True  # the ILP counts the buckets past the first whole, or in fractions
 
     def count(self, nbytes: float) -> int:
         """How many buckets ``nbytes`` fill, from the chosen pairs (0 when none is)."""
