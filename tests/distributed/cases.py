@@ -190,8 +190,16 @@ CASES = [
         Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
         for model in ("gpt2", "llama", "bert", "bart", "vit", "cnn")
     ],
-    # the planner keeps ViT on the flat mesh: forced onto (2, 2), as the others chose
-    Case("zoo-vit-2x2", "zoo", {"model": "vit", "batch_size": 64, "seq_len": 32}, own((2, 2))),
+    # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
+    *[
+        Case(
+            f"zoo-{model}-2x2",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            own((2, 2)),
+        )
+        for model in ("vit", "cnn")
+    ],
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",
