@@ -179,6 +179,10 @@ CASES = [
     Case("moe-own", "moe", {"batch_size": 64}, own()),
     Case("moe-top2-ep", "moe", {"size": "tiny-top2", "batch_size": 16}, expert_parallel),
     Case("moe-baseline-ep", "moe", {"batch_size": 16}, baseline_plan(dp=4, tp=1, ep=4)),
+    # 2 stages of (2,): the first sends on its layer's load-balancing loss, a scalar, whole
+    Case(
+        "moe-pipeline-2x2", "moe", {"batch_size": 16}, pipeline(stages=2, microbatches=2, mesh=(2,))
+    ),
     Case("moe-top2-2x2", "moe", {"size": "tiny-top2", "batch_size": 64}, own((2, 2))),
     # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
     Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
