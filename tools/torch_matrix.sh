@@ -5,7 +5,8 @@
 #   tools/torch_matrix.sh [RELEASE ...]
 #
 # A RELEASE is a series ("2.11": its newest patch release on the index) or an exact version
-# ("2.13.0"); by default 2.11, 2.13.0 (the one CI runs) and 2.15. Environments are made under
+# ("2.13.0"); by default 2.11, 2.13.0 (the one CI runs) and 2.15. The table keeps its rows
+# for releases not named, so they can be run one at a time. Environments are made under
 # $TORCH_MATRIX_VENVS (default /work/venvs), one per version, replaced on every run; each has
 # autoplan installed from this checkout (editable, with the test extra), so it tests this code.
 # Releases other than 2.13.0 come from the index as CUDA builds (several GB with their CUDA
@@ -52,6 +53,15 @@ for release in "${releases[@]}"; do
     rows+=("| $installed | $(count passed) | $(count failed) | $(count error) | $(count skipped) | $((seconds / 60)) min $((seconds % 60)) s | $(date -u +%Y-%m-%d) |")
 done
 
+# rows of releases not run this time stay, so that releases can be run one by one
+if [ -f "$table" ]; then
+    while IFS= read -r row; do
+        ran=no
+        for new in "${rows[@]}"; do [ "${new%% | *}" = "${row%% | *}" ] && ran=yes; done
+        [ $ran = yes ] || rows+=("$row")
+    done < <(grep -E '^\| [0-9]' "$table")
+fi
+mapfile -t rows < <(printf '%s\n' "${rows[@]}" | sort -t'|' -k2,2V)
 {
     echo "# The test suite under each supported torch release"
     echo
