@@ -29,6 +29,7 @@ from autoplan.search.stage_layout import boundary_assignment
 from autoplan.search.step_price import price_step
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
+from autoplan.version import torch_release
 
 
 def _spec(placements: Placements, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -88,11 +89,9 @@ def estimate(
     count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
     inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
     graph = capture(model, inputs, loss_fn, target)
-    if plan.provenance.graph_fingerprint != graph.fingerprint:
-        raise PlanFormatError(
-            f"plan field provenance.graph_fingerprint is {plan.provenance.graph_fingerprint} "
-            f"but this model has {graph.fingerprint}: estimate the model the plan was made for"
-        )
+    refusal = plan.provenance.graph_refusal(graph.fingerprint, torch_release())
+    if refusal is not None:
+        raise PlanFormatError(refusal)
     cluster.check_mesh_shape(plan.mesh.shape)
     limit = cluster.device.memory_bytes * memory_fraction
     if plan.pipeline is not None:

@@ -32,6 +32,7 @@ from autoplan.graph.capture import export_step, graph_from_export, keywords, mic
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import wait_collective
+from autoplan.version import torch_release
 
 log = logging.getLogger(__name__)
 
@@ -250,12 +251,9 @@ class Step:
 
 def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
-    if got.graph_fingerprint != graph_fingerprint:
-        raise PlanFormatError(
-            f"the plan was made for another model, input shapes or set of frozen parameters "
-            f"(graph fingerprint {got.graph_fingerprint}, this one {graph_fingerprint}); plan "
-            "again for this model"
-        )
+    refusal = got.graph_refusal(graph_fingerprint, torch_release())
+    if refusal is not None:
+        raise PlanFormatError(refusal)
     if got.cluster_fingerprint != cluster.fingerprint():
         raise PlanFormatError(
             f"the plan was made for cluster {got.cluster!r} ({got.cluster_fingerprint}), not "

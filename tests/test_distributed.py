@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from autoplan.version import torch_release
 from tests.distributed.cases import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +171,12 @@ def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
                 seen["other_model"].startswith("PlanFormatError")
                 and "another model" in seen["other_model"]
             )
+            # a plan from another torch release runs where the graph is the same
+            assert seen["other_release"] == "ok"
+            refused = seen["other_release_other_model"]
+            assert refused.startswith("PlanFormatError")
+            assert f"under torch {torch_release()} this model" in refused
+            assert refused.endswith("plan again under this torch")
             assert (
                 seen["wrong_shape"].startswith("AutoplanError") and "(4, 16)" in seen["wrong_shape"]
             )

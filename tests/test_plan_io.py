@@ -9,6 +9,7 @@ import pytest
 
 import autoplan
 from autoplan.errors import PlanFormatError
+from autoplan.version import torch_release
 from tests.conftest import plan_example
 
 
@@ -139,6 +140,25 @@ def test_not_json_and_missing_file(tmp_path: Path) -> None:
         autoplan.Plan.from_json('{"version": 1,')
     with pytest.raises(PlanFormatError, match="does not exist"):
         autoplan.Plan.from_json(str(tmp_path / "nope.json"))
+
+
+def test_a_plan_from_another_torch_release_loads_where_its_graph_is_the_same(
+    plan: autoplan.Plan,
+) -> None:
+    assert plan.provenance.torch == torch_release()
+    doc = json.loads(plan.to_json())
+    doc["provenance"]["torch"] = "2.11.0" if torch_release() != "2.11.0" else "2.15.0"
+    text = json.dumps(doc)
+    fp = plan.provenance.graph_fingerprint
+    loaded = autoplan.Plan.from_json(text, graph_fingerprint=fp)
+    assert loaded.provenance.torch == doc["provenance"]["torch"]
+    assert loaded.nodes == plan.nodes
+    with pytest.raises(PlanFormatError) as refused:
+        autoplan.Plan.from_json(text, graph_fingerprint="0" * 16)
+    message = str(refused.value)
+    assert f"made under torch {doc['provenance']['torch']} for graph {fp}" in message
+    assert f"under torch {torch_release()} this model traces to graph {'0' * 16}" in message
+    assert message.endswith("plan again under this torch")
 
 
 def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan.Cluster) -> None:

@@ -53,6 +53,7 @@ from autoplan.execute.randomness import Draws, is_random
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
+from autoplan.torch_private import from_local
 
 log = logging.getLogger(__name__)
 
@@ -309,12 +310,8 @@ class PlanInterpreter:
         placements = placed.setdefault(name, {})
         if "dtensor" not in placements:
             # backward: the DTensor users' gradients, summed, join the local ones placed alike
-            placements["dtensor"] = DTensor.from_local(
-                value.tensor,
-                self.mesh,
-                value.placements,
-                run_check=False,
-                grad_placements=value.grad,
+            placements["dtensor"] = from_local(
+                value.tensor, self.mesh, value.placements, value.grad
             )
         return placements["dtensor"]
 

@@ -32,6 +32,7 @@ from autoplan.execute.placements import boundary_placements
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
+from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
 
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
     "1F1B": Schedule1F1B,
@@ -70,12 +71,14 @@ class StageModule(nn.Module):
         return boundary_placements(self._boundary, self._axes, meta.shape)
 
     def _local(self, meta: torch.Tensor) -> torch.Tensor:
-        """An empty tensor shaped as this rank's shard of a boundary tensor (with a gradient
-        if it is a floating-point activation: the metadata the library sends by)."""
+        """An empty tensor shaped as this rank's shard of a boundary tensor, in the dtype it
+        crosses stages as (with a gradient if floating-point: the metadata the library sends
+        by)."""
+        dtype = pipeline_wire_dtype(meta.dtype)
         whole = torch.distributed.tensor.empty(
-            meta.shape, dtype=meta.dtype, device_mesh=self.mesh, placements=self._placements(meta)
+            meta.shape, dtype=dtype, device_mesh=self.mesh, placements=self._placements(meta)
         )
-        return whole.to_local().requires_grad_(meta.is_floating_point())
+        return whole.to_local().requires_grad_(dtype.is_floating_point)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the stage receives per microbatch (the pipelining library's static shapes)."""
@@ -97,13 +100,13 @@ class StageModule(nn.Module):
             # local shards placed as the boundary: the interpreter wraps one in a DTensor
             # only where a DTensor op or a redistribution reads it
             for (name, meta), local in zip(self._received, args, strict=True):
-                values[name] = Local(local, self._placements(meta))
+                values[name] = Local(pipeline_received(local, meta.dtype), self._placements(meta))
         out = self.interpreter.run(values)
         if self.is_last:
             (loss,) = out
             # shape (1,): the schedule concatenates the microbatches' outputs
             return _global_loss(loss).reshape(1)
-        return tuple(t.contiguous() for t in out)
+        return tuple(pipeline_sent(t) for t in out)
 
 
 class PipelineRunner:

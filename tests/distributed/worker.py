@@ -28,6 +28,7 @@ from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: 
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
 from autoplan.execute.step import OPTIMIZERS  # noqa: E402
+from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
@@ -218,14 +219,31 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
             plan=plan,
         )
     )
+    # as if made under another torch release: the same graph runs, another is refused
+    release = "2.11.0" if torch_release() != "2.11.0" else "2.15.0"
+    elsewhere = dataclasses.replace(
+        plan, provenance=dataclasses.replace(plan.provenance, torch=release)
+    )
+    found["other_release_other_model"] = _error_of(
+        lambda: autoplan.parallelize(
+            other.model,
+            c,
+            example_inputs=other.example_inputs,
+            loss_fn=other.loss_fn,
+            example_target=other.example_target,
+            plan=elsewhere,
+        )
+    )
     step = autoplan.parallelize(
         small.model,
         c,
         example_inputs=small.example_inputs,
         loss_fn=small.loss_fn,
         example_target=small.example_target,
-        plan=plan,
+        plan=elsewhere,
     )
+    loss = step(small.example_inputs, small.example_target).item()
+    found["other_release"] = "ok" if loss == loss else f"loss {loss}"
     found["wrong_shape"] = _error_of(lambda: step(torch.randn(4, 16), torch.randn(4, 16)))
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     frozen = parallel(again, c, options=data_parallel(again, (world_size(),)))
