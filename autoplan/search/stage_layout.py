@@ -92,6 +92,7 @@ def pin_boundary(
     pinned = boundary_assignment(stage, boundary, loss_inputs)
     out = dict(space)
     for name in stage.received:
-        out[name] = replace(out[name], strategies=(pinned[name],), source="boundary")
+        if name in out:  # else a copy of another received tensor (graph/blocks): pinned alike
+            out[name] = replace(out[name], strategies=(pinned[name],), source="boundary")
     out[output.name] = replace(out[output.name], strategies=(pinned[output.name],))
     return out

@@ -183,6 +183,9 @@ CASES = [
     Case(
         "moe-pipeline-2x2", "moe", {"batch_size": 16}, pipeline(stages=2, microbatches=2, mesh=(2,))
     ),
+    # 4 stages: the layers' load-balancing losses cross every boundary after their own, and
+    # the stages of one structure share their ILP (received scalars copies of each other)
+    Case("moe-pipeline-4", "moe", {"batch_size": 8, "num_layers": 4}, pipeline(4, 4)),
     Case("moe-top2-2x2", "moe", {"size": "tiny-top2", "batch_size": 64}, own((2, 2))),
     # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
     Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
