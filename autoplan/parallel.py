@@ -19,6 +19,7 @@ from torch.export import ExportedProgram
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.estimate import derive
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
@@ -29,8 +30,10 @@ from autoplan.execute.step import (
     materialize,
 )
 from autoplan.graph.capture import export_step, graph_from_export, microbatch
+from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
+from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.torch_private import wait_collective
 
 log = logging.getLogger(__name__)
@@ -71,8 +74,9 @@ def _device_type(cluster: Cluster) -> str:
     return "cuda" if cluster.backend == "nccl" else "cpu"
 
 
-def _agree_on_plan(make: Callable[[], Plan]) -> Plan:
-    """Rank 0 makes the plan; every rank gets the same one, or the same error (never a hang)."""
+def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
+    """Rank 0 makes the plan (``what`` it does, for errors); every rank gets the same one, or
+    the same error (never a hang)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -82,7 +86,7 @@ def _agree_on_plan(make: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status == "error":
-        raise AutoplanError(f"planning failed on rank 0: {payload}")
+        raise AutoplanError(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 
@@ -134,18 +138,19 @@ class Step:
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
             return export_step(self._model, inputs, self._loss_fn, target)
 
+        def graph_for(count: int) -> Graph:
+            # the graph just traced: rank 0 does not trace the model a second time
+            return graph if count == 1 else graph_from_export(export_microbatch(count))
+
         given = self._given_plan
         if given is not None:
-            plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
+            plan = _agree_on_plan(
+                "checking the plan",
+                lambda: checked_plan(given, graph_for, self.cluster, self._options),
+            )
         else:
             plan = _agree_on_plan(
-                # the graph just traced: rank 0 does not trace the model a second time
-                lambda: plan_graph(
-                    graph,
-                    self.cluster,
-                    self._options,
-                    lambda count: graph_from_export(export_microbatch(count)),
-                )
+                "planning", lambda: plan_graph(graph, self.cluster, self._options, graph_for)
             )
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
@@ -241,6 +246,38 @@ class Step:
         }
 
 
+def checked_plan(
+    plan: Plan | str | Path,
+    graph_for: GraphForMicrobatches,
+    cluster: Cluster,
+    options: PlanOptions,
+) -> Plan:
+    """A plan given to train with, checked against the model and ``cluster`` (it must be the
+    cluster it was made for), its collectives and buckets derived from its placements
+    (`autoplan.estimate.derive`). ``graph_for(count)``: the step traced at ``count``
+    microbatches."""
+    given = plan if isinstance(plan, Plan) else Plan.from_json(str(plan))
+    derived = derive(
+        given,
+        graph_for,
+        cluster,
+        optimizer=options.optimizer,
+        memory_fraction=options.memory_fraction,
+    )
+    _check_cluster(given, cluster)
+    return derived
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoplanError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad): "
+            "there is nothing to train; give it parameters (autoplan plan and estimate work "
+            "without them)"
+        )
+
+
 def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
     if got.graph_fingerprint != graph_fingerprint:
@@ -249,6 +286,11 @@ def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
             f"(graph fingerprint {got.graph_fingerprint}, this one {graph_fingerprint}); plan "
             "again for this model"
         )
+    _check_cluster(plan, cluster)
+
+
+def _check_cluster(plan: Plan, cluster: Cluster) -> None:
+    got = plan.provenance
     if got.cluster_fingerprint != cluster.fingerprint():
         raise PlanFormatError(
             f"the plan was made for cluster {got.cluster!r} ({got.cluster_fingerprint}), not "
@@ -288,6 +330,7 @@ def parallelize(
     The gradients of bucketed parameters are views of their bucket's buffer, valid until the
     next backward pass.
     """
+    check_trainable(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise AutoplanError(
             "the model's parameters are already DTensors: it was parallelized before (they are "

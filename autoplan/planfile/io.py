@@ -269,4 +269,4 @@ def _placements(f: JsonField, axes: tuple[str, ...]) -> Placements:
         found[axis] = text
     if set(found) != set(axes):
         raise f.fail(f"a placement for every mesh axis ({', '.join(axes)})")
-    return found
+    return {axis: found[axis] for axis in axes}  # in mesh order, however the file has them
