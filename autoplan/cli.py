@@ -297,12 +297,17 @@ def _run_cluster(args: argparse.Namespace) -> Cluster:
 
 def _check_run(args: argparse.Namespace, cluster: Cluster) -> None:
     """What `autoplan run` can check before it starts any process: the workload loads and has
-    something to train, and a plan it is given fits the model and the processes."""
-    w = load_workload(args.workload, **_options(args.set))
-    check_trainable(w.model)
-    if args.plan is not None:
-        graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
-        checked_plan(args.plan, graph_for, cluster, _plan_options(args))
+    something to train, and a plan it is given fits the model and the processes. Its errors
+    come once, before torchrun; its warnings not at all: rank 0 repeats every check."""
+    logging.disable(logging.WARNING)
+    try:
+        w = load_workload(args.workload, **_options(args.set))
+        check_trainable(w.model)
+        if args.plan is not None:
+            traced = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+            checked_plan(args.plan, traced, cluster, _plan_options(args))
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _torchrun(

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
+from autoplan import errors
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
@@ -76,17 +77,18 @@ def _device_type(cluster: Cluster) -> str:
 
 def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
     """Rank 0 makes the plan (``what`` it does, for errors); every rank gets the same one, or
-    the same error (never a hang)."""
+    the same error, of the same class (never a hang)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", make().to_json())
         except AutoplanError as e:
-            box[0] = ("error", f"{type(e).__name__}: {e}")
+            box[0] = (type(e).__name__, str(e))
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
-    if status == "error":
-        raise AutoplanError(f"{what} failed on rank 0: {payload}")
+    if status != "ok":
+        error = getattr(errors, status, AutoplanError)
+        raise error(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 

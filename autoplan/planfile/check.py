@@ -81,10 +81,10 @@ def _stage_shape(plan: Plan) -> tuple[int, ...]:
 
 def _check_mesh(plan: Plan, cluster: Cluster | None) -> None:
     ranks, size = plan.mesh.ranks, len(plan.mesh.ranks)
-    if sorted(ranks) != list(range(size)):
+    if list(ranks) != list(range(size)):
         raise PlanFormatError(
-            f"plan field mesh.ranks is {list(ranks)}: it must list the ranks 0..{size - 1}, each "
-            "once (row-major over mesh.shape)"
+            f"plan field mesh.ranks is {list(ranks)}: the mesh lies row-major over the ranks "
+            f"in order; write {list(range(size))}"
         )
     per_stage = math.prod(_stage_shape(plan))
     for s, stage in enumerate(plan.stages):
@@ -300,10 +300,13 @@ def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
     return {n.name: _strategy(plan.nodes[n.name], n, plan.stage_axes) for n in graph}
 
 
-def _shown(s: Strategy, node: Node) -> str:
-    inputs = ", ".join(f"[{', '.join(i)}]" for i in s.inputs) or "nothing"
-    kept = f", its gradient kept [{', '.join(s.grad)}]" if s.grad else ""
-    return f"reads {inputs} -> [{', '.join(s.output)}]{kept}" if node.outputs else f"reads {inputs}"
+def _shown(s: Strategy, node: Node, axes: tuple[str, ...]) -> str:
+    def named(spec: Spec) -> str:
+        return f"[{', '.join(f'{a}={p}' for a, p in zip(axes, spec, strict=True))}]"
+
+    inputs = ", ".join(named(i) for i in s.inputs) or "nothing"
+    kept = f", its gradient kept {named(s.grad)}" if s.grad else ""
+    return f"reads {inputs} -> {named(s.output)}{kept}" if node.outputs else f"reads {inputs}"
 
 
 def _check_strategies(plan: Plan, graph: Graph) -> None:
@@ -326,14 +329,15 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
         if strategy in candidates:
             continue
         closest = sorted(candidates, key=lambda c: _distance(c, strategy))[:_SHOWN]
+        shown = "; ".join(_shown(c, node, axes) for c in closest)
         where = f" in {node.module_path}" if node.module_path else ""
         params = [graph.node(r.name).target for r in node.refs if graph.node(r.name).kind == PARAM]
         pin = f" or plan again with --pin {params[0]}=... to fix it" if params else ""
         raise PlanFormatError(
-            f"{what} ({node.op}{where}) {_shown(strategy, node)} on mesh "
+            f"{what} ({node.op}{where}) {_shown(strategy, node, axes)} on mesh "
             f"{dict(zip(axes, shape, strict=True))}, which is not one of its strategies (a split "
             "must exist in the tensor, divide it evenly, and be one the op computes exactly); "
-            f"the closest it has: {'; '.join(_shown(c, node) for c in closest)}. Edit the plan "
+            f"the closest it has: {shown}. Edit the plan "
             f"to one of them (a parameter's placements in params){pin}"
         )
 

@@ -64,7 +64,7 @@ def read_plan(
     try:
         doc = JsonField(json.loads(text), name, PlanFormatError)
     except json.JSONDecodeError as e:
-        raise PlanFormatError(f"plan is not valid JSON: {e.msg} at line {e.lineno}") from e
+        raise PlanFormatError(f"{name} is not valid JSON: {e.msg} at line {e.lineno}") from e
     version = doc["version"]
     if version.value != PLAN_VERSION:
         raise version.fail(f"{PLAN_VERSION} (this autoplan reads only that version)")
