@@ -278,11 +278,7 @@ def _estimate(args: argparse.Namespace) -> None:
 def _run_cluster(args: argparse.Namespace) -> Cluster:
     """The cluster file; a one-node file is fitted to --nproc local processes."""
     cluster = Cluster.load(args.cluster)
-    nproc = (
-        args.nproc
-        if args.nproc is not None
-        else int(os.environ.get("WORLD_SIZE", cluster.num_devices))
-    )
+    nproc = args.nproc or int(os.environ.get("WORLD_SIZE", cluster.num_devices))
     if nproc != cluster.num_devices:
         if cluster.num_nodes != 1:
             raise AutoplanError(

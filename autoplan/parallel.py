@@ -320,9 +320,11 @@ def parallelize(
     ``parallelize_module`` does); ``step.state_dict()`` gives them back whole.
 
     Without ``example_inputs`` the model is traced and planned at the first call, from that
-    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
-    and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
-    step (its norm reductions are not in the plan's list of collectives). ``options`` go to
+    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning: rank 0 checks it
+    against the model and cluster and derives its collectives and gradient buckets from its
+    placements (`autoplan.estimate.derive`; what the plan lists of them is not used).
+    ``max_grad_norm`` clips gradients to that global norm before each optimizer step (its
+    norm reductions are not in the plan's list of collectives). ``options`` go to
     `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
     is the one whose state the plan counts.
 

@@ -226,7 +226,11 @@ CASES = [
         lambda d: show(edited(d, "gpt.json", lambda p: p.update(version=4))),
         r"version must be 5 \(this autoplan reads only that version\), got 4",
     ),
-    Bad("not-json", lambda d: show(written(d, "half.json", "{\n")), r"half\.json is not valid JSON: .* at line 2"),
+    Bad(
+        "not-json",
+        lambda d: show(written(d, "half.json", "{\n")),
+        r"half\.json is not valid JSON: .* at line 2",
+    ),
     Bad(
         "no-plan-file",
         lambda d: show(str(d / "none.json")),

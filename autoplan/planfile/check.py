@@ -247,6 +247,11 @@ def _check_stages(plan: Plan, graph: Graph) -> None:
     stage_of: dict[str, int] = {}
     for s, stage in enumerate(plan.stages):
         for name in stage.nodes:
+            if name not in plan.nodes:
+                raise PlanFormatError(
+                    f"plan field stages[{s}].nodes lists {name}, which is not a node of the "
+                    "step (nor in the plan's nodes)"
+                )
             if name in stage_of:
                 raise PlanFormatError(
                     f"plan field stages[{s}].nodes lists {name}, which stages[{stage_of[name]}] "
