@@ -16,7 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
-from autoplan import errors
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
@@ -87,7 +86,7 @@ def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status != "ok":
-        error = getattr(errors, status, AutoplanError)
+        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(status, AutoplanError)
         raise error(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
