@@ -19,6 +19,7 @@ from torch.export import ExportedProgram
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.estimate import derive
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
@@ -29,8 +30,10 @@ from autoplan.execute.step import (
     materialize,
 )
 from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
+from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
+from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.torch_private import wait_collective
 from autoplan.version import torch_release
 
@@ -72,18 +75,20 @@ def _device_type(cluster: Cluster) -> str:
     return "cuda" if cluster.backend == "nccl" else "cpu"
 
 
-def _agree_on_plan(make: Callable[[], Plan]) -> Plan:
-    """Rank 0 makes the plan; every rank gets the same one, or the same error (never a hang)."""
+def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
+    """Rank 0 makes the plan (``what`` it does, for errors); every rank gets the same one, or
+    the same error, of the same class (never a hang)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", make().to_json())
         except AutoplanError as e:
-            box[0] = ("error", f"{type(e).__name__}: {e}")
+            box[0] = (type(e).__name__, str(e))
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
-    if status == "error":
-        raise AutoplanError(f"planning failed on rank 0: {payload}")
+    if status != "ok":
+        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(status, AutoplanError)
+        raise error(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 
@@ -137,18 +142,19 @@ class Step:
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
             return export_step(self._model, inputs, self._loss_fn, target)
 
+        def graph_for(count: int) -> Graph:
+            # the graph just traced: rank 0 does not trace the model a second time
+            return graph if count == 1 else graph_from_export(export_microbatch(count))
+
         given = self._given_plan
         if given is not None:
-            plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
+            plan = _agree_on_plan(
+                "checking the plan",
+                lambda: checked_plan(given, graph_for, self.cluster, self._options),
+            )
         else:
             plan = _agree_on_plan(
-                # the graph just traced: rank 0 does not trace the model a second time
-                lambda: plan_graph(
-                    graph,
-                    self.cluster,
-                    self._options,
-                    lambda count: graph_from_export(export_microbatch(count)),
-                )
+                "planning", lambda: plan_graph(graph, self.cluster, self._options, graph_for)
             )
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
@@ -249,11 +255,48 @@ class Step:
         }
 
 
+def checked_plan(
+    plan: Plan | str | Path,
+    graph_for: GraphForMicrobatches,
+    cluster: Cluster,
+    options: PlanOptions,
+) -> Plan:
+    """A plan given to train with, checked against the model and ``cluster`` (it must be the
+    cluster it was made for), its collectives and buckets derived from its placements
+    (`autoplan.estimate.derive`). ``graph_for(count)``: the step traced at ``count``
+    microbatches."""
+    given = plan if isinstance(plan, Plan) else Plan.from_json(str(plan))
+    derived = derive(
+        given,
+        graph_for,
+        cluster,
+        optimizer=options.optimizer,
+        memory_fraction=options.memory_fraction,
+    )
+    _check_cluster(given, cluster)
+    return derived
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoplanError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad): "
+            "there is nothing to train; give it parameters (autoplan plan and estimate work "
+            "without them)"
+        )
+
+
 def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
     refusal = got.graph_refusal(graph_fingerprint, torch_release())
     if refusal is not None:
         raise PlanFormatError(refusal)
+    _check_cluster(plan, cluster)
+
+
+def _check_cluster(plan: Plan, cluster: Cluster) -> None:
+    got = plan.provenance
     if got.cluster_fingerprint != cluster.fingerprint():
         raise PlanFormatError(
             f"the plan was made for cluster {got.cluster!r} ({got.cluster_fingerprint}), not "
@@ -281,9 +324,11 @@ def parallelize(
     ``parallelize_module`` does); ``step.state_dict()`` gives them back whole.
 
     Without ``example_inputs`` the model is traced and planned at the first call, from that
-    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
-    and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
-    step (its norm reductions are not in the plan's list of collectives). ``options`` go to
+    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning: rank 0 checks it
+    against the model and cluster and derives its collectives and gradient buckets from its
+    placements (`autoplan.estimate.derive`; what the plan lists of them is not used).
+    ``max_grad_norm`` clips gradients to that global norm before each optimizer step (its
+    norm reductions are not in the plan's list of collectives). ``options`` go to
     `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
     is the one whose state the plan counts.
 
@@ -293,6 +338,7 @@ def parallelize(
     The gradients of bucketed parameters are views of their bucket's buffer, valid until the
     next backward pass.
     """
+    check_trainable(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise AutoplanError(
             "the model's parameters are already DTensors: it was parallelized before (they are "

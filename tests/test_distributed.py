@@ -90,6 +90,7 @@ def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) ->
         assert four[name]["axes"] == ["tp"] and {"S(0)", "S(1)"} <= set(four[name]["placements"])
     for name in ("mlp-2x2", "gpt-2x2"):
         assert four[name]["shape"] == [2, 2]
+    assert four["gpt-dp-edited"]["placements"] == ["R", "S(0)"]  # the head stored split
 
 
 def test_comm_free_ops_run_on_local_shards(results: dict[int, dict[str, Any]]) -> None:
@@ -180,6 +181,10 @@ def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
             assert (
                 seen["wrong_shape"].startswith("AutoplanError") and "(4, 16)" in seen["wrong_shape"]
             )
+            # rank 0 checks a given plan; every rank reports what it found
+            refused = "PlanFormatError: checking the plan failed on rank 0"
+            assert seen["hand_edited"].startswith(refused)
+            assert "params.layers.0.weight.placements is S(7)" in seen["hand_edited"]
             # a parameter frozen after planning: its gradient bucket never fills
             assert seen["frozen"].startswith("AutoplanError") and "requires_grad" in seen["frozen"]
             assert seen["twice"].startswith("AutoplanError") and "already" in seen["twice"]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 import autoplan
 from autoplan.errors import PlanFormatError
+from autoplan.planfile.sections import PLAN_VERSION
 from autoplan.version import torch_release
-from tests.conftest import plan_example
+from tests.conftest import ROOT, plan_example
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +171,9 @@ def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan
         autoplan.Plan.from_json(text, graph_fingerprint="0" * 16)
     with pytest.raises(PlanFormatError, match="cluster_fingerprint"):
         autoplan.Plan.from_json(text, cluster_fingerprint=a100.fingerprint())
+
+
+def test_readme_names_the_plan_version_the_code_reads() -> None:
+    readme = (ROOT / "README.md").read_text()
+    named = re.findall(r"format (?:version )?(\d+)", readme)
+    assert named and set(named) == {str(PLAN_VERSION)}

@@ -65,7 +65,7 @@ def read_plan(
     try:
         doc = JsonField(json.loads(text), name, PlanFormatError)
     except json.JSONDecodeError as e:
-        raise PlanFormatError(f"plan is not valid JSON: {e.msg} at line {e.lineno}") from e
+        raise PlanFormatError(f"{name} is not valid JSON: {e.msg} at line {e.lineno}") from e
     version = doc["version"]
     if version.value != PLAN_VERSION:
         raise version.fail(f"{PLAN_VERSION} (this autoplan reads only that version)")
@@ -273,4 +273,4 @@ def _placements(f: JsonField, axes: tuple[str, ...]) -> Placements:
         found[axis] = text
     if set(found) != set(axes):
         raise f.fail(f"a placement for every mesh axis ({', '.join(axes)})")
-    return found
+    return {axis: found[axis] for axis in axes}  # in mesh order, however the file has them

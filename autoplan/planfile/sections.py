@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
+# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
+# 5: a collective's mesh axes (several for a bucket all-reduced over them together)
 PLAN_VERSION = 5
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"

@@ -79,6 +79,15 @@ def expert_parallel(w: Workload) -> PlanOptions:
     return PlanOptions(mesh_shape=(4,), pin={"input:0": "S(0)", "target": "S(0)", **experts})
 
 
+def head_stored_split(w: Workload) -> Plan:
+    """The planner's data-parallel plan with the head's weight stored split, edited as a person
+    would: in its params entry alone, the nodes and collectives left as planned."""
+    plan = w.plan(cluster(4), data_parallel(w, (4,)))
+    head = plan.params["head.weight"]
+    params = {**plan.params, "head.weight": dataclasses.replace(head, storage={"dp": "S(0)"})}
+    return dataclasses.replace(plan, params=params)
+
+
 def cluster(world: int) -> Cluster:
     """The cluster every case is planned for: the 4-CPU gloo profile with ``world`` devices."""
     base = Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
@@ -151,6 +160,8 @@ CASES = [
     Case("gpt-tp", "gpt", GPT, lambda w: gpt_megatron(w, (4,))),
     Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
     Case("gpt-zero3", "gpt", GPT, lambda w: zero3(w, (4,))),
+    # a hand edit: its gather, reduce-scatter and bucket derived from the placements
+    Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
     Case("mlp-tp-2", "mlp", MLP_SMALL_BATCH, lambda w: mlp_megatron(w, (2,)), 2),
     Case("gpt-tp-2", "gpt", GPT, lambda w: gpt_megatron(w, (2,)), 2),

@@ -245,6 +245,24 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
     loss = step(small.example_inputs, small.example_target).item()
     found["other_release"] = "ok" if loss == loss else f"loss {loss}"
     found["wrong_shape"] = _error_of(lambda: step(torch.randn(4, 16), torch.randn(4, 16)))
+    # a hand-edited plan that splits a 2-D weight along dim 7: refused on every rank
+    weight = plan.params["layers.0.weight"]
+    split = {a: "S(7)" for a in weight.placements}
+    bad = dataclasses.replace(
+        plan,
+        params={**plan.params, "layers.0.weight": dataclasses.replace(weight, placements=split)},
+    )
+    edited = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
+    found["hand_edited"] = _error_of(
+        lambda: autoplan.parallelize(
+            edited.model,
+            c,
+            example_inputs=edited.example_inputs,
+            loss_fn=edited.loss_fn,
+            example_target=edited.example_target,
+            plan=bad,
+        )
+    )
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     frozen = parallel(again, c, options=data_parallel(again, (world_size(),)))
     assert frozen.module is not None
