@@ -228,6 +228,16 @@ def test_a_save_cut_short_leaves_the_last_checkpoint(results: dict[int, dict[str
     assert four["kept"] == ["step-00000006"]
 
 
+def test_a_checkpoint_of_another_model_is_refused(results: dict[int, dict[str, Any]]) -> None:
+    wrong = results[4]["checkpoints"]["wrong_model"]
+    for seen in wrong.values():  # every rank, the same error
+        assert len(seen) == 4 and len(set(seen)) == 1, seen
+    fewer, narrower = wrong["fewer layers"][0], wrong["narrower"][0]
+    assert "13 parameter(s) or buffer(s) the model lacks (blocks.1." in fewer
+    assert "'tok_emb.weight' of shape (1024, 256), the model (128, 64)" in narrower
+    assert "saved for another model" in fewer and "saved for another model" in narrower
+
+
 def test_export_is_the_whole_state_dict(results: dict[int, dict[str, Any]]) -> None:
     four = results[4]["checkpoints"]
     # plain tensors that a fresh model loads strictly (in the worker), as trained

@@ -85,6 +85,22 @@ def latest(directory: str | Path) -> Path | None:
     return max(found, key=lambda p: p.name, default=None)
 
 
+def _on_every_rank(check: Callable[[], None]) -> None:
+    """``check()`` on every rank; an error on any rank is raised on every rank (the others
+    would wait for it in the next collective)."""
+    try:
+        check()
+        error = None
+    except AutoplanError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise AutoplanError(first if len(failed) == len(errors) else f"{first} (on rank {rank})")
+
+
 def _rank0_then_all(action: Callable[[], Any]) -> Any:
     """``action()`` on rank 0; every rank gets its result or the same error (never a hang)."""
     box: list[Any] = [None]
@@ -101,11 +117,16 @@ def _rank0_then_all(action: Callable[[], Any]) -> Any:
 
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters and persistent buffers by FQN (a tied parameter once), without
-    the other pipeline stages' (meta tensors here)."""
+    """The parameters and persistent buffers by FQN (a tied parameter once); a pipeline rank's
+    other stages' are meta tensors (`_local` leaves them out)."""
     persistent = set(model.state_dict())
     named = [*model.named_parameters(), *model.named_buffers()]
-    return {k: v.detach() for k, v in named if k in persistent and not v.is_meta}
+    return {k: v.detach() for k, v in named if k in persistent}
+
+
+def _local(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors this rank holds (not another pipeline stage's)."""
+    return {k: v for k, v in state.items() if not v.is_meta}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -145,20 +166,19 @@ def save(
         raise AutoplanError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
     final = checkpoint_path(directory, step)
     tmp = final.with_name(f".{final.name}.tmp")
-    progress = {"step": step, "rng": _rng_state(), "extra": extra}
-    try:
-        progress_text = json.dumps(progress)
-    except TypeError as e:
-        raise AutoplanError(f"checkpoint extra={extra!r} is not JSON: {e}") from e
 
     def start() -> None:
-        if tmp.exists():  # a save this crashed at the same step
+        try:
+            progress = json.dumps({"step": step, "rng": _rng_state(), "extra": extra})
+        except TypeError as e:
+            raise AutoplanError(f"extra={extra!r} is not JSON: {e}") from None
+        if tmp.exists():  # a save at the same step that a crash cut short
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        (tmp / PROGRESS).write_text(progress_text)
+        (tmp / PROGRESS).write_text(progress)
 
     _rank0_then_all(start)
-    state: dict[str, Any] = {"model": _model_state(model)}
+    state: dict[str, Any] = {"model": _local(_model_state(model))}
     if optimizer.state:  # before the first step there is nothing to save (nor to init)
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
     try:
@@ -215,21 +235,25 @@ def load(
         if missing_ok:
             return None
         raise AutoplanError(
-            f"no checkpoint in {directory}: it holds none (a step-NNNNNNNN directory with a "
-            ".metadata file) and is none"
+            f"no checkpoint in {directory}: it is none, and holds no complete step-NNNNNNNN "
+            "checkpoint"
         )
     path = Path(found)
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    state: dict[str, Any] = {"model": _model_state(model)}
-    _check(path, {f"model.{k}": v for k, v in state["model"].items()}, saved)
+    whole = _model_state(model)
+    state: dict[str, Any] = {"model": _local(whole)}
     template: dict[str, Any] = {}
     if any(k.startswith("optim.") for k in saved):
         template = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         state["optim"] = {
             k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION
         }
-        _check(path, {f"optim.{k}": v for k, v in state["optim"].items()}, saved)
+    # every stage's shapes are checked on every rank (a pipeline rank has meta tensors of the
+    # others')
+    wanted = {f"model.{k}": v for k, v in whole.items()}
+    wanted |= {f"optim.{k}": v for k, v in state.get("optim", {}).items()}
+    _on_every_rank(lambda: _check(path, wanted, saved))
     try:
         dcp.load(state, storage_reader=reader)
     except dcp.CheckpointException as e:
@@ -251,7 +275,15 @@ def _failures(e: dcp.CheckpointException) -> str:
 
 
 def _check(path: Path, wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """Every entry this rank loads is in the checkpoint, at its shape."""
+    """The checkpoint has every entry of ``wanted`` at its shape, and no parameter or buffer
+    that ``wanted`` lacks."""
+    unknown = sorted(k for k in saved if k.startswith("model.") and k not in wanted)
+    if unknown:
+        names = ", ".join(k.partition(".")[2] for k in unknown[:3])
+        raise AutoplanError(
+            f"checkpoint {path} has {len(unknown)} parameter(s) or buffer(s) the model lacks "
+            f"({names}{', ...' if len(unknown) > 3 else ''}): it was saved for another model"
+        )
     for key, value in wanted.items():
         if key not in saved:
             what = "optimizer state" if key.startswith("optim.") else "parameter or buffer"

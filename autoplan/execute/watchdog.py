@@ -112,6 +112,8 @@ class _Monitor:
     def __init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.host, self.pid, self.parent = socket.gethostname(), os.getpid(), os.getppid()
+        # torchrun's agent is the parent; another launcher's may leave legitimately (nohup)
+        self.under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         self.beats = 0
         self.tick_s = 1.0
         self.store = _job_store()
@@ -122,10 +124,11 @@ class _Monitor:
     def _run(self) -> None:
         while True:
             a = _activity
-            self.tick_s = min(1.0, a.limit_s / 10) if a.since is not None else self.tick_s
+            if a.since is not None:
+                self.tick_s = min(1.0, max(0.1, a.limit_s / 10))
             time.sleep(self.tick_s)
             self._beat()
-            if os.getppid() != self.parent:
+            if self.under_torchrun and os.getppid() != self.parent:
                 self._end(f"autoplan: rank {self.rank}: its launcher (pid {self.parent}) is gone")
             a = _activity
             if a.since is not None and time.monotonic() - a.since > a.limit_s:

@@ -30,6 +30,7 @@ from tests.distributed.cases import (
 from tests.distributed.training import LR, layout_keyword, parallel, reference
 
 HALF = 3  # steps before the save, and after the load
+GPT_FILE = ROOT / "examples" / "gpt.py"
 WORKLOAD = {**GPT, "batch_size": 8}  # every layout's batch and microbatches divide it
 Layout = Callable[[Workload], autoplan.PlanOptions | autoplan.Plan]
 
@@ -87,6 +88,20 @@ def _crash_mid_save(step: autoplan.Step, directory: Path) -> str:
     return "no error"
 
 
+def _load_error(w: Workload, c: autoplan.Cluster, directory: Path) -> list[str]:
+    """The error loading ``directory`` into ``w``'s model (data parallel) gives, as every
+    rank saw it."""
+    step = _step(w, c, lambda w: data_parallel(w, (4,)))
+    try:
+        step.load(directory)
+        error = "no error"
+    except AutoplanError as e:
+        error = str(e)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, error)
+    return seen
+
+
 def _names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
@@ -95,7 +110,7 @@ def checkpoints(c: autoplan.Cluster, shared: Path) -> dict[str, Any]:
     """Every rank runs this; rank 0's result is reported. ``shared``: a directory both
     torchruns see (the 2-rank one, which runs first, saves there for the 4-rank one)."""
     world = dist.get_world_size()
-    w = load_workload(ROOT / "examples" / "gpt.py", **WORKLOAD)
+    w = load_workload(GPT_FILE, **WORKLOAD)
     ref = reference(w, steps=2 * HALF)
     found: dict[str, Any] = {}
     if world == 2:
@@ -126,6 +141,10 @@ def checkpoints(c: autoplan.Cluster, shared: Path) -> dict[str, Any]:
     }
     for name, layout in layouts.items():
         found[f"2x2->{name}"] = _resumed(w, c, layout, directory, before, ref)
+    found["wrong_model"] = {
+        what: _load_error(load_workload(GPT_FILE, **{**WORKLOAD, **change}), c, directory)
+        for what, change in (("fewer layers", {"num_layers": 1}), ("narrower", {"size": "tiny"}))
+    }
     if (shared / "from-2").exists():  # saved by the 2-rank run: another process group
         losses_2 = [float(x) for x in (shared / "from-2-losses.txt").read_text().split()]
         found["2 ranks tp->2x2"] = _resumed(
@@ -140,7 +159,7 @@ def checkpoints(c: autoplan.Cluster, shared: Path) -> dict[str, Any]:
     first.export(shared / "model.pt")
     if dist.get_rank() == 0:
         exported = torch.load(shared / "model.pt")
-        fresh = load_workload(ROOT / "examples" / "gpt.py", **WORKLOAD).model
+        fresh = load_workload(GPT_FILE, **WORKLOAD).model
         fresh.load_state_dict(exported)  # strict: every key, every shape
         found["export"] = max(
             (exported[n] - v).abs().max().item() for n, v in ref["params"].items()
