@@ -275,8 +275,12 @@ def _failures(e: dcp.CheckpointException) -> str:
 
 
 def _check(path: Path, wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """The checkpoint has every entry of ``wanted`` at its shape, and no parameter or buffer
-    that ``wanted`` lacks."""
+    """The checkpoint is one of ours, with every entry of ``wanted`` at its shape and no
+    parameter or buffer that ``wanted`` lacks."""
+    if not (path / PROGRESS).is_file():
+        raise AutoplanError(
+            f"{path} has no {PROGRESS}: it is a DCP checkpoint, but not one autoplan saved"
+        )
     unknown = sorted(k for k in saved if k.startswith("model.") and k not in wanted)
     if unknown:
         names = ", ".join(k.partition(".")[2] for k in unknown[:3])
