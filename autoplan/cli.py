@@ -21,6 +21,7 @@ from autoplan.cluster.hardware import BACKENDS
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
+from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.capture import capture_microbatches
 from autoplan.options import PlanOptions
 from autoplan.parallel import check_trainable, checked_plan
@@ -30,6 +31,7 @@ from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
 from autoplan.profile import Settings, base_refusal, profile_cluster
 from autoplan.progress import Progress
+from autoplan.training import Checkpointing, one_process, train
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
@@ -247,6 +249,34 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train the same steps in one process and compare losses and parameters (1e-5)",
     )
+    r.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints here (DIR/step-NNNNNNNN)"
+    )
+    r.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="save every N steps and after the last (default: after the last only)",
+    )
+    r.add_argument(
+        "--checkpoint-keep", type=int, metavar="K", help="keep the newest K checkpoints (all)"
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, under this run's plan "
+        "whatever plan saved it (--steps counts from the beginning)",
+    )
+    r.add_argument(
+        "--export-to", metavar="FILE", help="after training, save the whole state dict to FILE"
+    )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="end the job if a step takes longer than S seconds, e.g. a rank stopped or stuck "
+        "(default: 10x the plan's predicted step time, at least 60)",
+    )
 
     f = sub.add_parser("profile", help="measure this cluster (torchrun) and write its cluster file")
     f.add_argument("--nproc", type=_at_least_one, help="processes (devices) per node (required)")
@@ -396,10 +426,20 @@ def _torchrun(
     return subprocess.run(cmd, env=env).returncode
 
 
+def _checkpointing(args: argparse.Namespace) -> Checkpointing:
+    if args.timeout is not None:
+        step_timeout(1.0, args.timeout)  # refused before torchrun starts
+    return Checkpointing(
+        directory=args.checkpoint_dir,
+        every=args.checkpoint_every,
+        keep=args.checkpoint_keep,
+        resume=args.resume,
+        export_to=args.export_to,
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
-
-    from autoplan.training import one_process, train
 
     cluster = _run_cluster(args)
     options = _options(args.set)
@@ -413,15 +453,19 @@ def _train(args: argparse.Namespace) -> int:
             args.lr,
             plan=args.plan,
             options=_plan_options(args, progress),
+            checkpointing=_checkpointing(args),
+            timeout_s=args.timeout,
         )
     finally:
         progress.end()
+    start = step.steps_done  # resumed from a checkpoint: the steps already taken
     rank0 = dist.get_rank() == 0
     if rank0:
         assert step.plan is not None
         print(summary(step.plan), flush=True)
         world = dist.get_world_size()
-        print(f"\ntraining {args.steps} steps on {world} processes ({cluster.backend})")
+        steps = f"steps {start + 1}-{args.steps}" if start else f"{args.steps} steps"
+        print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
     losses = []
     for r in records:
         losses.append(r.loss)
@@ -438,7 +482,10 @@ def _train(args: argparse.Namespace) -> int:
             ref_losses, ref_state = one_process(
                 lambda: load_workload(args.workload, **options), args.steps, args.lr
             )
-            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+            ref_losses = ref_losses[start:]
+            loss_diff = max(
+                (abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), default=0.0
+            )
             param_diff = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
             ok = max(loss_diff, param_diff) <= CHECK_TOLERANCE
             code = 0 if ok else 1
@@ -498,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             if "RANK" in os.environ:
                 return _train(args)
+            _checkpointing(args)  # bad options are refused before torchrun starts
             cluster = _run_cluster(args)
             _check_run(args, cluster)
             return _torchrun(argv, cluster.num_devices)

@@ -20,6 +20,8 @@ from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.estimate import derive
+from autoplan.execute import checkpoint
+from autoplan.execute.checkpoint import Progress
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
@@ -29,6 +31,7 @@ from autoplan.execute.step import (
     make_optimizer,
     materialize,
 )
+from autoplan.execute.watchdog import note, step_timeout, watched
 from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
@@ -97,7 +100,8 @@ class Step:
 
     ``step.module`` is the parallel module (its forward returns the loss, and gradients are
     synchronized as they arrive) for users who write their own loop; ``step.optimizer`` the
-    optimizer over its DTensor parameters; ``step.plan`` the plan in use.
+    optimizer over its DTensor parameters; ``step.plan`` the plan in use; ``step.steps_done``
+    the steps taken (counted by calls, and restored by `load`).
     """
 
     def __init__(
@@ -112,7 +116,9 @@ class Step:
         init_fn: Callable[[nn.Module], None] | None,
         options: PlanOptions,
         max_grad_norm: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
+        step_timeout(1.0, timeout_s)  # a bad value is refused now, not at the first step
         self._model = model
         self.cluster = cluster
         self._loss_fn = loss_fn
@@ -128,6 +134,9 @@ class Step:
         self.plan: Plan | None = None
         self.mesh: DeviceMesh | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
+        self.steps_done = 0
+        self._timeout_s = timeout_s
+        self.step_limit_s = 0.0  # the watchdog's, set from the plan when built
 
     def build(self, example_inputs: Any, example_target: Any) -> None:
         """Trace, plan (or check the given plan) and place the parameters."""
@@ -191,6 +200,7 @@ class Step:
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
+        self.step_limit_s = step_timeout(plan.predicted.step_time_s, self._timeout_s)
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
         if self.optimizer is None:
@@ -201,22 +211,29 @@ class Step:
                 f"the step was traced with inputs {self._keywords or 'by position'}, got "
                 f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
             )
-        if self.pipeline is not None:
-            args = batch_args(inputs, target)
-            self.placeholders.check(args, batches=self.pipeline.num_microbatches)
-            loss = self.pipeline.run(args)
-        else:
-            assert self.module is not None
-            loss = self.module(inputs, target)
-            # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
-            # all-reduce, which is only read after the optimizer step
-            loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
-        if self.max_grad_norm is not None:
-            self.clip_gradients(self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # long done by now; waited for here so that no step leaves a collective behind
-        return wait_collective(loss.detach())
+        with watched(self.steps_done + 1, "forward", self.step_limit_s):
+            if self.pipeline is not None:
+                args = batch_args(inputs, target)
+                self.placeholders.check(args, batches=self.pipeline.num_microbatches)
+                loss = self.pipeline.run(args)
+            else:
+                assert self.module is not None
+                loss = self.module(inputs, target)
+                note("backward")
+                # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
+                # all-reduce, which is only read after the optimizer step
+                loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
+            if self.max_grad_norm is not None:
+                note("gradient clipping (the gradients' norm)")
+                self.clip_gradients(self.max_grad_norm)
+            note("the optimizer step (it waits for gradients still being reduced)")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            note("the loss's all-reduce")
+            # long done by now; waited for here so that no step leaves a collective behind
+            loss = wait_collective(loss.detach())
+        self.steps_done += 1
+        return loss
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most ``max_norm`` (as
@@ -241,6 +258,41 @@ class Step:
             for grad in grads:
                 grad.mul_(scale)
         return norm
+
+    def save(self, directory: str | Path, *, keep: int | None = None, extra: Any = None) -> Path:
+        """Save a checkpoint on every rank (`autoplan.execute.checkpoint`): each rank writes its
+        shards of the parameters, buffers and optimizer state into
+        ``directory/step-<steps_done>``, with the step count, rank 0's random state and
+        ``extra`` (JSON: a data loader's position). Keeps the newest ``keep`` checkpoints (all
+        if None). Returns the checkpoint's path."""
+        optimizer = self._built("save")
+        return checkpoint.save(
+            directory, self._model, optimizer, self.steps_done, keep=keep, extra=extra
+        )
+
+    def load(self, directory: str | Path, *, missing_ok: bool = False) -> Progress | None:
+        """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) on
+        every rank, saved under this plan or any other plan of the same model; returns its
+        step count and ``extra``, and continues counting from there. With ``missing_ok``,
+        a directory without a checkpoint loads nothing and returns None."""
+        optimizer = self._built("load")
+        progress = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
+        if progress is not None:
+            self.steps_done = progress.step
+        return progress
+
+    def export(self, path: str | Path) -> None:
+        """Write the whole parameters and buffers as one ``torch.save`` file (rank 0 writes
+        it), which ``model.load_state_dict(torch.load(path))`` reads in one process."""
+        checkpoint.export(path, self.state_dict())
+
+    def _built(self, action: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise AutoplanError(
+                f"cannot {action} a step that is not built yet: pass example_inputs to "
+                f"parallelize, or {action} after the first step"
+            )
+        return self.optimizer
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters and buffers (gathered on every rank)."""
@@ -317,6 +369,7 @@ def parallelize(
     init_fn: Callable[[nn.Module], None] | None = None,
     max_grad_norm: float | None = None,
     options: PlanOptions | None = None,
+    timeout_s: float | None = None,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
@@ -330,7 +383,10 @@ def parallelize(
     ``max_grad_norm`` clips gradients to that global norm before each optimizer step (its
     norm reductions are not in the plan's list of collectives). ``options`` go to
     `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
-    is the one whose state the plan counts.
+    is the one whose state the plan counts. ``timeout_s`` bounds each step (default: ten
+    times the plan's predicted step time, at least 60 s): a step that runs over, a rank
+    stopped or stuck in a collective, ends the whole job with a message naming the ranks,
+    the step and what each was waiting in (`autoplan.execute.watchdog`).
 
     ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
     ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
@@ -359,6 +415,7 @@ def parallelize(
         init_fn=init_fn,
         options=options,
         max_grad_norm=max_grad_norm,
+        timeout_s=timeout_s,
     )
     if example_inputs is not None:
         step.build(example_inputs, example_target)

@@ -95,6 +95,7 @@ class Workload:
         init_fn: Callable[[nn.Module], None] | None = None,
         max_grad_norm: float | None = None,
         options: PlanOptions | None = None,
+        timeout_s: float | None = None,
     ) -> Step:
         """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
         return parallelize(
@@ -109,6 +110,7 @@ class Workload:
             init_fn=init_fn,
             max_grad_norm=max_grad_norm,
             options=options,
+            timeout_s=timeout_s,
         )
 
     def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:

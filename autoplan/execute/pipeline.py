@@ -30,6 +30,7 @@ from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import boundary_placements
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
+from autoplan.execute.watchdog import note
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
@@ -158,6 +159,10 @@ class PipelineRunner:
     def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the whole batch; returns its mean loss on every rank."""
         losses: list[torch.Tensor] = []
+        note(
+            f"the pipeline schedule of stage {self.index} (forward and backward; activations "
+            "and their gradients to and from the neighbouring stages)"
+        )
         if self.module.is_first:
             self.schedule.step(*args)
         elif self.module.is_last:
@@ -167,6 +172,7 @@ class PipelineRunner:
             self.schedule.step()
         self._mean_of_microbatches()
         self.gradients.reduce_now()
+        note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
         if self.module.is_last:
             loss = torch.stack([x.detach() for x in losses]).mean()
