@@ -567,4 +567,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:
+        # A rank (started by torchrun as `python -m autoplan.cli`) has done its work and left
+        # its process group. Interpreter exit can still abort in torch 2.13's C++ teardown
+        # (SIGABRT, "terminate called without an active exception"; seen after a checked run
+        # had printed OK), which fails the whole job: end without those destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
