@@ -16,7 +16,7 @@ from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shape
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
-from autoplan.graph.capture import capture, microbatch
+from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.ir import PARAM, Graph
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
@@ -59,11 +59,10 @@ def plan(
         time.perf_counter() - start,
     )
 
+    traced = capture_microbatches(model, example_inputs, loss_fn, example_target)
+
     def microbatch_graph(count: int) -> Graph:
-        if count == 1:  # the whole batch: the step just traced
-            return graph
-        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-        return capture(model, inputs, loss_fn, target)
+        return graph if count == 1 else traced(count)  # the whole batch: the step just traced
 
     return plan_graph(graph, cluster, options, microbatch_graph)
 

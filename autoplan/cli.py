@@ -21,12 +21,17 @@ from autoplan.cluster.hardware import BACKENDS
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
+from autoplan.execute.watchdog import step_timeout
+from autoplan.graph.capture import capture_microbatches
 from autoplan.options import PlanOptions
+from autoplan.parallel import check_trainable, checked_plan
+from autoplan.planfile.check import check_plan
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
 from autoplan.profile import Settings, base_refusal, profile_cluster
 from autoplan.progress import Progress
+from autoplan.training import Checkpointing, one_process, train
 from autoplan.workload import load_workload
 
 log = logging.getLogger("autoplan.cli")
@@ -77,6 +82,28 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _mesh(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -120,10 +147,10 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
-    parser.add_argument("--stages", type=int, help="number of pipeline stages")
+    parser.add_argument("--stages", type=_at_least_one, help="number of pipeline stages")
     parser.add_argument(
         "--microbatches",
-        type=int,
+        type=_at_least_one,
         help="microbatches per step (pipelines; default: searched on one node)",
     )
     parser.add_argument(
@@ -165,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="trace a workload file and plan it for a cluster")
     p.add_argument("workload", help="a Python file defining workload() (see examples/)")
     p.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
-    p.add_argument("--nodes", type=int, help="number of nodes (default: the file's)")
+    p.add_argument("--nodes", type=_at_least_one, help="number of nodes (default: the file's)")
     p.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     p.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
@@ -174,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pin", action="append", default=[], metavar="PARAM=PLACEMENTS", help="pin a parameter"
     )
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit per mesh (s)")
+    p.add_argument("--time-limit", type=_positive, default=60.0, help="ILP time limit per mesh (s)")
     _pipeline_arguments(p)
     _progress_argument(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
@@ -182,12 +209,14 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summarize a plan file")
     s.add_argument("plan", help="a plan JSON file")
     s.add_argument("--png", help="also draw the pipeline stages and schedule to this PNG file")
+    s.add_argument("--cluster", help="also check the plan's mesh against this cluster file")
+    s.add_argument("--nodes", type=_at_least_one, help="number of nodes (default: the file's)")
 
     e = sub.add_parser("estimate", help="re-price a plan (edited, or for another cluster)")
     e.add_argument("workload", help="the workload file the plan was made for")
     e.add_argument("--plan", required=True, help="a plan JSON file")
     e.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
-    e.add_argument("--nodes", type=int, help="number of nodes (default: the file's)")
+    e.add_argument("--nodes", type=_at_least_one, help="number of nodes (default: the file's)")
     e.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
     )
@@ -197,7 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="plan and train a workload on local processes (torchrun)")
     r.add_argument("workload", help="a Python file defining workload() (see examples/)")
     r.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
-    r.add_argument("--nproc", type=int, help="processes to start (default: the cluster's devices)")
+    r.add_argument(
+        "--nproc", type=_at_least_one, help="processes to start (default: the cluster's devices)"
+    )
     r.add_argument("--plan", help="train with this plan instead of planning")
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     _pipeline_arguments(r)
@@ -205,10 +236,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
     )
-    r.add_argument("--steps", type=int, default=5, help="train steps (default 5)")
+    r.add_argument("--steps", type=_at_least_one, default=5, help="train steps (default 5)")
     r.add_argument(
         "--lr",
-        type=float,
+        type=_positive,
         default=1e-4,
         help="AdamW learning rate (default 1e-4: Adam scales gradients near zero up to full "
         "steps, so at larger rates float32 rounding alone moves some weights past --check's 1e-5)",
@@ -218,10 +249,40 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train the same steps in one process and compare losses and parameters (1e-5)",
     )
+    r.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints here (DIR/step-NNNNNNNN)"
+    )
+    r.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="save every N steps and after the last (default: after the last only)",
+    )
+    r.add_argument(
+        "--checkpoint-keep", type=int, metavar="K", help="keep the newest K checkpoints (all)"
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, under this run's plan "
+        "whatever plan saved it (--steps counts from the beginning)",
+    )
+    r.add_argument(
+        "--export-to", metavar="FILE", help="after training, save the whole state dict to FILE"
+    )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="end the job if a step takes longer than S seconds, e.g. a rank stopped or stuck "
+        "(default: 10x the plan's predicted step time, at least 60)",
+    )
 
     f = sub.add_parser("profile", help="measure this cluster (torchrun) and write its cluster file")
-    f.add_argument("--nproc", type=int, help="processes (devices) per node (required)")
-    f.add_argument("--nnodes", type=int, default=1, help="nodes; run the same command on each")
+    f.add_argument("--nproc", type=_at_least_one, help="processes (devices) per node (required)")
+    f.add_argument(
+        "--nnodes", type=_at_least_one, default=1, help="nodes; run the same command on each"
+    )
     f.add_argument("--rdzv-endpoint", help="HOST:PORT where the nodes meet (with --nnodes > 1)")
     f.add_argument("-o", "--output", required=True, help="the cluster file to write")
     f.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
@@ -314,6 +375,23 @@ def _run_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
+def _check_run(args: argparse.Namespace, cluster: Cluster) -> None:
+    """What `autoplan run` can check before it starts any process: the workload loads and has
+    something to train, and a plan it is given fits the model and the processes. Its errors
+    come once, before torchrun; its warnings not at all: rank 0 repeats every check."""
+    logging.disable(logging.WARNING)
+    try:
+        w = load_workload(args.workload, **_options(args.set))
+        check_trainable(w.model)
+        if args.plan is not None:
+            traced = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+            checked_plan(
+                args.plan, traced, cluster, _plan_options(args, ProgressLine(args.progress_after))
+            )
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def _torchrun(
     argv: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None
 ) -> int:
@@ -348,10 +426,20 @@ def _torchrun(
     return subprocess.run(cmd, env=env).returncode
 
 
+def _checkpointing(args: argparse.Namespace) -> Checkpointing:
+    if args.timeout is not None:
+        step_timeout(1.0, args.timeout)  # refused before torchrun starts
+    return Checkpointing(
+        directory=args.checkpoint_dir,
+        every=args.checkpoint_every,
+        keep=args.checkpoint_keep,
+        resume=args.resume,
+        export_to=args.export_to,
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
-
-    from autoplan.training import one_process, train
 
     cluster = _run_cluster(args)
     options = _options(args.set)
@@ -365,15 +453,19 @@ def _train(args: argparse.Namespace) -> int:
             args.lr,
             plan=args.plan,
             options=_plan_options(args, progress),
+            checkpointing=_checkpointing(args),
+            timeout_s=args.timeout,
         )
     finally:
         progress.end()
+    start = step.steps_done  # resumed from a checkpoint: the steps already taken
     rank0 = dist.get_rank() == 0
     if rank0:
         assert step.plan is not None
         print(summary(step.plan), flush=True)
         world = dist.get_world_size()
-        print(f"\ntraining {args.steps} steps on {world} processes ({cluster.backend})")
+        steps = f"steps {start + 1}-{args.steps}" if start else f"{args.steps} steps"
+        print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
     losses = []
     for r in records:
         losses.append(r.loss)
@@ -390,7 +482,10 @@ def _train(args: argparse.Namespace) -> int:
             ref_losses, ref_state = one_process(
                 lambda: load_workload(args.workload, **options), args.steps, args.lr
             )
-            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+            ref_losses = ref_losses[start:]
+            loss_diff = max(
+                (abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), default=0.0
+            )
             param_diff = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
             ok = max(loss_diff, param_diff) <= CHECK_TOLERANCE
             code = 0 if ok else 1
@@ -437,7 +532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             _plan(args)
         elif args.command == "show":
-            shown = Plan.from_json(args.plan)
+            cluster = (
+                None if args.cluster is None else Cluster.load(args.cluster, num_nodes=args.nodes)
+            )
+            shown = check_plan(Plan.from_json(args.plan), cluster=cluster)
             print(summary(shown))
             if args.png:
                 render_png(shown, args.png)
@@ -447,7 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             if "RANK" in os.environ:
                 return _train(args)
-            return _torchrun(argv, _run_cluster(args).num_devices)
+            _checkpointing(args)  # bad options are refused before torchrun starts
+            cluster = _run_cluster(args)
+            _check_run(args, cluster)
+            return _torchrun(argv, cluster.num_devices)
         elif args.command == "profile":
             if "RANK" not in os.environ:
                 if args.nproc is None:
@@ -466,4 +567,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:
+        # A rank (started by torchrun as `python -m autoplan.cli`) has done its work and left
+        # its process group. Interpreter exit can still abort in torch 2.13's C++ teardown
+        # (SIGABRT, "terminate called without an active exception"; seen after a checked run
+        # had printed OK), which fails the whole job: end without those destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,9 +1,12 @@
-"""Re-price a plan: the same decisions, their collectives and predicted cost recomputed for a
-cluster (another cluster, or the same after the plan was edited by hand)."""
+"""Re-price a plan: the same decisions, checked against the model and the cluster, with their
+collectives, gradient buckets and predicted cost derived again for a cluster (another cluster,
+or the same after the plan was edited by hand). `derive` is what `autoplan.parallelize` does
+with a plan it is given, too: a plan's collectives are never taken from its file."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,8 +15,7 @@ import torch
 from torch import nn
 
 from autoplan.cluster.model import Cluster
-from autoplan.errors import PlanFormatError
-from autoplan.graph.capture import capture, microbatch
+from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
 from autoplan.planfile.assemble import (
@@ -22,36 +24,21 @@ from autoplan.planfile.assemble import (
     predicted,
     provenance,
 )
+from autoplan.planfile.check import assignment_of, check_plan
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
 from autoplan.search.pipeline_price import price_pipeline
+from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.search.stage_layout import boundary_assignment
 from autoplan.search.step_price import price_step
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 
+log = logging.getLogger(__name__)
+
 
 def _spec(placements: Placements, axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(placements[a] for a in axes)
-
-
-def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
-    """Each node's strategy as the plan writes it."""
-    axes = plan.stage_axes
-    missing = [n.name for n in graph if n.name not in plan.nodes]
-    if missing:
-        raise PlanFormatError(
-            f"plan field nodes has no entry for {', '.join(missing[:5])}: it was made for "
-            "another model"
-        )
-    return {
-        n.name: Strategy(
-            output=_spec(plan.nodes[n.name].output, axes) if n.outputs else (),
-            inputs=tuple(_spec(p, axes) for p in plan.nodes[n.name].inputs),
-            grad=_spec(plan.nodes[n.name].grad, axes) if plan.nodes[n.name].grad else None,
-        )
-        for n in graph
-    }
 
 
 def _stage_assignment(plan: Plan, s: int, stage: StageGraph) -> dict[str, Strategy]:
@@ -76,39 +63,61 @@ def estimate(
     optimizer: str = "adamw",
     memory_fraction: float = 0.9,
 ) -> Plan:
-    """``plan`` with its collectives, predicted time and memory recomputed on ``cluster``.
+    """``plan`` checked against ``model`` and ``cluster`` and priced on ``cluster``: its
+    collectives, gradient buckets, predicted time and memory derived again (`derive`).
 
     The model is traced again (on meta/fake tensors) for the shapes and FLOPs the costs need;
     it must be the model the plan was made for. The cluster must have the plan's device count.
     """
-    if not isinstance(plan, Plan):
-        plan = Plan.from_json(str(plan))
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
+    graph_for = capture_microbatches(model, example_inputs, loss_fn, example_target)
+    return derive(plan, graph_for, cluster, optimizer=optimizer, memory_fraction=memory_fraction)
+
+
+def derive(
+    plan: Plan | str | Path,
+    graph_for: GraphForMicrobatches,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adamw",
+    memory_fraction: float = 0.9,
+) -> Plan:
+    """``plan`` (a `Plan`, or a JSON path) checked against the traced step and ``cluster``
+    (`autoplan.planfile.check.check_plan`), with everything derivable from its placements
+    derived again on ``cluster``: the collectives and gradient buckets, what each pipeline
+    stage receives and sends, the predicted time and memory. What the file says of these is
+    never used (a hand edit need not update them); where it differs, a warning says so.
+    ``graph_for(count)``: the step traced at ``count`` microbatches."""
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(str(plan))
     count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-    graph = capture(model, inputs, loss_fn, target)
-    if plan.provenance.graph_fingerprint != graph.fingerprint:
-        raise PlanFormatError(
-            f"plan field provenance.graph_fingerprint is {plan.provenance.graph_fingerprint} "
-            f"but this model has {graph.fingerprint}: estimate the model the plan was made for"
-        )
-    cluster.check_mesh_shape(plan.mesh.shape)
+    graph = graph_for(count)
+    checked = check_plan(plan, graph, cluster)
     limit = cluster.device.memory_bytes * memory_fraction
-    if plan.pipeline is not None:
-        return _estimate_pipeline(plan, graph, cluster, optimizer, limit)
-    step = price_step(
-        graph, assignment_of(plan, graph), Pricer(cluster, plan.mesh.shape, optimizer)
-    )
-    return dataclasses.replace(
-        plan,
-        provenance=provenance(graph, cluster),
-        collectives=collective_plans(step, plan.mesh.axes),
-        predicted=predicted(step, limit),
-    )
+    if checked.pipeline is not None:
+        derived = _derive_pipeline(checked, graph, cluster, optimizer, limit)
+    else:
+        step = price_step(
+            graph, assignment_of(checked, graph), Pricer(cluster, checked.mesh.shape, optimizer)
+        )
+        derived = dataclasses.replace(
+            checked,
+            provenance=provenance(graph, cluster),
+            collectives=collective_plans(step, checked.mesh.axes),
+            predicted=predicted(step, limit),
+        )
+    if derived.collectives != plan.collectives:
+        log.warning(
+            "the plan's collectives were derived from its placements: %d listed in the file, "
+            "%d derived (the file's are not used; autoplan estimate ... -o writes them)",
+            len(plan.collectives),
+            len(derived.collectives),
+        )
+    return derived
 
 
-def _estimate_pipeline(
+def _derive_pipeline(
     plan: Plan, graph: Graph, cluster: Cluster, optimizer: str, limit: float
 ) -> Plan:
     assert plan.pipeline is not None
@@ -131,7 +140,7 @@ def _estimate_pipeline(
     )
     priced = make_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
     stages = tuple(
-        dataclasses.replace(old, predicted=new.predicted)
+        dataclasses.replace(old, received=new.received, sent=new.sent, predicted=new.predicted)
         for old, new in zip(plan.stages, priced.stages, strict=True)
     )
     return dataclasses.replace(

@@ -19,6 +19,9 @@ from torch.export import ExportedProgram
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.estimate import derive
+from autoplan.execute import checkpoint
+from autoplan.execute.checkpoint import Progress
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.step import (
@@ -28,10 +31,14 @@ from autoplan.execute.step import (
     make_optimizer,
     materialize,
 )
+from autoplan.execute.watchdog import note, step_timeout, watched
 from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
+from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
+from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.torch_private import wait_collective
+from autoplan.version import torch_release
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +78,20 @@ def _device_type(cluster: Cluster) -> str:
     return "cuda" if cluster.backend == "nccl" else "cpu"
 
 
-def _agree_on_plan(make: Callable[[], Plan]) -> Plan:
-    """Rank 0 makes the plan; every rank gets the same one, or the same error (never a hang)."""
+def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
+    """Rank 0 makes the plan (``what`` it does, for errors); every rank gets the same one, or
+    the same error, of the same class (never a hang)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", make().to_json())
         except AutoplanError as e:
-            box[0] = ("error", f"{type(e).__name__}: {e}")
+            box[0] = (type(e).__name__, str(e))
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
-    if status == "error":
-        raise AutoplanError(f"planning failed on rank 0: {payload}")
+    if status != "ok":
+        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(status, AutoplanError)
+        raise error(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 
@@ -91,7 +100,8 @@ class Step:
 
     ``step.module`` is the parallel module (its forward returns the loss, and gradients are
     synchronized as they arrive) for users who write their own loop; ``step.optimizer`` the
-    optimizer over its DTensor parameters; ``step.plan`` the plan in use.
+    optimizer over its DTensor parameters; ``step.plan`` the plan in use; ``step.steps_done``
+    the steps taken (counted by calls, and restored by `load`).
     """
 
     def __init__(
@@ -106,7 +116,9 @@ class Step:
         init_fn: Callable[[nn.Module], None] | None,
         options: PlanOptions,
         max_grad_norm: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
+        step_timeout(1.0, timeout_s)  # a bad value is refused now, not at the first step
         self._model = model
         self.cluster = cluster
         self._loss_fn = loss_fn
@@ -122,6 +134,9 @@ class Step:
         self.plan: Plan | None = None
         self.mesh: DeviceMesh | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
+        self.steps_done = 0
+        self._timeout_s = timeout_s
+        self.step_limit_s = 0.0  # the watchdog's, set from the plan when built
 
     def build(self, example_inputs: Any, example_target: Any) -> None:
         """Trace, plan (or check the given plan) and place the parameters."""
@@ -136,18 +151,19 @@ class Step:
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
             return export_step(self._model, inputs, self._loss_fn, target)
 
+        def graph_for(count: int) -> Graph:
+            # the graph just traced: rank 0 does not trace the model a second time
+            return graph if count == 1 else graph_from_export(export_microbatch(count))
+
         given = self._given_plan
         if given is not None:
-            plan = given if isinstance(given, Plan) else Plan.from_json(str(given))
+            plan = _agree_on_plan(
+                "checking the plan",
+                lambda: checked_plan(given, graph_for, self.cluster, self._options),
+            )
         else:
             plan = _agree_on_plan(
-                # the graph just traced: rank 0 does not trace the model a second time
-                lambda: plan_graph(
-                    graph,
-                    self.cluster,
-                    self._options,
-                    lambda count: graph_from_export(export_microbatch(count)),
-                )
+                "planning", lambda: plan_graph(graph, self.cluster, self._options, graph_for)
             )
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
@@ -184,6 +200,7 @@ class Step:
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
+        self.step_limit_s = step_timeout(plan.predicted.step_time_s, self._timeout_s)
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
         if self.optimizer is None:
@@ -194,22 +211,29 @@ class Step:
                 f"the step was traced with inputs {self._keywords or 'by position'}, got "
                 f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
             )
-        if self.pipeline is not None:
-            args = batch_args(inputs, target)
-            self.placeholders.check(args, batches=self.pipeline.num_microbatches)
-            loss = self.pipeline.run(args)
-        else:
-            assert self.module is not None
-            loss = self.module(inputs, target)
-            # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
-            # all-reduce, which is only read after the optimizer step
-            loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
-        if self.max_grad_norm is not None:
-            self.clip_gradients(self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # long done by now; waited for here so that no step leaves a collective behind
-        return wait_collective(loss.detach())
+        with watched(self.steps_done + 1, "forward", self.step_limit_s):
+            if self.pipeline is not None:
+                args = batch_args(inputs, target)
+                self.placeholders.check(args, batches=self.pipeline.num_microbatches)
+                loss = self.pipeline.run(args)
+            else:
+                assert self.module is not None
+                loss = self.module(inputs, target)
+                note("backward")
+                # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
+                # all-reduce, which is only read after the optimizer step
+                loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
+            if self.max_grad_norm is not None:
+                note("gradient clipping (the gradients' norm)")
+                self.clip_gradients(self.max_grad_norm)
+            note("the optimizer step (it waits for gradients still being reduced)")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            note("the loss's all-reduce")
+            # long done by now; waited for here so that no step leaves a collective behind
+            loss = wait_collective(loss.detach())
+        self.steps_done += 1
+        return loss
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most ``max_norm`` (as
@@ -235,6 +259,41 @@ class Step:
                 grad.mul_(scale)
         return norm
 
+    def save(self, directory: str | Path, *, keep: int | None = None, extra: Any = None) -> Path:
+        """Save a checkpoint on every rank (`autoplan.execute.checkpoint`): each rank writes its
+        shards of the parameters, buffers and optimizer state into
+        ``directory/step-<steps_done>``, with the step count, rank 0's random state and
+        ``extra`` (JSON: a data loader's position). Keeps the newest ``keep`` checkpoints (all
+        if None). Returns the checkpoint's path."""
+        optimizer = self._built("save")
+        return checkpoint.save(
+            directory, self._model, optimizer, self.steps_done, keep=keep, extra=extra
+        )
+
+    def load(self, directory: str | Path, *, missing_ok: bool = False) -> Progress | None:
+        """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) on
+        every rank, saved under this plan or any other plan of the same model; returns its
+        step count and ``extra``, and continues counting from there. With ``missing_ok``,
+        a directory without a checkpoint loads nothing and returns None."""
+        optimizer = self._built("load")
+        progress = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
+        if progress is not None:
+            self.steps_done = progress.step
+        return progress
+
+    def export(self, path: str | Path) -> None:
+        """Write the whole parameters and buffers as one ``torch.save`` file (rank 0 writes
+        it), which ``model.load_state_dict(torch.load(path))`` reads in one process."""
+        checkpoint.export(path, self.state_dict())
+
+    def _built(self, action: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise AutoplanError(
+                f"cannot {action} a step that is not built yet: pass example_inputs to "
+                f"parallelize, or {action} after the first step"
+            )
+        return self.optimizer
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters and buffers (gathered on every rank)."""
         if self.optimizer is None:
@@ -248,14 +307,48 @@ class Step:
         }
 
 
+def checked_plan(
+    plan: Plan | str | Path,
+    graph_for: GraphForMicrobatches,
+    cluster: Cluster,
+    options: PlanOptions,
+) -> Plan:
+    """A plan given to train with, checked against the model and ``cluster`` (it must be the
+    cluster it was made for), its collectives and buckets derived from its placements
+    (`autoplan.estimate.derive`). ``graph_for(count)``: the step traced at ``count``
+    microbatches."""
+    given = plan if isinstance(plan, Plan) else Plan.from_json(str(plan))
+    derived = derive(
+        given,
+        graph_for,
+        cluster,
+        optimizer=options.optimizer,
+        memory_fraction=options.memory_fraction,
+    )
+    _check_cluster(given, cluster)
+    return derived
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse a model with nothing to train."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AutoplanError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad): "
+            "there is nothing to train; give it parameters (autoplan plan and estimate work "
+            "without them)"
+        )
+
+
 def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
-    if got.graph_fingerprint != graph_fingerprint:
-        raise PlanFormatError(
-            f"the plan was made for another model, input shapes or set of frozen parameters "
-            f"(graph fingerprint {got.graph_fingerprint}, this one {graph_fingerprint}); plan "
-            "again for this model"
-        )
+    refusal = got.graph_refusal(graph_fingerprint, torch_release())
+    if refusal is not None:
+        raise PlanFormatError(refusal)
+    _check_cluster(plan, cluster)
+
+
+def _check_cluster(plan: Plan, cluster: Cluster) -> None:
+    got = plan.provenance
     if got.cluster_fingerprint != cluster.fingerprint():
         raise PlanFormatError(
             f"the plan was made for cluster {got.cluster!r} ({got.cluster_fingerprint}), not "
@@ -276,6 +369,7 @@ def parallelize(
     init_fn: Callable[[nn.Module], None] | None = None,
     max_grad_norm: float | None = None,
     options: PlanOptions | None = None,
+    timeout_s: float | None = None,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
@@ -283,11 +377,16 @@ def parallelize(
     ``parallelize_module`` does); ``step.state_dict()`` gives them back whole.
 
     Without ``example_inputs`` the model is traced and planned at the first call, from that
-    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning; it must match the model
-    and cluster. ``max_grad_norm`` clips gradients to that global norm before each optimizer
-    step (its norm reductions are not in the plan's list of collectives). ``options`` go to
+    batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning: rank 0 checks it
+    against the model and cluster and derives its collectives and gradient buckets from its
+    placements (`autoplan.estimate.derive`; what the plan lists of them is not used).
+    ``max_grad_norm`` clips gradients to that global norm before each optimizer step (its
+    norm reductions are not in the plan's list of collectives). ``options`` go to
     `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
-    is the one whose state the plan counts.
+    is the one whose state the plan counts. ``timeout_s`` bounds each step (default: ten
+    times the plan's predicted step time, at least 60 s): a step that runs over, a rank
+    stopped or stuck in a collective, ends the whole job with a message naming the ranks,
+    the step and what each was waiting in (`autoplan.execute.watchdog`).
 
     ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
     ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
@@ -295,6 +394,7 @@ def parallelize(
     The gradients of bucketed parameters are views of their bucket's buffer, valid until the
     next backward pass.
     """
+    check_trainable(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise AutoplanError(
             "the model's parameters are already DTensors: it was parallelized before (they are "
@@ -315,6 +415,7 @@ def parallelize(
         init_fn=init_fn,
         options=options,
         max_grad_norm=max_grad_norm,
+        timeout_s=timeout_s,
     )
     if example_inputs is not None:
         step.build(example_inputs, example_target)

@@ -1,13 +1,28 @@
-"""Every private torch API autoplan uses, in one place, pinned to torch 2.13.0.
+"""Every private torch API autoplan uses, in one place, for torch 2.11 to 2.15.
 
 tests/test_strategies.py and tests/test_distributed.py exercise each of them, so a torch
-upgrade that moves one fails there, not deep inside a plan or a training run.
+release that moves one fails there (tools/torch_matrix.sh runs the tests under each release),
+not deep inside a plan or a training run. Where releases differ, this module finds out what
+the torch at hand has rather than comparing version numbers.
 
-- DTensor's per-mesh-axis ("single-dim") sharding rules and their placeholder types: the
-  planner reads DTensor's own rules instead of copying them (strategies/dtensor_rules.py).
+- DTensor's sharding rules on one mesh axis and their placeholder types: the planner reads
+  DTensor's own rules instead of copying them (strategies/dtensor_rules.py). torch 2.13 and
+  later state most rules per mesh axis ("single-dim strategies"); torch 2.11 states them over
+  the whole mesh, and they are asked on a one-axis mesh instead (`dtensor_axis_rules`).
 - `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
   op, which torch 2.13 has no rule for.
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
+- `from_local`: `DTensor.from_local` whose backward places the gradient as asked, which torch
+  2.13 on takes as `grad_placements=` and torch 2.11 does not: there an autograd function of
+  our own does what 2.13's does (execute/interpreter.py).
+- `all_gather_single` / `reduce_scatter_single`: torch 2.13's names for
+  `all_gather_into_tensor` / `reduce_scatter_tensor`, the only ones torch 2.11 has (2.13 warns
+  at the old names); the profiler times them (profile/ops.py).
+- `pipeline_wire_dtype` / `pipeline_sent` / `pipeline_received`: torch 2.11's pipelining
+  makes every tensor a stage receives require a gradient, and a stage waits for a gradient
+  for every tensor it sends; 2.13 on leaves non-float tensors out of backward. Under 2.11 an
+  integer tensor crosses stages as the float64 view of its int64 values, and the stage that
+  receives it hands back a zero gradient (execute/pipeline.py).
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -21,26 +36,41 @@ upgrade that moves one fails there, not deep inside a plan or a training run.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import TensorMeta
-from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
 from torch.distributed.tensor._ops._embedding_ops import _MaskPartial as MaskPartial
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder as ShardingPlaceholder,
 )
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
 C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default  # (tensors, boxed group, op, ...)
 queue_backward_callback = torch.autograd.Variable._execution_engine.queue_callback
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 __all__ = [
     "C10D_ALL_REDUCE",
@@ -50,20 +80,184 @@ __all__ = [
     "ShardingPlaceholder",
     "TensorMeta",
     "TorchDispatchMode",
+    "all_gather_single",
+    "dtensor_axis_rules",
+    "from_local",
     "functional_all_reduce",
+    "pipeline_received",
+    "pipeline_sent",
+    "pipeline_wire_dtype",
     "queue_backward_callback",
+    "reduce_scatter_single",
     "register_single_dim_strategy",
     "resolve_process_group",
-    "single_dim_strategy_funcs",
     "unbox_process_group",
     "wait_collective",
 ]
 
 
-def single_dim_strategy_funcs() -> dict[Any, Any]:
-    """DTensor's registry: ATen op -> its single-dim strategy."""
-    funcs: dict[Any, Any] = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
-    return funcs
+# DTensor's rule for an op on one mesh axis: (op, args, kwargs), tensors as their TensorMeta
+# (a list of them for a tensor list) -> placement lists [outputs..., tensor args...], where a
+# placement may be a ShardingPlaceholder standing for Shard
+AxisRuleFunc = Callable[..., list[list[Any]]]
+
+
+def dtensor_axis_rules(op: torch._ops.OpOverload) -> AxisRuleFunc | None:
+    """DTensor's sharding rule for ``op`` on one mesh axis, None if DTensor has none."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    info = propagator.op_single_dim_strategy_funcs.get(op)
+    if info is not None:
+        func: AxisRuleFunc = info.func
+        return func
+    if _rules_are_whole_mesh() and op in propagator.op_strategy_funcs:
+        return _one_axis_rules
+    return None
+
+
+@functools.cache
+def _rules_are_whole_mesh() -> bool:
+    """Whether this torch states its elementwise rules over the whole mesh (torch 2.11) rather
+    than per mesh axis (2.13 on, where an op still stated over the whole mesh has no rule the
+    planner reads, as it had none before)."""
+    registry = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+    return torch.ops.aten.add.Tensor not in registry
+
+
+@functools.cache
+def _one_axis_mesh() -> DeviceMesh:
+    # two ranks and no process group: a rule reads only the mesh's shape
+    return DeviceMesh("cpu", [0, 1], _init_backend=False, _rank=0)
+
+
+def _one_axis_rules(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[list[Any]]:
+    """A whole-mesh rule asked on a one-axis mesh, once with every tensor replicated, once
+    with every tensor partial and once with every tensor split on each dim, as DTensor asks
+    it at run time (a tensor too small for a dim stays replicated). A rule that refuses one
+    such placement (a view that cannot split a merged dim) still gives the others."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    ndim = max((len(m.shape) for m in _metas((*args, *kwargs.values()))), default=0)
+    rules: list[list[Any]] = []
+    for offered in (Replicate(), Partial(), *(Shard(d) for d in range(ndim))):
+
+        def strategy(value: Any, offered: Placement = offered) -> Any:
+            if isinstance(value, TensorMeta):
+                fits = not isinstance(offered, Shard) or offered.dim < len(value.shape)
+                spec = DTensorSpec(_one_axis_mesh(), (offered if fits else Replicate(),), value)
+                return OpStrategy([OpSpec(spec)])
+            if isinstance(value, list | tuple) and value and isinstance(value[0], TensorMeta):
+                return TupleStrategy([strategy(v) for v in value])
+            return value
+
+        schema = OpSchema(
+            op,
+            tuple(strategy(a) for a in args),
+            {k: strategy(v) for k, v in kwargs.items()},
+            schema_info=propagator.op_to_schema_info.get(op),
+        )
+        try:
+            found = propagator.op_strategy_funcs[op](schema)
+        except Exception:  # this placement refused; the others may still do
+            continue
+        if isinstance(found, OpStrategy):
+            rules.extend(_placement_lists(found))
+    return rules
+
+
+def _metas(values: Sequence[Any]) -> list[TensorMeta]:
+    found: list[TensorMeta] = []
+    for v in values:
+        if isinstance(v, TensorMeta):
+            found.append(v)
+        elif isinstance(v, list | tuple):
+            found.extend(_metas(v))
+    return found
+
+
+def _placement_lists(strategy: OpStrategy) -> list[list[Any]]:
+    lists = []
+    for spec in strategy.strategies:
+        outs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        if spec.input_specs is not None:
+            placed = [*(o for o in outs if o is not None), *spec.input_specs]
+            lists.append([s.placements[0] for s in placed])
+    return lists
+
+
+_FROM_LOCAL_PLACES_GRADIENTS = "grad_placements" in inspect.signature(DTensor.from_local).parameters
+
+
+def from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    grad_placements: tuple[Placement, ...] | None,
+) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False)``, whose backward hands
+    ``local`` its gradient placed as ``grad_placements`` (None: DTensor's default, partial
+    sums reduced)."""
+    if grad_placements is None:
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+    if _FROM_LOCAL_PLACES_GRADIENTS:
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, grad_placements=grad_placements
+        )
+    placed: DTensor = _FromLocal.apply(local, mesh, placements, grad_placements)
+    return placed
+
+
+class _FromLocal(torch.autograd.Function):
+    """torch 2.13's ``from_local(grad_placements=...)`` for torch 2.11, whose ``from_local``
+    reduces a partial gradient: forward is ``from_local``; backward moves the gradient to
+    ``grad_placements`` (partial stays partial) and hands on its local shard."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        grad_placements: tuple[Placement, ...],
+    ) -> DTensor:
+        ctx.mesh, ctx.grad_placements = mesh, grad_placements
+        ctx.set_materialize_grads(False)
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor | None) -> tuple[torch.Tensor | None, None, None, None]:
+        if grad is None:
+            return None, None, None, None
+        local = grad._local_tensor
+        if tuple(grad.placements) != ctx.grad_placements:
+            goal = DTensorSpec(ctx.mesh, ctx.grad_placements, tensor_meta=grad._spec.tensor_meta)
+            local = redistribute_local_tensor(local, grad._spec, goal)
+        return local, None, None, None
+
+
+# whether pipelining records which tensors crossing stages require a gradient (2.13 on)
+_PIPELINE_SKIPS_NON_FLOAT = hasattr(pipelining_utils, "_TensorMeta")
+
+
+def pipeline_wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` crosses pipeline stages as."""
+    if _PIPELINE_SKIPS_NON_FLOAT or dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return torch.float64
+
+
+def pipeline_sent(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous) as a stage sends it to the next."""
+    tensor = tensor.contiguous()
+    if pipeline_wire_dtype(tensor.dtype) == tensor.dtype:
+        return tensor
+    return tensor.to(torch.int64).view(torch.float64)
+
+
+def pipeline_received(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` that a stage received in ``buffer``."""
+    if buffer.dtype == dtype:
+        return buffer
+    buffer.grad = torch.zeros_like(buffer)  # the gradient the sending stage waits for
+    return buffer.detach().view(torch.int64).to(dtype)
 
 
 def wait_collective(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,7 @@ class Workload:
         init_fn: Callable[[nn.Module], None] | None = None,
         max_grad_norm: float | None = None,
         options: PlanOptions | None = None,
+        timeout_s: float | None = None,
     ) -> Step:
         """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
         return parallelize(
@@ -119,6 +121,7 @@ class Workload:
             init_fn=init_fn,
             max_grad_norm=max_grad_norm,
             options=options,
+            timeout_s=timeout_s,
         )
 
     def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:
@@ -137,7 +140,9 @@ def load_workload(path: str | Path, **options: Any) -> Workload:
     """Import a Python file and call its ``workload(**options)``.
 
     Options are passed only if the function accepts them, so ``--set batch_size=8`` works for
-    examples that take ``batch_size`` and is reported for those that do not.
+    examples that take ``batch_size`` and is reported for those that do not. A file that does
+    not import, or a ``workload()`` that raises, is reported with the exception and the line
+    of the file where it arose.
     """
     path = Path(path)
     if not path.is_file():
@@ -146,12 +151,22 @@ def load_workload(path: str | Path, **options: Any) -> Workload:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise AutoplanError(f"{path}, line {e.lineno}: {e.msg}; fix the workload file") from None
+    except Exception as e:  # the user's module: any exception is theirs to see, in one line
+        raise AutoplanError(f"{path} could not be imported{_raised(e, path)}") from e
     make = getattr(module, "workload", None)
     if make is None:
         raise AutoplanError(
             f"{path} has no function `workload()`; define one returning autoplan.Workload "
             "(see examples/mlp.py)"
+        )
+    if not callable(make):
+        raise AutoplanError(
+            f"{path}: workload is {type(make).__name__}, not a function; define `def "
+            "workload(...)` returning autoplan.Workload (see examples/mlp.py)"
         )
     accepted = inspect.signature(make).parameters
     unknown = sorted(set(options) - set(accepted))
@@ -160,7 +175,33 @@ def load_workload(path: str | Path, **options: Any) -> Workload:
             f"{path}: workload() does not take {', '.join(unknown)}; it takes "
             f"{', '.join(accepted) or 'no options'}"
         )
-    result = make(**options)
+    try:
+        result = make(**options)
+    except AutoplanError:
+        raise
+    except Exception as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        raise AutoplanError(
+            f"{path}: workload({given}) failed{_raised(e, path)}; check the options (--set)"
+        ) from e
     if not isinstance(result, Workload):
         raise AutoplanError(f"{path}: workload() returned {type(result).__name__}, not Workload")
+    if not isinstance(result.model, nn.Module):
+        raise AutoplanError(
+            f"{path}: workload() returned a Workload whose model is "
+            f"{type(result.model).__name__}, not a torch.nn.Module"
+        )
     return result
+
+
+def _raised(e: Exception, path: Path) -> str:
+    """ " at FILE:LINE: Type: message" for an exception ``e`` raised from the file ``path``
+    (the innermost line of that file in its traceback)."""
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if Path(f.filename).resolve() == path.resolve()
+    ]
+    where = f" at {path}:{frames[-1].lineno}" if frames else ""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{where}: {type(e).__name__}: {first}" if first else f"{where}: {type(e).__name__}"

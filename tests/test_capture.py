@@ -99,13 +99,15 @@ def test_loss_without_target_is_a_clear_error(cpu4: autoplan.Cluster) -> None:
         autoplan.plan(w.model, w.example_inputs, cpu4, loss_fn=w.loss_fn)
 
 
-class LogCumSumExp(nn.Module):
+class Renorm(nn.Module):
+    """A model with an op that DTensor has no rule for in any torch autoplan supports."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.logcumsumexp(self.fc(x), dim=1)  # no sharding rule
+        return torch.renorm(self.fc(x), p=2, dim=1, maxnorm=1.0)
 
 
 def test_ops_without_rule_are_replicated_with_one_warning(
@@ -113,13 +115,13 @@ def test_ops_without_rule_are_replicated_with_one_warning(
 ) -> None:
     with caplog.at_level(logging.WARNING):
         plan = autoplan.plan(
-            LogCumSumExp(), torch.randn(16, 8), cpu4, options=PlanOptions(mesh_shape=(4,))
+            Renorm(), torch.randn(16, 8), cpu4, options=PlanOptions(mesh_shape=(4,))
         )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "aten.logcumsumexp.default" in warnings[0]
-    cumsum = next(n for n in plan.nodes.values() if n.op == "aten.logcumsumexp.default")
-    assert cumsum.rule == "replicated" and set(cumsum.output.values()) == {"R"}
-    assert [n.kind for n in capture(LogCumSumExp(), torch.randn(16, 8))][-2:] == [OP, OUTPUT]
+    assert len(warnings) == 1 and "aten.renorm.default" in warnings[0]
+    renorm = next(n for n in plan.nodes.values() if n.op == "aten.renorm.default")
+    assert renorm.rule == "replicated" and set(renorm.output.values()) == {"R"}
+    assert [n.kind for n in capture(Renorm(), torch.randn(16, 8))][-2:] == [OP, OUTPUT]
 
 
 def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from autoplan.version import torch_release
 from tests.distributed.cases import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,7 @@ def test_forced_layouts_are_what_they_say(results: dict[int, dict[str, Any]]) ->
         assert four[name]["axes"] == ["tp"] and {"S(0)", "S(1)"} <= set(four[name]["placements"])
     for name in ("mlp-2x2", "gpt-2x2"):
         assert four[name]["shape"] == [2, 2]
+    assert four["gpt-dp-edited"]["placements"] == ["R", "S(0)"]  # the head stored split
 
 
 def test_comm_free_ops_run_on_local_shards(results: dict[int, dict[str, Any]]) -> None:
@@ -170,9 +172,19 @@ def test_errors_reach_every_rank(results: dict[int, dict[str, Any]]) -> None:
                 seen["other_model"].startswith("PlanFormatError")
                 and "another model" in seen["other_model"]
             )
+            # a plan from another torch release runs where the graph is the same
+            assert seen["other_release"] == "ok"
+            refused = seen["other_release_other_model"]
+            assert refused.startswith("PlanFormatError")
+            assert f"under torch {torch_release()} this model" in refused
+            assert refused.endswith("plan again under this torch")
             assert (
                 seen["wrong_shape"].startswith("AutoplanError") and "(4, 16)" in seen["wrong_shape"]
             )
+            # rank 0 checks a given plan; every rank reports what it found
+            refused = "PlanFormatError: checking the plan failed on rank 0"
+            assert seen["hand_edited"].startswith(refused)
+            assert "params.layers.0.weight.placements is S(7)" in seen["hand_edited"]
             # a parameter frozen after planning: its gradient bucket never fills
             assert seen["frozen"].startswith("AutoplanError") and "requires_grad" in seen["frozen"]
             assert seen["twice"].startswith("AutoplanError") and "already" in seen["twice"]
@@ -208,3 +220,54 @@ def test_cli_run_trains_and_checks(tmp_path: Path) -> None:
     assert "mesh: tp=2" in out and "[tp=S(1)]" in out
     assert "step   2  loss" in out and "samples/s" in out
     assert "check against one process" in out and out.rstrip().endswith("OK")
+
+
+def test_checkpoints_resume_under_other_plans(results: dict[int, dict[str, Any]]) -> None:
+    """3 steps, a save, a new step under another plan (another rank count: the 2-rank run's
+    checkpoint, loaded by the 4-rank one) that loads it, 3 more: as 6 steps in one process."""
+    two, four = results[2]["checkpoints"], results[4]["checkpoints"]
+    resumed = {
+        "tp->pipeline": two["tp->pipeline"],
+        **{name: r for name, r in four.items() if "->" in name},
+    }
+    assert set(resumed) == {
+        "tp->pipeline",
+        "2x2->dp",
+        "2x2->zero3",
+        "2x2->pipeline-2x2",
+        "2x2->tp",
+        "2 ranks tp->2x2",
+    }
+    for name, r in resumed.items():
+        assert (r["step"], r["extra"], r["loaded"]) == (3, {"batches": 3}, "step-00000003"), name
+        assert r["loss"] <= TOLERANCE and r["param"] <= TOLERANCE, (name, r)
+    assert four["straight"] <= TOLERANCE
+
+
+def test_a_save_cut_short_leaves_the_last_checkpoint(results: dict[int, dict[str, Any]]) -> None:
+    four = results[4]["checkpoints"]
+    # rank 1 wrote its shards, then failed: every rank hears of it, by rank and cause
+    assert len(four["crash"]) == 4
+    for seen in four["crash"]:
+        assert "step-00000004 failed (rank 1: OSError: the disk went away)" in seen
+    # the wreck is left aside, never read; the resumes above loaded step 3 after it
+    assert four["after_crash"] == [".step-00000004.tmp", "step-00000003"]
+    assert four["latest_after_crash"] == "step-00000003"
+    # the next save clears it away and keeps only the newest (keep=1)
+    assert four["kept"] == ["step-00000006"]
+
+
+def test_a_checkpoint_of_another_model_is_refused(results: dict[int, dict[str, Any]]) -> None:
+    wrong = results[4]["checkpoints"]["wrong_model"]
+    for seen in wrong.values():  # every rank, the same error
+        assert len(seen) == 4 and len(set(seen)) == 1, seen
+    fewer, narrower = wrong["fewer layers"][0], wrong["narrower"][0]
+    assert "13 parameter(s) or buffer(s) the model lacks (blocks.1." in fewer
+    assert "'tok_emb.weight' of shape (1024, 256), the model (128, 64)" in narrower
+    assert "saved for another model" in fewer and "saved for another model" in narrower
+
+
+def test_export_is_the_whole_state_dict(results: dict[int, dict[str, Any]]) -> None:
+    four = results[4]["checkpoints"]
+    # plain tensors that a fresh model loads strictly (in the worker), as trained
+    assert four["export_types"] == ["Tensor"] and four["export"] <= TOLERANCE

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 import autoplan
 from autoplan.errors import PlanFormatError
-from tests.conftest import plan_example
+from autoplan.planfile.sections import PLAN_VERSION
+from autoplan.version import torch_release
+from tests.conftest import ROOT, plan_example
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +144,25 @@ def test_not_json_and_missing_file(tmp_path: Path) -> None:
         autoplan.Plan.from_json(str(tmp_path / "nope.json"))
 
 
+def test_a_plan_from_another_torch_release_loads_where_its_graph_is_the_same(
+    plan: autoplan.Plan,
+) -> None:
+    assert plan.provenance.torch == torch_release()
+    doc = json.loads(plan.to_json())
+    doc["provenance"]["torch"] = "2.11.0" if torch_release() != "2.11.0" else "2.15.0"
+    text = json.dumps(doc)
+    fp = plan.provenance.graph_fingerprint
+    loaded = autoplan.Plan.from_json(text, graph_fingerprint=fp)
+    assert loaded.provenance.torch == doc["provenance"]["torch"]
+    assert loaded.nodes == plan.nodes
+    with pytest.raises(PlanFormatError) as refused:
+        autoplan.Plan.from_json(text, graph_fingerprint="0" * 16)
+    message = str(refused.value)
+    assert f"made under torch {doc['provenance']['torch']} for graph {fp}" in message
+    assert f"under torch {torch_release()} this model traces to graph {'0' * 16}" in message
+    assert message.endswith("plan again under this torch")
+
+
 def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan.Cluster) -> None:
     text = plan.to_json()
     fp = plan.provenance.graph_fingerprint
@@ -149,3 +171,9 @@ def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan
         autoplan.Plan.from_json(text, graph_fingerprint="0" * 16)
     with pytest.raises(PlanFormatError, match="cluster_fingerprint"):
         autoplan.Plan.from_json(text, cluster_fingerprint=a100.fingerprint())
+
+
+def test_readme_names_the_plan_version_the_code_reads() -> None:
+    readme = (ROOT / "README.md").read_text()
+    named = re.findall(r"format (?:version )?(\d+)", readme)
+    assert named and set(named) == {str(PLAN_VERSION)}

@@ -131,7 +131,7 @@ def test_linear_rule_has_data_column_and_row_splits() -> None:
 
 
 def test_dtensor_adapter_translates_single_dim_rules() -> None:
-    """Pins the private API this adapter relies on (torch 2.13.0)."""
+    """Pins the private API this adapter relies on, in every torch autoplan supports."""
     assert dtensor_rules.has_rule("aten.add.Tensor")
     assert not dtensor_rules.has_rule("aten._scaled_dot_product_flash_attention_for_cpu.default")
     tensors = {Ref("a"): TensorInfo((8, 4), "float32"), Ref("b"): TensorInfo((4,), "float32")}
@@ -153,7 +153,9 @@ def test_dtensor_adapter_translates_single_dim_rules() -> None:
     )
     assert mm is not None and ("P", "S(1)", "S(0)") in mm
     assert (
-        dtensor_rules.axis_rules("aten.cumsum.default", (Ref("a"), 0), (), tensors, 1, 2, [2])
+        dtensor_rules.axis_rules(
+            "aten.renorm.default", (Ref("a"), 2.0, 1, 1.0), (), tensors, 1, 2, [2]
+        )
         is None
     )
 

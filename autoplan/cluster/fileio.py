@@ -39,7 +39,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from autoplan.cluster.hardware import BACKENDS, REQUIRED_DTYPES, Device, Link
+from autoplan.cluster.hardware import BACKENDS, DTYPES, REQUIRED_DTYPES, Device, Link
 from autoplan.cluster.measured import (
     COLLECTIVE_KINDS,
     LINK_CLASSES,
@@ -160,7 +160,7 @@ def _field(value: Any, where: str, path: str = "") -> JsonField:
 
 def _device(f: JsonField) -> Device:
     f.only(_DEVICE_FIELDS)
-    flops = f["peak_flops"].require(REQUIRED_DTYPES)
+    flops = f["peak_flops"].require(REQUIRED_DTYPES).only(DTYPES)
     return Device(
         kind=f["kind"].text(non_empty=True),
         memory_bytes=f["memory_bytes"].integer(minimum=1),
@@ -185,7 +185,7 @@ def read_measured(value: Any, where: str) -> Measured:
     if not f.obj():
         return Measured(fingerprint=None, matmul={}, elementwise={}, collectives={})
     by_dtype = {
-        section: {dtype: _curve(points) for dtype, points in _section(f, section)}
+        section: {dtype: _curve(points) for dtype, points in _section(f, section, DTYPES)}
         for section in _BY_DTYPE
     }
     collectives = {
@@ -206,9 +206,15 @@ def read_measured(value: Any, where: str) -> Measured:
     )
 
 
-def _section(measured: JsonField, name: str) -> list[tuple[str, JsonField]]:
-    """The fields of the optional object `name` of the measured section (null is no object)."""
-    return measured[name].items() if name in measured.obj() else []
+def _section(
+    measured: JsonField, name: str, keys: tuple[str, ...] | None = None
+) -> list[tuple[str, JsonField]]:
+    """The fields of the optional object `name` of the measured section (null is no object),
+    refused if one is not among `keys` (when given)."""
+    if name not in measured.obj():
+        return []
+    section = measured[name]
+    return (section if keys is None else section.only(keys)).items()
 
 
 def _overhead_curve(f: JsonField) -> Curve:

@@ -13,11 +13,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BACKENDS", "FALLBACK_DTYPE", "REQUIRED_DTYPES", "Device", "Link"]
+__all__ = ["BACKENDS", "DTYPES", "FALLBACK_DTYPE", "REQUIRED_DTYPES", "Device", "Link"]
 
 BACKENDS = ("gloo", "nccl")
 # Every cluster file must give peak FLOP/s for these dtypes; more (e.g. "float64") are allowed.
 REQUIRED_DTYPES = ("bfloat16", "float16", "float32")
+# The dtypes a cluster file may name: torch's, as a traced step names them (any other key is a
+# typo, which would leave its dtype priced at the fallback's rate without a word)
+DTYPES = (
+    *REQUIRED_DTYPES,
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
 # The dtype whose peak stands in for any dtype the file does not list (int64 index math, bool
 # masks, float64): such ops run on the vector units at roughly the fp32 rate, not the tensor cores.
 FALLBACK_DTYPE = "float32"

@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.errors import AutoplanError
 from autoplan.execute.placements import to_dtensor
+from autoplan.execute.watchdog import note
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import queue_backward_callback
 
@@ -249,6 +250,7 @@ class GradientReducer:
     @torch.no_grad()
     def _unpack(self, bucket: _Bucket) -> None:
         assert bucket.work is not None and bucket.flat is not None
+        note(f"the all-reduce of gradient bucket {bucket.name} on {'+'.join(bucket.axes)}")
         bucket.work.wait()
         # the same views of the same buffer every step (wrapping 57 gradients as DTensors
         # afresh costs ~1 ms of CPU a step on GPT)

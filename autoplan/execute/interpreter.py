@@ -43,11 +43,17 @@ from autoplan.execute.ops import (
     reduction,
     runs_locally,
 )
-from autoplan.execute.placements import from_dtensor, reachable, to_dtensor
+from autoplan.execute.placements import (
+    boundary_placements,
+    from_dtensor,
+    reachable,
+    to_dtensor,
+)
 from autoplan.execute.randomness import Draws, is_random
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
+from autoplan.torch_private import from_local
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +164,12 @@ class PlanInterpreter:
         axes = plan.stage_axes
         self.nodes = frozenset(plan.stages[stage].nodes)
         self.sent = plan.stages[stage].sent
-        self.boundary = to_dtensor(plan.stages[stage].boundary, axes) if self.sent else ()
+        # how each tensor sent on is placed (a scalar whole, whatever the boundary splits)
+        self.boundary = {
+            n.name: boundary_placements(plan.stages[stage].boundary, axes, n.meta["val"].shape)
+            for n in ep.graph.nodes
+            if n.name in self.sent
+        }
         self.inputs: dict[str, list[tuple[Placement, ...]]] = {}
         self.outputs: dict[str, tuple[Placement, ...]] = {}
         # the gradient placement of each input, as the planner has it (for local ops)
@@ -284,10 +295,10 @@ class PlanInterpreter:
         A local op's output already so placed goes as it is: a DTensor round trip
         (``from_local``, then ``to_local``, and both again in backward) would cost CPU time in
         every microbatch."""
-        value = env[name]
-        if isinstance(value, Local) and value.placements == self.boundary and value.grad is None:
+        value, boundary = env[name], self.boundary[name]
+        if isinstance(value, Local) and value.placements == boundary and value.grad is None:
             return value.tensor
-        dtensor = self._place(self._dtensor(name, env, placed), self.boundary)
+        dtensor = self._place(self._dtensor(name, env, placed), boundary)
         return _local_value(dtensor)
 
     def _dtensor(self, name: str, env: dict[str, Any], placed: Placed) -> Any:
@@ -299,12 +310,8 @@ class PlanInterpreter:
         placements = placed.setdefault(name, {})
         if "dtensor" not in placements:
             # backward: the DTensor users' gradients, summed, join the local ones placed alike
-            placements["dtensor"] = DTensor.from_local(
-                value.tensor,
-                self.mesh,
-                value.placements,
-                run_check=False,
-                grad_placements=value.grad,
+            placements["dtensor"] = from_local(
+                value.tensor, self.mesh, value.placements, value.grad
             )
         return placements["dtensor"]
 

@@ -23,14 +23,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import Local, PlanInterpreter
-from autoplan.execute.placements import to_dtensor
+from autoplan.execute.placements import boundary_placements
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
+from autoplan.execute.watchdog import note
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
+from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
 
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
     "1F1B": Schedule1F1B,
@@ -57,19 +60,26 @@ class StageModule(nn.Module):
         self.placeholders = Placeholders(ep, plan, mesh)
         self.is_first = index == 0
         self.is_last = index == len(plan.stages) - 1
-        self._boundary = to_dtensor(stage.boundary, plan.stage_axes) if stage.boundary else ()
+        self._boundary = stage.boundary
+        self._axes = plan.stage_axes
         metas = {n.name: n.meta["val"] for n in ep.graph.nodes if "val" in n.meta}
         self._received = [(name, metas[name]) for name in stage.received]
         self._sent = [metas[name] for name in stage.sent]
         self._loss = metas[next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name]
 
+    def _placements(self, meta: torch.Tensor) -> tuple[Placement, ...]:
+        """How a tensor shaped as ``meta`` crosses the stage boundary."""
+        return boundary_placements(self._boundary, self._axes, meta.shape)
+
     def _local(self, meta: torch.Tensor) -> torch.Tensor:
-        """An empty tensor shaped as this rank's shard of a boundary tensor (with a gradient
-        if it is a floating-point activation: the metadata the library sends by)."""
+        """An empty tensor shaped as this rank's shard of a boundary tensor, in the dtype it
+        crosses stages as (with a gradient if floating-point: the metadata the library sends
+        by)."""
+        dtype = pipeline_wire_dtype(meta.dtype)
         whole = torch.distributed.tensor.empty(
-            meta.shape, dtype=meta.dtype, device_mesh=self.mesh, placements=self._boundary
+            meta.shape, dtype=dtype, device_mesh=self.mesh, placements=self._placements(meta)
         )
-        return whole.to_local().requires_grad_(meta.is_floating_point())
+        return whole.to_local().requires_grad_(dtype.is_floating_point)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the stage receives per microbatch (the pipelining library's static shapes)."""
@@ -90,14 +100,14 @@ class StageModule(nn.Module):
             values = self.placeholders.values(self.model, ())
             # local shards placed as the boundary: the interpreter wraps one in a DTensor
             # only where a DTensor op or a redistribution reads it
-            for (name, _), local in zip(self._received, args, strict=True):
-                values[name] = Local(local, self._boundary)
+            for (name, meta), local in zip(self._received, args, strict=True):
+                values[name] = Local(pipeline_received(local, meta.dtype), self._placements(meta))
         out = self.interpreter.run(values)
         if self.is_last:
             (loss,) = out
             # shape (1,): the schedule concatenates the microbatches' outputs
             return _global_loss(loss).reshape(1)
-        return tuple(t.contiguous() for t in out)
+        return tuple(pipeline_sent(t) for t in out)
 
 
 class PipelineRunner:
@@ -149,6 +159,10 @@ class PipelineRunner:
     def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the whole batch; returns its mean loss on every rank."""
         losses: list[torch.Tensor] = []
+        note(
+            f"the pipeline schedule of stage {self.index} (forward and backward; activations "
+            "and their gradients to and from the neighbouring stages)"
+        )
         if self.module.is_first:
             self.schedule.step(*args)
         elif self.module.is_last:
@@ -158,6 +172,7 @@ class PipelineRunner:
             self.schedule.step()
         self._mean_of_microbatches()
         self.gradients.reduce_now()
+        note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
         if self.module.is_last:
             loss = torch.stack([x.detach() for x in losses]).mean()

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoplan.strategies.placement import P, R, shard, shard_dim
+from autoplan.strategies.placement import P, R, fitted, shard, shard_dim
 
 
 def to_dtensor(spec: Mapping[str, str], axes: Sequence[str]) -> tuple[Placement, ...]:
@@ -16,6 +16,17 @@ def to_dtensor(spec: Mapping[str, str], axes: Sequence[str]) -> tuple[Placement,
     immutable), so that the executor's comparisons of placements, once per op and step, are
     mostly identity checks."""
     return tuple(_placement(spec[axis]) for axis in axes)
+
+
+def boundary_placements(
+    boundary: Mapping[str, str], axes: Sequence[str], shape: Sequence[int]
+) -> tuple[Placement, ...]:
+    """How a tensor of ``shape`` crosses a pipeline stage boundary (`fitted`); a plan
+    without stages has no boundary: nothing."""
+    if not boundary:
+        return ()
+    spec = fitted([boundary[axis] for axis in axes], shape)
+    return to_dtensor(dict(zip(axes, spec, strict=True)), axes)
 
 
 @functools.cache

@@ -88,7 +88,11 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
 
 def microbatch(batch: Any, count: int) -> Any:
     """The first of ``count`` equal microbatches of ``batch`` (tensors split along dim 0;
-    tuples, lists and mappings element by element); what a pipeline stage sees per step."""
+    tuples, lists and mappings element by element); what a pipeline stage sees per step. One
+    microbatch is the batch itself: a tensor given twice (token ids as their own labels) stays
+    one tensor, which export traces otherwise than two."""
+    if count == 1:
+        return batch
     if isinstance(batch, torch.Tensor):
         return batch[: batch.shape[0] // count] if batch.dim() else batch
     if isinstance(batch, tuple | list):
@@ -128,7 +132,7 @@ def export_step(
     try:
         ep = torch.export.export(wrapper, args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
-        raise TraceError(_explain_trace_failure(model, e)) from e
+        raise TraceError(_explain_trace_failure(model, e, args)) from e
     _inline_regions(ep)
     if _mutates(ep):
         with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
@@ -283,7 +287,28 @@ def _drop_checks(ep: ExportedProgram) -> None:
         ep.graph_module.recompile()
 
 
-def _explain_trace_failure(model: nn.Module, e: Exception) -> str:
+def _data_dependent(e: BaseException) -> bool:
+    """Whether tracing failed on Python that reads tensor values (control flow, ``.item()``)."""
+    while e is not None:
+        text = f"{type(e).__name__} {e}".lower()
+        if "datadependent" in text or "data-dependent" in text or "data dependent" in text:
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
+def _described(args: tuple[Any, ...]) -> str:
+    """The step's arguments as dtype[shape]: "int64[8, 16], int64[8, 16]"."""
+
+    def one(a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
+        return type(a).__name__
+
+    return ", ".join(one(a) for a in args)
+
+
+def _explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...]) -> str:
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(os.path.dirname(__file__))
     user_frames = [
@@ -296,11 +321,19 @@ def _explain_trace_failure(model: nn.Module, e: Exception) -> str:
     if user_frames:
         f = user_frames[-1]
         where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    if _data_dependent(e):
+        hint = (
+            "autoplan traces the model with torch.export on fake tensors: replace Python "
+            "control flow that depends on tensor values with tensor ops (torch.where, masks), "
+            "and avoid .item(), .tolist() and printing tensors inside forward."
+        )
+    else:
+        hint = (
+            f"It was called on the example inputs (then the target): {_described(args)}; "
+            "check that the model runs on inputs of these dtypes and shapes."
+        )
     return (
-        f"could not trace {type(model).__name__}{where}: {type(e).__name__}: {first_line}. "
-        "autoplan traces the model with torch.export on fake tensors: replace Python control "
-        "flow that depends on tensor values with tensor ops (torch.where, masks), and avoid "
-        ".item(), .tolist() and printing tensors inside forward."
+        f"could not trace {type(model).__name__}{where}: {type(e).__name__}: {first_line}. {hint}"
     )
 
 
@@ -313,6 +346,22 @@ def capture(
     """Trace ``model`` (and ``loss_fn`` applied to its output and ``example_target``)."""
     ep = export_step(model, example_inputs, loss_fn, example_target)
     return graph_from_export(ep)
+
+
+def capture_microbatches(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: Any = None,
+) -> Callable[[int], Graph]:
+    """``capture`` of the step at a number of microbatches: ``at(count)`` traces it on the
+    first of ``count`` microbatches of the example batch (`microbatch`)."""
+
+    def at(count: int) -> Graph:
+        inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+        return capture(model, inputs, loss_fn, target)
+
+    return at
 
 
 def graph_from_export(ep: ExportedProgram) -> Graph:

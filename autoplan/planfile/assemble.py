@@ -6,8 +6,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-import torch
-
 from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
 from autoplan.planfile.schema import Plan
@@ -29,7 +27,7 @@ from autoplan.search.pipeline_price import PipelinePlan, SolverStats, own_decisi
 from autoplan.search.step_price import PricedStep
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
-from autoplan.version import __version__
+from autoplan.version import __version__, torch_release
 
 
 def axis_names(
@@ -55,7 +53,7 @@ def _named(spec: Spec, axes: tuple[str, ...]) -> Placements:
 def provenance(graph: Graph, cluster: Cluster) -> Provenance:
     return Provenance(
         autoplan=__version__,
-        torch=torch.__version__.split("+")[0],
+        torch=torch_release(),
         graph_fingerprint=graph.fingerprint,
         cluster_fingerprint=cluster.fingerprint(),
         cluster=cluster.name,

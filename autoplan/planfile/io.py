@@ -39,6 +39,7 @@ from autoplan.planfile.sections import (
 from autoplan.schedules import SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
+from autoplan.version import torch_release
 
 __all__ = ["plan_text", "read_plan"]
 
@@ -64,19 +65,22 @@ def read_plan(
     try:
         doc = JsonField(json.loads(text), name, PlanFormatError)
     except json.JSONDecodeError as e:
-        raise PlanFormatError(f"plan is not valid JSON: {e.msg} at line {e.lineno}") from e
+        raise PlanFormatError(f"{name} is not valid JSON: {e.msg} at line {e.lineno}") from e
     version = doc["version"]
     if version.value != PLAN_VERSION:
         raise version.fail(f"{PLAN_VERSION} (this autoplan reads only that version)")
     fields = _read_fields(doc)
-    for kind, expected in (("graph", graph_fingerprint), ("cluster", cluster_fingerprint)):
-        found = getattr(fields["provenance"], f"{kind}_fingerprint")
-        if expected is not None and found != expected:
-            other = "model or input shapes" if kind == "graph" else "cluster"
-            raise doc["provenance"][f"{kind}_fingerprint"].problem(
-                f"{found}, but the {kind} at hand has {expected}: the plan was made for "
-                f"another {other}; re-plan (autoplan plan ...) for this one"
-            )
+    provenance = fields["provenance"]
+    if graph_fingerprint is not None:
+        refusal = provenance.graph_refusal(graph_fingerprint, torch_release())
+        if refusal is not None:
+            raise doc["provenance"]["graph_fingerprint"].problem(refusal)
+    if cluster_fingerprint is not None and provenance.cluster_fingerprint != cluster_fingerprint:
+        raise doc["provenance"]["cluster_fingerprint"].problem(
+            f"{provenance.cluster_fingerprint}, but the cluster at hand has "
+            f"{cluster_fingerprint}: the plan was made for another cluster; re-plan "
+            "(autoplan plan ...) for this one"
+        )
     return fields
 
 
@@ -269,4 +273,4 @@ def _placements(f: JsonField, axes: tuple[str, ...]) -> Placements:
         found[axis] = text
     if set(found) != set(axes):
         raise f.fail(f"a placement for every mesh axis ({', '.join(axes)})")
-    return found
+    return {axis: found[axis] for axis in axes}  # in mesh order, however the file has them

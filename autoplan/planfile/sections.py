@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial
+# 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
+# 5: a collective's mesh axes (several for a bucket all-reduced over them together)
 PLAN_VERSION = 5
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
@@ -20,10 +21,29 @@ Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 @dataclass(frozen=True)
 class Provenance:
     autoplan: str
-    torch: str
+    torch: str  # the release that traced the graph: for people, and to explain a refusal
     graph_fingerprint: str
     cluster_fingerprint: str
     cluster: str  # the cluster's name, for people
+
+    def graph_refusal(self, fingerprint: str, torch: str) -> str | None:
+        """Why this plan cannot run the graph `fingerprint` that torch release `torch` traced,
+        None if it can. The graph decides, not the release: a plan made under one torch runs
+        under another that traces the model to the same graph."""
+        if fingerprint == self.graph_fingerprint:
+            return None
+        if torch != self.torch:
+            return (
+                f"the plan was made under torch {self.torch} for graph {self.graph_fingerprint}, "
+                f"and under torch {torch} this model traces to graph {fingerprint} (torch.export "
+                "traces some models differently from release to release; or the model, its "
+                "input shapes or its frozen parameters changed): plan again under this torch"
+            )
+        return (
+            f"the plan was made for another model, input shapes or set of frozen parameters "
+            f"(graph fingerprint {self.graph_fingerprint}, this one {fingerprint}); plan again "
+            "for this model"
+        )
 
 
 @dataclass(frozen=True)

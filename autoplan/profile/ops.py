@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autoplan.profile.tasks import COLLECTIVE_ITEMSIZE, SYNC_WORK_CALLS, SYNC_WORK_DIM, Task
-from autoplan.torch_private import wait_collective
+from autoplan.torch_private import all_gather_single, reduce_scatter_single, wait_collective
 
 SYNC_BYTES = COLLECTIVE_ITEMSIZE  # the tensor sync_overhead redistributes: the curves' first size
 # local ops cycle through operands of at least this many bytes, more than a CPU's last-level
@@ -84,8 +84,8 @@ class Operations:
         other = torch.zeros_like(full)
         calls: dict[str, Callable[[], object]] = {
             "all_reduce": lambda: dist.all_reduce(full, group=group),
-            "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-            "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+            "all_gather": lambda: all_gather_single(full, part, group=group),
+            "reduce_scatter": lambda: reduce_scatter_single(part, full, group=group),
             "all_to_all": lambda: dist.all_to_all_single(other, full, group=group),
         }
         return Op(calls[task.section])

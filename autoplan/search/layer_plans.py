@@ -35,7 +35,7 @@ from autoplan.search.pipeline_price import (
 )
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
 from autoplan.search.step_price import price_step
-from autoplan.strategies.placement import Spec, is_valid, replicated
+from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies
 
@@ -190,7 +190,8 @@ class StageSolver:
         graph = stage.graph
         mesh, boundary = self.costs.mesh_shape, self.boundary
         crossing = (*stage.received, *stage.sent)
-        if not all(is_valid(boundary, graph.node(n).output.shape, mesh) for n in crossing):
+        shapes = [graph.node(n).output.shape for n in crossing]
+        if not all(is_valid(fitted(boundary, shape), shape, mesh) for shape in shapes):
             return None
 
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:

@@ -28,7 +28,7 @@ from autoplan.schedules import simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.stage_problem import pipeline_time
-from autoplan.strategies.placement import Spec, local_numel
+from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 
@@ -152,7 +152,9 @@ def priced_stage(
 def sent_bytes(stage: StageGraph, mesh: tuple[int, ...], boundary: Spec) -> int:
     """Bytes each rank sends to its peer in the next stage."""
     infos = [stage.graph.node(n).output for n in stage.sent]
-    return sum(local_numel(boundary, t.shape, mesh) * itemsize(t.dtype) for t in infos)
+    return sum(
+        local_numel(fitted(boundary, t.shape), t.shape, mesh) * itemsize(t.dtype) for t in infos
+    )
 
 
 def send_time(cluster: Cluster, nbytes: float) -> float:

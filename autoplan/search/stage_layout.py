@@ -16,7 +16,7 @@ from dataclasses import replace
 from autoplan.cluster.model import Cluster
 from autoplan.graph.cut import StageGraph
 from autoplan.solve.stage_problem import Submesh
-from autoplan.strategies.placement import R, Spec, on_mesh
+from autoplan.strategies.placement import R, Spec, fitted, on_mesh
 from autoplan.strategies.space import NodeStrategies, Strategy
 
 
@@ -71,9 +71,14 @@ def boundary_assignment(
     """The strategies of a stage graph's own nodes: what it receives arrives in the boundary
     placement, and its output reads what it sends in that placement, then the loss (the last
     stage) as ``loss_inputs``."""
-    found = {name: Strategy(boundary, ()) for name in stage.received}
-    output = stage.graph.nodes[-1]
-    found[output.name] = Strategy((), tuple(boundary for _ in stage.sent) + loss_inputs)
+    graph = stage.graph
+    found = {
+        name: Strategy(fitted(boundary, graph.node(name).output.shape), ())
+        for name in stage.received
+    }
+    output = graph.nodes[-1]
+    sent = tuple(fitted(boundary, graph.node(name).output.shape) for name in stage.sent)
+    found[output.name] = Strategy((), sent + loss_inputs)
     return found
 
 
@@ -87,6 +92,7 @@ def pin_boundary(
     pinned = boundary_assignment(stage, boundary, loss_inputs)
     out = dict(space)
     for name in stage.received:
-        out[name] = replace(out[name], strategies=(pinned[name],), source="boundary")
+        if name in out:  # else a copy of another received tensor (graph/blocks): pinned alike
+            out[name] = replace(out[name], strategies=(pinned[name],), source="boundary")
     out[output.name] = replace(out[output.name], strategies=(pinned[output.name],))
     return out

@@ -1,9 +1,10 @@
-"""Adapter over DTensor's own per-mesh-axis sharding rules (torch 2.13.0).
+"""Adapter over DTensor's own per-mesh-axis sharding rules.
 
-torch 2.13 registers most ATen ops with a *single-dim* strategy: for one mesh axis, a list of
-placement lists ``[outputs..., tensor args...]`` built from the args' shapes. This is exactly
-our per-axis rule, so we call it and translate DTensor placements to "R" / "P" / "S(d)".
-The private pieces it needs come from `autoplan.torch_private`; tests pin its behaviour.
+DTensor's rule for an ATen op on one mesh axis is a list of placement lists
+``[outputs..., tensor args...]`` built from the args' shapes. This is exactly our per-axis
+rule, so we call it and translate DTensor placements to "R" / "P" / "S(d)". The private pieces
+it needs, and how each torch release states its rules, are in `autoplan.torch_private`; tests
+pin its behaviour.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from autoplan.torch_private import (
     RuntimeSchemaInfo,
     ShardingPlaceholder,
     TensorMeta,
+    dtensor_axis_rules,
     register_single_dim_strategy,
-    single_dim_strategy_funcs,
 )
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def resolve_op(op: str) -> torch._ops.OpOverload | None:
 
 def has_rule(op: str) -> bool:
     overload = resolve_op(op)
-    return overload is not None and overload in single_dim_strategy_funcs()
+    return overload is not None and dtensor_axis_rules(overload) is not None
 
 
 def _meta(info: TensorInfo) -> TensorMeta:
@@ -94,13 +95,13 @@ def axis_rules(
     Multi-output ops keep only strategies that place every output alike.
     """
     overload = resolve_op(op)
-    info = single_dim_strategy_funcs().get(overload) if overload is not None else None
-    if info is None:
+    rule = dtensor_axis_rules(overload) if overload is not None else None
+    if rule is None:
         return None
     args_schema = tuple(_schema_value(a, tensors) for a in args)
     kwargs_schema = {k: _schema_value(v, tensors) for k, v in kwargs}
     try:
-        raw = info.func(overload, args_schema, kwargs_schema)
+        raw = rule(overload, args_schema, kwargs_schema)
     except Exception as e:  # a rule that cannot handle these args: fall back to ours/replicate
         log.debug("DTensor rule for %s failed: %s", op, e)
         return None

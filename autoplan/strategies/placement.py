@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Spec = tuple[str, ...]
@@ -39,6 +40,13 @@ def on_mesh(spec: Spec, mesh_shape: tuple[int, ...]) -> Spec:
     """``spec`` with "R" on every axis of size 1: on one rank, a split or a partial sum is the
     whole tensor, so every placement there is the same, and "R" is the one written."""
     return tuple(R if size == 1 else p for p, size in zip(spec, mesh_shape, strict=True))
+
+
+def fitted(spec: Sequence[str], shape: Sequence[int]) -> Spec:
+    """A placement given for many tensors (a pipeline stage's boundary) as one tensor of
+    ``shape`` takes it: whole on an axis whose split dim it lacks (a scalar sent on with the
+    batch split: a layer's load-balancing loss)."""
+    return tuple(R if (shard_dim(p) or 0) >= len(shape) else p for p in spec)
 
 
 def shard_factors(spec: Spec, ndim: int, mesh_shape: tuple[int, ...]) -> list[int]:

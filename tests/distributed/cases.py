@@ -79,6 +79,15 @@ def expert_parallel(w: Workload) -> PlanOptions:
     return PlanOptions(mesh_shape=(4,), pin={"input:0": "S(0)", "target": "S(0)", **experts})
 
 
+def head_stored_split(w: Workload) -> Plan:
+    """The planner's data-parallel plan with the head's weight stored split, edited as a person
+    would: in its params entry alone, the nodes and collectives left as planned."""
+    plan = w.plan(cluster(4), data_parallel(w, (4,)))
+    head = plan.params["head.weight"]
+    params = {**plan.params, "head.weight": dataclasses.replace(head, storage={"dp": "S(0)"})}
+    return dataclasses.replace(plan, params=params)
+
+
 def cluster(world: int) -> Cluster:
     """The cluster every case is planned for: the 4-CPU gloo profile with ``world`` devices."""
     base = Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
@@ -151,6 +160,8 @@ CASES = [
     Case("gpt-tp", "gpt", GPT, lambda w: gpt_megatron(w, (4,))),
     Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
     Case("gpt-zero3", "gpt", GPT, lambda w: zero3(w, (4,))),
+    # a hand edit: its gather, reduce-scatter and bucket derived from the placements
+    Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
     Case("mlp-tp-2", "mlp", MLP_SMALL_BATCH, lambda w: mlp_megatron(w, (2,)), 2),
     Case("gpt-tp-2", "gpt", GPT, lambda w: gpt_megatron(w, (2,)), 2),
@@ -179,6 +190,13 @@ CASES = [
     Case("moe-own", "moe", {"batch_size": 64}, own()),
     Case("moe-top2-ep", "moe", {"size": "tiny-top2", "batch_size": 16}, expert_parallel),
     Case("moe-baseline-ep", "moe", {"batch_size": 16}, baseline_plan(dp=4, tp=1, ep=4)),
+    # 2 stages of (2,): the first sends on its layer's load-balancing loss, a scalar, whole
+    Case(
+        "moe-pipeline-2x2", "moe", {"batch_size": 16}, pipeline(stages=2, microbatches=2, mesh=(2,))
+    ),
+    # 4 stages: the layers' load-balancing losses cross every boundary after their own, and
+    # the stages of one structure share their ILP (received scalars copies of each other)
+    Case("moe-pipeline-4", "moe", {"batch_size": 8, "num_layers": 4}, pipeline(4, 4)),
     Case("moe-top2-2x2", "moe", {"size": "tiny-top2", "batch_size": 64}, own((2, 2))),
     # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
     Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
@@ -190,8 +208,16 @@ CASES = [
         Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
         for model in ("gpt2", "llama", "bert", "bart", "vit", "cnn")
     ],
-    # the planner keeps ViT on the flat mesh: forced onto (2, 2), as the others chose
-    Case("zoo-vit-2x2", "zoo", {"model": "vit", "batch_size": 64, "seq_len": 32}, own((2, 2))),
+    # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
+    *[
+        Case(
+            f"zoo-{model}-2x2",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            own((2, 2)),
+        )
+        for model in ("vit", "cnn")
+    ],
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

@@ -27,7 +27,7 @@ from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
-from autoplan.execute.step import OPTIMIZERS  # noqa: E402
+from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
@@ -38,13 +38,14 @@ from tests.distributed.cases import (  # noqa: E402
     mlp_megatron,
     zero3,
 )
-
-STEPS = 3
-# Adam turns a gradient element of ~1e-10 into a step of ~lr, so float32 rounding noise (a few
-# 1e-9 after reductions in another order) moves such elements by up to ~2e-5 at lr=1e-3. At
-# lr=1e-4 the noise stays below 1e-5 while any real error (a wrong or missing reduction,
-# a misplaced shard) still moves parameters by ~lr per step, ten times the tolerance.
-LR = 1e-4
+from tests.distributed.checkpoints import checkpoints  # noqa: E402
+from tests.distributed.training import (  # noqa: E402
+    LR,
+    STEPS,
+    layout_keyword,
+    parallel,
+    reference,
+)
 
 
 def _workload_file(name: str) -> Path:
@@ -60,39 +61,6 @@ def workload(case: Case) -> Workload:
     return w
 
 
-def reference(
-    w: Workload,
-    max_grad_norm: float | None = None,
-    optimizer: str = "adamw",
-    options: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """``w`` trained ``STEPS`` steps in this process alone: losses, first gradients, params."""
-    model = copy.deepcopy(w.model)
-    opt = OPTIMIZERS[optimizer](model.parameters(), **(options or {"lr": LR}))  # type: ignore[arg-type]
-    losses, grads = [], {}
-    for i in range(STEPS):
-        loss = w.loss(model)
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if i == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": dict(model.state_dict())}
-
-
-def parallel(w: Workload, c: autoplan.Cluster, **options: Any) -> autoplan.Step:
-    """`Workload.parallelize` of ``w`` with a copy of its model, so that ``w``'s stays whole."""
-    return dataclasses.replace(w, model=copy.deepcopy(w.model)).parallelize(c, **options)
-
-
-def _layout(layout: autoplan.PlanOptions | autoplan.Plan) -> dict[str, Any]:
-    """`autoplan.parallelize`'s keyword for a case's layout: a plan, or options to plan with."""
-    return {"plan": layout} if isinstance(layout, autoplan.Plan) else {"options": layout}
-
-
 def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     w = workload(case)
     ref = reference(w, case.max_grad_norm)
@@ -101,7 +69,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         c,
         optimizer_options={"lr": LR},
         max_grad_norm=case.max_grad_norm,
-        **_layout(case.layout(w)),
+        **layout_keyword(case.layout(w)),
     )
     assert step.optimizer is not None and step.plan is not None
     first_loss, grad = first_step(step, w, ref["grads"])
@@ -218,15 +186,50 @@ def error_cases(c: autoplan.Cluster) -> dict[str, str]:
             plan=plan,
         )
     )
+    # as if made under another torch release: the same graph runs, another is refused
+    release = "2.11.0" if torch_release() != "2.11.0" else "2.15.0"
+    elsewhere = dataclasses.replace(
+        plan, provenance=dataclasses.replace(plan.provenance, torch=release)
+    )
+    found["other_release_other_model"] = _error_of(
+        lambda: autoplan.parallelize(
+            other.model,
+            c,
+            example_inputs=other.example_inputs,
+            loss_fn=other.loss_fn,
+            example_target=other.example_target,
+            plan=elsewhere,
+        )
+    )
     step = autoplan.parallelize(
         small.model,
         c,
         example_inputs=small.example_inputs,
         loss_fn=small.loss_fn,
         example_target=small.example_target,
-        plan=plan,
+        plan=elsewhere,
     )
+    loss = step(small.example_inputs, small.example_target).item()
+    found["other_release"] = "ok" if loss == loss else f"loss {loss}"
     found["wrong_shape"] = _error_of(lambda: step(torch.randn(4, 16), torch.randn(4, 16)))
+    # a hand-edited plan that splits a 2-D weight along dim 7: refused on every rank
+    weight = plan.params["layers.0.weight"]
+    split = {a: "S(7)" for a in weight.placements}
+    bad = dataclasses.replace(
+        plan,
+        params={**plan.params, "layers.0.weight": dataclasses.replace(weight, placements=split)},
+    )
+    edited = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
+    found["hand_edited"] = _error_of(
+        lambda: autoplan.parallelize(
+            edited.model,
+            c,
+            example_inputs=edited.example_inputs,
+            loss_fn=edited.loss_fn,
+            example_target=edited.example_target,
+            plan=bad,
+        )
+    )
     again = load_workload(ROOT / "examples/mlp.py", batch_size=8, hidden=16)
     frozen = parallel(again, c, options=data_parallel(again, (world_size(),)))
     assert frozen.module is not None
@@ -375,6 +378,7 @@ def main() -> None:
     results["accumulation"] = accumulation(c)
     results["optimizers"] = optimizers(c)
     results["randomness"] = randomness(c)
+    results["checkpoints"] = checkpoints(c, out.parent)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)

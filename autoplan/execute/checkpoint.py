@@ -1,0 +1,319 @@
+"""Checkpoints of a parallel step: each rank writes its own shards with
+torch.distributed.checkpoint (DCP), keyed by the model's parameter FQNs, so that a checkpoint
+saved under one plan loads under any other plan of the same model (another mesh, ZeRO-3's
+sharded storage, pipeline stages, another number of ranks): DCP reads each rank's shards of
+each tensor from whichever files hold them.
+
+What a checkpoint holds: the parameters and persistent buffers (this rank's shards; a pipeline
+rank has only its stage's), the optimizer's state and settings (torch's
+``get_optimizer_state_dict`` flattened per FQN, ``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``,
+as torchtitan saves pipelines), and ``progress.json``: the steps taken, rank 0's random
+states and the caller's ``extra`` (a data loader's position), written by rank 0.
+
+A checkpoint directory holds one directory per checkpoint::
+
+    DIR/step-00000003/         DCP's shard files, its .metadata, progress.json
+    DIR/.step-00000006.tmp/    a save in progress, or one a crash cut short: never read
+
+A save writes into the temporary directory (progress.json first, then the shards; DCP's
+coordinator writes .metadata last, once every rank has reported its writes) and rank 0 then
+renames it into place: a crash at any moment leaves the checkpoints before it as they were.
+Every rank reads and writes the same directory: on several nodes it must be on a shared file
+system (as DCP's own file writer assumes).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from autoplan.errors import AutoplanError
+
+log = logging.getLogger(__name__)
+
+PROGRESS = "progress.json"
+_NAME = re.compile(r"step-(\d{8})")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# settings of how an optimizer computes, not of what: the new step's own are kept (a
+# checkpoint of fused AdamW loads into foreach AdamW)
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stood when a checkpoint was saved."""
+
+    step: int  # train steps taken
+    extra: Any  # what the caller saved with it (JSON), e.g. a data loader's position
+    path: Path  # the checkpoint loaded
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (or ``directory`` itself if it is one);
+    None if there is none."""
+    directory = Path(directory)
+    if (directory / ".metadata").is_file():
+        return directory
+    if not directory.is_dir():
+        return None
+    found = [
+        p for p in directory.iterdir() if _NAME.fullmatch(p.name) and (p / ".metadata").is_file()
+    ]
+    return max(found, key=lambda p: p.name, default=None)
+
+
+def _on_every_rank(check: Callable[[], None]) -> None:
+    """``check()`` on every rank; an error on any rank is raised on every rank (the others
+    would wait for it in the next collective)."""
+    try:
+        check()
+        error = None
+    except AutoplanError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise AutoplanError(first if len(failed) == len(errors) else f"{first} (on rank {rank})")
+
+
+def _rank0_then_all(action: Callable[[], Any]) -> Any:
+    """``action()`` on rank 0; every rank gets its result or the same error (never a hang)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", action())
+        except (OSError, AutoplanError) as e:
+            box[0] = ("error", f"{e}")
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise AutoplanError(f"checkpoint: {value}")
+    return value
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers by FQN (a tied parameter once); a pipeline rank's
+    other stages' are meta tensors (`_local` leaves them out)."""
+    persistent = set(model.state_dict())
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {k: v.detach() for k, v in named if k in persistent}
+
+
+def _local(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors this rank holds (not another pipeline stage's)."""
+    return {k: v for k, v in state.items() if not v.is_meta}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state().numpy().tobytes()
+        state["cuda"] = base64.b64encode(cuda).decode()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(state["cuda"]))
+
+
+def save(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    *,
+    keep: int | None = None,
+    extra: Any = None,
+) -> Path:
+    """Save on every rank into ``directory/step-<step>``, then keep the newest ``keep``
+    checkpoints (all if None). Returns the checkpoint's path."""
+    if keep is not None and keep < 1:
+        raise AutoplanError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
+    final = checkpoint_path(directory, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+
+    def start() -> None:
+        try:
+            progress = json.dumps({"step": step, "rng": _rng_state(), "extra": extra})
+        except TypeError as e:
+            raise AutoplanError(f"extra={extra!r} is not JSON: {e}") from None
+        if tmp.exists():  # a save at the same step that a crash cut short
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        (tmp / PROGRESS).write_text(progress)
+
+    _rank0_then_all(start)
+    state: dict[str, Any] = {"model": _local(_model_state(model))}
+    if optimizer.state:  # before the first step there is nothing to save (nor to init)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    except dcp.CheckpointException as e:  # a BaseException: a user's `except Exception` misses it
+        raise AutoplanError(
+            f"saving checkpoint {final} failed ({_failures(e)}); the checkpoints before it are "
+            "as they were"
+        ) from None
+
+    def commit() -> None:
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():  # saved again at this step: the new one replaces it
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+        _sync_directory(final.parent)
+        # saves that crashes cut short (their steps' own saves would replace them)
+        for stale in final.parent.glob(".step-*.tmp"):
+            shutil.rmtree(stale)
+        if keep is not None:
+            done = sorted(p for p in final.parent.iterdir() if _NAME.fullmatch(p.name))
+            for old_one in done[:-keep]:
+                shutil.rmtree(old_one)
+
+    _rank0_then_all(commit)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def _sync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX: fsync the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    missing_ok: bool = False,
+) -> Progress | None:
+    """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) into
+    ``model``'s parameters and buffers in place and into ``optimizer``, on every rank, and set
+    every rank's random state to rank 0's at the save. Without a checkpoint: None if
+    ``missing_ok``, else an error."""
+    found = _rank0_then_all(lambda: str(latest(directory) or ""))
+    if not found:
+        if missing_ok:
+            return None
+        raise AutoplanError(
+            f"no checkpoint in {directory}: it is none, and holds no complete step-NNNNNNNN "
+            "checkpoint"
+        )
+    path = Path(found)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    whole = _model_state(model)
+    state: dict[str, Any] = {"model": _local(whole)}
+    template: dict[str, Any] = {}
+    if any(k.startswith("optim.") for k in saved):
+        template = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state["optim"] = {
+            k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION
+        }
+    # every stage's shapes are checked on every rank (a pipeline rank has meta tensors of the
+    # others')
+    wanted = {f"model.{k}": v for k, v in whole.items()}
+    wanted |= {f"optim.{k}": v for k, v in state.get("optim", {}).items()}
+    _on_every_rank(lambda: _check(path, wanted, saved))
+    try:
+        dcp.load(state, storage_reader=reader)
+    except dcp.CheckpointException as e:
+        raise AutoplanError(f"loading checkpoint {path} failed ({_failures(e)})") from None
+    if template:
+        set_optimizer_state_dict(model, optimizer, {**template, **state["optim"]}, options=_FLAT)
+    progress = json.loads((path / PROGRESS).read_text())
+    _set_rng_state(progress["rng"])
+    log.info("loaded checkpoint %s (step %d)", path, progress["step"])
+    return Progress(progress["step"], progress["extra"], path)
+
+
+def _failures(e: dcp.CheckpointException) -> str:
+    """Each failed rank's error, in a line."""
+    return "; ".join(
+        f"rank {rank}: {type(error).__name__}: {error}"
+        for rank, (error, _) in sorted(e.failures.items())
+    )
+
+
+def _check(path: Path, wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """The checkpoint is one of ours, with every entry of ``wanted`` at its shape and no
+    parameter or buffer that ``wanted`` lacks."""
+    if not (path / PROGRESS).is_file():
+        raise AutoplanError(
+            f"{path} has no {PROGRESS}: it is a DCP checkpoint, but not one autoplan saved"
+        )
+    unknown = sorted(k for k in saved if k.startswith("model.") and k not in wanted)
+    if unknown:
+        names = ", ".join(k.partition(".")[2] for k in unknown[:3])
+        raise AutoplanError(
+            f"checkpoint {path} has {len(unknown)} parameter(s) or buffer(s) the model lacks "
+            f"({names}{', ...' if len(unknown) > 3 else ''}): it was saved for another model"
+        )
+    for key, value in wanted.items():
+        if key not in saved:
+            what = "optimizer state" if key.startswith("optim.") else "parameter or buffer"
+            raise AutoplanError(
+                f"checkpoint {path} has no {what} {key.partition('.')[2]!r}: it was saved for "
+                "another model (or optimizer)"
+            )
+        if isinstance(value, torch.Tensor):
+            shape = tuple(getattr(saved[key], "size", ()))
+            if shape != tuple(value.shape):
+                raise AutoplanError(
+                    f"checkpoint {path} has {key.partition('.')[2]!r} of shape {shape}, the "
+                    f"model {tuple(value.shape)}: it was saved for another model"
+                )
+
+
+def export(path: str | Path, state: Mapping[str, torch.Tensor]) -> None:
+    """Rank 0 writes ``state`` (whole tensors, on every rank) as one ``torch.save`` file,
+    atomically."""
+    path = Path(path)
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.cpu() for k, v in state.items()}, tmp)
+        tmp.replace(path)
+
+    _rank0_then_all(write)
+    log.info("exported the model's state to %s", path)

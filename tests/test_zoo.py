@@ -1,0 +1,26 @@
+"""Models nobody here wrote (tests/models/zoo.py) plan on one 8-GPU A100 node; each trains
+like one process on 4 gloo ranks in tests/test_distributed.py (zoo-*)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import autoplan
+from autoplan.workload import load_workload
+from tests.models.zoo import MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_zoo_model_plans_on_eight_a100s(model: str) -> None:
+    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
+    w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=64, seq_len=32)
+    plan = w.plan(cluster)
+    assert len(plan.mesh.ranks) == 8
+    assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
+    assert plan.collectives, "a plan of 8 devices without collectives: all replicated"
+    # every parameter is placed (the plan also places constants the model makes in forward)
+    assert {n for n, _ in w.model.named_parameters()} <= set(plan.params)
