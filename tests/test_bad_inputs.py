@@ -30,9 +30,10 @@ MLP6 = ["--set", "hidden=6", "--set", "batch_size=8"]  # 6 features: no even spl
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory, cpu4: autoplan.Cluster) -> Path:
-    """A folder with the tiny GPT's plan (gpt.json) and the 6-wide MLP's (mlp6.json)."""
+    """A folder with the tiny GPT's data-parallel plan (gpt.json; the planner keeps so small a
+    model replicated, without collectives to edit) and the 6-wide MLP's (mlp6.json)."""
     folder = tmp_path_factory.mktemp("bad")
-    example("gpt").plan(cpu4).save(str(folder / "gpt.json"))
+    example("gpt").baseline(cpu4, dp=4, tp=1).save(str(folder / "gpt.json"))
     mlp = example("mlp", hidden=6, batch_size=8)
     mlp.plan(cpu4, autoplan.PlanOptions(mesh_shape=(4,))).save(str(folder / "mlp6.json"))
     return folder
