@@ -38,6 +38,8 @@ SIZES = {
     "7b": GPTConfig(num_layers=32, dim=4096, num_heads=32, vocab_size=50304, seq_len=2048),
     "13b": GPTConfig(num_layers=40, dim=5120, num_heads=40, vocab_size=50304, seq_len=2048),
     "175b": GPTConfig(num_layers=96, dim=12288, num_heads=96, vocab_size=50304, seq_len=2048),
+    # Megatron-LM's largest (Narayanan et al. 2021, table 1): 1.0T parameters
+    "1t": GPTConfig(num_layers=128, dim=25600, num_heads=160, vocab_size=51200, seq_len=2048),
 }
 
 
@@ -113,6 +115,7 @@ def workload(
     batch_size: int = 8,
     seq_len: int | None = None,
     num_layers: int | None = None,
+    vocab_size: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     seed: int = 0,
@@ -124,7 +127,7 @@ def workload(
         num_layers=num_layers or cfg.num_layers,
         dim=cfg.dim,
         num_heads=cfg.num_heads,
-        vocab_size=cfg.vocab_size,
+        vocab_size=vocab_size or cfg.vocab_size,
         seq_len=seq_len or cfg.seq_len,
     )
     torch.manual_seed(seed)

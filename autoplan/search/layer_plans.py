@@ -105,6 +105,7 @@ class StageSolver:
         self._memo: dict[tuple[Hashable, tuple[int, ...], Spec, int], SolvedStage | None] = {}
         self._stages = parts.stages
         self._keys = parts.keys
+        self._sends: dict[int, float] = {}  # stop -> send_s(stop); the stage DP asks often
 
     def unplanned(self) -> int:
         """How many structures were never planned at the full budget (the DP never needed
@@ -114,8 +115,10 @@ class StageSolver:
 
     def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
-        stage = self._stages[stop - 1]
-        return send_time(self.cluster, sent_bytes(stage, self.costs.mesh_shape, self.boundary))
+        if stop not in self._sends:
+            sent = sent_bytes(self._stages[stop - 1], self.costs.mesh_shape, self.boundary)
+            self._sends[stop] = send_time(self.cluster, sent)
+        return self._sends[stop]
 
     def cost(self, start: int, stop: int) -> RangeCost | None:
         """Layers ``[start, stop)`` as the sum of their plans within ``memory_limit / level``
