@@ -1,10 +1,14 @@
-"""Planning benchmark: GPT 125M .. 175B on simulated A100 and H100 clusters of 8 to 1024 GPUs.
+"""Planning benchmark: GPT 125M .. 1T on simulated A100 and H100 clusters of 8 to 3072 GPUs.
 
 Prints, and writes to benchmarks/results/plan_gpt.json and .md: tracing and planning time,
 the plan's shape (mesh, pipeline stages, microbatches, predicted bubble), ILP size and the
-predicted step time and throughput (or the memory shortfall when nothing fits).
+predicted step time, throughput and model FLOP/s per GPU (or the memory shortfall when nothing
+fits). The grid is sizes x GPU counts x global batches (in sequences per GPU); the named
+cases are the large trainings of the literature, at their own batches: GPT-3 175B at 1536
+sequences on 1024 A100s and Megatron's 1T GPT at 3072 on 3072 A100s.
 
-    python benchmarks/plan_gpt.py [--sizes 1.3b,7b] [--gpus 8,64] [--clusters a100,h100]
+    python benchmarks/plan_gpt.py [--sizes 1.3b,7b] [--gpus 8,64] [--per-gpu 0.5,2]
+        [--clusters a100,h100] [--named 175b@1024x1536,1t@3072x3072 | --named none]
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at
 CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
 
 
-def run(size: str, gpus: int, kind: str) -> dict[str, object]:
-    batch = max(4, int(gpus * SEQUENCES_PER_GPU))
+NAMED = "175b@1024x1536,1t@3072x3072"  # size@gpus x global batch, on A100s
+
+
+def run(size: str, gpus: int, kind: str, batch: int) -> dict[str, object]:
     path = ROOT / "costmodels" / CLUSTERS[kind]
     cluster = autoplan.Cluster.load(path, num_nodes=max(1, gpus // 8))
     w = load_workload(
@@ -62,6 +68,7 @@ def run(size: str, gpus: int, kind: str) -> dict[str, object]:
         )
         return row
     tokens = batch * 2048
+    model_flops = 6 * graph.num_params * tokens  # forward and backward, no recomputation
     row.update(
         plan_s=round(time.perf_counter() - start, 2),
         result="ok",
@@ -76,6 +83,7 @@ def run(size: str, gpus: int, kind: str) -> dict[str, object]:
         step_s=round(plan.predicted.step_time_s, 4),
         comm_share=round(plan.predicted.comm_s / plan.predicted.step_time_s, 3),
         tokens_per_s=round(tokens / plan.predicted.step_time_s),
+        model_tflops_per_gpu=round(model_flops / plan.predicted.step_time_s / gpus / 1e12, 1),
         memory_gib=round(plan.predicted.peak_memory_bytes / 2**30, 1),
     )
     return row
@@ -85,28 +93,41 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="125m,1.3b,7b,175b")
     parser.add_argument("--gpus", default="8,64,512,1024")
+    parser.add_argument("--per-gpu", default=str(SEQUENCES_PER_GPU))
     parser.add_argument("--clusters", default="a100,h100")
+    parser.add_argument("--named", default=NAMED)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    cases = [
+        (kind, size, gpus, max(4, int(gpus * float(per))))
+        for kind in args.clusters.split(",")
+        for size in args.sizes.split(",")
+        for gpus in (int(g) for g in args.gpus.split(","))
+        for per in args.per_gpu.split(",")
+    ]
+    for named in [] if args.named == "none" else args.named.split(","):
+        size, shape = named.split("@")
+        gpus, batch = shape.split("x")
+        cases.append(("a100", size, int(gpus), int(batch)))
     rows = []
-    for kind in args.clusters.split(","):
-        for size in args.sizes.split(","):
-            for gpus in (int(g) for g in args.gpus.split(",")):
-                row = run(size, gpus, kind)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    for kind, size, gpus, batch in cases:
+        row = run(size, gpus, kind, batch)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     meta = {
-        "command": "python benchmarks/plan_gpt.py",
+        "command": "python benchmarks/plan_gpt.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "clusters": "costmodels/dgx-a100-80gb.json, h100-sxm-8.json (8 GPUs per node)",
-        "model": "bf16 parameters, AdamW, global batch of half a 2048-token sequence per GPU",
+        "model": "bf16 parameters, AdamW, 2048-token sequences; global batch: sequences per "
+        f"GPU {args.per_gpu} (at least 4), and the named cases' own",
         "note": "predictions are analytic (published link and peak figures), not measured",
     }
     columns = [
         "model",
         "cluster",
         "gpus",
+        "batch",
         "trace_s",
         "plan_s",
         "result",
@@ -121,6 +142,7 @@ def main() -> None:
         "step_s",
         "comm_share",
         "tokens_per_s",
+        "model_tflops_per_gpu",
         "memory_gib",
     ]
     write_results("plan_gpt", "Planning benchmark", meta, rows, columns)

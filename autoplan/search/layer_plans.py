@@ -45,17 +45,23 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LayerGraphs:
     """A step's layers, each as a stage graph of its own (`stage_graph`), and its structure:
-    layers of one structure are planned once per logical mesh and boundary placement."""
+    layers of one structure are planned once per logical mesh and boundary placement. A
+    layer's key is the first layer of its structure (signatures are long tuples, slow to hash
+    as often as the stage DP looks layers up)."""
 
     graph: Graph
     layers: tuple[Layer, ...]
     stages: tuple[StageGraph, ...]
-    keys: tuple[Hashable, ...]
+    keys: tuple[int, ...]
 
     @staticmethod
     def of(graph: Graph, layers: tuple[Layer, ...]) -> LayerGraphs:
         stages = tuple(stage_graph(graph, layers, i, i + 1) for i in range(len(layers)))
-        keys = tuple(signature(st.graph, tuple(n.name for n in st.graph), None) for st in stages)
+        first: dict[Hashable, int] = {}
+        keys = tuple(
+            first.setdefault(signature(st.graph, tuple(n.name for n in st.graph), None), i)
+            for i, st in enumerate(stages)
+        )
         return LayerGraphs(graph, layers, stages, keys)
 
     @property
@@ -102,7 +108,7 @@ class StageSolver:
         self.tally = tally  # one ILP per structure at the full budget is expected of us
         self.label = label  # what the tally reports the layers' ILPs as part of
         # (structure, mesh, boundary, level) -> its plan
-        self._memo: dict[tuple[Hashable, tuple[int, ...], Spec, int], SolvedStage | None] = {}
+        self._memo: dict[tuple[int, tuple[int, ...], Spec, int], SolvedStage | None] = {}
         self._stages = parts.stages
         self._keys = parts.keys
         self._sends: dict[int, float] = {}  # stop -> send_s(stop); the stage DP asks often
