@@ -53,7 +53,7 @@ from autoplan.execute.randomness import Draws, is_random
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
-from autoplan.torch_private import from_local
+from autoplan.torch_private import from_local, redistribute
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class PlanInterpreter:
         if not isinstance(value, DTensor):
             return value
         goal = reachable(value.placements, target)
-        return value if tuple(value.placements) == goal else value.redistribute(self.mesh, goal)
+        return value if tuple(value.placements) == goal else redistribute(value, self.mesh, goal)
 
     def run(self, values: Mapping[str, Any]) -> Any:
         """``values``: the stage's placeholders (parameters, and the batch on the first stage)
