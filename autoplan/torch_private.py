@@ -243,7 +243,7 @@ def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
     """``tensor.redistribute(mesh, placements)``, where ``placements`` may also make a
     replicated or split axis partial: a split one is gathered, then each rank keeps its part of
     the replicated value (the sum's 1/n, as DTensor's own rules do inside an op: no
-    communication). The gradient comes back placed as ``tensor`` (partial as replicated)."""
+    communication)."""
     whole = tuple(
         Replicate() if isinstance(p, Partial) and p != c else p
         for c, p in zip(tensor.placements, placements, strict=True)
@@ -258,39 +258,26 @@ def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
 
 class _Partitioned(torch.autograd.Function):
     """A replicated DTensor made partial (``redistribute_local_tensor``, as DTensor's op rules
-    do it); backward hands the gradient on placed as the input was, partial as replicated
-    (DTensor's rule for the gradient of a partial tensor)."""
+    do it). Backward hands the gradient on unchanged: the partial tensor holds the replicated
+    one's value, so its gradient is the input's, placed as the ops that made it place it (a sum
+    over a split batch partial along the batch's axes, for a gradient bucket to reduce), as
+    when DTensor's op rule makes the partial inside the op."""
 
     @staticmethod
     def forward(ctx: Any, tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         ctx.set_materialize_grads(False)
-        ctx.grad_placements = tuple(
-            Replicate() if isinstance(p, Partial) else p for p in tensor.placements
-        )
         spec = tensor._spec
         goal = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
         local = redistribute_local_tensor(tensor._local_tensor, spec, goal)
-        return _placed(local, goal)
+        meta = spec.tensor_meta
+        assert meta is not None
+        return DTensor.from_local(
+            local, spec.mesh, placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor | None) -> tuple[DTensor | None, None]:
-        if grad is None or tuple(grad.placements) == ctx.grad_placements:
-            return grad, None
-        goal = DTensorSpec(
-            grad.device_mesh, ctx.grad_placements, tensor_meta=grad._spec.tensor_meta
-        )
-        local = redistribute_local_tensor(grad._local_tensor, grad._spec, goal)
-        return _placed(local, goal), None
-
-
-def _placed(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """``local`` as this rank's part of a DTensor of ``spec`` (its global shape as the spec's,
-    an uneven split too)."""
-    meta = spec.tensor_meta
-    assert meta is not None
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    )
+        return grad, None
 
 
 # whether pipelining records which tensors crossing stages require a gradient (2.13 on)
