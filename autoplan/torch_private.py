@@ -243,14 +243,16 @@ def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
     """``tensor.redistribute(mesh, placements)``, where ``placements`` may also make a
     replicated or split axis partial: a split one is gathered, then each rank keeps its part of
     the replicated value (the sum's 1/n, as DTensor's own rules do inside an op: no
-    communication)."""
+    communication). A tensor of integers stays replicated there, for the op's rule to read:
+    its 1/n would be floats, DTensor's too (under torch 2.15 a plan places BART's token ids
+    partial where ``new_zeros`` reads only their dtype)."""
     whole = tuple(
         Replicate() if isinstance(p, Partial) and p != c else p
         for c, p in zip(tensor.placements, placements, strict=True)
     )
     if whole != tuple(tensor.placements):
         tensor = tensor.redistribute(mesh, whole)
-    if whole == placements:
+    if whole == placements or not (tensor.is_floating_point() or tensor.is_complex()):
         return tensor
     partial: DTensor = _Partitioned.apply(tensor, placements)
     return partial
