@@ -15,6 +15,11 @@ the torch at hand has rather than comparing version numbers.
 - `from_local`: `DTensor.from_local` whose backward places the gradient as asked, which torch
   2.13 on takes as `grad_placements=` and torch 2.11 does not: there an autograd function of
   our own does what 2.13's does (execute/interpreter.py).
+- `redistribute`: `DTensor.redistribute` that also makes a replicated tensor partial where a
+  plan says so (DTensor's public `redistribute` refuses a partial target: only its op rules
+  make partials, and which operand of an op they move differs between releases: 2.13's add of
+  a replicated and a partial tensor makes the replicated one partial, 2.11's all-reduces the
+  partial one).
 - `all_gather_single` / `reduce_scatter_single`: torch 2.13's names for
   `all_gather_into_tensor` / `reduce_scatter_tensor`, the only ones torch 2.11 has (2.13 warns
   at the old names); the profiler times them (profile/ops.py).
@@ -88,6 +93,7 @@ __all__ = [
     "pipeline_sent",
     "pipeline_wire_dtype",
     "queue_backward_callback",
+    "redistribute",
     "reduce_scatter_single",
     "register_single_dim_strategy",
     "resolve_process_group",
@@ -231,6 +237,49 @@ class _FromLocal(torch.autograd.Function):
             goal = DTensorSpec(ctx.mesh, ctx.grad_placements, tensor_meta=grad._spec.tensor_meta)
             local = redistribute_local_tensor(local, grad._spec, goal)
         return local, None, None, None
+
+
+def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
+    """``tensor.redistribute(mesh, placements)``, where ``placements`` may also make a
+    replicated or split axis partial: a split one is gathered, then each rank keeps its part of
+    the replicated value (the sum's 1/n, as DTensor's own rules do inside an op: no
+    communication). A tensor of integers stays replicated there, for the op's rule to read:
+    its 1/n would be floats, DTensor's too (under torch 2.15 a plan places BART's token ids
+    partial where ``new_zeros`` reads only their dtype)."""
+    whole = tuple(
+        Replicate() if isinstance(p, Partial) and p != c else p
+        for c, p in zip(tensor.placements, placements, strict=True)
+    )
+    if whole != tuple(tensor.placements):
+        tensor = tensor.redistribute(mesh, whole)
+    if whole == placements or not (tensor.is_floating_point() or tensor.is_complex()):
+        return tensor
+    partial: DTensor = _Partitioned.apply(tensor, placements)
+    return partial
+
+
+class _Partitioned(torch.autograd.Function):
+    """A replicated DTensor made partial (``redistribute_local_tensor``, as DTensor's op rules
+    do it). Backward hands the gradient on unchanged: the partial tensor holds the replicated
+    one's value, so its gradient is the input's, placed as the ops that made it place it (a sum
+    over a split batch partial along the batch's axes, for a gradient bucket to reduce), as
+    when DTensor's op rule makes the partial inside the op."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.set_materialize_grads(False)
+        spec = tensor._spec
+        goal = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+        local = redistribute_local_tensor(tensor._local_tensor, spec, goal)
+        meta = spec.tensor_meta
+        assert meta is not None
+        return DTensor.from_local(
+            local, spec.mesh, placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor | None) -> tuple[DTensor | None, None]:
+        return grad, None
 
 
 # whether pipelining records which tensors crossing stages require a gradient (2.13 on)

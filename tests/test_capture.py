@@ -235,3 +235,37 @@ def test_a_forward_that_updates_buffers_is_refused_by_name() -> None:
         capture(model, (torch.randn(8, 4),))
     model.eval()  # running statistics read, not written: it plans
     assert capture(model, (torch.randn(8, 4),)).num_params > 0
+
+
+class Lookup(nn.Module):
+    """Token ids read by an embedding, an index_select or one_hot: export lets floats through
+    some of them (torch 2.11 the embedding, 2.13 one_hot, both index_select)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.how == "embedding":
+            return self.emb(ids).sum()
+        if self.how == "index_select":
+            return self.emb.weight.index_select(0, ids).sum()
+        return nn.functional.one_hot(ids, 10).float().sum() * self.emb.weight.sum()
+
+
+@pytest.mark.parametrize("how", ["embedding", "index_select", "one_hot"])
+def test_float_indices_are_refused_at_the_user_line_under_any_torch(how: str) -> None:
+    ids = torch.tensor([1, 2, 3])
+    assert capture(Lookup(how), (ids,)).num_params == 40  # integer ids trace
+    with pytest.raises(TraceError) as info:
+        capture(Lookup(how), (ids.float(),))
+    message = str(info.value)
+    assert (
+        "test_capture.py" in message and "example inputs (then the target): float32[3]" in message
+    )
+    # export refuses some itself (which depends on the torch release), autoplan the others by
+    # name: index_select's under every release
+    assert "Long" in message, message
+    if how == "index_select":
+        assert "aten.index_select.default takes integer index (Long, Int), got float32" in message

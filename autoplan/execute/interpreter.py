@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from autoplan.execute.ops import (
     CROSS_ENTROPY,
     MEAN,
-    SHAPED_VIEWS,
+    SIZED,
     call_op,
     class_weights,
     local_cross_entropy,
@@ -53,7 +53,7 @@ from autoplan.execute.randomness import Draws, is_random
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
-from autoplan.torch_private import from_local
+from autoplan.torch_private import from_local, redistribute
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Arguments:
     def of(
         cls, node: torch.fx.Node, device: torch.device, shape: list[int] | None = None
     ) -> Arguments:
-        """``shape``: a local view's size argument, in place of the traced one."""
+        """``shape``: a local view's or factory's size argument, in place of the traced one."""
         args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
         # graphs traced on the meta device carry device=meta in factory calls
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
@@ -204,7 +204,7 @@ class PlanInterpreter:
                 name in self.kept or runs_locally(fx_node, self.inputs[name], self.outputs[name])
             ):
                 self.local.add(name)
-                if fx_node.target in SHAPED_VIEWS:  # a local view's size argument
+                if fx_node.target in SIZED:  # a local view's or factory's size argument
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
 
@@ -246,7 +246,7 @@ class PlanInterpreter:
         if not isinstance(value, DTensor):
             return value
         goal = reachable(value.placements, target)
-        return value if tuple(value.placements) == goal else value.redistribute(self.mesh, goal)
+        return value if tuple(value.placements) == goal else redistribute(value, self.mesh, goal)
 
     def run(self, values: Mapping[str, Any]) -> Any:
         """``values``: the stage's placeholders (parameters, and the batch on the first stage)

@@ -4,9 +4,10 @@ others run as DTensor ops), and the losses it runs as sums.
 An op runs locally when its planned inputs and output have no partial sums and its result on
 local shards is the local shard of its result: matmuls, element-wise ops, layer norm,
 attention, embedding lookups and transposes (DTensor's rules for them change no argument),
-views (their shape argument made local), and losses over a split batch: an element-wise loss's
-local sum over the global element count, and cross-entropy's over the global total weight of
-its targets, are partial sums along the axes their inputs are split on.
+views and factories like ``new_zeros`` (their size argument made local), and losses over a
+split batch: an element-wise loss's local sum over the global element count, and
+cross-entropy's over the global total weight of its targets, are partial sums along the axes
+their inputs are split on.
 """
 
 from __future__ import annotations
@@ -184,12 +185,19 @@ MEANS = {_aten.mean.dim, _aten.mean.default}
 # their local result over a split reduced dim (contracted letter) is a partial sum, as planned
 PARTIAL_SUMS = MEANS | {_aten.sum.dim_IntList, _aten.sum.default, _aten.einsum.default}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
-# views whose size argument (args[1]) is the global shape: made local from the planned output
-SHAPED_VIEWS = {
+# views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
+# global shape: made local from the planned output. A factory's input is read for its dtype
+# alone, so it runs locally however that is placed: DTensor would place the output as it likes
+# (its rule lets a split input's new tensor be split alike, and prefers it; the plan may not)
+SIZED = {
     _aten.view.default,
     _aten.reshape.default,
     _aten._unsafe_view.default,
     _aten.expand.default,
+    _aten.new_empty.default,
+    _aten.new_zeros.default,
+    _aten.new_ones.default,
+    _aten.new_full.default,
 }
 
 
@@ -199,7 +207,7 @@ def runs_locally(
     output: Sequence[Placement],
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
-    if node.target not in LOCAL_OPS | SHAPED_VIEWS | LOSSES | MULTI_OUTPUT:
+    if node.target not in LOCAL_OPS | SIZED | LOSSES | MULTI_OUTPUT:
         return _replicated(node, inputs, output)
     val = node.meta.get("val")
     values = val if node.target in MULTI_OUTPUT else [val]

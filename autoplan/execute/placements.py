@@ -50,11 +50,13 @@ def from_dtensor(placements: Sequence[Placement]) -> tuple[str, ...]:
 
 
 def reachable(current: Sequence[Placement], target: Sequence[Placement]) -> tuple[Placement, ...]:
-    """The placement to redistribute to for ``target``. DTensor turns a tensor into a partial
-    only inside its op rules (locally, when the op needs it), so where the target is partial a
-    partial of any kind (such as the masked partial of a row-split embedding) or a replicated
-    axis stays as it is, and a split axis is gathered (the S->R->P the planner prices)."""
+    """The placement to redistribute to for ``target`` (with `torch_private.redistribute`):
+    where the target is partial, a partial of any kind (such as the masked partial of a
+    row-split embedding) stays as it is, and any other axis is made partial, a split one
+    gathered first (the S->R->P the planner prices). The executor makes partials itself rather
+    than leave an op's rule to: DTensor's rules differ between releases in which input they
+    move (torch 2.11's add of a replicated and a partial tensor all-reduces the partial one)."""
     return tuple(
-        (c if isinstance(c, Partial | Replicate) else Replicate()) if isinstance(t, Partial) else t
+        (c if isinstance(c, Partial) else Partial()) if isinstance(t, Partial) else t
         for c, t in zip(current, target, strict=True)
     )

@@ -14,6 +14,7 @@ import json
 import logging
 import operator
 import os
+import re
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -139,6 +140,7 @@ def export_step(
             warnings.simplefilter("ignore", FutureWarning)
             ep = ep.run_decompositions({})
     _refuse_buffer_updates(ep)
+    _refuse_float_indices(ep, model, args)
     _drop_checks(ep)
     _tie_parameters(ep)
     return ep
@@ -308,19 +310,32 @@ def _described(args: tuple[Any, ...]) -> str:
     return ", ".join(one(a) for a in args)
 
 
-def _explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...]) -> str:
+def _user_line(frames: Sequence[tuple[str, int, str]]) -> str:
+    """Where the innermost of ``frames`` (file, line number, code) in the user's code (not
+    torch's, autoplan's or another package's) is, as " at file:line (`code`)"; "" if none is."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(os.path.dirname(__file__))
-    user_frames = [
-        f
-        for f in traceback.extract_tb(e.__traceback__)
-        if not f.filename.startswith((torch_dir, here)) and "site-packages" not in f.filename
+    user = [
+        f for f in frames if not f[0].startswith((torch_dir, here)) and "site-packages" not in f[0]
+    ]
+    if not user:
+        return ""
+    filename, lineno, code = user[-1]
+    return f" at {filename}:{lineno} (`{code.strip()}`)"
+
+
+def _inputs_hint(args: tuple[Any, ...]) -> str:
+    return (
+        f"It was called on the example inputs (then the target): {_described(args)}; "
+        "check that the model runs on inputs of these dtypes and shapes."
+    )
+
+
+def _explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...]) -> str:
+    frames = [
+        (f.filename, f.lineno or 0, f.line or "") for f in traceback.extract_tb(e.__traceback__)
     ]
     first_line = next((ln for ln in str(e).strip().splitlines() if ln.strip()), type(e).__name__)
-    where = ""
-    if user_frames:
-        f = user_frames[-1]
-        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
     if _data_dependent(e):
         hint = (
             "autoplan traces the model with torch.export on fake tensors: replace Python "
@@ -328,13 +343,53 @@ def _explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...]
             "and avoid .item(), .tolist() and printing tensors inside forward."
         )
     else:
-        hint = (
-            f"It was called on the example inputs (then the target): {_described(args)}; "
-            "check that the model runs on inputs of these dtypes and shapes."
-        )
+        hint = _inputs_hint(args)
     return (
-        f"could not trace {type(model).__name__}{where}: {type(e).__name__}: {first_line}. {hint}"
+        f"could not trace {type(model).__name__}{_user_line(frames)}: {type(e).__name__}: "
+        f"{first_line}. {hint}"
     )
+
+
+# the arguments that are indices into another tensor, besides those the op's schema names
+# "index" or "indices" (embedding, gather, index_select, index, scatter ...)
+_INDEX_ARGS: dict[Any, str] = {torch.ops.aten.one_hot.default: "self"}
+# a frame of an fx node's stack trace: file, line number, then the line's code
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)')
+
+
+def _refuse_float_indices(ep: ExportedProgram, model: nn.Module, args: tuple[Any, ...]) -> None:
+    """Indices of a floating dtype (token ids given as floats) are refused, as the eager ops
+    refuse them: export lets some of them through on fake tensors (torch 2.11 an embedding's,
+    2.13 a one_hot's, both an index_select's), and the model would fail in its first step."""
+    for node in ep.graph.nodes:
+        found = _float_indices(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        name, dtype = found
+        trace = node.meta.get("stack_trace") or ""
+        frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
+        module = _module_path(node)
+        op = f"{module} ({node.target})" if module else str(node.target)
+        raise TraceError(
+            f"could not trace {type(model).__name__}{_user_line(frames)}: {op} takes integer "
+            f"{name} (Long, Int), got {dtype}. {_inputs_hint(args)}"
+        )
+
+
+def _float_indices(node: torch.fx.Node) -> tuple[str, str] | None:
+    """The name of ``node``'s index argument that is a floating tensor, and its dtype."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, argument in enumerate(schema.arguments):
+        if argument.name not in ("index", "indices", _INDEX_ARGS.get(node.target)):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        for v in value if isinstance(value, list | tuple) else [value]:
+            val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex()):
+                return argument.name, str(val.dtype).removeprefix("torch.")
+    return None
 
 
 def capture(
