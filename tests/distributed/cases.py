@@ -240,6 +240,13 @@ CASES = [
         {"model": "llama", "num_layers": 4, "batch_size": 64, "seq_len": 32},
         pipeline(2, 4, "Interleaved1F1B", (2,), virtual_stages=2),
     ),
+    # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
+    Case(
+        "gpt-baseline-interleaved-tp",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 4},
+        baseline_plan(dp=1, tp=2, pp=2, virtual_stages=2),
+    ),
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",
