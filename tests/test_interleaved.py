@@ -38,7 +38,7 @@ RUNNABLE = [
 ]
 
 
-def _torch_order(groups: int, v: int, count: int, group: int) -> tuple[tuple[str, int, int], ...]:
+def _torch_order(groups: int, v: int, count: int, group: int) -> tuple[Any, ...]:
     """The steps torch's ScheduleInterleaved1F1B runs on ``group``, idle slots left out."""
     schedule = object.__new__(ScheduleInterleaved1F1B)  # its order needs no stages or ranks
     schedule.n_local_stages, schedule.pp_group_size = v, groups

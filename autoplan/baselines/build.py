@@ -169,21 +169,22 @@ def _check_batches(
             )
 
 
-def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
+def _split_layers(graph: Graph, pp: int, virtual_stages: int = 1) -> list[tuple[Layer, ...]]:
     """Megatron's split: one layer per block (without repeated blocks, runs of ops of about
-    equal FLOPs, see `autoplan.graph.cut`) in ``pp`` contiguous runs of equal length (``pp``
-    stages in all: interleaved, times the stages on each group), the first ones one layer
-    longer when ``pp`` does not divide the layer count."""
+    equal FLOPs, see `autoplan.graph.cut`) in ``pp * virtual_stages`` contiguous runs of equal
+    length, the first ones one layer longer when their count does not divide the layers'."""
     blocks = {b for n in graph if n.kind == OP and (b := block_of(n)) is not None}
     layers = cut_layers(graph, len(blocks) or DEFAULT_MAX_LAYERS)
-    if len(layers) < pp:
+    count = pp * virtual_stages
+    if len(layers) < count:
         names = ", ".join(layer.name for layer in layers)
+        asked = f"pp={pp}" if virtual_stages == 1 else f"pp * virtual_stages = {count}"
         raise AutoplanError(
-            f"{pp} pipeline stages, but the model has {len(layers)} layer(s) to split into "
-            f"stages ({names}); use at most {len(layers)} (pp * virtual_stages)"
+            f"{asked}, but the model has {len(layers)} layer(s) to split into stages ({names}); "
+            f"use at most {len(layers)} stages"
         )
-    size, extra = divmod(len(layers), pp)
-    bounds = [s * size + min(s, extra) for s in range(pp + 1)]
+    size, extra = divmod(len(layers), count)
+    bounds = [s * size + min(s, extra) for s in range(count + 1)]
     return [layers[start:stop] for start, stop in itertools.pairwise(bounds)]
 
 
@@ -204,14 +205,15 @@ def _one_stage(
     )
 
 
-# the stages of a step depend on pp alone: all conventional plans of pp stages share them
+# the stages of a step depend on pp (and virtual_stages) alone: all conventional plans of so
+# many stages share them
 @functools.lru_cache(maxsize=8)
 def _stages(
-    graph: Graph, pp: int
+    graph: Graph, pp: int, virtual_stages: int
 ) -> tuple[tuple[tuple[Layer, ...], ...], tuple[Layer, ...], tuple[StageGraph, ...]]:
-    """The layers of each of ``pp`` stages (`_split_layers`), each stage as one layer (the unit
-    `price_pipeline` prices) and as its stage graph."""
-    groups = _split_layers(graph, pp)
+    """The layers of each of ``pp * virtual_stages`` stages (`_split_layers`), each stage as
+    one layer (the unit `price_pipeline` prices) and as its stage graph."""
+    groups = _split_layers(graph, pp, virtual_stages)
     stages = []
     for s, group in enumerate(groups):
         members = {name for layer in group for name in layer.nodes}
@@ -223,7 +225,7 @@ def _stages(
             f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
             "which cannot share it; use pp=1 or untie the weights"
         )
-    graphs = tuple(stage_graph(graph, stages, s, s + 1) for s in range(pp))
+    graphs = tuple(stage_graph(graph, stages, s, s + 1) for s in range(len(stages)))
     return tuple(groups), tuple(stages), graphs
 
 
@@ -240,7 +242,7 @@ def _pipelined(
 ) -> Plan:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
     own graph as a one-stage baseline is."""
-    groups, stages, stage_graphs = _stages(graph, pp * virtual_stages)
+    groups, stages, stage_graphs = _stages(graph, pp, virtual_stages)
     assignments = []
     for s, (group, stage) in enumerate(zip(groups, stage_graphs, strict=True)):
         try:
