@@ -173,15 +173,23 @@ def _plan_pipelined(
     if found is None:
         return None
     plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
-    degrees = shaped_degrees(
-        cluster.num_devices,
-        batch,
-        pp=found.num_groups,
-        virtual_stages=found.virtual_stages,
-        num_microbatches=found.num_microbatches,
-        schedule=found.schedule if found.virtual_stages > 1 else options.schedule or "1F1B",
-        meshes=None if options.mesh_shape is None else [options.mesh_shape],
-    )
+    # the conventional pipelines of its device groups and microbatches: one stage a group
+    # (unless Interleaved1F1B is forced), and interleaved as found
+    schedules = [] if options.schedule == INTERLEAVED else [options.schedule or "1F1B"]
+    schedules += [INTERLEAVED] * (found.virtual_stages > 1)
+    degrees = [
+        d
+        for schedule in schedules
+        for d in shaped_degrees(
+            cluster.num_devices,
+            batch,
+            pp=found.num_groups,
+            num_microbatches=found.num_microbatches,
+            schedule=schedule,
+            virtual_stages=found.virtual_stages if schedule == INTERLEAVED else 1,
+            meshes=None if options.mesh_shape is None else [options.mesh_shape],
+        )
+    ]
     return _keep_faster_conventional(plan, found.graph, cluster, degrees, options)
 
 
