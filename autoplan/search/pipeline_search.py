@@ -10,9 +10,8 @@ chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plan
 then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
 the fastest that fits kept. Interleaved 1F1B with ``v`` stages on each of the ``p`` device
 groups is searched the same way (`_interleaved`): the DP splits the layers into ``p v`` stages
-as if the cluster had ``v`` times its nodes (the layers' plans are the same), for ``v = 2,
-3, ...`` while the layers allow and the step gets faster; its memory per device group, over
-all its stages, is checked once priced.
+(the layers' plans are the same), for ``v = 2, 3, ...`` while the layers allow and the step
+gets faster; its memory per device group, over all its stages, is checked once priced.
 
 The DP minimizes ``sum(t) + (B - 1) * max(t)`` over stage times ``t`` per microbatch, with the
 once-per-step gradient synchronization and optimizer update amortized as ``extra / B``; it
@@ -290,13 +289,18 @@ def _solve_dp(
     solver: StageSolver, sub: Submesh, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[SolvedStage, ...] | None:
     """Alpa's stage DP with every stage on ``sub`` (see the module docstring); with
-    ``virtual_stages`` v, into v times the stages, as on a cluster of v times the nodes."""
+    ``virtual_stages`` v, into v times the stages: as many one-device stages on as many
+    one-device nodes, each priced as on ``sub`` (the DP's work then grows with the stages,
+    not with v times the devices)."""
     cluster = solver.cluster
     num_stages = virtual_stages * cluster.num_devices // sub.num_devices
     longest = len(solver.layers) - num_stages + 1  # every other stage needs a layer
+    nodes, per_node, unit = cluster.num_nodes, cluster.devices_per_node, sub
+    if virtual_stages > 1:
+        nodes, per_node, unit = num_stages, 1, Submesh(1, 1)
 
     def cost(i: int, j: int, submesh: Submesh) -> StageCost:
-        usable = submesh == sub and j - i <= longest
+        usable = submesh == unit and j - i <= longest
         found = solver.cost(i, j) if usable else None
         if found is None:
             return StageCost(math.inf, math.inf, feasible=False)
@@ -308,8 +312,8 @@ def _solve_dp(
 
     problem = StageProblem(
         num_layers=len(solver.layers),
-        num_nodes=cluster.num_nodes * virtual_stages,
-        devices_per_node=cluster.devices_per_node,
+        num_nodes=nodes,
+        devices_per_node=per_node,
         num_microbatches=num_microbatches,
         memory_limit=solver.memory_limit,
         cost=cost,
