@@ -265,9 +265,10 @@ def _interleaved(
     solver: StageSolver, sub: Submesh, num_microbatches: int, counts: Sequence[int]
 ) -> list[PipelinePlan]:
     """The interleaved pipelines that fit, ``v`` stages on each device group for ``v`` in
-    ``counts``, stopping at the first that is slower than the one before."""
+    ``counts``, stopping after two in a row slower than the fastest before them (a ``v`` that
+    splits the layers unevenly can be slower than the next)."""
     found: list[PipelinePlan] = []
-    last = math.inf
+    fastest, slower = math.inf, 0
     for v in counts:
         solved = _solve_dp(solver, sub, num_microbatches, v)
         if solved is None:
@@ -277,9 +278,10 @@ def _interleaved(
             solver.costs, solver.boundary, solved, solver.memory_limit, v,
         )  # fmt: skip
         _log(priced)
-        if priced.step_time_s > last:
+        slower = slower + 1 if priced.step_time_s > fastest else 0
+        if slower == 2:
             break
-        last = priced.step_time_s
+        fastest = min(fastest, priced.step_time_s)
         if _fits(priced):
             found.append(priced)
     return found
