@@ -23,7 +23,7 @@ from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
 from autoplan.strategies.pricing import Pricer
@@ -157,7 +157,14 @@ def _plan_pipelined(
             f"{cluster.num_devices} devices of cluster {cluster.name!r}"
         )
     if num_stages and num_microbatches:
-        refusals = [schedule_refusal(s, num_stages, num_microbatches) for s in options.schedules]
+        # interleaved: whether torch runs it depends on the groups and microbatches alone
+        v = options.virtual_stages or 2
+        refusals = [
+            schedule_refusal(s, num_stages * v, num_microbatches, v)
+            if s == INTERLEAVED
+            else schedule_refusal(s, num_stages, num_microbatches)
+            for s in options.schedules
+        ]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
     found = plan_pipeline(
@@ -166,14 +173,23 @@ def _plan_pipelined(
     if found is None:
         return None
     plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
-    degrees = shaped_degrees(
-        cluster.num_devices,
-        batch,
-        pp=len(found.stages),
-        num_microbatches=found.num_microbatches,
-        schedule=options.schedule or "1F1B",
-        meshes=None if options.mesh_shape is None else [options.mesh_shape],
-    )
+    # the conventional pipelines of its device groups and microbatches: one stage a group
+    # (unless Interleaved1F1B is forced), and interleaved as found
+    schedules = [] if options.schedule == INTERLEAVED else [options.schedule or "1F1B"]
+    schedules += [INTERLEAVED] * (found.virtual_stages > 1)
+    degrees = [
+        d
+        for schedule in schedules
+        for d in shaped_degrees(
+            cluster.num_devices,
+            batch,
+            pp=found.num_groups,
+            num_microbatches=found.num_microbatches,
+            schedule=schedule,
+            virtual_stages=found.virtual_stages if schedule == INTERLEAVED else 1,
+            meshes=None if options.mesh_shape is None else [options.mesh_shape],
+        )
+    ]
     return _keep_faster_conventional(plan, found.graph, cluster, degrees, options)
 
 

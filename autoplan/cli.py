@@ -147,14 +147,24 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")
-    parser.add_argument("--stages", type=_at_least_one, help="number of pipeline stages")
+    parser.add_argument(
+        "--stages",
+        type=_at_least_one,
+        help="number of pipeline stages (interleaved: of device groups, each holding several)",
+    )
     parser.add_argument(
         "--microbatches",
         type=_at_least_one,
         help="microbatches per step (pipelines; default: searched on one node)",
     )
     parser.add_argument(
-        "--schedule", help="pipeline schedule: 1F1B, GPipe (default: the faster that fits)"
+        "--schedule",
+        help="pipeline schedule: 1F1B, GPipe, Interleaved1F1B (default: the fastest that fits)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=_at_least_one,
+        help="stages on each device group under Interleaved1F1B (implies it; default: searched)",
     )
 
 
@@ -172,6 +182,7 @@ def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptio
         num_stages=args.stages,
         num_microbatches=args.microbatches,
         schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
     )
 
 

@@ -137,6 +137,7 @@ def _derive_pipeline(
         schedule=plan.pipeline.schedule,
         optimizer=optimizer,
         memory_limit=limit,
+        virtual_stages=plan.virtual_stages,
     )
     priced = make_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
     stages = tuple(

@@ -16,7 +16,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.pins import Pin
 from autoplan.progress import OnProgress
-from autoplan.schedules import SCHEDULES, check_schedule
+from autoplan.schedules import INTERLEAVED, SCHEDULES, check_schedule
 from autoplan.strategies.pricing import OPTIMIZER_STATE
 
 
@@ -57,7 +57,11 @@ class PlanOptions:
     tried and, on one node, halves while that is faster."""
 
     schedule: str | None = None
-    """"1F1B" or "GPipe" (any case); None takes the faster that fits."""
+    """"1F1B", "GPipe" or "Interleaved1F1B" (any case); None takes the fastest that fits."""
+
+    virtual_stages: int | None = None
+    """Stages on each device group under "Interleaved1F1B" (at least 2; it implies that
+    schedule); None tries 2, 3, ... while the layers allow and the step gets faster."""
 
     max_layers: int = DEFAULT_MAX_LAYERS
     """The step is cut into at most this many layers for the stage search
@@ -76,6 +80,13 @@ class PlanOptions:
         object.__setattr__(self, "pin", types.MappingProxyType(dict(self.pin)))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", check_schedule(self.schedule))
+        if self.virtual_stages is not None:
+            if self.virtual_stages < 2 or self.schedule not in (None, INTERLEAVED):
+                raise AutoplanError(
+                    f"virtual_stages={self.virtual_stages} (with schedule={self.schedule!r}): "
+                    f"give 2 or more, which runs schedule {INTERLEAVED}"
+                )
+            object.__setattr__(self, "schedule", INTERLEAVED)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.max_layers < 1:

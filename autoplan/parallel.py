@@ -181,8 +181,13 @@ class Step:
         )
         self.plan = plan
         if plan.pipeline is not None:
-            index = self.mesh["pp"].get_local_rank()
-            params = {fqn for fqn, s in plan.param_stages().items() if s == index}
+            pp = self.mesh["pp"]
+            # this rank's row of the "pp" axis holds stages row, row + p, ... (interleaved)
+            params = {
+                fqn
+                for fqn, s in plan.param_stages().items()
+                if s % pp.size() == pp.get_local_rank()
+            }
             materialize(
                 self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
             )

@@ -9,6 +9,13 @@ Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelin
 - 1F1B (Schedule1F1B): ``min(B, S - s)`` forwards on stage ``s`` of ``S`` (the last stage
   one), then one backward and one forward in turn until the forwards run out, then the
   remaining backwards.
+- Interleaved1F1B (ScheduleInterleaved1F1B): ``S = p v`` stages on ``p`` device groups, stage
+  ``s`` on group ``s mod p`` (each group holds ``v`` chunks, "virtual stages", not adjacent).
+  Group ``g`` runs torch's order (`group_order`): microbatches in rounds of ``B / max(1, B //
+  p)``, its forwards going through its chunks round by round, warm-up ``(v - 1)`` rounds plus
+  ``2 (p - 1 - g)`` forwards, then one forward and one backward in turn, then the remaining
+  backwards (chunks in reverse). Its bubble is about ``(p - 1) / v`` of a chunk's time where
+  1F1B's is ``p - 1`` stages' times, for ``v`` times the sends.
 
 `simulate` starts each step as soon as its stage is free and its input has arrived: the
 forward of microbatch ``m`` on stage ``s`` after its forward on stage ``s - 1``, the backward
@@ -27,7 +34,9 @@ from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
 
-SCHEDULES = ("1F1B", "GPipe")  # torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe
+INTERLEAVED = "Interleaved1F1B"
+# torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+SCHEDULES = ("1F1B", "GPipe", INTERLEAVED)
 
 
 def check_schedule(schedule: str) -> str:
@@ -38,14 +47,39 @@ def check_schedule(schedule: str) -> str:
     return by_lower[schedule.lower()]
 
 
-def schedule_refusal(schedule: str, num_stages: int, num_microbatches: int) -> str | None:
-    """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages and
-    microbatches (its Schedule1F1B needs at least one microbatch a stage), or None."""
-    if schedule == "1F1B" and num_microbatches < num_stages:
+def schedule_refusal(
+    schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> str | None:
+    """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages (in
+    all: ``virtual_stages`` on each device group) and microbatches, or None: its Schedule1F1B
+    needs at least one microbatch a stage; ScheduleInterleaved1F1B two or more stages on each
+    group, and microbatches a multiple of its rounds, ``max(1, B // groups)``."""
+    if schedule != INTERLEAVED:
+        if virtual_stages != 1:
+            return (
+                f"schedule {schedule} runs one stage on each device group, but "
+                f"virtual_stages={virtual_stages}; use {INTERLEAVED} for more"
+            )
+        if schedule == "1F1B" and num_microbatches < num_stages:
+            return (
+                f"schedule 1F1B needs at least as many microbatches as stages, but "
+                f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
+                "microbatches or GPipe"
+            )
+        return None
+    if virtual_stages < 2 or num_stages % virtual_stages:
         return (
-            f"schedule 1F1B needs at least as many microbatches as stages, but "
-            f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
-            "microbatches or GPipe"
+            f"schedule {INTERLEAVED} needs 2 or more stages on each device group "
+            f"(virtual_stages >= 2, dividing the {num_stages} stages), but "
+            f"virtual_stages={virtual_stages}; use 1F1B for one"
+        )
+    groups = num_stages // virtual_stages
+    rounds = max(1, num_microbatches // groups)
+    if num_microbatches % rounds:
+        return (
+            f"schedule {INTERLEAVED} runs microbatches in rounds of about one per device "
+            f"group: num_microbatches={num_microbatches} on {groups} groups must be a multiple "
+            f"of max(1, {num_microbatches} // {groups}) = {rounds}; use a multiple of {groups}"
         )
     return None
 
@@ -63,10 +97,14 @@ class Event:
     end: float
 
 
+Step = tuple[str, int, int]  # (kind, stage, microbatch)
+
+
 def stage_order(
     schedule: str, num_stages: int, num_microbatches: int, stage: int
 ) -> tuple[tuple[str, int], ...]:
-    """The (kind, microbatch) steps ``stage`` runs, in the order it runs them."""
+    """The (kind, microbatch) steps ``stage`` runs, in the order it runs them (one stage a
+    device group: GPipe or 1F1B)."""
     forwards = [(FORWARD, m) for m in range(num_microbatches)]
     backwards = [(BACKWARD, m) for m in range(num_microbatches)]
     if schedule == "GPipe":
@@ -80,47 +118,98 @@ def stage_order(
     return (*order, *backwards[num_microbatches - warmup :])
 
 
+def group_order(
+    schedule: str, num_stages: int, num_microbatches: int, group: int, virtual_stages: int = 1
+) -> tuple[Step, ...]:
+    """The (kind, stage, microbatch) steps device group ``group`` runs, in order: its one
+    stage's (`stage_order`), or under Interleaved1F1B its ``virtual_stages`` chunks' as torch's
+    ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out)."""
+    if schedule != INTERLEAVED:
+        one = stage_order(schedule, num_stages, num_microbatches, group)
+        return tuple((kind, group, m) for kind, m in one)
+    v, groups, count = virtual_stages, num_stages // virtual_stages, num_microbatches
+    per_round = count // max(1, count // groups)
+    warmup = min((v - 1) * per_round + 2 * (groups - 1 - group), count * v)
+    steady = count * v - warmup
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v * groups + group
+
+    def backward_stage(op: int) -> int:
+        return (v - 1 - (op - warmup) // per_round % v) * groups + group
+
+    done = {FORWARD: [0] * num_stages, BACKWARD: [0] * num_stages}
+    order: list[Step] = []
+
+    def run(kind: str, stage: int) -> None:
+        order.append((kind, stage, done[kind][stage]))
+        done[kind][stage] += 1
+
+    for op in range(warmup + steady + warmup):
+        if op < warmup + steady:
+            run(FORWARD, forward_stage(op))
+        if op >= warmup:
+            run(BACKWARD, backward_stage(op))
+    return tuple(order)
+
+
+def peak_in_flight(order: Sequence[Step], activation: Callable[[int], float]) -> float:
+    """The most activations a device group holds at once running ``order``: each stage's
+    ``activation(stage)`` for every microbatch it has run forward and not yet backward."""
+    held = peak = 0.0
+    for kind, stage, _ in order:
+        held += activation(stage) if kind == FORWARD else -activation(stage)
+        peak = max(peak, held)
+    return peak
+
+
 def simulate(
     schedule: str,
     num_stages: int,
     num_microbatches: int,
     durations: Sequence[tuple[float, float]] | None = None,
     speed: Callable[[int], float] | None = None,
+    virtual_stages: int = 1,
 ) -> tuple[Event, ...]:
     """Every step of one training step, by start time then stage. ``durations`` gives each
     stage's (forward, backward) time per microbatch; without it every step takes one slot.
-    ``speed(n)``: the speed of each of ``n`` stages running at once (default 1.0)."""
+    ``speed(n)``: the speed of each of ``n`` device groups running at once (default 1.0).
+    Each device group (`group_order`) runs one step at a time."""
     times = durations if durations is not None else [(1.0, 1.0)] * num_stages
     assert len(times) == num_stages, (len(times), num_stages)
-    orders = [stage_order(schedule, num_stages, num_microbatches, s) for s in range(num_stages)]
+    num_groups = num_stages // virtual_stages
+    orders = [
+        group_order(schedule, num_stages, num_microbatches, g, virtual_stages)
+        for g in range(num_groups)
+    ]
     ends: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end
-    done = [0] * num_stages  # steps of each stage's order finished so far
-    running: dict[int, tuple[float, float]] = {}  # stage -> (its step's start, work left)
+    done = [0] * num_groups  # steps of each group's order finished so far
+    running: dict[int, tuple[float, float]] = {}  # group -> (its step's start, work left)
     events: list[Event] = []
     now = 0.0
     while True:
-        for s, order in enumerate(orders):
-            if s in running or done[s] == len(order):
+        for g, order in enumerate(orders):
+            if g in running or done[g] == len(order):
                 continue
-            kind, m = order[done[s]]
+            kind, s, m = order[done[g]]
             source = s - 1 if kind == FORWARD else s + 1
             if 0 <= source < num_stages and (kind, source, m) not in ends:
                 continue  # its input is not computed yet
-            running[s] = (now, times[s][0 if kind == FORWARD else 1])
+            running[g] = (now, times[s][0 if kind == FORWARD else 1])
         if not running:
             break
         rate = 1.0 if speed is None else speed(len(running))
         step = min(left for _, left in running.values()) / rate
         now += step
-        for s, (start, left) in list(running.items()):
+        for g, (start, left) in list(running.items()):
             left -= step * rate
             if left > 1e-12 * max(1.0, now):
-                running[s] = (start, left)
+                running[g] = (start, left)
                 continue
-            kind, m = orders[s][done[s]]
+            kind, s, m = orders[g][done[g]]
             ends[(kind, s, m)] = now
             events.append(Event(s, kind, m, start, now))
-            done[s] += 1
-            del running[s]
+            done[g] += 1
+            del running[g]
     assert done == [len(o) for o in orders], "a schedule's orders never deadlock"
     return tuple(sorted(events, key=lambda e: (e.start, e.stage)))

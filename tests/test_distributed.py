@@ -72,8 +72,9 @@ def test_trains_like_one_process_and_as_planned(
     if case.max_grad_norm is not None:  # clipping reduces the gradients' norms (scalars) too
         extra = [e for e in extra if not re.fullmatch(r"\d+ x all_reduce on \w+, \d+ B", e)]
     assert r["planned_not_issued"] == [] and extra == [], r
-    if "pipeline" in case.name or "gpipe" in case.name or "1f1b" in case.name:
-        assert r["stages"] >= 2 and r["axes"][0] == "pp", r
+    assert r["sends_planned_not_issued"] == [] and r["sends_issued_not_planned"] == [], r
+    if any(k in case.name for k in ("pipeline", "gpipe", "1f1b", "interleaved")):
+        assert r["stages"] >= 2 and r["axes"][0] == "pp" and r["num_sends"] > 0, r
     else:
         assert r["num_collectives"] > 0, "the plan is fully replicated: the case tests nothing"
 

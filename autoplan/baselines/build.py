@@ -13,7 +13,9 @@ Each stage runs on ``dp * tp`` devices and is placed as one stage is, on its own
 batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
 so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
 Stages are priced as the planner prices its own
-(`autoplan.search.pipeline_price.price_pipeline`).
+(`autoplan.search.pipeline_price.price_pipeline`). Interleaved 1F1B (``virtual_stages=v``, as
+Megatron's ``--num-layers-per-virtual-pipeline-stage``) splits the layers so into ``pp v``
+stages, stage ``s`` on device group ``s mod pp``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from autoplan.graph.ir import OP, Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
 from autoplan.search.pipeline_price import price_pipeline
 from autoplan.search.step_price import price_step
@@ -114,13 +116,21 @@ def _check_options(
 
 
 def _check_stages(
-    cluster: Cluster, dp: int, tp: int, pp: int, num_microbatches: int, schedule: str
+    cluster: Cluster,
+    dp: int,
+    tp: int,
+    pp: int,
+    num_microbatches: int,
+    schedule: str,
+    virtual_stages: int,
 ) -> None:
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise AutoplanError(
             f"num_microbatches must be a positive integer, got {num_microbatches!r}"
         )
-    refusal = schedule_refusal(schedule, pp, num_microbatches)
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise AutoplanError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    refusal = schedule_refusal(schedule, pp * virtual_stages, num_microbatches, virtual_stages)
     if refusal:
         raise AutoplanError(refusal)
     size, per_node = dp * tp, cluster.devices_per_node
@@ -130,6 +140,12 @@ def _check_stages(
             f"{cluster.name!r} ({per_node} devices each); choose dp * tp dividing {per_node} "
             "or a multiple of it"
         )
+
+
+def _schedule(options: PlanOptions, virtual_stages: int) -> str:
+    """The schedule a baseline runs: the options', else Interleaved1F1B for stages
+    interleaved, else 1F1B."""
+    return options.schedule or (INTERLEAVED if virtual_stages > 1 else "1F1B")
 
 
 def _check_batches(
@@ -153,20 +169,22 @@ def _check_batches(
             )
 
 
-def _split_layers(graph: Graph, pp: int) -> list[tuple[Layer, ...]]:
+def _split_layers(graph: Graph, pp: int, virtual_stages: int = 1) -> list[tuple[Layer, ...]]:
     """Megatron's split: one layer per block (without repeated blocks, runs of ops of about
-    equal FLOPs, see `autoplan.graph.cut`) in ``pp`` contiguous runs of equal length, the
-    first ones one layer longer when ``pp`` does not divide the layer count."""
+    equal FLOPs, see `autoplan.graph.cut`) in ``pp * virtual_stages`` contiguous runs of equal
+    length, the first ones one layer longer when their count does not divide the layers'."""
     blocks = {b for n in graph if n.kind == OP and (b := block_of(n)) is not None}
     layers = cut_layers(graph, len(blocks) or DEFAULT_MAX_LAYERS)
-    if len(layers) < pp:
+    count = pp * virtual_stages
+    if len(layers) < count:
         names = ", ".join(layer.name for layer in layers)
+        asked = f"pp={pp}" if virtual_stages == 1 else f"pp * virtual_stages = {count}"
         raise AutoplanError(
-            f"pp={pp}, but the model has {len(layers)} layer(s) to split into stages ({names}); "
-            f"use pp <= {len(layers)}"
+            f"{asked}, but the model has {len(layers)} layer(s) to split into stages ({names}); "
+            f"use at most {len(layers)} stages"
         )
-    size, extra = divmod(len(layers), pp)
-    bounds = [s * size + min(s, extra) for s in range(pp + 1)]
+    size, extra = divmod(len(layers), count)
+    bounds = [s * size + min(s, extra) for s in range(count + 1)]
     return [layers[start:stop] for start, stop in itertools.pairwise(bounds)]
 
 
@@ -187,14 +205,15 @@ def _one_stage(
     )
 
 
-# the stages of a step depend on pp alone: all conventional plans of pp stages share them
+# the stages of a step depend on pp (and virtual_stages) alone: all conventional plans of so
+# many stages share them
 @functools.lru_cache(maxsize=8)
 def _stages(
-    graph: Graph, pp: int
+    graph: Graph, pp: int, virtual_stages: int
 ) -> tuple[tuple[tuple[Layer, ...], ...], tuple[Layer, ...], tuple[StageGraph, ...]]:
-    """The layers of each of ``pp`` stages (`_split_layers`), each stage as one layer (the unit
-    `price_pipeline` prices) and as its stage graph."""
-    groups = _split_layers(graph, pp)
+    """The layers of each of ``pp * virtual_stages`` stages (`_split_layers`), each stage as
+    one layer (the unit `price_pipeline` prices) and as its stage graph."""
+    groups = _split_layers(graph, pp, virtual_stages)
     stages = []
     for s, group in enumerate(groups):
         members = {name for layer in group for name in layer.nodes}
@@ -206,7 +225,7 @@ def _stages(
             f"parameter {name!r} is read by pipeline stages {list(readers)} (tied weights), "
             "which cannot share it; use pp=1 or untie the weights"
         )
-    graphs = tuple(stage_graph(graph, stages, s, s + 1) for s in range(pp))
+    graphs = tuple(stage_graph(graph, stages, s, s + 1) for s in range(len(stages)))
     return tuple(groups), tuple(stages), graphs
 
 
@@ -219,10 +238,11 @@ def _pipelined(
     schedule: str,
     optimizer: str,
     limit: float,
+    virtual_stages: int,
 ) -> Plan:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
     own graph as a one-stage baseline is."""
-    groups, stages, stage_graphs = _stages(graph, pp)
+    groups, stages, stage_graphs = _stages(graph, pp, virtual_stages)
     assignments = []
     for s, (group, stage) in enumerate(zip(groups, stage_graphs, strict=True)):
         try:
@@ -243,6 +263,7 @@ def _pipelined(
         schedule=schedule,
         optimizer=optimizer,
         memory_limit=limit,
+        virtual_stages=virtual_stages,
     )
     plan = make_pipeline_plan(pipe, cluster, (mesh_shape,))
     named = (
@@ -260,6 +281,7 @@ def baseline(
     dp: int,
     tp: int,
     pp: int = 1,
+    virtual_stages: int = 1,
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     ep: int = 1,
@@ -291,8 +313,10 @@ def baseline(
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
     docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
-    ``("pp", dp, tp)``. ``options`` also give the optimizer and the memory budget; what the
-    planner would search (mesh, pins, stages) must be left unset.
+    ``("pp", dp, tp)``. ``virtual_stages=v`` (2 or more) runs Interleaved1F1B instead: the
+    layers split so into ``pp v`` stages, stage ``s`` on device group ``s mod pp``.
+    ``options`` also give the optimizer and the memory budget; what the planner would search
+    (mesh, pins, stages) must be left unset.
 
     ``dp * tp * pp`` must equal the cluster's device count. Time and memory are predicted by
     the planner's cost model; a baseline that does not fit in ``options.memory_fraction`` of
@@ -311,11 +335,15 @@ def baseline(
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches
-        _check_stages(cluster, dp, tp, pp, count, options.schedule or "1F1B")
+        _check_stages(
+            cluster, dp, tp, pp, count, _schedule(options, virtual_stages), virtual_stages
+        )
         _check_batches(example_inputs, example_target, dp, count)
+    elif virtual_stages != 1:
+        raise AutoplanError(f"virtual_stages={virtual_stages} applies to pipelines (pp > 1)")
     inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
     graph = capture(model, inputs, loss_fn, target)
-    plan = baseline_of_graph(graph, cluster, layout, pp, count, options)
+    plan = baseline_of_graph(graph, cluster, layout, pp, count, options, virtual_stages)
     kept = zero3_replicated(graph, layout) if zero_stage == 3 else []
     if kept:
         log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
@@ -329,22 +357,27 @@ def baseline_of_graph(
     pp: int = 1,
     num_microbatches: int = 1,
     options: PlanOptions | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """`baseline` of a step already traced (`autoplan.graph.capture`), at the shape of one of
     ``num_microbatches`` microbatches when ``pp > 1``; ``options`` give the schedule, the
     optimizer and the memory budget. Raises `InfeasiblePlanError` if it does not fit."""
     options = options or PlanOptions()
     dp, tp = layout.dp, layout.tp
-    schedule = options.schedule or "1F1B"
+    schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
     degrees = f"dp={dp} tp={tp}"
     if pp == 1:
         plan = _one_stage(graph, cluster, layout, optimizer, limit)
     else:
-        _check_stages(cluster, dp, tp, pp, num_microbatches, schedule)
-        plan = _pipelined(graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit)
+        _check_stages(cluster, dp, tp, pp, num_microbatches, schedule, virtual_stages)
+        plan = _pipelined(
+            graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit,
+            virtual_stages,
+        )  # fmt: skip
         degrees += f" pp={pp} num_microbatches={num_microbatches}"
+        degrees += f" virtual_stages={virtual_stages}" * (virtual_stages > 1)
     need = plan.predicted.peak_memory_bytes
     if need > limit:
         raise InfeasiblePlanError(

@@ -1,6 +1,7 @@
 """Every conventional plan of a step on a cluster: the baselines of each choice of degrees
 (``dp * tp * pp`` devices, ZeRO-3 or not, sequence parallelism or not, the microbatches of a
-pipeline) that divides the cluster and the batch and fits in memory.
+pipeline, its stages on each device group under Interleaved1F1B) that divides the cluster
+and the batch and fits in memory.
 
 The planner must never be slower than the best of them (tests/test_optimality.py). It checks
 its plans against the conventional plans of their shape (`shaped_degrees`: one stage on each
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.baselines.build import baseline_of_graph
 from autoplan.baselines.propagate import Layout, mesh_of
@@ -22,7 +23,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import INTERLEAVED, schedule_refusal
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Degrees:
     zero_stage: int = 0
     sequence_parallel: bool = False
     num_microbatches: int = 1  # of a pipeline; 1 without one
+    virtual_stages: int = 1  # stages on each of the pp device groups (Interleaved1F1B: 2)
 
     @property
     def layout(self) -> Layout:
@@ -45,6 +47,7 @@ class Degrees:
     def __str__(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += " zero3" * (self.zero_stage == 3) + " sp" * self.sequence_parallel
+        text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
 
@@ -56,18 +59,23 @@ def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[De
     """Every choice of degrees over ``num_devices`` devices for a step of ``batch`` samples:
     ``dp * tp * pp == num_devices``; ZeRO-3 where ``dp > 1``, sequence parallelism where
     ``tp > 1``; a pipeline's microbatches divide the batch, ``dp`` divides each, and
-    ``schedule`` runs them. Whether the model splits so is left to `conventional_plans`."""
+    ``schedule`` runs them (Interleaved1F1B: with 2 stages on each device group, as Megatron
+    interleaves). Whether the model splits so is left to `conventional_plans`."""
+    virtual = 2 if schedule == INTERLEAVED else 1
     found = []
     for dp in _divisors(num_devices):
         for tp in _divisors(num_devices // dp):
             pp = num_devices // (dp * tp)
             counts = [1] if pp == 1 else _divisors(batch)
+            v = virtual if pp > 1 else 1
             for count in counts:
-                if pp > 1 and ((batch // count) % dp or schedule_refusal(schedule, pp, count)):
+                if pp > 1 and (
+                    (batch // count) % dp or schedule_refusal(schedule, pp * v, count, v)
+                ):
                     continue
                 for zero_stage in (0, 3) if dp > 1 else (0,):
                     for sequence in (False, True) if tp > 1 else (False,):
-                        found.append(Degrees(dp, tp, pp, zero_stage, sequence, count))
+                        found.append(Degrees(dp, tp, pp, zero_stage, sequence, count, v))
     return found
 
 
@@ -78,12 +86,14 @@ def shaped_degrees(
     pp: int = 1,
     num_microbatches: int = 1,
     schedule: str = "1F1B",
+    virtual_stages: int = 1,
     meshes: Collection[tuple[int, ...]] | None = None,
 ) -> list[Degrees]:
-    """The degrees of `all_degrees` with ``pp`` stages of ``num_microbatches`` microbatches
-    (one stage by default), each stage on one of ``meshes`` if given."""
+    """The degrees of `all_degrees` with ``pp`` device groups of ``virtual_stages`` stages
+    each and ``num_microbatches`` microbatches (one stage by default), each stage on one of
+    ``meshes`` if given."""
     return [
-        d
+        replace(d, virtual_stages=virtual_stages) if d.pp > 1 else d
         for d in all_degrees(num_devices, batch, schedule)
         if d.pp == pp
         and d.num_microbatches == num_microbatches
@@ -112,7 +122,9 @@ def conventional_plans(
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
         try:
-            plan = baseline_of_graph(graph, cluster, d.layout, d.pp, d.num_microbatches, options)
+            plan = baseline_of_graph(
+                graph, cluster, d.layout, d.pp, d.num_microbatches, options, d.virtual_stages
+            )
         except AutoplanError as e:  # InfeasiblePlanError among them
             log.debug("conventional plan %s skipped: %s", d, e)
             continue

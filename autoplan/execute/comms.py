@@ -86,14 +86,14 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 def planned(plan: Plan) -> Counter[tuple[str, tuple[str, ...], int]]:
-    """What one step of ``plan`` issues on this rank's stage: forward and backward collectives
-    once per microbatch, gradient synchronization once."""
+    """What one step of ``plan`` issues on this rank's stages (several, interleaved): forward
+    and backward collectives once per microbatch, gradient synchronization once."""
     rank = dist.get_rank()
-    mine = next(s for s, stage in enumerate(plan.stages) if rank in stage.ranks)
+    mine = {s for s, stage in enumerate(plan.stages) if rank in stage.ranks}
     times = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
     counts: Counter[tuple[str, tuple[str, ...], int]] = Counter()
     for c in plan.collectives:
-        if c.stage == mine:
+        if c.stage in mine:
             counts[(c.kind, c.axes, c.bytes)] += 1 if c.phase == "grad_sync" else times
     return counts
 

@@ -1,9 +1,11 @@
 """Pipelined plans: each rank runs its stage as a torch.distributed.pipelining.PipelineStage.
 
 The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the
-mesh as its own DeviceMesh. Tensors cross stages as local shards laid out as the plan's
-boundary placement: rank ``i`` of a stage sends to rank ``i`` of the next (the "pp" group of
-its column), so the pipelining library only ever sees plain tensors. The batch (and the
+mesh as its own DeviceMesh (interleaved 1F1B: row ``s mod p``, each rank running its row's
+stages under torch's ScheduleInterleaved1F1B, each with its own gradient reducer). Tensors
+cross stages as local shards laid out as the plan's boundary placement: rank ``i`` of a
+stage sends to rank ``i`` of the next (the "pp" group of its column), so the pipelining
+library only ever sees plain tensors. The batch (and the
 target, which travels with the activations to the loss) enters the first stage; the last
 stage returns each microbatch's loss, and the sum of the microbatches' gradients over their
 count is the batch mean's. A parameter that every op of its stage reads locally as stored
@@ -20,8 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
@@ -124,34 +131,53 @@ class PipelineRunner:
         assert plan.pipeline is not None
         self.plan = plan
         pp = world["pp"]
-        self.index = pp.get_local_rank()
+        # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved)
+        self.indices = tuple(range(pp.get_local_rank(), len(plan.stages), pp.size()))
         self.mesh = world[plan.stage_axes]
-        self.module = StageModule(model, ep, plan, self.mesh, self.index)
+        self.modules = [StageModule(model, ep, plan, self.mesh, s) for s in self.indices]
+        self.module = self.modules[0]
         self.num_microbatches = plan.pipeline.num_microbatches
-        stage = PipelineStage(
-            self.module,
-            self.index,
-            len(plan.stages),
-            torch.device(world.device_type),
-            input_args=self.module.example_inputs(),
-            output_args=self.module.example_outputs(),
-            group=pp.get_group(),
-        )
-        schedule = SCHEDULE_CLASSES[plan.pipeline.schedule]
+        stages = [
+            PipelineStage(
+                module,
+                s,
+                len(plan.stages),
+                torch.device(world.device_type),
+                input_args=module.example_inputs(),
+                output_args=module.example_outputs(),
+                group=pp.get_group(),
+            )
+            for s, module in zip(self.indices, self.modules, strict=True)
+        ]
         # the schedule would scale only the parameters' own gradients, not the local leaves'
         # (`run` scales both)
-        self.schedule = schedule(
-            stage, self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
-        )
-        self._last_rank = plan.stages[-1].ranks[0]
-        mine = {fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)}
-        self.gradients = GradientReducer(mine, plan, self.index, self.mesh)
-        module = self.module
-        self.gradients.use_leaves(
-            local_leaves(
-                module.model, module.placeholders, module.interpreter, self.gradients.accepts_local
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
+        if plan.virtual_stages > 1:
+            self.schedule = ScheduleInterleaved1F1B(
+                list(stages), self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
             )
-        )
+        else:
+            self.schedule = SCHEDULE_CLASSES[plan.pipeline.schedule](
+                stages[0], self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
+            )
+        self.is_first = self.modules[0].is_first
+        self.is_last = self.modules[-1].is_last
+        self._last_rank = plan.stages[-1].ranks[0]
+        owner = plan.param_stages()
+        named = [(fqn, p) for fqn, p in model.named_parameters() if isinstance(p, DTensor)]
+        self.reducers = []
+        for s, module in zip(self.indices, self.modules, strict=True):
+            mine = {fqn: p for fqn, p in named if owner[fqn] == s}
+            reducer = GradientReducer(mine, plan, s, self.mesh)
+            reducer.use_leaves(
+                local_leaves(model, module.placeholders, module.interpreter, reducer.accepts_local)
+            )
+            self.reducers.append(reducer)
+
+    @property
+    def leaves(self) -> dict[str, torch.Tensor]:
+        """The parameters of this rank's stages that train as plain local leaves, by FQN."""
+        return {fqn: t for r in self.reducers for fqn, t in r.leaves.items()}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
@@ -159,22 +185,23 @@ class PipelineRunner:
     def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the whole batch; returns its mean loss on every rank."""
         losses: list[torch.Tensor] = []
+        stages = ", ".join(map(str, self.indices))
         note(
-            f"the pipeline schedule of stage {self.index} (forward and backward; activations "
+            f"the pipeline schedule of stage(s) {stages} (forward and backward; activations "
             "and their gradients to and from the neighbouring stages)"
         )
-        if self.module.is_first:
-            self.schedule.step(*args)
-        elif self.module.is_last:
+        inputs = tuple(args) if self.is_first else ()
+        if self.is_last:
             # one placeholder target per microbatch: the loss is already the stage's output
-            self.schedule.step(target=torch.zeros(self.num_microbatches), losses=losses)
+            self.schedule.step(*inputs, target=torch.zeros(self.num_microbatches), losses=losses)
         else:
-            self.schedule.step()
+            self.schedule.step(*inputs)
         self._mean_of_microbatches()
-        self.gradients.reduce_now()
+        for reducer in self.reducers:
+            reducer.reduce_now()
         note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
-        if self.module.is_last:
+        if self.is_last:
             loss = torch.stack([x.detach() for x in losses]).mean()
         dist.broadcast(loss, src=self._last_rank)
         return loss
@@ -183,8 +210,7 @@ class PipelineRunner:
     def _mean_of_microbatches(self) -> None:
         """Each microbatch's loss is its mean: the summed gradients over their count are
         the batch mean's."""
-        leaves = self.gradients.leaves.values()
-        for tensor in [*leaves, *self.parameters()]:
+        for tensor in [*self.leaves.values(), *self.parameters()]:
             if tensor.grad is not None:
                 tensor.grad.div_(self.num_microbatches)
 
@@ -196,7 +222,7 @@ class PipelineRunner:
         device = self.mesh.device_type
         for fqn, tensor in self.module.model.state_dict().items():
             s = owner[fqn]
-            if s == self.index:
+            if s in self.indices:
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 whole = whole.detach().to(device).contiguous()
             else:

@@ -168,8 +168,9 @@ def make_pipeline_plan(
     meshes_tried: tuple[tuple[int, ...], ...],
     axes: tuple[str, ...] | None = None,
 ) -> Plan:
-    """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s``. The stage
-    axes are named by role unless ``axes`` gives their names."""
+    """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s`` (interleaved:
+    row ``s mod p`` of ``p``). The stage axes are named by role unless ``axes`` gives their
+    names."""
     graph = pipe.graph
     assignment, rules = own_decisions(pipe.stages)
     final = next(n.name for n in graph if n.kind == OUTPUT)
@@ -178,16 +179,16 @@ def make_pipeline_plan(
     # the original output reads only the loss: drop the placements of tensors sent on
     assignment[final] = Strategy(out.output, out.inputs[len(last.stage.sent) :])
     axes = axes or axis_names(graph, assignment, pipe.mesh_shape)
-    num_stages = len(pipe.stages)
+    num_stages, groups = len(pipe.stages), pipe.num_groups
     size = math.prod(pipe.mesh_shape)
     mesh = Mesh(
         axes=("pp", *axes),
-        shape=(num_stages, *pipe.mesh_shape),
+        shape=(groups, *pipe.mesh_shape),
         ranks=tuple(range(cluster.num_devices)),
     )
     stages = tuple(
         Stage(
-            ranks=tuple(range(s * size, (s + 1) * size)),
+            ranks=tuple(range(s % groups * size, (s % groups + 1) * size)),
             nodes=st.stage.nodes,
             layers=tuple(layer.name for layer in pipe.layers[st.start : st.stop]),
             received=st.stage.received,

@@ -88,12 +88,14 @@ def _check_mesh(plan: Plan, cluster: Cluster | None) -> None:
             f"in order; write {list(range(size))}"
         )
     per_stage = math.prod(_stage_shape(plan))
+    groups = len(plan.stages) // plan.virtual_stages
     for s, stage in enumerate(plan.stages):
-        row = ranks[s * per_stage : (s + 1) * per_stage]
+        g = s % groups
+        row = ranks[g * per_stage : (g + 1) * per_stage]
         if stage.ranks != row:
             raise PlanFormatError(
                 f"plan field stages[{s}].ranks is {list(stage.ranks)}, but stage {s} runs on "
-                f"row {s} of the mesh: {list(row)}; write that"
+                f"row {g} of the mesh: {list(row)}; write that"
             )
     if cluster is not None and size != cluster.num_devices:
         raise PlanFormatError(

@@ -36,7 +36,7 @@ from autoplan.planfile.sections import (
     Stage,
     StagePredicted,
 )
-from autoplan.schedules import SCHEDULES, schedule_refusal
+from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 from autoplan.version import torch_release
@@ -122,10 +122,17 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         raise m["axes"].fail('axes whose first is "pp", of size >= 2 (the plan has a pipeline)')
     axes = mesh.axes[1:] if pipeline is not None else mesh.axes
     stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
-    if len(stages) != (mesh.shape[0] if pipeline is not None else 1):
-        raise doc["stages"].fail("a list of one stage per index of the mesh's pp axis (or one)")
+    groups = mesh.shape[0] if pipeline is not None else 1
+    interleaved = pipeline is not None and pipeline.schedule == INTERLEAVED
+    if len(stages) != groups and not (interleaved and len(stages) % groups == 0):
+        raise doc["stages"].fail(
+            "a list of one stage per index of the mesh's pp axis (or one; "
+            f"{INTERLEAVED}: several per index, stage s on index s mod {groups})"
+        )
     if pipeline is not None:
-        refusal = schedule_refusal(pipeline.schedule, len(stages), pipeline.num_microbatches)
+        refusal = schedule_refusal(
+            pipeline.schedule, len(stages), pipeline.num_microbatches, len(stages) // groups
+        )
         if refusal:
             raise doc["pipeline"].problem(refusal)
     params = {

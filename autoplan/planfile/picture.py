@@ -86,7 +86,13 @@ def _draw_schedule(ax: Axes, plan: Plan, pipeline: Pipeline) -> None:
     durations = None
     if all(p is not None for p in predicted):
         durations = [(p.forward_s, p.backward_s) for p in predicted if p is not None]
-    events = simulate(pipeline.schedule, len(plan.stages), pipeline.num_microbatches, durations)
+    events = simulate(
+        pipeline.schedule,
+        len(plan.stages),
+        pipeline.num_microbatches,
+        durations,
+        virtual_stages=plan.virtual_stages,
+    )
     scale = 1e3 if durations is not None else 1.0  # seconds -> ms on the time axis
     tab20 = colormaps["tab20"]  # its dark colors for microbatches 0-9, then its light ones
     colors = [tab20(2 * m % 20 + m // 10 % 2) for m in range(pipeline.num_microbatches)]

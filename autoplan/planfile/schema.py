@@ -53,6 +53,12 @@ class Plan:
         }
 
     @property
+    def virtual_stages(self) -> int:
+        """Stages on each device group, a row of the "pp" axis: 2 or more under
+        Interleaved1F1B (stage ``s`` on row ``s mod p``), else 1."""
+        return len(self.stages) // self.mesh.shape[0] if self.pipeline is not None else 1
+
+    @property
     def stage_axes(self) -> tuple[str, ...]:
         """The axes of each stage's mesh: placements name these ("pp" is not among them)."""
         return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes

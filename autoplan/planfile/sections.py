@@ -58,7 +58,9 @@ class StagePredicted:
     time_s: float  # one microbatch, forward + backward, with the send to the next stage
     forward_s: float
     backward_s: float
-    memory_bytes: float  # per device, with the activations of the microbatches in flight
+    # per device, with the activations of the microbatches in flight (interleaved: its
+    # device group's, all its stages together)
+    memory_bytes: float
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class Pipeline:
-    schedule: str  # a torch.distributed.pipelining schedule: "1F1B" | "GPipe"
+    # a torch.distributed.pipelining schedule: "1F1B" | "GPipe" | "Interleaved1F1B" (then
+    # several stages on each row of the "pp" axis: `Plan.virtual_stages`)
+    schedule: str
     num_microbatches: int
     bubble_fraction: float  # predicted idle share of the step
 

@@ -148,7 +148,7 @@ def _stage_lines(plan: Plan) -> list[str]:
         if st.sent:
             out.append(
                 f"  stage {s} -> {s + 1} sends {', '.join(st.sent)} as [{_fmt(st.boundary)}], "
-                f"rank r to rank r+{nxt.ranks[0] - st.ranks[0]}"
+                f"rank r to rank r{nxt.ranks[0] - st.ranks[0]:+d}"
             )
     return out
 
@@ -166,10 +166,13 @@ def _left_out(what: str, count: int, limit: int) -> list[str]:
     return [f"{what} {limit // 2}-{count - limit // 2 - 1}"] if count > limit else []
 
 
-def schedule_grid(pipeline: Pipeline, labels: Sequence[str]) -> list[str]:
+def schedule_grid(pipeline: Pipeline, labels: Sequence[str], virtual_stages: int = 1) -> list[str]:
     """The schedule as rows of equal slots, one row per stage (named by ``labels``), wrapped
-    into blocks of columns that fit a line."""
-    events = simulate(pipeline.schedule, len(labels), pipeline.num_microbatches)
+    into blocks of columns that fit a line; with ``virtual_stages``, each device group runs
+    its stages' steps one at a time."""
+    events = simulate(
+        pipeline.schedule, len(labels), pipeline.num_microbatches, virtual_stages=virtual_stages
+    )
     num_slots = round(max(e.end for e in events))
     cells = [["."] * num_slots for _ in labels]
     for e in events:
@@ -201,17 +204,30 @@ def schedule_grid(pipeline: Pipeline, labels: Sequence[str]) -> list[str]:
 
 def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
     labels = [f"stage {s} (ranks {fmt_ranks(st.ranks)})" for s, st in enumerate(plan.stages)]
+    v = plan.virtual_stages
+    groups = len(plan.stages) // v
+    placement = (
+        f" on {groups} device groups, {v} each (stage s on group s mod {groups}: "
+        + "; ".join(
+            f"ranks {fmt_ranks(plan.stages[g].ranks)} run stages "
+            + ", ".join(map(str, range(g, len(plan.stages), groups)))
+            for g in range(groups)
+        )
+        + ")"
+        if v > 1
+        else ""
+    )
     return [
-        f"pipeline: {len(plan.stages)} stages, {pipeline.num_microbatches} microbatches, "
-        f"schedule {pipeline.schedule}, predicted bubble {100 * pipeline.bubble_fraction:.1f}% "
-        "of the step",
+        f"pipeline: {len(plan.stages)} stages{placement}, {pipeline.num_microbatches} "
+        f"microbatches, schedule {pipeline.schedule}, predicted bubble "
+        f"{100 * pipeline.bubble_fraction:.1f}% of the step",
         *_stage_lines(plan),
         "",
         f"schedule {pipeline.schedule}, one column per slot: Fk / Bk = forward / backward of "
         "microbatch k, . = idle",
         "(equal slots, in the order each stage runs them; the picture, --png, draws predicted "
         "times)",
-        *schedule_grid(pipeline, labels),
+        *schedule_grid(pipeline, labels, v),
         "",
     ]
 

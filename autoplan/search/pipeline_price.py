@@ -6,9 +6,14 @@ them, and the send of its boundary tensors (and their gradients) to the next sta
 (`send_time`). The gradient synchronization and optimizer update run once per step: the
 predicted step time adds them once, after the last microbatch: ``sum(t) + (B - 1) * max(t) +
 max(extra)`` (`pipeline_plan`; the stage DP amortizes them as ``extra / B`` per microbatch,
-`autoplan.search.pipeline_search`). Memory: a stage's parameters, gradients and optimizer
-state once, plus the activations of each microbatch in flight (1F1B: ``S - s`` for stage
-``s``; GPipe: all ``B``; `PipelinePlan.stage_memory`).
+`autoplan.search.pipeline_search`). Interleaved 1F1B, ``v`` stages on each of ``p`` device
+groups, takes ``B W + (sum(t) - W) / v`` with ``W`` the busiest group's ``sum(t)``
+(`autoplan.solve.stage_problem.interleaved_time`): a bubble ``v`` times smaller, for ``v``
+times the sends, each stage paying its own. Memory: a stage's parameters, gradients and
+optimizer state once, plus the activations of each microbatch in flight (1F1B: ``S - s`` for
+stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages' and the
+most activations in flight at once as torch's order runs them
+(`autoplan.schedules.peak_in_flight`; `PipelinePlan.stage_memory`).
 
 A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) or are given
 (`price_pipeline`: a plan to re-price, a baseline); both are priced here the same way.
@@ -24,10 +29,10 @@ from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
 from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
-from autoplan.schedules import simulate
+from autoplan.schedules import group_order, peak_in_flight, simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
-from autoplan.solve.stage_problem import pipeline_time
+from autoplan.solve.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
@@ -54,7 +59,8 @@ class SolvedStage:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Stages on uniform submeshes and the step they make under ``schedule``."""
+    """Stages on uniform submeshes and the step they make under ``schedule``: stage ``s`` on
+    device group ``s mod p``, ``p = len(stages) / virtual_stages``."""
 
     graph: Graph  # the step at the microbatch's shape
     layers: tuple[Layer, ...]
@@ -67,9 +73,23 @@ class PipelinePlan:
     step_time_s: float
     bubble_fraction: float
     memory_limit: float
+    virtual_stages: int = 1  # stages on each device group (Interleaved1F1B: 2 or more)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.stages) // self.virtual_stages
 
     def stage_memory(self, s: int) -> float:
-        """Peak bytes per device of stage ``s`` under the schedule."""
+        """Peak bytes per device of stage ``s`` under the schedule; interleaved, of its device
+        group, which holds all its stages."""
+        if self.virtual_stages > 1:
+            groups = self.num_groups
+            order = group_order(
+                self.schedule, len(self.stages), self.num_microbatches, s % groups,
+                self.virtual_stages,
+            )  # fmt: skip
+            static = sum(st.memory_bytes for st in self.stages[s % groups :: groups])
+            return static + peak_in_flight(order, lambda c: self.stages[c].activation_bytes)
         in_flight = self.num_microbatches if self.schedule == "GPipe" else len(self.stages) - s
         stage = self.stages[s]
         return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
@@ -177,14 +197,19 @@ def pipeline_plan(
     boundary: Spec,
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
+    virtual_stages: int = 1,
 ) -> PipelinePlan:
     """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
-    ``sum(t) + (B - 1) max(t)``; or, where ranks share fewer cores than they are (CPU ranks on
-    one node, `Cluster.shares_cores`), by simulating the schedule with the stages sharing
-    them (`autoplan.schedules.simulate`), as the DP's formula cannot say."""
+    ``sum(t) + (B - 1) max(t)`` (interleaved: `interleaved_time`); or, where ranks share
+    fewer cores than they are (CPU ranks on one node, `Cluster.shares_cores`), by simulating
+    the schedule with the stages sharing them (`autoplan.schedules.simulate`), as the DP's
+    formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
     if not (cluster.shares_cores and cluster.num_nodes == 1):
-        scheduled = pipeline_time(times, num_microbatches)
+        if virtual_stages > 1:
+            scheduled = interleaved_time(times, num_microbatches, virtual_stages)
+        else:
+            scheduled = pipeline_time(times, num_microbatches)
     else:
         stage_size = math.prod(costs.mesh_shape)
         # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
@@ -198,12 +223,14 @@ def pipeline_plan(
             num_microbatches,
             steps,
             lambda running: cluster.rank_speed(running * stage_size),
+            virtual_stages,
         )
         scheduled = max(e.end for e in events)
     # gradient sync and the optimizer update run once, after the last microbatch
     step = scheduled + max(s.extra_s for s in stages)
-    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages
-    busy = num_microbatches * sum(times) / len(times)
+    # the schedule's idle share: (S - 1) / (S + B - 1) for equal stages (interleaved: the
+    # groups' (p - 1) / (v B + p - 1))
+    busy = num_microbatches * sum(times) / (len(times) // virtual_stages)
     return PipelinePlan(
         graph=graph,
         layers=layers,
@@ -216,6 +243,7 @@ def pipeline_plan(
         step_time_s=step,
         bubble_fraction=max(0.0, 1.0 - busy / scheduled) if scheduled > 0 else 0.0,
         memory_limit=memory_limit,
+        virtual_stages=virtual_stages,
     )
 
 
@@ -232,10 +260,11 @@ def price_pipeline(
     schedule: str,
     optimizer: str,
     memory_limit: float,
+    virtual_stages: int = 1,
 ) -> PipelinePlan:
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
     ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
-    (by node name of its stage graph)."""
+    (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``."""
     sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
     costs = Pricer(sub_cluster, mesh_shape, optimizer)
     stages = []
@@ -249,5 +278,5 @@ def price_pipeline(
         )
     return pipeline_plan(
         cluster, graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages),
-        memory_limit,
+        memory_limit, virtual_stages,
     )  # fmt: skip

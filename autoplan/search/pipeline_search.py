@@ -8,7 +8,10 @@ placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solve.stage_
 chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plans
 (`autoplan.search.layer_plans`), each layer solved once per structure. The stages found are
 then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
-the fastest that fits kept.
+the fastest that fits kept. Interleaved 1F1B with ``v`` stages on each of the ``p`` device
+groups is searched the same way (`_interleaved`): the DP splits the layers into ``p v`` stages
+(the layers' plans are the same), for ``v = 2, 3, ...`` while the layers allow and the step
+gets faster; its memory per device group, over all its stages, is checked once priced.
 
 The DP minimizes ``sum(t) + (B - 1) * max(t)`` over stage times ``t`` per microbatch, with the
 once-per-step gradient synchronization and optimizer update amortized as ``extra / B``; it
@@ -28,7 +31,7 @@ from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.stage_layout import (
@@ -124,7 +127,7 @@ def _best_for_count(
         )
     parts = LayerGraphs.of(graph, layers)
     tried = {
-        size: _configurations(cluster, options, size, num_microbatches)
+        size: _configurations(cluster, options, size, num_microbatches, len(layers))
         for size in sizes
         if cluster.num_devices // size <= len(layers)
     }
@@ -139,13 +142,41 @@ def _best_for_count(
     return best
 
 
+def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[int]:
+    """The stages per device group to try under Interleaved1F1B: `PlanOptions.virtual_stages`,
+    or 2 up to what the layers allow (none where the schedule is not allowed)."""
+    if INTERLEAVED not in options.schedules:
+        return []
+    if options.virtual_stages is not None:
+        return [options.virtual_stages] if groups * options.virtual_stages <= num_layers else []
+    return list(range(2, num_layers // groups + 1))
+
+
+def _runnable(
+    options: PlanOptions, groups: int, num_microbatches: int, num_layers: int
+) -> tuple[list[str], list[int]]:
+    """The schedules of one stage a group, and the stages per group under Interleaved1F1B,
+    that torch runs over ``groups`` device groups and ``num_microbatches``."""
+    single = [
+        s
+        for s in options.schedules
+        if s != INTERLEAVED and not schedule_refusal(s, groups, num_microbatches)
+    ]
+    virtual = [
+        v
+        for v in _virtual_counts(options, groups, num_layers)
+        if not schedule_refusal(INTERLEAVED, groups * v, num_microbatches, v)
+    ]
+    return single, virtual
+
+
 def _configurations(
-    cluster: Cluster, options: PlanOptions, size: int, num_microbatches: int
+    cluster: Cluster, options: PlanOptions, size: int, num_microbatches: int, num_layers: int
 ) -> list[tuple[tuple[int, ...], Spec]]:
     """The logical meshes and boundary placements tried for stages of ``size`` devices: none
     if no schedule allowed runs their pipeline of ``num_microbatches``."""
     num_stages = cluster.num_devices // size
-    if all(schedule_refusal(s, num_stages, num_microbatches) for s in options.schedules):
+    if _runnable(options, num_stages, num_microbatches, num_layers) == ([], []):
         return []
     sub_cluster = stage_cluster(cluster, size)
     meshes = [options.mesh_shape] if options.mesh_shape is not None else None
@@ -171,9 +202,7 @@ def _best_for_size(
     (logical mesh, boundary placement) and schedules."""
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
-    runnable = [
-        s for s in options.schedules if not schedule_refusal(s, num_stages, num_microbatches)
-    ]
+    runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
     best: PipelinePlan | None = None
     for mesh, boundary in configurations:
         costs = Pricer(sub_cluster, mesh, options.optimizer)
@@ -192,28 +221,21 @@ def _best_for_size(
             tally,
             label,
         )
-        solved = _solve_dp(solver, stage_submesh(cluster, size), num_microbatches)
-        tally.withdraw(solver.unplanned())
-        if solved is None:
-            tally.report(f"{label}: none fits", milestone=True)
-            continue
+        sub = stage_submesh(cluster, size)
+        solved = _solve_dp(solver, sub, num_microbatches) if runnable else None
         fitting = []
         for schedule in runnable:
+            if solved is None:
+                break
             found = pipeline_plan(
                 cluster, parts.graph, parts.layers, num_microbatches, schedule, costs, boundary,
                 solved, memory_limit,
             )  # fmt: skip
-            log.info(
-                "pipeline %d x %s, %d microbatches, %s, boundary %s: %.4g s per step",
-                len(found.stages),
-                mesh,
-                num_microbatches,
-                schedule,
-                boundary,
-                found.step_time_s,
-            )
-            if all(found.stage_memory(s) <= memory_limit for s in range(len(found.stages))):
+            _log(found)
+            if _fits(found):
                 fitting.append(found)
+        fitting += _interleaved(solver, sub, num_microbatches, virtual)
+        tally.withdraw(solver.unplanned())
         fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
         outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"
         tally.report(f"{label}: {outcome}", milestone=True)
@@ -222,16 +244,65 @@ def _best_for_size(
     return best
 
 
+def _fits(found: PipelinePlan) -> bool:
+    return all(found.stage_memory(s) <= found.memory_limit for s in range(len(found.stages)))
+
+
+def _log(found: PipelinePlan) -> None:
+    log.info(
+        "pipeline %d x %s, %d microbatches, %s%s, boundary %s: %.4g s per step",
+        len(found.stages),
+        found.mesh_shape,
+        found.num_microbatches,
+        found.schedule,
+        f" ({found.virtual_stages} stages a group)" if found.virtual_stages > 1 else "",
+        found.boundary,
+        found.step_time_s,
+    )
+
+
+def _interleaved(
+    solver: StageSolver, sub: Submesh, num_microbatches: int, counts: Sequence[int]
+) -> list[PipelinePlan]:
+    """The interleaved pipelines that fit, ``v`` stages on each device group for ``v`` in
+    ``counts``, stopping after two in a row slower than the fastest before them (a ``v`` that
+    splits the layers unevenly can be slower than the next)."""
+    found: list[PipelinePlan] = []
+    fastest, slower = math.inf, 0
+    for v in counts:
+        solved = _solve_dp(solver, sub, num_microbatches, v)
+        if solved is None:
+            continue
+        priced = pipeline_plan(
+            solver.cluster, solver.graph, solver.layers, num_microbatches, INTERLEAVED,
+            solver.costs, solver.boundary, solved, solver.memory_limit, v,
+        )  # fmt: skip
+        _log(priced)
+        slower = slower + 1 if priced.step_time_s > fastest else 0
+        if slower == 2:
+            break
+        fastest = min(fastest, priced.step_time_s)
+        if _fits(priced):
+            found.append(priced)
+    return found
+
+
 def _solve_dp(
-    solver: StageSolver, sub: Submesh, num_microbatches: int
+    solver: StageSolver, sub: Submesh, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[SolvedStage, ...] | None:
-    """Alpa's stage DP with every stage on ``sub`` (see the module docstring)."""
+    """Alpa's stage DP with every stage on ``sub`` (see the module docstring); with
+    ``virtual_stages`` v, into v times the stages: as many one-device stages on as many
+    one-device nodes, each priced as on ``sub`` (the DP's work then grows with the stages,
+    not with v times the devices)."""
     cluster = solver.cluster
-    num_stages = cluster.num_devices // sub.num_devices
+    num_stages = virtual_stages * cluster.num_devices // sub.num_devices
     longest = len(solver.layers) - num_stages + 1  # every other stage needs a layer
+    nodes, per_node, unit = cluster.num_nodes, cluster.devices_per_node, sub
+    if virtual_stages > 1:
+        nodes, per_node, unit = num_stages, 1, Submesh(1, 1)
 
     def cost(i: int, j: int, submesh: Submesh) -> StageCost:
-        usable = submesh == sub and j - i <= longest
+        usable = submesh == unit and j - i <= longest
         found = solver.cost(i, j) if usable else None
         if found is None:
             return StageCost(math.inf, math.inf, feasible=False)
@@ -243,8 +314,8 @@ def _solve_dp(
 
     problem = StageProblem(
         num_layers=len(solver.layers),
-        num_nodes=cluster.num_nodes,
-        devices_per_node=cluster.devices_per_node,
+        num_nodes=nodes,
+        devices_per_node=per_node,
         num_microbatches=num_microbatches,
         memory_limit=solver.memory_limit,
         cost=cost,

@@ -25,7 +25,7 @@ seconds; memory is bytes per device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError
@@ -135,3 +135,17 @@ def pipeline_time(stage_times: Iterable[float], num_microbatches: int) -> float:
     """``sum(t) + (B - 1) * max(t)``: one 1F1B step over stages with these times."""
     times = list(stage_times)
     return sum(times) + (num_microbatches - 1) * max(times)
+
+
+def interleaved_time(
+    stage_times: Sequence[float], num_microbatches: int, virtual_stages: int
+) -> float:
+    """One interleaved 1F1B step over stages with these times, stage ``s`` on device group
+    ``s mod p``: the busiest group's work ``B W``, plus the time the first microbatch takes
+    through the rest of the pipeline, which the group's ``v`` chunks overlap ``v``-fold:
+    ``B W + (sum(t) - W) / v``, ``W = max_g sum(t_s on g)``. Equal stages make it
+    ``(B v + p - 1) t``, where 1F1B over ``p`` stages of ``v t`` takes ``(B + p - 1) v t``;
+    ``v = 1`` is `pipeline_time`."""
+    groups = len(stage_times) // virtual_stages
+    busiest = max(sum(stage_times[g::groups]) for g in range(groups))
+    return num_microbatches * busiest + (sum(stage_times) - busiest) / virtual_stages

@@ -104,10 +104,18 @@ def own(mesh: Mesh = None) -> Callable[[Workload], PlanOptions]:
 
 
 def pipeline(
-    stages: int, microbatches: int, schedule: str = "1F1B", mesh: Mesh = None
+    stages: int,
+    microbatches: int,
+    schedule: str = "1F1B",
+    mesh: Mesh = None,
+    virtual_stages: int | None = None,
 ) -> Callable[[Workload], PlanOptions]:
     options = PlanOptions(
-        num_stages=stages, num_microbatches=microbatches, schedule=schedule, mesh_shape=mesh
+        num_stages=stages,
+        num_microbatches=microbatches,
+        schedule=schedule,
+        mesh_shape=mesh,
+        virtual_stages=virtual_stages,
     )
     return lambda w: options
 
@@ -218,6 +226,27 @@ CASES = [
         )
         for model in ("vit", "cnn")
     ],
+    # interleaved 1F1B: 2 device groups of (2,), each holding 2 stages (blocks 0 and 2, 1 and 3)
+    Case(
+        "gpt-interleaved-2x2",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 16},
+        pipeline(2, 2, "Interleaved1F1B", (2,), virtual_stages=2),
+    ),
+    # Llama of 4 layers: 2 device groups of (2,), 2 stages each, 4 microbatches
+    Case(
+        "zoo-llama-interleaved-2x2",
+        "zoo",
+        {"model": "llama", "num_layers": 4, "batch_size": 64, "seq_len": 32},
+        pipeline(2, 4, "Interleaved1F1B", (2,), virtual_stages=2),
+    ),
+    # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
+    Case(
+        "gpt-baseline-interleaved-tp",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 4},
+        baseline_plan(dp=1, tp=2, pp=2, virtual_stages=2),
+    ),
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

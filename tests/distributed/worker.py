@@ -39,6 +39,7 @@ from tests.distributed.cases import (  # noqa: E402
     zero3,
 )
 from tests.distributed.checkpoints import checkpoints  # noqa: E402
+from tests.distributed.sends import planned_sends, recorded_sends, send_text  # noqa: E402
 from tests.distributed.training import (  # noqa: E402
     LR,
     STEPS,
@@ -74,14 +75,24 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     assert step.optimizer is not None and step.plan is not None
     first_loss, grad = first_step(step, w, ref["grads"])
     losses = [first_loss]
-    with CollectiveRecorder(step.mesh) as recorder:  # type: ignore[arg-type]
+    with CollectiveRecorder(step.mesh) as recorder, recorded_sends() as sent:  # type: ignore[arg-type]
         losses.append(step(w.example_inputs, w.example_target).item())
     losses += [step(w.example_inputs, w.example_target).item() for _ in range(STEPS - 2)]
     params = step.state_dict()
     want, got = planned(step.plan), issued(recorder.issued)
-    # each rank checks its own stage's collectives; rank 0 reports them all
+    sends = planned_sends(step.pipeline) if step.pipeline is not None else Counter()
+    # each rank checks its own stage's collectives and sends; rank 0 reports them all
     mismatches: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(mismatches, (_text(want - got), _text(got - want)))
+    dist.all_gather_object(
+        mismatches,
+        (
+            _text(want - got),
+            _text(got - want),
+            send_text(sends - Counter(sent)),
+            send_text(Counter(sent) - sends),
+            sum(sends.values()),
+        ),
+    )
     return {
         "axes": list(step.plan.mesh.axes),
         "shape": list(step.plan.mesh.shape),
@@ -90,8 +101,13 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
         "grad": grad,
         "param": max((params[n] - v).abs().max().item() for n, v in ref["params"].items()),
-        "planned_not_issued": sorted({m for missing, _ in mismatches for m in missing}),
-        "issued_not_planned": sorted({m for _, extra in mismatches for m in extra}),
+        "planned_not_issued": sorted({m for missing, *_ in mismatches for m in missing}),
+        "issued_not_planned": sorted({m for _, extra, *_ in mismatches for m in extra}),
+        "sends_planned_not_issued": sorted(
+            {m for *_, missing, _, _ in mismatches for m in missing}
+        ),
+        "sends_issued_not_planned": sorted({m for *_, extra, _ in mismatches for m in extra}),
+        "num_sends": sum(n for *_, n in mismatches),
         "num_collectives": sum(want.values()),
         "dtensor_ops": _dtensor_ops(step),
         "local_leaves": _local_leaves(step),
@@ -102,7 +118,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
 def _local_leaves(step: autoplan.Step) -> list[int]:
     """How many of this rank's parameters train as plain local leaves, and how many in all."""
     if step.pipeline is not None:
-        return [len(step.pipeline.gradients.leaves), len(step.pipeline.parameters())]
+        return [len(step.pipeline.leaves), len(step.pipeline.parameters())]
     assert step.module is not None
     return [len(step.module.placeholders.leaves), len(list(step.module.parameters()))]
 

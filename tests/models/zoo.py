@@ -28,18 +28,18 @@ VOCAB = 128
 NO_DROPOUT = {"attention_dropout": 0.0}
 
 
-def _gpt2(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _gpt2(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=seq, bos_token_id=0,
+        n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=seq, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     ids = torch.randint(0, VOCAB, (batch, seq))
     return transformers.GPT2LMHeadModel(config), ("input_ids", "labels"), (ids, ids)
 
 
-def _llama(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _llama(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq,
         bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
     )  # fmt: skip
@@ -47,9 +47,9 @@ def _llama(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any,
     return transformers.LlamaForCausalLM(config), ("input_ids", "labels"), (ids, ids)
 
 
-def _bert(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _bert(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         vocab_size=VOCAB, max_position_embeddings=seq, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
@@ -62,9 +62,9 @@ def _bert(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, 
     return transformers.BertForMaskedLM(config), names, (ids, types, mask, labels)
 
 
-def _bart(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _bart(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.BartConfig(
-        encoder_layers=2, decoder_layers=2, d_model=64, encoder_ffn_dim=128,
+        encoder_layers=layers, decoder_layers=layers, d_model=64, encoder_ffn_dim=128,
         decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4,
         vocab_size=VOCAB, max_position_embeddings=seq, dropout=0.0, activation_dropout=0.0,
         bos_token_id=0, eos_token_id=2, pad_token_id=1, decoder_start_token_id=2,
@@ -76,9 +76,9 @@ def _bart(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, 
     return model, ("input_ids", "labels"), (ids, labels)
 
 
-def _vit(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _vit(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.ViTConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         image_size=32, patch_size=8, num_labels=10, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
@@ -102,7 +102,9 @@ class SmallCNN(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-def _cnn(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _cnn(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    if layers != 2:
+        raise ValueError(f"the CNN has its 2 convolutions, not {layers}")
     model = SmallCNN(classes=10)
     model.norm1.eval()
     model.norm2.eval()
@@ -111,7 +113,7 @@ def _cnn(batch: int, seq: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, .
     return model, ("pixel_values", "labels"), (pixels, labels)
 
 
-MODELS: dict[str, Callable[[int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]] = {
+MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]] = {
     "gpt2": _gpt2,
     "llama": _llama,
     "bert": _bert,
@@ -122,12 +124,12 @@ MODELS: dict[str, Callable[[int, int], tuple[nn.Module, tuple[str, ...], tuple[A
 
 
 def workload(
-    model: str = "gpt2", batch_size: int = 8, seq_len: int = 16, seed: int = 0
+    model: str = "gpt2", batch_size: int = 8, seq_len: int = 16, seed: int = 0, num_layers: int = 2
 ) -> Workload:
     if model not in MODELS:
         raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(MODELS)}")
     torch.manual_seed(seed)
-    module, names, batch = MODELS[model](batch_size, seq_len)
+    module, names, batch = MODELS[model](batch_size, seq_len, num_layers)
     # called as users call them, ``model(input_ids=..., labels=...)``: a ``ModelOutput`` whose
     # ``loss`` autoplan trains (no ``loss_fn``)
     return Workload(module, dict(zip(names, batch, strict=True)))
