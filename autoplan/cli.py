@@ -29,6 +29,7 @@ from autoplan.planfile.check import check_plan
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
+from autoplan.precision import COMPUTE_DTYPES
 from autoplan.profile import Settings, base_refusal, profile_cluster
 from autoplan.progress import Progress
 from autoplan.training import Checkpointing, one_process, train
@@ -158,6 +159,17 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _precision_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mixed-precision",
+        choices=sorted(COMPUTE_DTYPES),
+        help=(
+            "compute in bf16 or fp16 under autocast, with float32 parameters, gradients and "
+            "optimizer state (fp16: with loss scaling); default: the model's own dtypes"
+        ),
+    )
+
+
 def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptions:
     """The planner's options from the command line; `autoplan run` has no --pin, --optimizer
     or --time-limit, whose defaults then apply."""
@@ -172,6 +184,7 @@ def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptio
         num_stages=args.stages,
         num_microbatches=args.microbatches,
         schedule=args.schedule,
+        mixed_precision=args.mixed_precision,
     )
 
 
@@ -203,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=_positive, default=60.0, help="ILP time limit per mesh (s)")
     _pipeline_arguments(p)
+    _precision_argument(p)
     _progress_argument(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
@@ -232,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", help="train with this plan instead of planning")
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     _pipeline_arguments(r)
+    _precision_argument(r)
     _progress_argument(r)
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"
@@ -384,7 +399,10 @@ def _check_run(args: argparse.Namespace, cluster: Cluster) -> None:
         w = load_workload(args.workload, **_options(args.set))
         check_trainable(w.model)
         if args.plan is not None:
-            traced = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+            precision = Plan.from_json(args.plan).mixed_precision
+            traced = capture_microbatches(
+                w.model, w.example_inputs, w.loss_fn, w.example_target, precision
+            )
             checked_plan(
                 args.plan, traced, cluster, _plan_options(args, ProgressLine(args.progress_after))
             )

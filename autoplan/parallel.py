@@ -142,20 +142,23 @@ class Step:
         """Trace, plan (or check the given plan) and place the parameters."""
         init_distributed(self.cluster)
         self._keywords = keywords(example_inputs)
-        ep = export_step(self._model, example_inputs, self._loss_fn, example_target)
-        graph = graph_from_export(ep)
+        given = self._given_plan
+        if given is not None and not isinstance(given, Plan):
+            given = Plan.from_json(str(given))
+        precision = given.mixed_precision if given is not None else self._options.mixed_precision
+        ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
+        graph = graph_from_export(ep, precision)
 
         def export_microbatch(count: int) -> ExportedProgram:
             if count == 1:  # the whole batch: the step just exported
                 return ep
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-            return export_step(self._model, inputs, self._loss_fn, target)
+            return export_step(self._model, inputs, self._loss_fn, target, precision)
 
         def graph_for(count: int) -> Graph:
             # the graph just traced: rank 0 does not trace the model a second time
-            return graph if count == 1 else graph_from_export(export_microbatch(count))
+            return graph if count == 1 else graph_from_export(export_microbatch(count), precision)
 
-        given = self._given_plan
         if given is not None:
             plan = _agree_on_plan(
                 "checking the plan",
@@ -168,7 +171,7 @@ class Step:
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
             ep = export_microbatch(plan.pipeline.num_microbatches)
-            graph = graph_from_export(ep)
+            graph = graph_from_export(ep, precision)
         _check_plan(plan, graph.fingerprint, self.cluster)
         world = dist.get_world_size()
         if len(plan.mesh.ranks) != world:

@@ -47,14 +47,16 @@ class Workload:
         args = step_args(model, self.example_inputs, self.example_target, with_loss)
         return TrainStep(model, self.loss_fn, keywords(self.example_inputs))(*args)
 
-    def trace(self, num_microbatches: int = 1) -> Graph:
+    def trace(self, num_microbatches: int = 1, precision: str | None = None) -> Graph:
         """The step traced (`autoplan.graph.capture`) at the shape of one of
-        ``num_microbatches`` microbatches: what the planner and the baselines place."""
+        ``num_microbatches`` microbatches, under autocast for a mixed ``precision``: what the
+        planner and the baselines place."""
         return capture(
             self.model,
             microbatch(self.example_inputs, num_microbatches),
             self.loss_fn,
             microbatch(self.example_target, num_microbatches),
+            precision,
         )
 
     def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:

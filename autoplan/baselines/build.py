@@ -314,7 +314,7 @@ def baseline(
         _check_stages(cluster, dp, tp, pp, count, options.schedule or "1F1B")
         _check_batches(example_inputs, example_target, dp, count)
     inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-    graph = capture(model, inputs, loss_fn, target)
+    graph = capture(model, inputs, loss_fn, target, options.mixed_precision)
     plan = baseline_of_graph(graph, cluster, layout, pp, count, options)
     kept = zero3_replicated(graph, layout) if zero_stage == 3 else []
     if kept:
