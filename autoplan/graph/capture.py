@@ -25,8 +25,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoplan.errors import TraceError
-from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.fake import on_fake_cpu
+from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
 from autoplan.precision import autocast, autocast_device
 
