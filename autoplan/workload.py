@@ -25,6 +25,7 @@ from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
+from autoplan.precision import LossScaler
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Workload:
         max_grad_norm: float | None = None,
         options: PlanOptions | None = None,
         timeout_s: float | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> Step:
         """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
         return parallelize(
@@ -124,6 +126,7 @@ class Workload:
             max_grad_norm=max_grad_norm,
             options=options,
             timeout_s=timeout_s,
+            loss_scaler=loss_scaler,
         )
 
     def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:

@@ -41,10 +41,6 @@ SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
 }
 
 
-def _loss_is_output(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-    return output[0]  # the last stage computes the plan's loss itself
-
-
 class StageModule(nn.Module):
     """The user's modules (this stage's parameters as DTensors, the others on meta); its
     forward runs this stage's part of the traced step on local shards in and out."""
@@ -141,8 +137,9 @@ class PipelineRunner:
         # the schedule would scale only the parameters' own gradients, not the local leaves'
         # (`run` scales both)
         self.schedule = schedule(
-            stage, self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
+            stage, self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
         )
+        self.loss_scale = 1.0  # backward starts from the loss times this (fp16 loss scaling)
         self._last_rank = plan.stages[-1].ranks[0]
         mine = {fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)}
         self.gradients = GradientReducer(mine, plan, self.index, self.mesh)
@@ -155,6 +152,10 @@ class PipelineRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
+
+    def _loss_is_output(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        """The last stage computes the plan's loss itself; scaled for backward if asked."""
+        return output[0] if self.loss_scale == 1.0 else output[0] * self.loss_scale
 
     def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the whole batch; returns its mean loss on every rank."""
@@ -175,7 +176,7 @@ class PipelineRunner:
         note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
         if self.module.is_last:
-            loss = torch.stack([x.detach() for x in losses]).mean()
+            loss = torch.stack([x.detach() for x in losses]).mean() / self.loss_scale
         dist.broadcast(loss, src=self._last_rank)
         return loss
 
