@@ -153,9 +153,18 @@ class PipelineRunner:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
 
+    @property
+    def _loss_factor(self) -> float:
+        """What backward starts from, per microbatch loss: 1, or under loss scaling the scale
+        over the microbatch count. The gradients in flight then have the size of one
+        process's over the whole batch, whose loss is the microbatches' mean (a microbatch's
+        loss alone has gradients ``num_microbatches`` times theirs, which overflow float16
+        where one process's do not), and their sum is the batch mean's, scaled."""
+        return 1.0 if self.loss_scale == 1.0 else self.loss_scale / self.num_microbatches
+
     def _loss_is_output(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-        """The last stage computes the plan's loss itself; scaled for backward if asked."""
-        return output[0] if self.loss_scale == 1.0 else output[0] * self.loss_scale
+        """The last stage computes the plan's loss itself."""
+        return output[0] if self._loss_factor == 1.0 else output[0] * self._loss_factor
 
     def run(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over the whole batch; returns its mean loss on every rank."""
@@ -171,12 +180,13 @@ class PipelineRunner:
             self.schedule.step(target=torch.zeros(self.num_microbatches), losses=losses)
         else:
             self.schedule.step()
-        self._mean_of_microbatches()
+        if self.loss_scale == 1.0:  # else the loss's factor has taken the mean
+            self._mean_of_microbatches()
         self.gradients.reduce_now()
         note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
         if self.module.is_last:
-            loss = torch.stack([x.detach() for x in losses]).mean() / self.loss_scale
+            loss = torch.stack([x.detach() for x in losses]).mean() / self._loss_factor
         dist.broadcast(loss, src=self._last_rank)
         return loss
 
