@@ -127,6 +127,7 @@ def pipeline(
 MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+BF16 = PlanOptions(mixed_precision="bf16")
 
 # mlp-own's seed: with seed 0, one ReLU input at the third step is 1.8e-8 in one process,
 # within float32 rounding of zero. The parallel run, summing in another order, finds it
@@ -244,6 +245,13 @@ CASES = [
     Case("gpt-tp-bf16", "gpt", GPT, lambda w: gpt_megatron(w, (4,)), precision="bf16"),
     Case("gpt-zero3-bf16", "gpt", GPT, lambda w: zero3(w, (4,)), precision="bf16"),
     Case("gpt-2x2-bf16", "gpt", {**GPT, "batch_size": 8}, own((2, 2)), precision="bf16"),
+    Case(
+        "gpt-baseline-sp-2x2-bf16",
+        "gpt",
+        GPT,
+        baseline_plan(dp=2, tp=2, sequence_parallel=True, options=BF16),
+        precision="bf16",
+    ),
     Case(
         "gpt-pipeline-2x2-bf16",
         "gpt",

@@ -108,7 +108,8 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
             {n: params[n] - initial[n] for n in ref["params"]},
             {n: v - initial[n] for n, v in ref["params"].items()},
         ),
-        "dtypes": sorted({str(v.dtype) for v in params.values()}),
+        # parameters and buffers keep their dtypes (float32 master weights in mixed precision)
+        "dtype_changes": sorted(n for n, v in initial.items() if params[n].dtype != v.dtype),
         "precision": step.plan.mixed_precision,
         "scales": scales,
         "ref_scales": ref["scales"],
