@@ -7,7 +7,8 @@ parameter to the compute dtype where a matmul reads it, of the loss's input back
 The planner prices and places those casts like any op, so a plan may gather a parameter after
 its cast (the 2-byte copy, as FSDP2's ``param_dtype`` does) or before; the executor runs them
 as the graph says. The gradients of the float32 parameters come back float32 through the
-casts' backward, so gradients are reduced in float32 (FSDP2's ``reduce_dtype=float32``).
+casts' backward: a plan reduces a gradient in float32 at its parameter (FSDP2's
+``reduce_dtype=float32``), or in bf16 at the cast's output where that is priced cheaper.
 
 float16's narrow range needs loss scaling (`LossScaler`): torch's ``GradScaler`` semantics
 across ranks.

@@ -101,16 +101,18 @@ def test_trains_like_one_process_and_as_planned(
         assert r["num_collectives"] > 0, "the plan is fully replicated: the case tests nothing"
 
 
-def test_mixed_precision_moves_bf16_activations_and_float32_gradients(
+def test_mixed_precision_moves_bf16_activations_and_float32_weights(
     results: dict[int, dict[str, Any]],
 ) -> None:
-    """The same tensor-parallel layout in float32 and in bf16: its forward all-reduces (the
-    row split's outputs) move half the bytes, its gradient reductions the same (float32)."""
+    """Layouts pinned alike in float32 and in bf16: tensor parallelism's forward all-reduces
+    (the row split's outputs, bf16) move half the bytes; data parallelism's gradient buckets
+    and ZeRO-3's gathers and reduce-scatters (float32 weights and gradients) the same."""
     four = results[4]
-    for name in ("mlp-tp", "gpt-tp"):
+    full, mixed = four["gpt-tp"]["bytes_by_phase"], four["gpt-tp-bf16"]["bytes_by_phase"]
+    assert mixed["forward"] * 2 == full["forward"] > 0, (full, mixed)
+    for name in ("mlp-dp", "gpt-zero3"):
         full, mixed = four[name]["bytes_by_phase"], four[f"{name}-bf16"]["bytes_by_phase"]
-        assert mixed["forward"] * 2 == full["forward"], (full, mixed)
-        assert mixed["grad_sync"] == full["grad_sync"] > 0, (full, mixed)
+        assert mixed == full and full["grad_sync"] > 0, (name, full, mixed)
 
 
 def test_fp16_overflow_skips_the_step_as_grad_scaler(results: dict[int, dict[str, Any]]) -> None:
