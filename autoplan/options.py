@@ -66,9 +66,10 @@ class PlanOptions:
 
     mixed_precision: str | None = None
     """"bf16" or "fp16": forward and backward compute in that dtype under ``torch.autocast``
-    while parameters, gradients (reduced in float32) and optimizer state stay float32
-    (`autoplan.precision`); "fp16" trains with dynamic loss scaling. None computes in the
-    model's own dtypes."""
+    while parameters, gradients and optimizer state stay float32 (`autoplan.precision`; a
+    gradient is reduced in float32 at its parameter or in the compute dtype at its cast,
+    whichever the plan prices cheaper); "fp16" trains with dynamic loss scaling. None computes
+    in the model's own dtypes."""
 
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known

@@ -220,7 +220,7 @@ def _precision_line(precision: str) -> str:
     scaling = ", with dynamic loss scaling" if precision == "fp16" else ""
     return (
         f"mixed precision: {precision} compute under autocast{scaling}; float32 parameters, "
-        "gradients (reduced in float32) and optimizer state"
+        "gradients and optimizer state"
     )
 
 
