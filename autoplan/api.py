@@ -51,7 +51,8 @@ def plan(
     """
     start = time.perf_counter()
     log.info("tracing %s ...", type(model).__name__)
-    graph = capture(model, example_inputs, loss_fn, example_target)
+    precision = (options or PlanOptions()).mixed_precision
+    graph = capture(model, example_inputs, loss_fn, example_target, precision)
     log.info(
         "traced %d nodes, %.3g M parameters (%.1f s)",
         len(graph),
@@ -59,7 +60,7 @@ def plan(
         time.perf_counter() - start,
     )
 
-    traced = capture_microbatches(model, example_inputs, loss_fn, example_target)
+    traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
 
     def microbatch_graph(count: int) -> Graph:
         return graph if count == 1 else traced(count)  # the whole batch: the step just traced

@@ -71,7 +71,10 @@ def estimate(
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    graph_for = capture_microbatches(model, example_inputs, loss_fn, example_target)
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(str(plan))
+    precision = plan.mixed_precision  # the step traced as the plan computes it
+    graph_for = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
     return derive(plan, graph_for, cluster, optimizer=optimizer, memory_fraction=memory_fraction)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.pins import Pin
+from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
 from autoplan.schedules import INTERLEAVED, SCHEDULES, check_schedule
 from autoplan.strategies.pricing import OPTIMIZER_STATE
@@ -67,6 +68,13 @@ class PlanOptions:
     """The step is cut into at most this many layers for the stage search
     (`autoplan.graph.cut`)."""
 
+    mixed_precision: str | None = None
+    """"bf16" or "fp16": forward and backward compute in that dtype under ``torch.autocast``
+    while parameters, gradients and optimizer state stay float32 (`autoplan.precision`; a
+    gradient is reduced in float32 at its parameter or in the compute dtype at its cast,
+    whichever the plan prices cheaper); "fp16" trains with dynamic loss scaling. None computes
+    in the model's own dtypes."""
+
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known
     so far, and the mesh or pipeline (stages, mesh, boundary placement, microbatches) they are
@@ -75,6 +83,7 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         check_budget(self.optimizer, self.memory_fraction)
+        check_precision(self.mixed_precision)
         if self.mesh_shape is not None:
             object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "pin", types.MappingProxyType(dict(self.pin)))

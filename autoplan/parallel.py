@@ -36,6 +36,7 @@ from autoplan.graph.capture import export_step, graph_from_export, keywords, mic
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
+from autoplan.precision import LossScaler
 from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.torch_private import wait_collective
 from autoplan.version import torch_release
@@ -117,6 +118,7 @@ class Step:
         options: PlanOptions,
         max_grad_norm: float | None = None,
         timeout_s: float | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         step_timeout(1.0, timeout_s)  # a bad value is refused now, not at the first step
         self._model = model
@@ -135,6 +137,8 @@ class Step:
         self.mesh: DeviceMesh | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
+        # fp16's loss scaling (a default LossScaler() for fp16 plans); None: no scaling
+        self.loss_scaler = loss_scaler
         self._timeout_s = timeout_s
         self.step_limit_s = 0.0  # the watchdog's, set from the plan when built
 
@@ -142,20 +146,23 @@ class Step:
         """Trace, plan (or check the given plan) and place the parameters."""
         init_distributed(self.cluster)
         self._keywords = keywords(example_inputs)
-        ep = export_step(self._model, example_inputs, self._loss_fn, example_target)
-        graph = graph_from_export(ep)
+        given = self._given_plan
+        if given is not None and not isinstance(given, Plan):
+            given = Plan.from_json(str(given))
+        precision = given.mixed_precision if given is not None else self._options.mixed_precision
+        ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
+        graph = graph_from_export(ep, precision)
 
         def export_microbatch(count: int) -> ExportedProgram:
             if count == 1:  # the whole batch: the step just exported
                 return ep
             inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-            return export_step(self._model, inputs, self._loss_fn, target)
+            return export_step(self._model, inputs, self._loss_fn, target, precision)
 
         def graph_for(count: int) -> Graph:
             # the graph just traced: rank 0 does not trace the model a second time
-            return graph if count == 1 else graph_from_export(export_microbatch(count))
+            return graph if count == 1 else graph_from_export(export_microbatch(count), precision)
 
-        given = self._given_plan
         if given is not None:
             plan = _agree_on_plan(
                 "checking the plan",
@@ -168,7 +175,7 @@ class Step:
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
             ep = export_microbatch(plan.pipeline.num_microbatches)
-            graph = graph_from_export(ep)
+            graph = graph_from_export(ep, precision)
         _check_plan(plan, graph.fingerprint, self.cluster)
         world = dist.get_world_size()
         if len(plan.mesh.ranks) != world:
@@ -206,6 +213,8 @@ class Step:
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
         self.step_limit_s = step_timeout(plan.predicted.step_time_s, self._timeout_s)
+        if plan.mixed_precision == "fp16" and self.loss_scaler is None:
+            self.loss_scaler = LossScaler()
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
         if self.optimizer is None:
@@ -216,23 +225,32 @@ class Step:
                 f"the step was traced with inputs {self._keywords or 'by position'}, got "
                 f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
             )
+        scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
         with watched(self.steps_done + 1, "forward", self.step_limit_s):
             if self.pipeline is not None:
                 args = batch_args(inputs, target)
                 self.placeholders.check(args, batches=self.pipeline.num_microbatches)
+                self.pipeline.loss_scale = scale
                 loss = self.pipeline.run(args)
             else:
                 assert self.module is not None
                 loss = self.module(inputs, target)
                 note("backward")
                 # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
-                # all-reduce, which is only read after the optimizer step
-                loss.backward(torch.ones(loss.shape, dtype=loss.dtype, device=loss.device))
-            if self.max_grad_norm is not None:
+                # all-reduce, which is only read after the optimizer step; the loss scale
+                # seeds backward as GradScaler's scaled loss does
+                loss.backward(torch.full(loss.shape, scale, dtype=loss.dtype, device=loss.device))
+            finite = True
+            if self.loss_scaler is not None:
+                note("unscaling the gradients (and the all-reduce of their overflow)")
+                finite = self.loss_scaler.unscale(self._gradients())
+                self.loss_scaler.update(finite)
+            if self.max_grad_norm is not None and finite:
                 note("gradient clipping (the gradients' norm)")
                 self.clip_gradients(self.max_grad_norm)
-            note("the optimizer step (it waits for gradients still being reduced)")
-            self.optimizer.step()
+            if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
+                note("the optimizer step (it waits for gradients still being reduced)")
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             note("the loss's all-reduce")
             # long done by now; waited for here so that no step leaves a collective behind
@@ -248,9 +266,8 @@ class Step:
         mesh); across pipeline stages, which hold different parameters, the squared norms are
         summed by hand on the "pp" axis: no DTensor spans stages.
         """
-        assert self.optimizer is not None and self.mesh is not None
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
+        assert self.mesh is not None
+        grads = self._gradients()
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -263,6 +280,12 @@ class Step:
             for grad in grads:
                 grad.mul_(scale)
         return norm
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """The gradients of this rank's parameters that have one."""
+        assert self.optimizer is not None
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p.grad for p in params if p.grad is not None]
 
     def save(self, directory: str | Path, *, keep: int | None = None, extra: Any = None) -> Path:
         """Save a checkpoint on every rank (`autoplan.execute.checkpoint`): each rank writes its
@@ -375,6 +398,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     options: PlanOptions | None = None,
     timeout_s: float | None = None,
+    loss_scaler: LossScaler | None = None,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
@@ -391,7 +415,11 @@ def parallelize(
     is the one whose state the plan counts. ``timeout_s`` bounds each step (default: ten
     times the plan's predicted step time, at least 60 s): a step that runs over, a rank
     stopped or stuck in a collective, ends the whole job with a message naming the ranks,
-    the step and what each was waiting in (`autoplan.execute.watchdog`).
+    the step and what each was waiting in (`autoplan.execute.watchdog`). A plan in fp16
+    (``PlanOptions(mixed_precision="fp16")``) trains with dynamic loss scaling:
+    ``loss_scaler`` (`autoplan.precision.LossScaler`, torch's ``GradScaler`` semantics and
+    defaults unless given) scales the loss, unscales the gradients and skips a step whose
+    gradients overflowed on any rank; ``step.loss_scaler.skipped`` counts those steps.
 
     ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
     ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
@@ -421,6 +449,7 @@ def parallelize(
         options=options,
         max_grad_norm=max_grad_norm,
         timeout_s=timeout_s,
+        loss_scaler=loss_scaler,
     )
     if example_inputs is not None:
         step.build(example_inputs, example_target)

@@ -19,6 +19,7 @@ from autoplan.graph.capture import as_tuple
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step
 from autoplan.planfile.schema import Plan
+from autoplan.precision import autocast
 from autoplan.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -113,17 +114,76 @@ def train(
 
 
 def one_process(
-    make: Callable[[], Workload], steps: int, lr: float
+    make: Callable[[], Workload], steps: int, lr: float, precision: str | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train the same workload in this process alone, as the reference."""
+    """Train the same workload in this process alone, as the reference: under
+    ``torch.autocast`` for a mixed ``precision``, and fp16 with torch's ``GradScaler``."""
     w = make()
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     losses = []
     for _ in range(steps):
-        loss = w.loss(model)
-        loss.backward()
-        opt.step()
+        with autocast(precision, "cpu"):
+            loss = w.loss(model)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How far a run is from one process's (`one_process`): in the model's dtypes the largest
+    loss and parameter differences, within 1e-5; in mixed precision, whose sums in another
+    order round otherwise, the largest loss difference relative to the loss (within 1e-4)
+    and the parameters' updates' difference relative to their norm (within 0.1; see the
+    README's "Mixed precision")."""
+
+    loss: float
+    param: float
+    mixed: bool
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.loss <= 1e-4 and self.param <= 0.1
+            if self.mixed
+            else max(self.loss, self.param) <= 1e-5
+        )
+
+    def __str__(self) -> str:
+        if self.mixed:
+            text = (
+                f"largest relative loss difference {self.loss:.2e} (tolerance 1e-4), "
+                f"parameter updates' relative difference {self.param:.2e} (tolerance 0.1)"
+            )
+        else:
+            text = (
+                f"largest loss difference {self.loss:.2e}, largest parameter difference "
+                f"{self.param:.2e} (tolerance 1e-5)"
+            )
+        return f"check against one process: {text}: {'OK' if self.ok else 'FAILED'}"
+
+
+def compare(
+    losses: list[float],
+    state: dict[str, torch.Tensor],
+    reference: tuple[list[float], dict[str, torch.Tensor]],
+    initial: dict[str, torch.Tensor],
+    mixed: bool,
+) -> Comparison:
+    """A run's losses and final ``state`` against one process's (``reference``), both from
+    the parameters ``initial``."""
+    ref_losses, ref_state = reference
+    pairs = list(zip(losses, ref_losses, strict=True))
+    if not mixed:
+        loss = max((abs(a - b) for a, b in pairs), default=0.0)
+        param = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+        return Comparison(loss, param, mixed)
+    loss = max((abs(a - b) / abs(b) for a, b in pairs), default=0.0)
+    diff = sum(((state[k] - v).double() ** 2).sum().item() for k, v in ref_state.items())
+    moved = sum(((v - initial[k]).double() ** 2).sum().item() for k, v in ref_state.items())
+    return Comparison(loss, (diff / moved) ** 0.5 if moved else diff**0.5, mixed)

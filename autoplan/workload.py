@@ -25,6 +25,7 @@ from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
+from autoplan.precision import LossScaler
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,16 @@ class Workload:
         args = step_args(model, self.example_inputs, self.example_target, with_loss)
         return TrainStep(model, self.loss_fn, keywords(self.example_inputs))(*args)
 
-    def trace(self, num_microbatches: int = 1) -> Graph:
+    def trace(self, num_microbatches: int = 1, precision: str | None = None) -> Graph:
         """The step traced (`autoplan.graph.capture`) at the shape of one of
-        ``num_microbatches`` microbatches: what the planner and the baselines place."""
+        ``num_microbatches`` microbatches, under autocast for a mixed ``precision``: what the
+        planner and the baselines place."""
         return capture(
             self.model,
             microbatch(self.example_inputs, num_microbatches),
             self.loss_fn,
             microbatch(self.example_target, num_microbatches),
+            precision,
         )
 
     def plan(self, cluster: Cluster | str | Path, options: PlanOptions | None = None) -> Plan:
@@ -109,6 +112,7 @@ class Workload:
         max_grad_norm: float | None = None,
         options: PlanOptions | None = None,
         timeout_s: float | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> Step:
         """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
         return parallelize(
@@ -124,6 +128,7 @@ class Workload:
             max_grad_norm=max_grad_norm,
             options=options,
             timeout_s=timeout_s,
+            loss_scaler=loss_scaler,
         )
 
     def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:

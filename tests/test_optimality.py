@@ -19,9 +19,11 @@ from tests.models.zoo import workload as zoo
 TOLERANCE = 1.001
 
 
-def _conventional(w: Workload, cluster: autoplan.Cluster) -> list[tuple[Degrees, autoplan.Plan]]:
+def _conventional(
+    w: Workload, cluster: autoplan.Cluster, precision: str | None = None
+) -> list[tuple[Degrees, autoplan.Plan]]:
     degrees = all_degrees(cluster.num_devices, batch_of(w.trace()))
-    return list(conventional_plans(w.trace, cluster, degrees))
+    return list(conventional_plans(lambda n: w.trace(n, precision), cluster, degrees))
 
 
 def _fastest(plans: list[tuple[Degrees, autoplan.Plan]]) -> tuple[Degrees, autoplan.Plan]:
@@ -70,25 +72,53 @@ def test_the_reported_mlp_plans_data_parallel_on_a_flat_mesh(a100: autoplan.Clus
 
 
 @pytest.mark.parametrize(
-    ("name", "make", "cluster"),
+    ("name", "make", "cluster", "precision"),
     [
-        ("mlp large batch", lambda: example("mlp", hidden=256, batch_size=512, device="meta"), 4),
-        ("mlp small batch", lambda: example("mlp", hidden=1024, batch_size=8, device="meta"), 8),
-        ("gpt", lambda: example("gpt", size="small", batch_size=8, device="meta"), 4),
-        ("zoo gpt2", lambda: zoo("gpt2", batch_size=16, seq_len=16), 4),
-        ("mlp small batch", lambda: example("mlp", hidden=1024, batch_size=16, device="meta"), 64),
+        (
+            "mlp large batch",
+            lambda: example("mlp", hidden=256, batch_size=512, device="meta"),
+            4,
+            None,
+        ),
+        (
+            "mlp small batch",
+            lambda: example("mlp", hidden=1024, batch_size=8, device="meta"),
+            8,
+            None,
+        ),
+        ("gpt", lambda: example("gpt", size="small", batch_size=8, device="meta"), 4, None),
+        ("zoo gpt2", lambda: zoo("gpt2", batch_size=16, seq_len=16), 4, None),
+        (
+            "mlp small batch",
+            lambda: example("mlp", hidden=1024, batch_size=16, device="meta"),
+            64,
+            None,
+        ),
+        # mixed precision: the conventional plans of the step traced under autocast
+        ("gpt bf16", lambda: example("gpt", size="small", batch_size=8, device="meta"), 8, "bf16"),
+        (
+            "mlp large batch bf16",
+            lambda: example("mlp", hidden=256, batch_size=512, device="meta"),
+            4,
+            "bf16",
+        ),
     ],
 )
 def test_the_planner_is_no_slower_than_any_conventional_plan(
-    name: str, make: object, cluster: int, cpu4: autoplan.Cluster, a100: autoplan.Cluster
+    name: str,
+    make: object,
+    cluster: int,
+    precision: str | None,
+    cpu4: autoplan.Cluster,
+    a100: autoplan.Cluster,
 ) -> None:
     on = {4: cpu4, 8: a100, 64: a100.with_nodes(8)}[cluster]
     assert callable(make)
     w = make()
-    plans = _conventional(w, on)
-    assert len(plans) > 1
+    plans = _conventional(w, on, precision)
+    assert len(plans) > 1 and all(p.mixed_precision == precision for _, p in plans)
     degrees, best = _fastest(plans)
-    planned = w.plan(on)
+    planned = w.plan(on, PlanOptions(mixed_precision=precision))
     ratio = planned.predicted.step_time_s / best.predicted.step_time_s
     assert ratio <= TOLERANCE, f"{name} on {on.num_devices}: {ratio:.4f} x {degrees}"
 

@@ -342,7 +342,7 @@ def baseline(
     elif virtual_stages != 1:
         raise AutoplanError(f"virtual_stages={virtual_stages} applies to pipelines (pp > 1)")
     inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-    graph = capture(model, inputs, loss_fn, target)
+    graph = capture(model, inputs, loss_fn, target, options.mixed_precision)
     plan = baseline_of_graph(graph, cluster, layout, pp, count, options, virtual_stages)
     kept = zero3_replicated(graph, layout) if zero_stage == 3 else []
     if kept:

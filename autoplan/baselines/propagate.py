@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from autoplan.baselines.regions import rule_for, rule_moving, tp_seeds
+from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
@@ -133,7 +133,8 @@ def _propagate(
             rule = rule_moving(node, graph, ins)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
-        if read[node.name] == P:
+        # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
+        if read[node.name] == P and param_of(graph, node.name) is None:
             split = sequence and len(node.outputs[0].shape) >= 3
             read[node.name] = shard(1) if split else R
     return placed

@@ -39,6 +39,7 @@ from autoplan.strategies.space import axis_rules
 log = logging.getLogger(__name__)
 
 LINEAR = "aten.linear.default"
+CAST = "aten._to_copy.default"
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,24 @@ def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule |
 
 
 def _own_params(graph: Graph, node: Node) -> bool:
-    """The linear's weight (and bias) are parameters that no other op reads."""
+    """The linear's weight (and bias) are parameters that no other op reads (in mixed
+    precision, each through its own cast)."""
     return all(
-        graph.node(r.name).kind == PARAM and graph.users(r.name) == (node.name,)
+        param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,)
         for r in node.refs[1:]
     )
+
+
+def param_of(graph: Graph, name: str) -> Node | None:
+    """The parameter node ``name`` is, or casts (autocast's copy of a float32 weight in
+    mixed precision, `autoplan.precision`) when that cast is the parameter's only reader."""
+    node = graph.node(name)
+    if node.kind == PARAM:
+        return node
+    if node.op != CAST or len(node.refs) != 1:
+        return None
+    source = graph.node(node.refs[0].name)
+    return source if source.kind == PARAM and graph.users(source.name) == (name,) else None
 
 
 def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
@@ -157,7 +171,8 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
 def _check_tp_divides(graph: Graph, regions: Sequence[Region], tp: int) -> None:
     for region in regions:
         for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
-            weight = graph.node(graph.node(linear).refs[1].name)
+            weight = param_of(graph, graph.node(linear).refs[1].name)
+            assert weight is not None  # a split linear's own parameter
             size = weight.output.shape[dim]
             if size % tp:
                 kind = "column" if dim == 0 else "row"
@@ -196,11 +211,15 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
         sum(len(r.rows) for r in regions),
     )
     seeds = {}
+
+    def params(linear: str) -> list[str]:
+        return [param_of(graph, r.name).name for r in graph.node(linear).refs[1:]]  # type: ignore[union-attr]
+
     for region in regions:
         for column in region.columns:
-            seeds.update({r.name: (shard(0), shard(0)) for r in graph.node(column).refs[1:]})
+            seeds.update({name: (shard(0), shard(0)) for name in params(column)})
         for row in region.rows:
-            weight, *bias = graph.node(row).refs[1:]
-            seeds[weight.name] = (shard(1), shard(1))
-            seeds.update({b.name: (R, P) for b in bias})  # added on one rank: a partial sum
+            weight, *bias = params(row)
+            seeds[weight] = (shard(1), shard(1))
+            seeds.update({b: (R, P) for b in bias})  # added on one rank: a partial sum
     return seeds

@@ -48,10 +48,6 @@ SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
 }
 
 
-def _loss_is_output(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-    return output[0]  # the last stage computes the plan's loss itself
-
-
 class StageModule(nn.Module):
     """The user's modules (this stage's parameters as DTensors, the others on meta); its
     forward runs this stage's part of the traced step on local shards in and out."""
@@ -154,12 +150,13 @@ class PipelineRunner:
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
         if plan.virtual_stages > 1:
             self.schedule = ScheduleInterleaved1F1B(
-                list(stages), self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
+                list(stages), self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
             )
         else:
             self.schedule = SCHEDULE_CLASSES[plan.pipeline.schedule](
-                stages[0], self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
+                stages[0], self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
             )
+        self.loss_scale = 1.0  # backward starts from the loss times this (fp16 loss scaling)
         self.is_first = self.modules[0].is_first
         self.is_last = self.modules[-1].is_last
         self._last_rank = plan.stages[-1].ranks[0]
@@ -179,6 +176,19 @@ class PipelineRunner:
         """The parameters of this rank's stages that train as plain local leaves, by FQN."""
         return {fqn: t for r in self.reducers for fqn, t in r.leaves.items()}
 
+    @property
+    def _loss_factor(self) -> float:
+        """What backward starts from, per microbatch loss: 1, or under loss scaling the scale
+        over the microbatch count. The gradients in flight then have the size of one
+        process's over the whole batch, whose loss is the microbatches' mean (a microbatch's
+        loss alone has gradients ``num_microbatches`` times theirs, which overflow float16
+        where one process's do not), and their sum is the batch mean's, scaled."""
+        return 1.0 if self.loss_scale == 1.0 else self.loss_scale / self.num_microbatches
+
+    def _loss_is_output(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        """The last stage computes the plan's loss itself."""
+        return output[0] if self._loss_factor == 1.0 else output[0] * self._loss_factor
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]
 
@@ -196,13 +206,14 @@ class PipelineRunner:
             self.schedule.step(*inputs, target=torch.zeros(self.num_microbatches), losses=losses)
         else:
             self.schedule.step(*inputs)
-        self._mean_of_microbatches()
+        if self.loss_scale == 1.0:  # else the loss's factor has taken the mean
+            self._mean_of_microbatches()
         for reducer in self.reducers:
             reducer.reduce_now()
         note(f"the loss's broadcast from the last stage (rank {self._last_rank})")
         loss = torch.zeros(())
         if self.is_last:
-            loss = torch.stack([x.detach() for x in losses]).mean()
+            loss = torch.stack([x.detach() for x in losses]).mean() / self._loss_factor
         dist.broadcast(loss, src=self._last_rank)
         return loss
 

@@ -26,8 +26,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoplan.errors import TraceError
+from autoplan.graph.fake import on_fake_cpu
 from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
+from autoplan.precision import autocast, autocast_device
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +40,28 @@ class TrainStep(nn.Module):
     """``model`` followed by ``loss_fn(output, target)``: the module that gets traced. Without
     a ``loss_fn`` the model computes its own loss: its output, or the output's ``loss``
     (Hugging Face's ``ModelOutput``, or a dict with a "loss"). The last ``len(keywords)``
-    inputs are passed to ``model`` by those names (see `keywords`)."""
+    inputs are passed to ``model`` by those names (see `keywords`). With a ``precision``
+    (`autoplan.precision`) model and loss run under ``torch.autocast`` of its dtype."""
 
     def __init__(
         self,
         model: nn.Module,
         loss_fn: Callable[..., torch.Tensor] | None,
         keywords: tuple[str, ...] = (),
+        precision: str | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.keywords = keywords
+        self.precision = precision
+        self.device_type = autocast_device(model.parameters())
 
     def forward(self, *args: Any) -> Any:
+        with autocast(self.precision, self.device_type):
+            return self._loss(*args)
+
+    def _loss(self, *args: Any) -> Any:
         inputs, target = (args, None) if self.loss_fn is None else (args[:-1], args[-1])
         positional = len(inputs) - len(self.keywords)
         named = dict(zip(self.keywords, inputs[positional:], strict=True))
@@ -126,24 +136,35 @@ def export_step(
     example_inputs: Any,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
+    precision: str | None = None,
 ) -> ExportedProgram:
-    """Export the train step; a failure becomes a `TraceError` that names the user's line."""
+    """Export the train step (under autocast for a ``precision``, `autoplan.precision`); a
+    failure becomes a `TraceError` that names the user's line."""
     args = step_args(model, example_inputs, example_target, loss_fn is not None)
-    wrapper = TrainStep(model, loss_fn, keywords(example_inputs))
+    wrapper = TrainStep(model, loss_fn, keywords(example_inputs), precision)
     try:
-        ep = torch.export.export(wrapper, args, strict=False)
+        with on_fake_cpu(wrapper, args, precision is not None) as fake_args:
+            ep = torch.export.export(wrapper, fake_args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(_explain_trace_failure(model, e, args)) from e
+    if precision is not None:  # autocast's region inlined, each of its casts an op
+        ep = _decomposed(ep)
     _inline_regions(ep)
     if _mutates(ep):
-        with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
-            warnings.simplefilter("ignore", FutureWarning)
-            ep = ep.run_decompositions({})
+        ep = _decomposed(ep)
     _refuse_buffer_updates(ep)
     _refuse_float_indices(ep, model, args)
     _drop_checks(ep)
     _tie_parameters(ep)
     return ep
+
+
+def _decomposed(ep: ExportedProgram) -> ExportedProgram:
+    """``ep`` made functional by ``run_decompositions({})``, which keeps composite ops such as
+    ``linear`` whole (see `_mutates`) and inlines autocast's regions with their casts."""
+    with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
+        warnings.simplefilter("ignore", FutureWarning)
+        return ep.run_decompositions({})
 
 
 _DETACH_ = torch.ops.aten.detach_.default
@@ -159,7 +180,9 @@ def _inline_regions(ep: ExportedProgram) -> None:
     ``torch.no_grad()`` / ``torch.set_grad_enabled`` or ``torch.autocast(enabled=False)`` (as
     Llama's rotary embedding is), are put back inline, so that the planner places their ops
     like any others. A region without gradients computes from detached values, as it did in
-    forward. An enabled autocast region is refused: autoplan runs the model's own dtypes."""
+    forward. An enabled autocast region of the model's own is refused: autoplan runs the
+    model's dtypes, or those of the plan's mixed precision, which traces the whole step under
+    autocast (then `_decomposed` has inlined every region before this runs)."""
     root = ep.graph_module
     graph = root.graph
     for node in list(graph.nodes):
@@ -171,7 +194,8 @@ def _inline_regions(ep: ExportedProgram) -> None:
             raise TraceError(
                 f"{where} runs part of forward under torch.autocast({node.args[0]!r}, "
                 f"dtype={node.args[1]}); autoplan plans and runs the model's own dtypes: cast "
-                "explicitly (x.to(torch.bfloat16)) or build the model in that dtype"
+                "explicitly (x.to(torch.bfloat16)), build the model in that dtype, or plan the "
+                'whole step in mixed precision (PlanOptions(mixed_precision="bf16"))'
             )
         submodule = getattr(root, str(node.args[at].target))
         if any(n.op == "get_attr" for n in submodule.graph.nodes):
@@ -397,10 +421,12 @@ def capture(
     example_inputs: Any,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
+    precision: str | None = None,
 ) -> Graph:
-    """Trace ``model`` (and ``loss_fn`` applied to its output and ``example_target``)."""
-    ep = export_step(model, example_inputs, loss_fn, example_target)
-    return graph_from_export(ep)
+    """Trace ``model`` (and ``loss_fn`` applied to its output and ``example_target``), under
+    autocast for a mixed ``precision``."""
+    ep = export_step(model, example_inputs, loss_fn, example_target, precision)
+    return graph_from_export(ep, precision)
 
 
 def capture_microbatches(
@@ -408,18 +434,20 @@ def capture_microbatches(
     example_inputs: Any,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
+    precision: str | None = None,
 ) -> Callable[[int], Graph]:
     """``capture`` of the step at a number of microbatches: ``at(count)`` traces it on the
     first of ``count`` microbatches of the example batch (`microbatch`)."""
 
     def at(count: int) -> Graph:
         inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
-        return capture(model, inputs, loss_fn, target)
+        return capture(model, inputs, loss_fn, target, precision)
 
     return at
 
 
-def graph_from_export(ep: ExportedProgram) -> Graph:
+def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Graph:
+    """The IR of an exported step, traced under mixed ``precision`` (or None)."""
     kinds: dict[str, tuple[str, str, bool]] = {}
     frozen: list[str] = []
     for spec in ep.graph_signature.input_specs:
@@ -443,7 +471,7 @@ def graph_from_export(ep: ExportedProgram) -> Graph:
         node = _convert(fx_node, kinds, done)
         done[node.name] = node
     nodes = tuple(done.values())
-    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen))
+    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen), precision=precision)
 
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:

@@ -119,6 +119,7 @@ class Graph:
 
     nodes: tuple[Node, ...]
     fingerprint: str
+    precision: str | None = None  # the mixed precision traced under (autoplan.precision)
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)

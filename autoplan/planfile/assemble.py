@@ -117,6 +117,7 @@ def make_plan(
             num_groups=result.problem.num_groups,
             meshes_tried=meshes_tried,
         ),
+        mixed_precision=graph.precision,
     )
 
 
@@ -234,4 +235,5 @@ def make_pipeline_plan(
             meshes_tried=meshes_tried,
         ),
         pipeline=Pipeline(pipe.schedule, pipe.num_microbatches, pipe.bubble_fraction),
+        mixed_precision=graph.precision,
     )

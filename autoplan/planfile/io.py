@@ -36,6 +36,7 @@ from autoplan.planfile.sections import (
     Stage,
     StagePredicted,
 )
+from autoplan.precision import COMPUTE_DTYPES
 from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
@@ -207,7 +208,14 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         predicted=predicted,
         solver=solver,
         pipeline=pipeline,
+        mixed_precision=_read_precision(doc.get("mixed_precision")),
     )
+
+
+def _read_precision(f: JsonField | None) -> str | None:
+    if f is None:
+        return None
+    return f.one_of(tuple(COMPUTE_DTYPES))
 
 
 def _check_axes(f: JsonField, c: CollectivePlan, axes: tuple[str, ...]) -> None:

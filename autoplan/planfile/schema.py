@@ -41,6 +41,8 @@ class Plan:
     predicted: Predicted
     solver: SolverInfo
     pipeline: Pipeline | None = None
+    # "bf16" or "fp16" when the step computes in that dtype under autocast (autoplan.precision)
+    mixed_precision: str | None = None
     version: int = PLAN_VERSION
 
     def param_stages(self) -> dict[str, int]:
@@ -64,8 +66,12 @@ class Plan:
         return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes
 
     def to_json(self) -> str:
-        """Canonical JSON: the same plan always gives the same bytes."""
-        return plan_text(asdict(self))
+        """Canonical JSON: the same plan always gives the same bytes (a plan in the model's
+        own dtypes has no mixed_precision key, as plans written before it)."""
+        data = asdict(self)
+        if data["mixed_precision"] is None:
+            del data["mixed_precision"]
+        return plan_text(data)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

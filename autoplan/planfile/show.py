@@ -232,6 +232,14 @@ def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
     ]
 
 
+def _precision_line(precision: str) -> str:
+    scaling = ", with dynamic loss scaling" if precision == "fp16" else ""
+    return (
+        f"mixed precision: {precision} compute under autocast{scaling}; float32 parameters, "
+        "gradients and optimizer state"
+    )
+
+
 def summary(plan: Plan) -> str:
     pv, pr, so = plan.provenance, plan.predicted, plan.solver
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh.axes, plan.mesh.shape, strict=True))
@@ -240,6 +248,7 @@ def summary(plan: Plan) -> str:
         f"torch {pv.torch}, autoplan {pv.autoplan})",
         f"mesh: {mesh}  ({len(plan.mesh.ranks)} devices; "
         f"tried {', '.join(map(str, so.meshes_tried))})",
+        *([_precision_line(plan.mixed_precision)] if plan.mixed_precision else []),
         "",
         *(_pipeline_lines(plan, plan.pipeline) if plan.pipeline is not None else []),
         "parameters (as used by ops; storage when it differs):",

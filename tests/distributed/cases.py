@@ -23,6 +23,18 @@ class Case:
     world: int = 4
     max_grad_norm: float | None = None  # clip gradients to this global norm
     frozen: tuple[str, ...] = ()  # parameters that do not train (requires_grad False)
+    # mixed precision ("bf16", "fp16"): planned and trained so, against one process under
+    # autocast (and GradScaler from `init_scale` for fp16)
+    precision: str | None = None
+    init_scale: float = 2.0**16
+
+    def plan_layout(self, w: Workload) -> PlanOptions | Plan:
+        """The layout, in the case's precision."""
+        layout = self.layout(w)
+        if isinstance(layout, PlanOptions):
+            return dataclasses.replace(layout, mixed_precision=self.precision)
+        assert layout.mixed_precision == self.precision, "a plan made in another precision"
+        return layout
 
 
 def _params(w: Workload) -> list[str]:
@@ -123,6 +135,7 @@ def pipeline(
 MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+BF16 = PlanOptions(mixed_precision="bf16")
 
 # mlp-own's seed: with seed 0, one ReLU input at the third step is 1.8e-8 in one process,
 # within float32 rounding of zero. The parallel run, summing in another order, finds it
@@ -253,5 +266,55 @@ CASES = [
         "gpt",
         {"size": "tiny", "num_layers": 4, "batch_size": 4},
         baseline_plan(dp=1, tp=2, pp=2),
+    ),
+    # mixed precision (autoplan/precision.py), against one process under autocast: bf16
+    # compute, float32 parameters and gradient reductions
+    Case("mlp-dp-bf16", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (4,)), precision="bf16"),
+    Case("mlp-tp-bf16", "mlp", MLP_SMALL_BATCH, lambda w: mlp_megatron(w, (4,)), precision="bf16"),
+    Case("gpt-tp-bf16", "gpt", GPT, lambda w: gpt_megatron(w, (4,)), precision="bf16"),
+    Case("gpt-zero3-bf16", "gpt", GPT, lambda w: zero3(w, (4,)), precision="bf16"),
+    Case("gpt-2x2-bf16", "gpt", {**GPT, "batch_size": 8}, own((2, 2)), precision="bf16"),
+    Case(
+        "gpt-baseline-sp-2x2-bf16",
+        "gpt",
+        GPT,
+        baseline_plan(dp=2, tp=2, sequence_parallel=True, options=BF16),
+        precision="bf16",
+    ),
+    Case(
+        "gpt-pipeline-2x2-bf16",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        precision="bf16",
+    ),
+    *[
+        Case(
+            f"zoo-{model}-bf16",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            own(),
+            precision="bf16",
+        )
+        for model in ("llama", "vit")
+    ],
+    # fp16 with loss scaling; from 2**22 the first step's gradients overflow: it is skipped
+    # (no optimizer step) and the scale halved, as GradScaler does in one process
+    Case("mlp-dp-fp16", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (4,)), precision="fp16"),
+    Case(
+        "mlp-tp-fp16-overflow",
+        "mlp",
+        MLP_SMALL_BATCH,
+        lambda w: mlp_megatron(w, (4,)),
+        precision="fp16",
+        init_scale=2.0**22,
+    ),
+    Case(
+        "gpt-pipeline-2x2-fp16-overflow",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        precision="fp16",
+        init_scale=2.0**22,
     ),
 ]

@@ -11,6 +11,7 @@ import torch
 
 import autoplan
 from autoplan.execute.step import OPTIMIZERS
+from autoplan.precision import autocast
 from autoplan.workload import Workload
 
 STEPS = 3
@@ -27,22 +28,32 @@ def reference(
     optimizer: str = "adamw",
     options: dict[str, float] | None = None,
     steps: int = STEPS,
+    precision: str | None = None,
+    init_scale: float = 2.0**16,
 ) -> dict[str, Any]:
-    """``w`` trained ``steps`` steps in this process alone: losses, first gradients, params."""
+    """``w`` trained ``steps`` steps in this process alone: losses, first gradients, params.
+    With a mixed ``precision``, forward and loss run under ``torch.autocast`` of its dtype,
+    and fp16 with torch's ``GradScaler`` (from ``init_scale``): the steps it skipped and its
+    scales are returned too."""
     model = copy.deepcopy(w.model)
     opt = OPTIMIZERS[optimizer](model.parameters(), **(options or {"lr": LR}))  # type: ignore[arg-type]
-    losses, grads = [], {}
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=precision == "fp16")
+    losses, grads, scales = [], {}, []
     for i in range(steps):
-        loss = w.loss(model)
-        loss.backward()
+        with autocast(precision, "cpu"):
+            loss = w.loss(model)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         if i == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": dict(model.state_dict())}
+        scales.append(scaler.get_scale())
+    return {"losses": losses, "grads": grads, "params": dict(model.state_dict()), "scales": scales}
 
 
 def parallel(w: Workload, c: autoplan.Cluster, **options: Any) -> autoplan.Step:

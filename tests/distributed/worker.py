@@ -27,6 +27,7 @@ from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
+from autoplan.precision import LossScaler  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -64,20 +65,31 @@ def workload(case: Case) -> Workload:
 
 def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     w = workload(case)
-    ref = reference(w, case.max_grad_norm)
+    initial = {n: v.detach().clone() for n, v in w.model.state_dict().items()}
+    ref = reference(w, case.max_grad_norm, precision=case.precision, init_scale=case.init_scale)
+    fp16 = case.precision == "fp16"
     step = parallel(
         w,
         c,
         optimizer_options={"lr": LR},
         max_grad_norm=case.max_grad_norm,
-        **layout_keyword(case.layout(w)),
+        loss_scaler=LossScaler(init_scale=case.init_scale) if fp16 else None,
+        **layout_keyword(case.plan_layout(w)),
     )
     assert step.optimizer is not None and step.plan is not None
-    first_loss, grad = first_step(step, w, ref["grads"])
+    first_loss, grad, grad_rel = first_step(step, w, ref["grads"])
     losses = [first_loss]
+
+    def scale() -> float:  # after each step's update, as GradScaler.get_scale() tells it
+        return step.loss_scaler.scale if step.loss_scaler is not None else 1.0
+
+    scales = [scale()]
     with CollectiveRecorder(step.mesh) as recorder, recorded_sends() as sent:  # type: ignore[arg-type]
         losses.append(step(w.example_inputs, w.example_target).item())
-    losses += [step(w.example_inputs, w.example_target).item() for _ in range(STEPS - 2)]
+    scales.append(scale())
+    for _ in range(STEPS - 2):
+        losses.append(step(w.example_inputs, w.example_target).item())
+        scales.append(scale())
     params = step.state_dict()
     want, got = planned(step.plan), issued(recorder.issued)
     sends = planned_sends(step.pipeline) if step.pipeline is not None else Counter()
@@ -99,8 +111,20 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "stages": len(step.plan.stages),
         "placements": sorted({v for p in step.plan.params.values() for v in p.storage.values()}),
         "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"], strict=True)),
         "grad": grad,
+        "grad_rel": grad_rel,
         "param": max((params[n] - v).abs().max().item() for n, v in ref["params"].items()),
+        "update_rel": _relative(
+            {n: params[n] - initial[n] for n in ref["params"]},
+            {n: v - initial[n] for n, v in ref["params"].items()},
+        ),
+        # parameters and buffers keep their dtypes (float32 master weights in mixed precision)
+        "dtype_changes": sorted(n for n, v in initial.items() if params[n].dtype != v.dtype),
+        "precision": step.plan.mixed_precision,
+        "scales": scales,
+        "ref_scales": ref["scales"],
+        "skipped": step.loss_scaler.skipped if step.loss_scaler else 0,
         "planned_not_issued": sorted({m for missing, *_ in mismatches for m in missing}),
         "issued_not_planned": sorted({m for _, extra, *_ in mismatches for m in extra}),
         "sends_planned_not_issued": sorted(
@@ -109,6 +133,10 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "sends_issued_not_planned": sorted({m for *_, extra, _ in mismatches for m in extra}),
         "num_sends": sum(n for *_, n in mismatches),
         "num_collectives": sum(want.values()),
+        "bytes_by_phase": {
+            phase: sum(c.bytes for c in step.plan.collectives if c.phase == phase)
+            for phase in sorted({c.phase for c in step.plan.collectives})
+        },
         "dtensor_ops": _dtensor_ops(step),
         "local_leaves": _local_leaves(step),
         "kept": sorted(n.module for n in step.plan.nodes.values() if n.grad),
@@ -142,32 +170,61 @@ def _dtensor_ops(step: autoplan.Step) -> list[str]:
 
 def first_step(
     step: autoplan.Step, w: Workload, reference: dict[str, torch.Tensor]
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """The first step by hand, comparing gradients before the optimizer uses them: the loss,
-    and the largest gradient difference over all ranks (each checks its stage's)."""
+    the largest gradient difference over all ranks (each checks its stage's), and the norm
+    of the differences over the reference gradients' norm. Under loss scaling, the backward
+    starts from the scale and the gradients are unscaled first, as `autoplan.Step` does; a
+    step whose gradients overflowed counts as equal if the reference's did too."""
+    scaler = step.loss_scaler
+    scale = scaler.scale if scaler is not None else 1.0
     if step.pipeline is not None:
+        step.pipeline.loss_scale = scale
         loss = step.pipeline.run(batch_args(w.example_inputs, w.example_target))
         named = list(step.pipeline.module.model.named_parameters())
     else:
         assert step.module is not None
         loss = step.module(w.example_inputs, w.example_target)
-        loss.backward()
+        loss.backward(torch.full(loss.shape, scale))
         named = list(step.module.named_parameters())
-    if step.max_grad_norm is not None:
+    trained = [(n, p) for n, p in named if isinstance(p, DTensor) and p.requires_grad]
+    finite = True
+    if scaler is not None:
+        finite = scaler.unscale([p.grad for _, p in trained if p.grad is not None])
+        scaler.update(finite)
+    if step.max_grad_norm is not None and finite:
         step.clip_gradients(step.max_grad_norm)
-    diffs = [
-        (p.grad.full_tensor() - reference[n]).abs().max().item()  # type: ignore[union-attr]
-        for n, p in named
-        if isinstance(p, DTensor) and p.requires_grad
-    ]
+    if not finite:
+        overflowed = any(not g.isfinite().all() for g in reference.values())
+        got = {n: torch.zeros(()) if overflowed else p.grad.full_tensor() for n, p in trained}  # type: ignore[union-attr]
+        want = {n: torch.zeros(()) if overflowed else reference[n] for n, _ in trained}
+    else:
+        got = {n: p.grad.full_tensor() for n, p in trained}  # type: ignore[union-attr]
+        want = {n: reference[n] for n, _ in trained}
+    diffs = [(got[n] - want[n]).abs().max().item() for n in got]
     # a frozen parameter gets no gradient here, as in one process
     assert all(p.grad is None for _, p in named if not p.requires_grad)
     diff = torch.tensor(max(diffs, default=0.0))
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     assert step.optimizer is not None
-    step.optimizer.step()
+    if finite:
+        step.optimizer.step()
     step.optimizer.zero_grad()
-    return loss.item(), diff.item()
+    return loss.item(), diff.item(), _relative(got, want)
+
+
+def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all tensors of all ranks (each tensor once: the ranks of
+    a stage hold the same whole tensors, those of other stages others)."""
+    mine = {
+        n: ((got[n] - w).double().pow(2).sum().item(), w.double().pow(2).sum().item())
+        for n, w in want.items()
+    }
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = {n: v for rank in every for n, v in rank.items()}
+    diff, norm = (sum(v[i] for v in merged.values()) for i in (0, 1))
+    return float((diff / norm) ** 0.5) if norm else float(diff**0.5)
 
 
 def _text(counter: Counter[tuple[str, tuple[str, ...], int]]) -> list[str]:

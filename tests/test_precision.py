@@ -1,0 +1,159 @@
+"""Mixed precision (autoplan/precision.py): the step traced under autocast, priced with its
+casts and bf16 activations over float32 master weights, recorded in the plan and shown; the
+loss scaler's arithmetic. Training against one process under autocast is in
+tests/distributed/cases.py (the "-bf16" and "-fp16" cases)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoplan
+from autoplan import PlanOptions
+from autoplan.errors import AutoplanError
+from autoplan.graph.capture import capture
+from autoplan.planfile.show import summary
+from autoplan.precision import LossScaler
+from autoplan.strategies.placement import R
+from autoplan.strategies.pricing import Pricer
+from autoplan.strategies.space import Strategy
+from autoplan.workload import Workload
+from tests.conftest import ROOT, example
+
+CAST = "aten._to_copy.default"
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(AutoplanError, match="mixed precision 'fp8' is not known"):
+        PlanOptions(mixed_precision="fp8")
+    assert PlanOptions().mixed_precision is None
+
+
+def test_the_step_is_traced_with_autocasts_casts() -> None:
+    """Parameters stay float32 (the master weights); each is cast to bf16 where a matmul reads
+    it; the matmuls compute in bf16 and the loss in float32, as autocast runs them."""
+    w = example("mlp", batch_size=8, hidden=16, num_layers=2)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target, "bf16")
+    assert graph.precision == "bf16"
+    assert {p.output.dtype for p in graph.params} == {"float32"}
+    linears = [n for n in graph if n.op == "aten.linear.default"]
+    assert linears and {n.output.dtype for n in linears} == {"bfloat16"}
+    casts = [n for n in graph if n.op == CAST]
+    cast_params = {graph.node(n.refs[0].name).target for n in casts if n.refs}
+    assert {p.target for p in graph.params} <= cast_params
+    loss = next(n for n in graph if n.op == "aten.mse_loss.default")
+    assert loss.output.dtype == "float32"
+    plain = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    assert plain.fingerprint != graph.fingerprint and not any(n.op == CAST for n in plain)
+
+
+def test_a_meta_model_traces_as_the_real_one() -> None:
+    """Autocast has no meta kernels: a meta model is traced on fake CPU tensors, to the same
+    graph as the same model with weights (tied embedding and head included)."""
+    options = {"size": "tiny", "num_layers": 1, "batch_size": 2, "seq_len": 16}
+    real = example("gpt", **options)
+    meta = example("gpt", **options, device="meta")
+    got = capture(meta.model, meta.example_inputs, meta.loss_fn, meta.example_target, "bf16")
+    want = capture(real.model, real.example_inputs, real.loss_fn, real.example_target, "bf16")
+    assert got.fingerprint == want.fingerprint
+    assert all(p.is_meta for p in meta.model.parameters())  # put back after the trace
+
+
+def test_memory_counts_bf16_copies_over_float32_master_weights(cpu4: autoplan.Cluster) -> None:
+    """A weight costs 4 bytes, its gradient 4 and AdamW's state 8 (float32), and its bf16 copy,
+    kept for backward, 2 more; the activations between the matmuls are bf16."""
+    w = example("mlp", batch_size=8, hidden=16, num_layers=2)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target, "bf16")
+    pricer = Pricer(cpu4, (1,), "adamw")
+    whole = Strategy(output=(R,), inputs=())
+    weight = next(n for n in graph.params if n.target == "layers.0.weight")
+    assert pricer.node_memory(weight, whole) == 16 * 16 * (4 + 4 + 8)
+    cast = next(n for n in graph if n.op == CAST and n.refs[0].name == weight.name)
+    assert pricer.node_memory(cast, Strategy(output=(R,), inputs=((R,),))) == 16 * 16 * 2
+    linear = next(n for n in graph if n.op == "aten.linear.default")
+    assert pricer.node_memory(linear, Strategy((R,), ((R,), (R,), (R,)))) == 8 * 16 * 2
+
+
+def test_bf16_matmuls_are_priced_at_the_bf16_rate(a100: autoplan.Cluster) -> None:
+    """On an A100 (bf16 tensor cores: 16x float32's peak) the same plan's compute in bf16 is
+    priced far below float32's; at a batch whose activations outweigh the weights it needs
+    less memory (bf16 activations; the weights' bf16 copies add 2 bytes to float32's 16), and
+    the plan records and shows its precision."""
+    w = example("gpt", size="small", num_layers=2, batch_size=64, seq_len=256)
+    full = w.plan(a100, PlanOptions(mesh_shape=(8,)))
+    mixed = w.plan(a100, PlanOptions(mesh_shape=(8,), mixed_precision="bf16"))
+    assert full.mixed_precision is None and mixed.mixed_precision == "bf16"
+    assert mixed.predicted.compute_s < 0.5 * full.predicted.compute_s
+    assert mixed.predicted.peak_memory_bytes < full.predicted.peak_memory_bytes
+    assert "mixed precision: bf16" in summary(mixed) and "mixed" not in summary(full)
+
+
+def test_the_plan_records_its_precision(cpu4: autoplan.Cluster, tmp_path: Path) -> None:
+    """Written and read back; a plan in the model's own dtypes has no key for it (plans stay
+    byte-identical to those written before mixed precision); estimate traces as the plan."""
+    w = example("mlp", batch_size=8, hidden=16, num_layers=2)
+    plan = w.plan(cpu4, PlanOptions(mesh_shape=(4,), mixed_precision="fp16"))
+    assert autoplan.Plan.from_json(plan.to_json()) == plan
+    assert '"mixed_precision": "fp16"' in plan.to_json()
+    plain = dataclasses.replace(plan, mixed_precision=None)
+    assert "mixed_precision" not in plain.to_json()
+    assert autoplan.Plan.from_json(plain.to_json()).mixed_precision is None
+    again = w.estimate(plan, cpu4)
+    assert again.mixed_precision == "fp16" and again.params == plan.params
+    bad = plan.to_json().replace('"mixed_precision": "fp16"', '"mixed_precision": "fp8"')
+    with pytest.raises(AutoplanError, match="mixed_precision"):
+        autoplan.Plan.from_json(bad)
+
+
+def test_a_models_own_autocast_region_is_traced_under_mixed_precision() -> None:
+    """A region under the model's own autocast is refused in the model's dtypes, and taken
+    (its casts inlined) when the whole step runs under autocast."""
+
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc(x).float().sum()
+
+    w = Workload(Own(), (torch.randn(4, 8),))
+    with pytest.raises(AutoplanError, match="mixed_precision"):
+        capture(w.model, w.example_inputs)
+    graph = capture(w.model, w.example_inputs, precision="bf16")
+    assert any(n.op == CAST for n in graph)
+
+
+def test_loss_scaler_backs_off_and_grows_as_grad_scaler() -> None:
+    """GradScaler's rule, worked by hand from a scale of 8 growing every 2 good steps: an
+    overflow halves the scale and restarts the count."""
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    scales = []
+    for finite in (False, True, True, True, False, True):
+        scaler.update(finite)
+        scales.append(scaler.scale)
+    assert scales == [4.0, 4.0, 8.0, 8.0, 4.0, 4.0] and scaler.skipped == 2
+
+
+def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", str(ROOT / "examples/mlp.py"), "--cluster"]
+    args += [str(ROOT / "costmodels/cpu-gloo-4.json"), "--mixed-precision", "bf16"]
+    run = [sys.executable, "-m", "autoplan.cli", "-q", *args, "-o", str(out)]
+    subprocess.run(run, check=True, capture_output=True, text=True, cwd=ROOT)
+    assert autoplan.Plan.from_json(str(out)).mixed_precision == "bf16"
+    shown = subprocess.run(
+        [sys.executable, "-m", "autoplan.cli", "show", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert "mixed precision: bf16" in shown.stdout
