@@ -31,6 +31,7 @@ from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import boundary_placements
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.execute.watchdog import note
+from autoplan.execute.zero import ShardedState
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
@@ -126,7 +127,9 @@ class PipelineRunner:
         pp = world["pp"]
         self.index = pp.get_local_rank()
         self.mesh = world[plan.stage_axes]
+        self.zero = ShardedState.split(model, plan, self.mesh)  # ZeRO-1/2's shards and wholes
         self.module = StageModule(model, ep, plan, self.mesh, self.index)
+        self.module.placeholders.whole = self.zero.by_placeholder(self.module.placeholders.params)
         self.num_microbatches = plan.pipeline.num_microbatches
         stage = PipelineStage(
             self.module,
@@ -144,8 +147,13 @@ class PipelineRunner:
             stage, self.num_microbatches, loss_fn=_loss_is_output, scale_grads=False
         )
         self._last_rank = plan.stages[-1].ranks[0]
-        mine = {fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)}
-        self.gradients = GradientReducer(mine, plan, self.index, self.mesh)
+        mine: dict[str, torch.Tensor] = {
+            fqn: p for fqn, p in self.module.model.named_parameters() if isinstance(p, DTensor)
+        }
+        mine.update(self.zero.whole)
+        self.gradients = GradientReducer(
+            mine, plan, self.index, self.mesh, self.zero.take_gradients
+        )
         module = self.module
         self.gradients.use_leaves(
             local_leaves(
@@ -184,7 +192,7 @@ class PipelineRunner:
         """Each microbatch's loss is its mean: the summed gradients over their count are
         the batch mean's."""
         leaves = self.gradients.leaves.values()
-        for tensor in [*leaves, *self.parameters()]:
+        for tensor in [*leaves, *self.zero.whole.values(), *self.parameters()]:
             if tensor.grad is not None:
                 tensor.grad.div_(self.num_microbatches)
 

@@ -135,6 +135,8 @@ class Placeholders:
         self.plan = plan
         self.mesh = mesh
         self.leaves: dict[str, Local] = {}  # parameters' local leaves, by placeholder
+        # ZeRO-1/2 parameters as forward reads them, by placeholder (`execute.zero`)
+        self.whole: dict[str, torch.Tensor] = {}
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of a stage is on its mesh
         self.coordinate = coordinate
@@ -145,7 +147,7 @@ class Placeholders:
         planned (each rank holds the whole batch and keeps its slice: no communication)."""
         if self.placed_constants is None:  # placed once: they never change
             self.placed_constants = self._placed_constants()
-        values: dict[str, Any] = {**self.placed_constants, **self.leaves}
+        values: dict[str, Any] = {**self.placed_constants, **self.leaves, **self.whole}
         others = {p: f for p, f in {**self.params, **self.buffers}.items() if p not in values}
         if others:  # looked up each step: a user may have replaced a parameter or buffer
             named: dict[str, torch.Tensor] = dict(module.named_parameters())

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from autoplan.graph.ir import PARAM
-from autoplan.planfile.io import plan_text, read_plan
+from autoplan.planfile.io import OPTIONAL_PARAM_FIELDS, plan_text, read_plan
 from autoplan.planfile.sections import (
     PLAN_VERSION,
     CollectivePlan,
@@ -58,8 +58,14 @@ class Plan:
         return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes
 
     def to_json(self) -> str:
-        """Canonical JSON: the same plan always gives the same bytes."""
-        return plan_text(asdict(self))
+        """Canonical JSON: the same plan always gives the same bytes. A parameter's optional
+        fields (ZeRO-1/2's ``grad`` and ``state``) are written only when set."""
+        data = asdict(self)
+        for param in data["params"].values():
+            for key in OPTIONAL_PARAM_FIELDS:
+                if not param[key]:
+                    del param[key]
+        return plan_text(data)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

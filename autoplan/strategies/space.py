@@ -27,6 +27,7 @@ from autoplan.strategies.placement import (
     without_partial,
 )
 from autoplan.strategies.rules import AxisRule, own_rule
+from autoplan.strategies.zero import state_specs
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class Strategy:
     # where the output's gradient is kept: None for the output's placement with partial sums
     # reduced; else P on the axes where a replicated op keeps it partial (see `kept_partial`)
     grad: Spec | None = None
+    # a parameter's optimizer state where split further than it is stored (ZeRO-1/2,
+    # `autoplan.strategies.zero`; its gradient then kept as stored, or, with ``grad`` the
+    # state's placement, split as the state); None: kept as the parameter is stored
+    state: Spec | None = None
 
     @property
     def grad_target(self) -> Spec:
@@ -63,6 +68,20 @@ def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[S
         Strategy(spec, ())
         for spec in itertools.product(*per_axis)
         if is_valid(spec, info.shape, mesh_shape)
+    ]
+
+
+def _zero_strategies(
+    node: Node, stored: Sequence[Strategy], mesh_shape: tuple[int, ...]
+) -> list[Strategy]:
+    """A trained parameter's ZeRO-1 and ZeRO-2 candidates for each storage candidate."""
+    if not node.needs_grad:
+        return []
+    return [
+        Strategy(s.output, (), grad, state)
+        for s in stored
+        for state in state_specs(s.output, node.output.shape, mesh_shape)
+        for grad in (None, state)
     ]
 
 
@@ -119,9 +138,9 @@ def _expand(
 def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> NodeStrategies:
     num_axes = len(mesh_shape)
     if node.kind == PARAM:
-        return NodeStrategies(
-            node.name, tuple(_storage_strategies(node.output, mesh_shape)), "storage"
-        )
+        stored = _storage_strategies(node.output, mesh_shape)
+        zero = _zero_strategies(node, stored, mesh_shape)
+        return NodeStrategies(node.name, (*stored, *zero), "storage")
     if node.kind == INPUT:
         # the data loader can hand each rank any even slice of the batch at no cost
         return NodeStrategies(
@@ -142,7 +161,14 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
     (those keeping the output's gradient partial aside), told without listing them all as a
     baseline checks its own: each mesh axis takes one of the node's rules (replicated on an
     axis of one device), and every tensor splits evenly."""
-    if strategy.grad is not None or len(strategy.output) != len(mesh_shape):
+    if node.kind == PARAM and strategy.state is not None:
+        stored = Strategy(strategy.output, strategy.inputs)
+        return strategy in _zero_strategies(node, [stored], mesh_shape) and is_candidate(
+            node, graph, stored, mesh_shape
+        )
+    if strategy.grad is not None or strategy.state is not None:
+        return False
+    if len(strategy.output) != len(mesh_shape):
         return False
     if node.kind in (PARAM, INPUT):
         options = _all_shardings(node.output.shape)

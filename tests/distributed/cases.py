@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan import Cluster, Plan, PlanOptions, Workload
+from autoplan.strategies.zero import state_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +48,21 @@ def dp_2x2(w: Workload) -> PlanOptions:
 def zero3(w: Workload, mesh: Mesh = None) -> PlanOptions:
     sharded = {n: {"storage": "S(0)", "use": "R"} for n in _params(w)}
     return PlanOptions(mesh_shape=mesh, pin={"input:0": "S(0)", "target": "S(0)", **sharded})
+
+
+def zero12(stage: int) -> Callable[[Workload], PlanOptions]:
+    """Data parallel on (4,), each trained parameter's optimizer state split (ZeRO-1), and
+    its gradient with it (ZeRO-2), where a dim divides by 4."""
+
+    def options(w: Workload) -> PlanOptions:
+        pins: dict[str, Any] = {"input:0": "S(0)", "target": "S(0)"}
+        for name, param in w.model.named_parameters():
+            pins[name] = {"storage": "R", "use": "R"}
+            for state in state_specs(("R",), tuple(param.shape), (4,))[:1]:
+                pins[name] |= {"state": state, **({"grad": state} if stage == 2 else {})}
+        return PlanOptions(mesh_shape=(4,), pin=pins)
+
+    return options
 
 
 def mlp_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
@@ -217,6 +233,20 @@ CASES = [
             own((2, 2)),
         )
         for model in ("vit", "cnn")
+    ],
+    # ZeRO-1 and ZeRO-2: the optimizer state (and gradient) split, the parameters whole
+    Case("mlp-zero1", "mlp", MLP_LARGE_BATCH, zero12(1)),
+    Case("mlp-zero2", "mlp", MLP_LARGE_BATCH, zero12(2)),
+    Case("gpt-zero1", "gpt", GPT, zero12(1)),
+    Case("gpt-zero2", "gpt", GPT, zero12(2)),
+    *[
+        Case(
+            f"zoo-llama-zero{stage}",
+            "zoo",
+            {"model": "llama", "batch_size": 64, "seq_len": 32},
+            zero12(stage),
+        )
+        for stage in (1, 2)
     ],
     # two blocks per stage
     Case(
