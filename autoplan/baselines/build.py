@@ -105,8 +105,7 @@ def _check_options(
         raise AutoplanError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if zero_stage and dp == 1:
         raise AutoplanError(
-            f"zero_stage={zero_stage} splits the optimizer state along the dp axis; it needs "
-            "dp > 1"
+            f"zero_stage={zero_stage} splits the optimizer state along the dp axis; it needs dp > 1"
         )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
 from autoplan.strategies import dtensor_rules
@@ -83,6 +83,29 @@ def _zero_strategies(
         for state in state_specs(s.output, node.output.shape, mesh_shape)
         for grad in (None, state)
     ]
+
+
+def searched(
+    space: Mapping[str, NodeStrategies], mesh_shape: tuple[int, ...]
+) -> dict[str, NodeStrategies]:
+    """``space`` less the ZeRO candidates the search leaves out, to keep the ILP small:
+    ZeRO-1 (ZeRO-2 keeps less memory, and its gradient is reduce-scattered rather than
+    all-reduced whole) and states split along only some of the axes where a parameter is
+    stored whole (the search splits them along all of them). A node left with none of its
+    candidates by that (pinned so) keeps them."""
+    out = {}
+    for name, ns in space.items():
+        kept = tuple(s for s in ns.strategies if _searched(s, mesh_shape))
+        out[name] = replace(ns, strategies=kept) if kept else ns
+    return out
+
+
+def _searched(s: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    if s.state is None:
+        return True
+    whole = [p == R and size > 1 for p, size in zip(s.output, mesh_shape, strict=True)]
+    split = [p != q for p, q in zip(s.output, s.state, strict=True)]
+    return s.grad == s.state and split == whole
 
 
 def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
