@@ -239,6 +239,16 @@ CASES = [
     Case("mlp-zero2", "mlp", MLP_LARGE_BATCH, zero12(2)),
     Case("gpt-zero1", "gpt", GPT, zero12(1)),
     Case("gpt-zero2", "gpt", GPT, zero12(2)),
+    # on (dp, tp): states split along dp beside tp's splits (a column weight's along dim 1)
+    Case("gpt-baseline-zero1-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, zero_stage=1)),
+    Case("gpt-baseline-zero2-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, zero_stage=2)),
+    # a pipeline's stages update their shards and gather them after the step
+    Case(
+        "mlp-baseline-pipeline-zero2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
+    ),
     *[
         Case(
             f"zoo-llama-zero{stage}",
