@@ -236,6 +236,8 @@ def test_checkpoints_resume_under_other_plans(results: dict[int, dict[str, Any]]
         "2x2->zero3",
         "2x2->pipeline-2x2",
         "2x2->tp",
+        "2x2->zero1",
+        "zero2->dp",
         "2 ranks tp->2x2",
     }
     for name, r in resumed.items():
