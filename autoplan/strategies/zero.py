@@ -15,14 +15,18 @@ evenly), on one mesh axis where the parameter is stored whole, or on all of them
 
 from __future__ import annotations
 
+import functools
 import math
 
 from autoplan.strategies.placement import R, Spec, is_valid, shard, shard_dim
 
-ZERO_STAGES = (1, 2)
 
-
-def state_specs(storage: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Spec]:
+# asked for each parameter's storage candidates by the planner, and again by baselines and
+# plan checks
+@functools.lru_cache(maxsize=2**16)
+def state_specs(
+    storage: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[Spec, ...]:
     """The placements of a ZeRO-1/2 optimizer state for a parameter of ``shape`` stored
     ``storage``: split further along axes where it is stored whole (of more than one device)."""
     whole = [
@@ -44,14 +48,4 @@ def state_specs(storage: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ..
         spec = tuple(shard(dim) if a in axes else p for a, p in enumerate(storage))
         if is_valid(spec, shape, mesh_shape):
             found.append(spec)
-    return found
-
-
-def zero_stage(storage: Spec, grad: Spec | None, state: Spec | None) -> int:
-    """A parameter's ZeRO stage from where it is stored, its gradient kept and its state: 0
-    (the state as stored), 1 (the gradient as stored) or 2 (the gradient as the state), 3
-    (stored split along an axis where it is not read split: told apart by its readers, so
-    this says 0)."""
-    if state is None or state == storage:
-        return 0
-    return 2 if grad == state else 1
+    return tuple(found)
