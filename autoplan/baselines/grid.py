@@ -1,5 +1,5 @@
 """Every conventional plan of a step on a cluster: the baselines of each choice of degrees
-(``dp * tp * pp`` devices, ZeRO-3 or not, sequence parallelism or not, the microbatches of a
+(``dp * tp * pp`` devices, each ZeRO stage, sequence parallelism or not, the microbatches of a
 pipeline) that divides the cluster and the batch and fits in memory.
 
 The planner must never be slower than the best of them (tests/test_optimality.py). It checks
