@@ -134,6 +134,7 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
 
 def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
+        assert set(r["accumulation"]) == {"dp", "zero3", "tp", "zero1", "zero2"}
         for layout, diff in r["accumulation"].items():
             assert diff <= TOLERANCE, (world, layout, diff)
 
@@ -141,7 +142,9 @@ def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, 
 def test_optimizers_train_like_one_process(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         assert set(r["optimizers"]) == {
-            f"{run}-{layout}" for run in ("sgd", "adam", "adamw-foreach") for layout in ("dp", "tp")
+            f"{run}-{layout}"
+            for run in ("sgd", "adam", "adamw-foreach")
+            for layout in ("dp", "tp", "zero2")
         }
         for case, diff in r["optimizers"].items():
             assert diff <= TOLERANCE, (world, case, diff)

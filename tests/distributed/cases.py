@@ -50,17 +50,17 @@ def zero3(w: Workload, mesh: Mesh = None) -> PlanOptions:
     return PlanOptions(mesh_shape=mesh, pin={"input:0": "S(0)", "target": "S(0)", **sharded})
 
 
-def zero12(stage: int) -> Callable[[Workload], PlanOptions]:
-    """Data parallel on (4,), each trained parameter's optimizer state split (ZeRO-1), and
-    its gradient with it (ZeRO-2), where a dim divides by 4."""
+def zero12(stage: int, devices: int = 4) -> Callable[[Workload], PlanOptions]:
+    """Data parallel on (devices,), each trained parameter's optimizer state split (ZeRO-1),
+    and its gradient with it (ZeRO-2), where a dim divides by the devices."""
 
     def options(w: Workload) -> PlanOptions:
         pins: dict[str, Any] = {"input:0": "S(0)", "target": "S(0)"}
         for name, param in w.model.named_parameters():
             pins[name] = {"storage": "R", "use": "R"}
-            for state in state_specs(("R",), tuple(param.shape), (4,))[:1]:
+            for state in state_specs(("R",), tuple(param.shape), (devices,))[:1]:
                 pins[name] |= {"state": state, **({"grad": state} if stage == 2 else {})}
-        return PlanOptions(mesh_shape=(4,), pin=pins)
+        return PlanOptions(mesh_shape=(devices,), pin=pins)
 
     return options
 
@@ -237,6 +237,8 @@ CASES = [
     # ZeRO-1 and ZeRO-2: the optimizer state (and gradient) split, the parameters whole
     Case("mlp-zero1", "mlp", MLP_LARGE_BATCH, zero12(1)),
     Case("mlp-zero2", "mlp", MLP_LARGE_BATCH, zero12(2)),
+    # clipping reads the shards' gradients
+    Case("mlp-zero1-clip", "mlp", MLP_LARGE_BATCH, zero12(1), 4, 0.05),
     Case("gpt-zero1", "gpt", GPT, zero12(1)),
     Case("gpt-zero2", "gpt", GPT, zero12(2)),
     # on (dp, tp): states split along dp beside tp's splits (a column weight's along dim 1)
