@@ -203,7 +203,13 @@ class Step:
             reducer = GradientReducer(reduced, plan, 0, self.mesh, self.zero.take_gradients)
             module = self.module
             reducer.on_arrival(
-                local_leaves(module, module.placeholders, module.interpreter, reducer.accepts_local)
+                local_leaves(
+                    module,
+                    module.placeholders,
+                    module.interpreter,
+                    reducer.accepts_local,
+                    self.zero.whole,
+                )
             )
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())

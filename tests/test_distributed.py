@@ -116,7 +116,8 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     results: dict[int, dict[str, Any]],
 ) -> None:
     four = results[4]
-    for name in ("mlp-dp", "gpt-dp"):  # every parameter: its gradient goes to a bucket as is
+    # every parameter: its gradient goes to a bucket as is (ZeRO-1: its whole copy's)
+    for name in ("mlp-dp", "gpt-dp", "mlp-zero1", "gpt-zero1"):
         leaves, params = four[name]["local_leaves"]
         assert leaves == params > 0, four[name]
     leaves, params = four["mlp-tp"]["local_leaves"]

@@ -157,7 +157,11 @@ class PipelineRunner:
         module = self.module
         self.gradients.use_leaves(
             local_leaves(
-                module.model, module.placeholders, module.interpreter, self.gradients.accepts_local
+                module.model,
+                module.placeholders,
+                module.interpreter,
+                self.gradients.accepts_local,
+                self.zero.whole,
             )
         )
 
