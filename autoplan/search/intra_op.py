@@ -382,7 +382,7 @@ def solve_mesh(
     space = strategy_space(graph, costs.mesh_shape, reps)
     if restrict is not None:
         space = restrict(space)
-    space = searched(space, costs.mesh_shape)
+    space = searched(space, graph, costs.mesh_shape)
     problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once)
     need = min_memory(problem)
     if need > memory_limit:

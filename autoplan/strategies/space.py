@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
+from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.strategies import dtensor_rules
+from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
     R,
@@ -30,6 +32,11 @@ from autoplan.strategies.rules import AxisRule, own_rule
 from autoplan.strategies.zero import state_specs
 
 log = logging.getLogger(__name__)
+
+# a parameter smaller than DDP's first gradient bucket (1 MiB) is left out of the search's
+# ZeRO candidates: its state saves at most 3 MiB of AdamW moments a device, for two
+# collectives of latency each step
+ZERO_MIN_BYTES = FIRST_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -86,23 +93,26 @@ def _zero_strategies(
 
 
 def searched(
-    space: Mapping[str, NodeStrategies], mesh_shape: tuple[int, ...]
+    space: Mapping[str, NodeStrategies], graph: Graph, mesh_shape: tuple[int, ...]
 ) -> dict[str, NodeStrategies]:
-    """``space`` less the ZeRO candidates the search leaves out, to keep the ILP small:
-    ZeRO-1 (ZeRO-2 keeps less memory, and its gradient is reduce-scattered rather than
-    all-reduced whole) and states split along only some of the axes where a parameter is
-    stored whole (the search splits them along all of them). A node left with none of its
-    candidates by that (pinned so) keeps them."""
+    """``space`` less the ZeRO candidates the search leaves out, to keep the ILP small: those
+    of parameters under `ZERO_MIN_BYTES`, ZeRO-1 (ZeRO-2 keeps less memory, and its gradient
+    is reduce-scattered rather than all-reduced whole) and states split along only some of
+    the axes where a parameter is stored whole (the search splits them along all of them). A
+    node left with none of its candidates by that (pinned so) keeps them."""
     out = {}
     for name, ns in space.items():
-        kept = tuple(s for s in ns.strategies if _searched(s, mesh_shape))
+        info = graph.node(name).output if graph.node(name).kind == PARAM else None
+        small = info is not None and math.prod(info.shape) * itemsize(info.dtype) < ZERO_MIN_BYTES
+        kept = tuple(
+            s for s in ns.strategies if s.state is None or (not small and _searched(s, mesh_shape))
+        )
         out[name] = replace(ns, strategies=kept) if kept else ns
     return out
 
 
 def _searched(s: Strategy, mesh_shape: tuple[int, ...]) -> bool:
-    if s.state is None:
-        return True
+    assert s.state is not None
     whole = [p == R and size > 1 for p, size in zip(s.output, mesh_shape, strict=True)]
     split = [p != q for p, q in zip(s.output, s.state, strict=True)]
     return s.grad == s.state and split == whole
