@@ -32,7 +32,8 @@ class PlanOptions:
 
     pin: Mapping[str, Pin] = field(default_factory=dict)
     """Parameter FQN (or ``"input:<i>"``, ``"target"``) -> its placement, or
-    ``{"storage": ..., "use": ...}`` (ZeRO-3); see `autoplan.pins`."""
+    ``{"storage": ..., "use": ...}`` (ZeRO-3), with ``"state"`` and ``"grad"`` placements for
+    ZeRO-1/2; see `autoplan.pins`."""
 
     optimizer: str = "adamw"
     """The optimizer whose state is counted in memory: "adamw", "adam", "sgd" or

@@ -32,6 +32,7 @@ from autoplan.execute.step import (
     materialize,
 )
 from autoplan.execute.watchdog import note, step_timeout, watched
+from autoplan.execute.zero import ShardedState
 from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions
@@ -135,6 +136,7 @@ class Step:
         self.optimizer: torch.optim.Optimizer | None = None
         self.plan: Plan | None = None
         self.mesh: DeviceMesh | None = None
+        self.zero = ShardedState()  # ZeRO-1/2's parameters, once built
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
         # fp16's loss scaling (a default LossScaler() for fp16 plans); None: no scaling
@@ -199,19 +201,33 @@ class Step:
                 self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
             )
             self.pipeline = PipelineRunner(self._model, ep, plan, self.mesh)
+            self.zero = self.pipeline.zero
             self.placeholders = self.pipeline.module.placeholders
             parameters = self.pipeline.parameters()
         else:
             materialize(self._model, plan, self.mesh, self._init_fn)
+            self.zero = ShardedState.split(self._model, plan, self.mesh)
             self.module = ParallelModule(self._model, ep, plan, self.mesh)
-            reducer = GradientReducer(dict(self.module.named_parameters()), plan, 0, self.mesh)
+            self.module.placeholders.whole = self.zero.by_placeholder(
+                self.module.placeholders.params
+            )
+            reduced = {**dict(self.module.named_parameters()), **self.zero.whole}
+            reducer = GradientReducer(reduced, plan, 0, self.mesh, self.zero.take_gradients)
             module = self.module
             reducer.on_arrival(
-                local_leaves(module, module.placeholders, module.interpreter, reducer.accepts_local)
+                local_leaves(
+                    module,
+                    module.placeholders,
+                    module.interpreter,
+                    reducer.accepts_local,
+                    self.zero.whole,
+                )
             )
             self.placeholders = self.module.placeholders
             parameters = list(self.module.parameters())
         self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
+        if self.zero.whole:  # ZeRO-1/2: the updated shards gathered back after each step
+            self.optimizer.register_step_post_hook(lambda *_: self.zero.gather())
         self.step_limit_s = step_timeout(plan.predicted.step_time_s, self._timeout_s)
         if plan.mixed_precision == "fp16" and self.loss_scaler is None:
             self.loss_scaler = LossScaler()
@@ -307,6 +323,7 @@ class Step:
         progress = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
         if progress is not None:
             self.steps_done = progress.step
+            self.zero.gather()  # ZeRO-1/2: the shards loaded, the whole parameters from them
         return progress
 
     def export(self, path: str | Path) -> None:

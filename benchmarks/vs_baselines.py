@@ -1,6 +1,6 @@
 """The planner against every conventional plan: for each model and cluster, the planner's plan
 and every baseline `autoplan.baseline` can write (`autoplan.baselines.grid`: dp x tp x pp x
-microbatches x ZeRO-3 x sequence parallelism, those that divide and fit), all priced by the
+microbatches x ZeRO 0-3 x sequence parallelism, those that divide and fit), all priced by the
 same cost model (`autoplan.search.step_price.price_step` and the pipeline formula).
 
 Each case plans twice: with the default options, against every conventional plan; and with
@@ -142,7 +142,7 @@ def main() -> None:
         "clusters": ", ".join(
             f"{k}: costmodels/{p} x {n} node(s)" for k, (p, n) in CLUSTERS.items()
         ),
-        "conventional plans": "every dp x tp x pp x microbatches x ZeRO-3 x sequence parallel "
+        "conventional plans": "every dp x tp x pp x microbatches x ZeRO 0-3 x sequence parallel "
         "baseline that divides and fits (autoplan.baselines.grid); 1F1B",
         "ratio": "planner's predicted step time / the best conventional plan's (same cost model)",
         "plans compared": f"{compared} of {len(rows)} (the others have no conventional plan)",

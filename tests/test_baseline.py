@@ -124,6 +124,26 @@ def test_data_parallel_splits_the_batch_and_zero3_stores_params_split(
     assert plain.predicted.peak_memory_bytes > plan.predicted.peak_memory_bytes
 
 
+def test_zero1_and_zero2_split_the_optimizer_state_along_dp(a100: autoplan.Cluster) -> None:
+    w = example("gpt", **{**GPT, "batch_size": 8})
+    plain = w.baseline(a100, dp=2, tp=4)
+    plans = {stage: w.baseline(a100, dp=2, tp=4, zero_stage=stage) for stage in (1, 2)}
+    for stage, plan in plans.items():
+        q = plan.params["blocks.0.attn.q.weight"]  # column split: dim 0 on tp, dim 1 on dp
+        assert q.storage == q.placements == {"dp": "R", "tp": "S(0)"}
+        assert q.state == {"dp": "S(1)", "tp": "S(0)"}
+        assert q.grad == (q.state if stage == 2 else {})
+        # a 1-D bias split by tp has no dim left for dp: kept whole, as data parallelism does
+        assert not plan.params["blocks.0.mlp.fc.bias"].state
+        gathered = [c for c in plan.collectives if c.phase == "update"]
+        assert gathered and all(c.kind == "all_gather" and c.axes == ("dp",) for c in gathered)
+        scattered = {c.tensor for c in plan.collectives if c.kind == "reduce_scatter"}
+        assert bool(scattered) == (stage == 2)
+    # each stage keeps less per device than the one before
+    memory = [p.predicted.peak_memory_bytes for p in (plain, plans[1], plans[2])]
+    assert memory[0] > memory[1] > memory[2], memory
+
+
 def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.Cluster) -> None:
     w = example("gpt", **{**GPT, "batch_size": 8})
     for cluster, dp, tp in ((cpu4, 2, 2), (a100, 2, 4)):
@@ -238,8 +258,8 @@ def test_normalized_tied_or_bypassed_linears_are_not_split(cpu4: autoplan.Cluste
         ({"dp": 1, "tp": 2, "pp": 2, "num_microbatches": 1}, "1F1B needs at least as many"),
         ({"dp": 1, "tp": 2, "pp": 2, "schedule": "zb"}, "schedule 'zb' is not known"),
         ({"dp": 0, "tp": 4}, "dp must be a positive integer"),
-        ({"dp": 4, "tp": 1, "zero_stage": 1}, "zero_stage=1 cannot be written in a plan"),
-        ({"dp": 4, "tp": 1, "zero_stage": 2}, "zero_stage=2 cannot be written in a plan"),
+        ({"dp": 1, "tp": 4, "zero_stage": 1}, "zero_stage=1 splits the optimizer .* needs dp > 1"),
+        ({"dp": 4, "tp": 1, "zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
         ({"dp": 1, "tp": 4, "zero_stage": 3}, "needs dp > 1"),
         ({"dp": 4, "tp": 1, "num_microbatches": 4}, "applies to pipeline stages"),
         ({"dp": 4, "tp": 1, "optimizer": "lion"}, "optimizer 'lion' is not known"),

@@ -164,7 +164,8 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
     results: dict[int, dict[str, Any]],
 ) -> None:
     four = results[4]
-    for name in ("mlp-dp", "gpt-dp"):  # every parameter: its gradient goes to a bucket as is
+    # every parameter: its gradient goes to a bucket as is (ZeRO-1: its whole copy's)
+    for name in ("mlp-dp", "gpt-dp", "mlp-zero1", "gpt-zero1"):
         leaves, params = four[name]["local_leaves"]
         assert leaves == params > 0, four[name]
     leaves, params = four["mlp-tp"]["local_leaves"]
@@ -182,6 +183,7 @@ def test_parameters_read_only_by_local_ops_train_as_local_leaves(
 
 def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
+        assert set(r["accumulation"]) == {"dp", "zero3", "tp", "zero1", "zero2"}
         for layout, diff in r["accumulation"].items():
             assert diff <= TOLERANCE, (world, layout, diff)
 
@@ -189,7 +191,9 @@ def test_gradients_accumulate_over_backward_passes(results: dict[int, dict[str, 
 def test_optimizers_train_like_one_process(results: dict[int, dict[str, Any]]) -> None:
     for world, r in results.items():
         assert set(r["optimizers"]) == {
-            f"{run}-{layout}" for run in ("sgd", "adam", "adamw-foreach") for layout in ("dp", "tp")
+            f"{run}-{layout}"
+            for run in ("sgd", "adam", "adamw-foreach")
+            for layout in ("dp", "tp", "zero2")
         }
         for case, diff in r["optimizers"].items():
             assert diff <= TOLERANCE, (world, case, diff)
@@ -284,6 +288,8 @@ def test_checkpoints_resume_under_other_plans(results: dict[int, dict[str, Any]]
         "2x2->zero3",
         "2x2->pipeline-2x2",
         "2x2->tp",
+        "2x2->zero1",
+        "zero2->dp",
         "2 ranks tp->2x2",
     }
     for name, r in resumed.items():

@@ -37,7 +37,7 @@ from autoplan.baselines.propagate import (
     baseline_strategies,
     boundary,
     mesh_of,
-    zero3_replicated,
+    zero_replicated,
 )
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
@@ -103,16 +103,12 @@ def _check_options(
             f"num_microbatches={num_microbatches} applies to pipeline stages (pp > 1); with "
             "pp=1 leave it out"
         )
-    if zero_stage in (1, 2):
+    if zero_stage not in (0, 1, 2, 3):
+        raise AutoplanError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if zero_stage and dp == 1:
         raise AutoplanError(
-            f"zero_stage={zero_stage} cannot be written in a plan: a plan stores each parameter "
-            "together with its gradient and optimizer state, so the optimizer state (ZeRO-1) "
-            "or gradients (ZeRO-2) cannot be split alone; use zero_stage=0 or 3"
+            f"zero_stage={zero_stage} splits the optimizer state along the dp axis; it needs dp > 1"
         )
-    if zero_stage not in (0, 3):
-        raise AutoplanError(f"zero_stage must be 0 or 3, got {zero_stage!r}")
-    if zero_stage == 3 and dp == 1:
-        raise AutoplanError("zero_stage=3 splits parameters along the dp axis; it needs dp > 1")
 
 
 def _check_stages(
@@ -295,10 +291,11 @@ def baseline(
     if one is 1), in ``pp`` pipeline stages.
 
     ``zero_stage=3`` stores parameters, with their gradients and optimizer state, split along
-    the dp axis and gathers each before use (ZeRO-3 / FSDP); a parameter with no dim divisible
-    by ``dp`` stays replicated (with a warning). Stages 1 and 2 (only the optimizer state, or
-    it and the gradients, split) cannot be written in a plan, whose storage placement covers a
-    parameter together with its gradient and optimizer state: they raise an error.
+    the dp axis and gathers each before use (ZeRO-3 / FSDP). ``zero_stage=1`` keeps parameters
+    and gradients as data parallelism does (gradients all-reduced) and splits the optimizer
+    state along the dp axis: each rank updates its shard, and the shards are all-gathered
+    after the step; ``zero_stage=2`` splits the gradients too (reduce-scattered). A parameter
+    with no dim divisible by ``dp`` stays replicated (with a warning).
 
     ``sequence_parallel=True`` adds Megatron's sequence parallelism on the tp axis: the ops
     between tensor-parallel regions (layer norms, residual adds, dropout) run split along the
@@ -344,9 +341,14 @@ def baseline(
     inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
     graph = capture(model, inputs, loss_fn, target, options.mixed_precision)
     plan = baseline_of_graph(graph, cluster, layout, pp, count, options, virtual_stages)
-    kept = zero3_replicated(graph, layout) if zero_stage == 3 else []
+    kept = zero_replicated(graph, layout) if zero_stage else []
     if kept:
-        log.warning("ZeRO-3: no dim of %s divides by dp=%d; kept replicated", ", ".join(kept), dp)
+        log.warning(
+            "ZeRO-%d: no dim of %s divides by dp=%d; kept replicated",
+            zero_stage,
+            ", ".join(kept),
+            dp,
+        )
     return plan
 
 

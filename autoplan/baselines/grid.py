@@ -1,5 +1,5 @@
 """Every conventional plan of a step on a cluster: the baselines of each choice of degrees
-(``dp * tp * pp`` devices, ZeRO-3 or not, sequence parallelism or not, the microbatches of a
+(``dp * tp * pp`` devices, each ZeRO stage, sequence parallelism or not, the microbatches of a
 pipeline, its stages on each device group under Interleaved1F1B) that divides the cluster
 and the batch and fits in memory.
 
@@ -46,7 +46,7 @@ class Degrees:
 
     def __str__(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
-        text += " zero3" * (self.zero_stage == 3) + " sp" * self.sequence_parallel
+        text += f" zero{self.zero_stage}" * (self.zero_stage > 0) + " sp" * self.sequence_parallel
         text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
@@ -57,7 +57,7 @@ def _divisors(n: int) -> list[int]:
 
 def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[Degrees]:
     """Every choice of degrees over ``num_devices`` devices for a step of ``batch`` samples:
-    ``dp * tp * pp == num_devices``; ZeRO-3 where ``dp > 1``, sequence parallelism where
+    ``dp * tp * pp == num_devices``; ZeRO-1, 2 and 3 where ``dp > 1``, sequence parallelism where
     ``tp > 1``; a pipeline's microbatches divide the batch, ``dp`` divides each, and
     ``schedule`` runs them (Interleaved1F1B: with 2 stages on each device group, as Megatron
     interleaves). Whether the model splits so is left to `conventional_plans`."""
@@ -73,7 +73,7 @@ def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[De
                     (batch // count) % dp or schedule_refusal(schedule, pp * v, count, v)
                 ):
                     continue
-                for zero_stage in (0, 3) if dp > 1 else (0,):
+                for zero_stage in (0, 1, 2, 3) if dp > 1 else (0,):
                     for sequence in (False, True) if tp > 1 else (False,):
                         found.append(Degrees(dp, tp, pp, zero_stage, sequence, count, v))
     return found

@@ -5,7 +5,8 @@ graph order takes the first of its own sharding rules (`axis_rules`: ours, else 
 that accepts its inputs as their producers place them; an op with no such rule runs
 replicated on that axis (its inputs gathered, partial sums all-reduced). On the ``dp`` axis
 the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
-gathered before use), so every op follows the batch and the loss ends as partial sums. On
+gathered before use; ZeRO-1/2: their optimizer state split, `zero_state`), so every op follows
+the batch and the loss ends as partial sums. On
 the ``tp`` axis the seeds are the split linears' parameters (`autoplan.baselines.regions`).
 
 The axes combine into one strategy per node on mesh `mesh_of(dp, tp)`; it must be one of the
@@ -16,7 +17,7 @@ degrees are refused.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
@@ -24,6 +25,7 @@ from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
+from autoplan.strategies.zero import state_specs
 
 EINSUM = "aten.einsum.default"
 
@@ -36,7 +38,8 @@ class Layout:
 
     dp: int
     tp: int
-    zero_stage: int = 0  # 3: parameters stored split along dp (ZeRO-3)
+    # 1, 2: the optimizer state (and gradients) split along dp; 3: the parameters (ZeRO-3)
+    zero_stage: int = 0
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
 
@@ -66,16 +69,29 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
     return R
 
 
-def zero3_replicated(graph: Graph, layout: Layout) -> list[str]:
-    """The trained parameters ZeRO-3 keeps replicated on the dp axis: no dim divides by dp
-    (`_zero3_storage`). Told to whoever asked for the baseline."""
+def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
+    """ZeRO-1/2's optimizer state of a parameter stored ``stored`` on mesh `mesh_of`: split
+    further along the dp axis (the first) alone, as `autoplan.strategies.zero` splits it; None
+    where no dim divides."""
+    mesh_shape = mesh_of(layout.dp, layout.tp)
+    found = state_specs(stored, node.output.shape, mesh_shape)
+    return next((s for s in found if s[1:] == stored[1:]), None)
+
+
+def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
+    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp
+    (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to whoever asked for the
+    baseline."""
     on_tp = tp_seeds(graph, layout.tp) if layout.tp > 1 else {}
-    return [
-        node.target
-        for node in graph.params
-        if node.needs_grad
-        and _zero3_storage(node, on_tp.get(node.name, (R, R))[0], layout.dp, layout.tp) == R
-    ]
+
+    def whole(node: Node) -> bool:
+        tp_storage = on_tp.get(node.name, (R, R))[0]
+        if layout.zero_stage == 3:
+            return _zero3_storage(node, tp_storage, layout.dp, layout.tp) == R
+        stored = (R,) + ((tp_storage,) if layout.tp > 1 else ())
+        return zero_state(node, stored, layout) is None
+
+    return [node.target for node in graph.params if node.needs_grad and whole(node)]
 
 
 def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str, str]]:
@@ -164,6 +180,10 @@ def baseline_strategies(
             output=tuple(r[0] for r in rules) if node.outputs else (),
             inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
         )
+        if node.kind == PARAM and node.needs_grad and layout.zero_stage in (1, 2):
+            state = zero_state(node, strategy.output, layout)
+            grad = state if layout.zero_stage == 2 else None
+            strategy = replace(strategy, grad=grad, state=state) if state else strategy
         if node.kind == OUTPUT:
             inputs = zip(node.refs, strategy.inputs, strict=True)
             strategy = Strategy(

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import ONCE_PER_STEP
 from autoplan.torch_private import (
     C10D_ALL_REDUCE,
     FUNCTIONAL_COLLECTIVES,
@@ -87,14 +88,15 @@ class CollectiveRecorder(TorchDispatchMode):
 
 def planned(plan: Plan) -> Counter[tuple[str, tuple[str, ...], int]]:
     """What one step of ``plan`` issues on this rank's stages (several, interleaved): forward
-    and backward collectives once per microbatch, gradient synchronization once."""
+    and backward collectives once per microbatch, gradient synchronization and ZeRO's gathers
+    after the update once."""
     rank = dist.get_rank()
     mine = {s for s, stage in enumerate(plan.stages) if rank in stage.ranks}
     times = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
     counts: Counter[tuple[str, tuple[str, ...], int]] = Counter()
     for c in plan.collectives:
         if c.stage in mine:
-            counts[(c.kind, c.axes, c.bytes)] += 1 if c.phase == "grad_sync" else times
+            counts[(c.kind, c.axes, c.bytes)] += 1 if c.phase in ONCE_PER_STEP else times
     return counts
 
 

@@ -24,7 +24,7 @@ benchmarks/executor_costs.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,12 +68,21 @@ class GradientReducer:
     """The gradient synchronization of one stage's parameters (DTensors, by FQN)."""
 
     def __init__(
-        self, params: Mapping[str, torch.Tensor], plan: Plan, stage: int, mesh: DeviceMesh
+        self,
+        params: Mapping[str, torch.Tensor],
+        plan: Plan,
+        stage: int,
+        mesh: DeviceMesh,
+        then: Callable[[], None] | None = None,
     ) -> None:
+        """``params``: the tensors whose gradients to reduce, by FQN (a ZeRO-1/2 parameter's
+        whole one, `autoplan.execute.zero`); ``then``: called once they all are reduced."""
         self.params = dict(params)
         self.mesh = mesh
         self.axes = plan.stage_axes
-        self.storage = {f: to_dtensor(plan.params[f].storage, self.axes) for f in self.params}
+        # where each gradient goes: its storage placement (ZeRO-2: its state's)
+        self.storage = {f: to_dtensor(plan.params[f].gradient, self.axes) for f in self.params}
+        self._then = then
         buckets = [c for c in plan.collectives if c.params and c.stage == stage]
         groups = {a: _group(mesh, a) for a in sorted({c.axes for c in buckets})}
         self.buckets = [  # issued in this order on every rank
@@ -211,6 +220,8 @@ class GradientReducer:
             param = self.params[fqn]
             param.grad = earlier if param.grad is None else earlier + param.grad
         self._earlier.clear()
+        if self._then is not None:
+            self._then()
 
     @torch.no_grad()
     def _issue(self, bucket: _Bucket) -> None:

@@ -15,6 +15,7 @@ no DTensor on its path in any microbatch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import boundary_placements
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.execute.watchdog import note
+from autoplan.execute.zero import ShardedState
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
@@ -130,7 +132,10 @@ class PipelineRunner:
         # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved)
         self.indices = tuple(range(pp.get_local_rank(), len(plan.stages), pp.size()))
         self.mesh = world[plan.stage_axes]
+        self.zero = ShardedState.split(model, plan, self.mesh)  # ZeRO-1/2's shards and wholes
         self.modules = [StageModule(model, ep, plan, self.mesh, s) for s in self.indices]
+        for module in self.modules:
+            module.placeholders.whole = self.zero.by_placeholder(module.placeholders.params)
         self.module = self.modules[0]
         self.num_microbatches = plan.pipeline.num_microbatches
         stages = [
@@ -164,10 +169,15 @@ class PipelineRunner:
         named = [(fqn, p) for fqn, p in model.named_parameters() if isinstance(p, DTensor)]
         self.reducers = []
         for s, module in zip(self.indices, self.modules, strict=True):
-            mine = {fqn: p for fqn, p in named if owner[fqn] == s}
-            reducer = GradientReducer(mine, plan, s, self.mesh)
+            mine: dict[str, torch.Tensor] = {fqn: p for fqn, p in named if owner[fqn] == s}
+            wholes = {fqn: w for fqn, w in self.zero.whole.items() if owner[fqn] == s}
+            mine.update(wholes)  # a ZeRO-1/2 parameter's gradient is its whole one's
+            then = functools.partial(self.zero.take_gradients, tuple(wholes))
+            reducer = GradientReducer(mine, plan, s, self.mesh, then)
             reducer.use_leaves(
-                local_leaves(model, module.placeholders, module.interpreter, reducer.accepts_local)
+                local_leaves(
+                    model, module.placeholders, module.interpreter, reducer.accepts_local, wholes
+                )
             )
             self.reducers.append(reducer)
 
@@ -221,7 +231,7 @@ class PipelineRunner:
     def _mean_of_microbatches(self) -> None:
         """Each microbatch's loss is its mean: the summed gradients over their count are
         the batch mean's."""
-        for tensor in [*self.leaves.values(), *self.parameters()]:
+        for tensor in [*self.leaves.values(), *self.zero.whole.values(), *self.parameters()]:
             if tensor.grad is not None:
                 tensor.grad.div_(self.num_microbatches)
 

@@ -93,11 +93,13 @@ def local_leaves(
     placeholders: Placeholders,
     interpreter: PlanInterpreter,
     accepts: Callable[[str, tuple[Placement, ...]], bool],
+    whole: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Give the step a plain local leaf (sharing its storage) for each parameter of ``model``
     that every op reading it runs locally on as stored, where ``accepts(fqn, gradient
-    placement)`` (the gradient reducer's); returns them by FQN."""
-    named = dict(model.named_parameters())
+    placement)`` (the gradient reducer's); returns them by FQN. ``whole``: the parameters
+    forward reads in place of the model's, by FQN (ZeRO-1/2's, `autoplan.execute.zero`)."""
+    named = {**dict(model.named_parameters()), **(whole or {})}
     leaves: dict[str, torch.Tensor] = {}
     for placeholder, fqn in placeholders.params.items():
         param = named.get(fqn)
@@ -135,6 +137,8 @@ class Placeholders:
         self.plan = plan
         self.mesh = mesh
         self.leaves: dict[str, Local] = {}  # parameters' local leaves, by placeholder
+        # ZeRO-1/2 parameters as forward reads them, by placeholder (`execute.zero`)
+        self.whole: dict[str, torch.Tensor] = {}
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of a stage is on its mesh
         self.coordinate = coordinate
@@ -145,7 +149,7 @@ class Placeholders:
         planned (each rank holds the whole batch and keeps its slice: no communication)."""
         if self.placed_constants is None:  # placed once: they never change
             self.placed_constants = self._placed_constants()
-        values: dict[str, Any] = {**self.placed_constants, **self.leaves}
+        values: dict[str, Any] = {**self.placed_constants, **self.whole, **self.leaves}
         others = {p: f for p, f in {**self.params, **self.buffers}.items() if p not in values}
         if others:  # looked up each step: a user may have replaced a parameter or buffer
             named: dict[str, torch.Tensor] = dict(module.named_parameters())

@@ -135,11 +135,14 @@ def _params(
             consumer = graph.node(users[0])
             index = [r.name for r in consumer.refs].index(node.name)
             use = assignment[consumer.name].inputs[index]
+        chosen = assignment[node.name]  # ZeRO-1/2: its state split, its gradient maybe
         params[node.target] = ParamPlan(
             placements=_named(use, axes),
             storage=_named(storage, axes),
             shape=node.output.shape,
             dtype=node.output.dtype,
+            grad=_named(chosen.grad, axes) if chosen.grad else {},
+            state=_named(chosen.state, axes) if chosen.state else {},
         )
     return params
 
@@ -157,7 +160,10 @@ def _nodes(
             output=_named(assignment[node.name].output, axes) if node.outputs else {},
             inputs=tuple(_named(s, axes) for s in assignment[node.name].inputs),
             rule=rules[node.name],
-            grad=_named(grad, axes) if (grad := assignment[node.name].grad) else {},
+            # a parameter's gradient placement (ZeRO-2) is its params entry's
+            grad=_named(grad, axes)
+            if (grad := assignment[node.name].grad) and node.kind != PARAM
+            else {},
         )
         for node in graph
     }

@@ -35,7 +35,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import PlanFormatError
 from autoplan.graph.ir import PARAM, Graph, Node
 from autoplan.planfile.schema import Plan
-from autoplan.planfile.sections import NodePlan, Placements
+from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
 from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
 from autoplan.strategies.space import Strategy, node_strategies
@@ -170,7 +170,9 @@ def _check_param_placements(plan: Plan) -> None:
     """Each parameter's placements exist for its shape and split it evenly on the mesh."""
     axes, shape = plan.stage_axes, _stage_shape(plan)
     for name, p in plan.params.items():
-        for field, spec in (("storage", p.storage), ("placements", p.placements)):
+        fields = [("storage", p.storage), ("placements", p.placements)]
+        fields += [("state", p.state)] if p.state else []
+        for field, spec in fields:
             what = f"plan field params.{name}.{field}"
             for axis, size in zip(axes, shape, strict=True):
                 placement = spec[axis]
@@ -180,7 +182,7 @@ def _check_param_placements(plan: Plan) -> None:
                         f'{what} is {placement} on axis {axis}, of size 1: write "R" there (one '
                         "device holds the whole tensor)"
                     )
-                if field == "storage" and d is None and placement != R:
+                if field in ("storage", "state") and d is None and placement != R:
                     raise PlanFormatError(
                         f"{what} is {placement} on axis {axis}: a parameter is stored split "
                         '("S(d)") or whole ("R"), not as partial sums'
@@ -291,17 +293,27 @@ def _spec(placements: Placements, axes: tuple[str, ...]) -> Spec:
     return tuple(placements[a] for a in axes)
 
 
-def _strategy(entry: NodePlan, node: Node, axes: tuple[str, ...]) -> Strategy:
+def _strategy(plan: Plan, node: Node) -> Strategy:
+    """A node's strategy as the plan writes it; a parameter's ZeRO-1/2 state and gradient
+    placements from its params entry."""
+    entry, axes = plan.nodes[node.name], plan.stage_axes
+    grad = _spec(entry.grad, axes) if entry.grad else None
+    state = None
+    if node.kind == PARAM and node.target in plan.params:
+        param = plan.params[node.target]
+        grad = _spec(param.grad, axes) if param.grad else None
+        state = _spec(param.state, axes) if param.state else None
     return Strategy(
         output=_spec(entry.output, axes) if node.outputs else (),
         inputs=tuple(_spec(p, axes) for p in entry.inputs),
-        grad=_spec(entry.grad, axes) if entry.grad else None,
+        grad=grad,
+        state=state,
     )
 
 
 def assignment_of(plan: Plan, graph: Graph) -> dict[str, Strategy]:
     """Each node's strategy as the (checked) plan writes it."""
-    return {n.name: _strategy(plan.nodes[n.name], n, plan.stage_axes) for n in graph}
+    return {n.name: _strategy(plan, n) for n in graph}
 
 
 def _shown(s: Strategy, node: Node, axes: tuple[str, ...]) -> str:
@@ -328,10 +340,12 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
             raise PlanFormatError(
                 f"{what}.output must be {'a placement' if node.outputs else '{}'} ({node.op})"
             )
-        strategy = _strategy(entry, node, axes)
+        strategy = _strategy(plan, node)
         candidates = node_strategies(node, graph, shape).strategies
         if strategy in candidates:
             continue
+        if strategy.state is not None:
+            _refuse_state(node, strategy, candidates, axes)
         closest = sorted(candidates, key=lambda c: _distance(c, strategy))[:_SHOWN]
         shown = "; ".join(_shown(c, node, axes) for c in closest)
         where = f" in {node.module_path}" if node.module_path else ""
@@ -344,6 +358,21 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
             f"the closest it has: {shown}. Edit the plan "
             f"to one of them (a parameter's placements in params){pin}"
         )
+
+
+def _refuse_state(
+    node: Node, strategy: Strategy, candidates: Iterable[Strategy], axes: tuple[str, ...]
+) -> None:
+    """A parameter's ZeRO-1/2 state placement that is not one of its candidates."""
+    states = [c.state for c in candidates if c.output == strategy.output and c.state]
+    given = dict(zip(axes, strategy.state or (), strict=True))
+    shown = " or ".join(f"[{_fmt(dict(zip(axes, s, strict=True)))}]" for s in dict.fromkeys(states))
+    raise PlanFormatError(
+        f"plan field params.{node.target}.state is [{_fmt(given)}]: a parameter's optimizer "
+        "state (ZeRO-1/2) is split along the first dim its storage leaves whole that divides "
+        "evenly, on axes where it is stored whole; "
+        + (f"write {shown}, or drop the field" if shown else "drop the field (none fits)")
+    )
 
 
 def _distance(a: Strategy, b: Strategy) -> int:

@@ -42,7 +42,10 @@ from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.placement import is_placement
 from autoplan.version import torch_release
 
-__all__ = ["plan_text", "read_plan"]
+__all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
+
+# a parameter's fields that a plan writes only when set (`autoplan.strategies.zero`)
+OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
 
 def plan_text(data: dict[str, Any]) -> str:
@@ -136,15 +139,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         )
         if refusal:
             raise doc["pipeline"].problem(refusal)
-    params = {
-        name: ParamPlan(
-            placements=_placements(f["placements"], axes),
-            storage=_placements(f["storage"], axes),
-            shape=tuple(s.integer() for s in f["shape"].elements()),
-            dtype=f["dtype"].text(),
-        )
-        for name, f in doc["params"].items()
-    }
+    params = {name: _read_param(f, axes) for name, f in doc["params"].items()}
     nodes = {}
     for name, f in doc["nodes"].items():
         output = f["output"]
@@ -216,6 +211,25 @@ def _read_precision(f: JsonField | None) -> str | None:
     if f is None:
         return None
     return f.one_of(tuple(COMPUTE_DTYPES))
+
+
+def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:
+    optional = {}
+    for key in OPTIONAL_PARAM_FIELDS:
+        given = f.get(key)
+        optional[key] = _placements(given, axes) if given is not None and given.obj() else {}
+    param = ParamPlan(
+        placements=_placements(f["placements"], axes),
+        storage=_placements(f["storage"], axes),
+        shape=tuple(s.integer() for s in f["shape"].elements()),
+        dtype=f["dtype"].text(),
+        **optional,
+    )
+    if param.grad and not param.state:
+        raise f["grad"].problem("a gradient placement goes with a state placement (ZeRO-2)")
+    if param.grad and param.grad != param.state:
+        raise f["grad"].fail("the state's placement (ZeRO-2), or no grad field (as stored)")
+    return param
 
 
 def _check_axes(f: JsonField, c: CollectivePlan, axes: tuple[str, ...]) -> None:

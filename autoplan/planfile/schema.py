@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from autoplan.graph.ir import PARAM
-from autoplan.planfile.io import plan_text, read_plan
+from autoplan.planfile.io import OPTIONAL_PARAM_FIELDS, plan_text, read_plan
 from autoplan.planfile.sections import (
     PLAN_VERSION,
     CollectivePlan,
@@ -66,11 +66,17 @@ class Plan:
         return self.mesh.axes[1:] if self.pipeline is not None else self.mesh.axes
 
     def to_json(self) -> str:
-        """Canonical JSON: the same plan always gives the same bytes (a plan in the model's
-        own dtypes has no mixed_precision key, as plans written before it)."""
+        """Canonical JSON: the same plan always gives the same bytes. Optional fields are
+        written only when set, so plans without them have the bytes they had before: a plan
+        in the model's own dtypes has no mixed_precision key, and a parameter no ZeRO-1/2
+        ``grad`` or ``state``."""
         data = asdict(self)
         if data["mixed_precision"] is None:
             del data["mixed_precision"]
+        for param in data["params"].values():
+            for key in OPTIONAL_PARAM_FIELDS:
+                if not param[key]:
+                    del param[key]
         return plan_text(data)
 
     def save(self, path: str) -> None:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
 # 5: a collective's mesh axes (several for a bucket all-reduced over them together)
+# (ZeRO-1/2's params.<name>.grad and .state are optional fields of version 5)
 PLAN_VERSION = 5
+ONCE_PER_STEP = ("grad_sync", "update")  # the phases issued once per step, not per microbatch
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -92,6 +94,21 @@ class ParamPlan:
     storage: Placements  # as it is kept between steps (with its gradient and optimizer state)
     shape: tuple[int, ...]
     dtype: str
+    # ZeRO-1/2 (`autoplan.strategies.zero`): where the optimizer state is kept, split further
+    # than the storage, and where the synchronized gradient is kept (the storage, ZeRO-1, or
+    # the state's placement, ZeRO-2); empty: as stored (written only when not empty)
+    grad: Placements = field(default_factory=dict)
+    state: Placements = field(default_factory=dict)
+
+    @property
+    def gradient(self) -> Placements:
+        """Where the parameter's gradient is synchronized to."""
+        return self.grad or self.storage
+
+    @property
+    def updated(self) -> Placements:
+        """Where the optimizer keeps its state and steps the parameter."""
+        return self.state or self.storage
 
 
 @dataclass(frozen=True)
@@ -114,10 +131,11 @@ class CollectivePlan:
     # the mesh axes whose ranks form the group: one, or several for a gradient bucket
     # all-reduced over them together (their flattened group)
     axes: tuple[str, ...]
-    phase: str  # forward | backward | grad_sync
+    phase: str  # forward | backward | grad_sync | update (a ZeRO-1/2 gather after the optimizer)
     node: str  # the op (or output) that needs the redistribution; "gradients" for a bucket
     tensor: str  # the node whose output is redistributed; a bucket's name ("bucket0")
-    stage: int = 0  # issued on that stage's mesh, once per microbatch (grad_sync: per step)
+    # issued on that stage's mesh, once per microbatch (grad_sync and update: once per step)
+    stage: int = 0
     # a gradient bucket: the parameter nodes whose gradients it all-reduces together, in the
     # order of its flat buffer (strategies/buckets.py); empty for every other collective
     params: tuple[str, ...] = ()

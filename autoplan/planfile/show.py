@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from autoplan.planfile.schema import Plan
-from autoplan.planfile.sections import Pipeline, Placements, Stage
+from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
 from autoplan.schedules import simulate
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
@@ -45,16 +45,43 @@ def _param_lines(plan: Plan) -> list[str]:
     lines = []
     for pattern, names in groups.items():
         first = plan.params[names[0]]
-        same = all(
-            (plan.params[n].placements, plan.params[n].storage) == (first.placements, first.storage)
-            for n in names
-        )
+        same = all(_placed(plan.params[n]) == _placed(first) for n in names)
         for name in [pattern] if same and len(names) > 1 else names:
             p = plan.params[names[0] if name == pattern and len(names) > 1 else name]
             stored = "" if p.storage == p.placements else f"   stored [{_fmt(p.storage)}]"
+            if p.state:
+                stored += f"   ZeRO-{2 if p.grad else 1} state [{_fmt(p.state)}]"
             shape = "x".join(map(str, p.shape))
             lines.append(f"  {name:<36} {shape:>12}  [{_fmt(p.placements)}]{stored}")
     return lines
+
+
+def _placed(p: ParamPlan) -> tuple[Placements, ...]:
+    return (p.placements, p.storage, p.grad, p.state)
+
+
+def _zero_words(plan: Plan) -> list[str]:
+    """ZeRO-1/2 in words: how many parameters have their optimizer state (and gradients)
+    split, along which axes, how many ways."""
+    shape = plan.mesh.shape[1:] if plan.pipeline is not None else plan.mesh.shape
+    sizes = dict(zip(plan.stage_axes, shape, strict=True))
+    found: dict[tuple[int, tuple[str, ...]], list[int]] = defaultdict(list)
+    for p in plan.params.values():
+        if p.state:
+            axes = tuple(a for a in p.state if p.state[a] != p.storage[a])
+            found[(2 if p.grad else 1, axes)].append(math.prod(p.shape))
+    return [
+        f"  ZeRO-{stage}: the optimizer state{' and gradients' * (stage == 2)} of {len(n)} "
+        f"parameter(s) ({_count(sum(n))} elements) split {math.prod(sizes[a] for a in axes)} "
+        f"ways on {'+'.join(axes)}; "
+        + ("gradients reduce-scattered, " if stage == 2 else "gradients all-reduced whole, ")
+        + "the updated shards all-gathered after the optimizer step"
+        for (stage, axes), n in sorted(found.items())
+    ]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
 
 
 _NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
@@ -70,7 +97,8 @@ def _words(plan: Plan) -> list[str]:
         for axis, placement in p.storage.items():
             if len(p.shape) >= 3 and placement == "S(0)":
                 experts[axis][_INDEX.sub(".*.", name, count=1)] = None
-    lines = [
+    lines = _zero_words(plan)
+    lines += [
         f"  experts split {sizes[axis]} ways on {axis} (all-to-alls carry the tokens): "
         + ", ".join(names)
         for axis, names in experts.items()

@@ -40,7 +40,7 @@ from autoplan.solve.problem import (
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.pricing import Pricer
-from autoplan.strategies.space import NodeStrategies, Strategy, strategy_space
+from autoplan.strategies.space import NodeStrategies, Strategy, searched, strategy_space
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +382,7 @@ def solve_mesh(
     space = strategy_space(graph, costs.mesh_shape, reps)
     if restrict is not None:
         space = restrict(space)
+    space = searched(space, graph, costs.mesh_shape)
     problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once)
     need = min_memory(problem)
     if need > memory_limit:

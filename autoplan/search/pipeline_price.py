@@ -146,6 +146,7 @@ def priced_stage(
     graph = stage.graph
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
+    extra += sum(costs.internal_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     static = sum(
         costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
     )

@@ -6,7 +6,9 @@
   work), plus the framework's work per op (views and parameters included; see
   `autoplan.cluster.timing`).
 * A parameter's time is its optimizer update on the locally stored shard; its memory is the
-  stored shard with its gradient and optimizer state.
+  stored shard with its gradient and optimizer state. Under ZeRO-1/2 (`strategies.zero`) the
+  update runs on the state's shard and is gathered back (`internal`); its memory is the
+  parameter as stored, its gradient as kept, and the shard's state and master copy.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
 * An edge's time is the forward redistribution from the producer's placement to the one the
   consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
@@ -56,7 +58,7 @@ class Phased:
     """A collective with the phase of the step that issues it."""
 
     collective: Collective
-    phase: str  # "forward" | "backward" | "grad_sync"
+    phase: str  # "forward" | "backward" | "grad_sync" | "update" (after the optimizer step)
     params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
@@ -92,7 +94,8 @@ class Pricer:
         if node.kind == PARAM:
             if not node.needs_grad:
                 return 0.0
-            elems = local_numel(strategy.output, node.output.shape, self.mesh_shape)
+            updated = strategy.state or strategy.output  # ZeRO-1/2: its shard alone
+            elems = local_numel(updated, node.output.shape, self.mesh_shape)
             size = itemsize(node.output.dtype)
             # update reads param, grad and state, writes param and state
             update_bytes = elems * size * (3 + 2 * self.state_per_elem)
@@ -128,7 +131,18 @@ class Pricer:
         A batch-split cross-entropy with mean reduction divides by its targets' total weight
         over the whole batch: the executor sums that scalar along the split axes in forward,
         one all-reduce per axis, as soon as the targets are there (execute/ops.py).
+
+        A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero`) is
+        gathered back from its updated shards after the optimizer step (phase "update").
         """
+        if node.kind == PARAM:
+            if strategy.state is None:
+                return ()
+            info = node.output
+            found, _ = self._redistribute(
+                strategy.state, strategy.output, info.shape, itemsize(info.dtype)
+            )
+            return tuple(Phased(c, "update") for c in found)
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
         reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
@@ -142,7 +156,14 @@ class Pricer:
         )
 
     def internal_time(self, node: Node, strategy: Strategy) -> float:
-        return sum(self.collective_s(p.collective) for p in self.internal(node, strategy))
+        """Seconds of `internal`'s collectives: the loss's issued as they are, a ZeRO
+        parameter's gather through DTensor's redistribution."""
+        return sum(
+            self.redistribution_s(p.collective)
+            if p.phase == "update"
+            else self.collective_s(p.collective)
+            for p in self.internal(node, strategy)
+        )
 
     def collective_s(self, c: Collective) -> float:
         """Seconds of one collective over the ranks along its mesh axes."""
@@ -187,9 +208,16 @@ class Pricer:
         if node.kind in (PARAM, INPUT):
             info = node.output
             elems = local_numel(strategy.output, info.shape, self.mesh_shape)
+            size = itemsize(info.dtype)
             if node.kind == INPUT or not node.needs_grad:
-                return float(elems * itemsize(info.dtype))
-            return float(elems * itemsize(info.dtype) * (2 + self.state_per_elem))
+                return float(elems * size)
+            if strategy.state is None:
+                return float(elems * size * (2 + self.state_per_elem))
+            # ZeRO-1/2: the whole parameter, its gradient as kept, and its shard's state with
+            # the shard's own copy that the optimizer steps
+            grads = local_numel(strategy.grad_target, info.shape, self.mesh_shape)
+            shard = local_numel(strategy.state, info.shape, self.mesh_shape)
+            return float((elems + grads + shard * (1 + self.state_per_elem)) * size)
         if node.kind == OUTPUT or node.is_view or not node.needs_grad:
             return 0.0
         return float(

@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
+from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.strategies import dtensor_rules
+from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
     R,
@@ -27,8 +29,14 @@ from autoplan.strategies.placement import (
     without_partial,
 )
 from autoplan.strategies.rules import AxisRule, own_rule
+from autoplan.strategies.zero import state_specs
 
 log = logging.getLogger(__name__)
+
+# a parameter smaller than DDP's first gradient bucket (1 MiB) is left out of the search's
+# ZeRO candidates: its state saves at most 3 MiB of AdamW moments a device, for two
+# collectives of latency each step
+ZERO_MIN_BYTES = FIRST_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,10 @@ class Strategy:
     # where the output's gradient is kept: None for the output's placement with partial sums
     # reduced; else P on the axes where a replicated op keeps it partial (see `kept_partial`)
     grad: Spec | None = None
+    # a parameter's optimizer state where split further than it is stored (ZeRO-1/2,
+    # `autoplan.strategies.zero`; its gradient then kept as stored, or, with ``grad`` the
+    # state's placement, split as the state); None: kept as the parameter is stored
+    state: Spec | None = None
 
     @property
     def grad_target(self) -> Spec:
@@ -64,6 +76,46 @@ def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[S
         for spec in itertools.product(*per_axis)
         if is_valid(spec, info.shape, mesh_shape)
     ]
+
+
+def _zero_strategies(
+    node: Node, stored: Sequence[Strategy], mesh_shape: tuple[int, ...]
+) -> list[Strategy]:
+    """A trained parameter's ZeRO-1 and ZeRO-2 candidates for each storage candidate."""
+    if not node.needs_grad:
+        return []
+    return [
+        Strategy(s.output, (), grad, state)
+        for s in stored
+        for state in state_specs(s.output, node.output.shape, mesh_shape)
+        for grad in (None, state)
+    ]
+
+
+def searched(
+    space: Mapping[str, NodeStrategies], graph: Graph, mesh_shape: tuple[int, ...]
+) -> dict[str, NodeStrategies]:
+    """``space`` less the ZeRO candidates the search leaves out, to keep the ILP small: those
+    of parameters under `ZERO_MIN_BYTES`, ZeRO-1 (ZeRO-2 keeps less memory, and its gradient
+    is reduce-scattered rather than all-reduced whole) and states split along only some of
+    the axes where a parameter is stored whole (the search splits them along all of them). A
+    node left with none of its candidates by that (pinned so) keeps them."""
+    out = {}
+    for name, ns in space.items():
+        info = graph.node(name).output if graph.node(name).kind == PARAM else None
+        small = info is not None and math.prod(info.shape) * itemsize(info.dtype) < ZERO_MIN_BYTES
+        kept = tuple(
+            s for s in ns.strategies if s.state is None or (not small and _searched(s, mesh_shape))
+        )
+        out[name] = replace(ns, strategies=kept) if kept else ns
+    return out
+
+
+def _searched(s: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+    assert s.state is not None
+    whole = [p == R and size > 1 for p, size in zip(s.output, mesh_shape, strict=True)]
+    split = [p != q for p, q in zip(s.output, s.state, strict=True)]
+    return s.grad == s.state and split == whole
 
 
 def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
@@ -119,9 +171,9 @@ def _expand(
 def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> NodeStrategies:
     num_axes = len(mesh_shape)
     if node.kind == PARAM:
-        return NodeStrategies(
-            node.name, tuple(_storage_strategies(node.output, mesh_shape)), "storage"
-        )
+        stored = _storage_strategies(node.output, mesh_shape)
+        zero = _zero_strategies(node, stored, mesh_shape)
+        return NodeStrategies(node.name, (*stored, *zero), "storage")
     if node.kind == INPUT:
         # the data loader can hand each rank any even slice of the batch at no cost
         return NodeStrategies(
@@ -142,7 +194,14 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
     (those keeping the output's gradient partial aside), told without listing them all as a
     baseline checks its own: each mesh axis takes one of the node's rules (replicated on an
     axis of one device), and every tensor splits evenly."""
-    if strategy.grad is not None or len(strategy.output) != len(mesh_shape):
+    if node.kind == PARAM and strategy.state is not None:
+        stored = Strategy(strategy.output, strategy.inputs)
+        return strategy in _zero_strategies(node, [stored], mesh_shape) and is_candidate(
+            node, graph, stored, mesh_shape
+        )
+    if strategy.grad is not None or strategy.state is not None:
+        return False
+    if len(strategy.output) != len(mesh_shape):
         return False
     if node.kind in (PARAM, INPUT):
         options = _all_shardings(node.output.shape)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan import Cluster, Plan, PlanOptions, Workload
+from autoplan.strategies.zero import state_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +60,21 @@ def dp_2x2(w: Workload) -> PlanOptions:
 def zero3(w: Workload, mesh: Mesh = None) -> PlanOptions:
     sharded = {n: {"storage": "S(0)", "use": "R"} for n in _params(w)}
     return PlanOptions(mesh_shape=mesh, pin={"input:0": "S(0)", "target": "S(0)", **sharded})
+
+
+def zero12(stage: int, devices: int = 4) -> Callable[[Workload], PlanOptions]:
+    """Data parallel on (devices,), each trained parameter's optimizer state split (ZeRO-1),
+    and its gradient with it (ZeRO-2), where a dim divides by the devices."""
+
+    def options(w: Workload) -> PlanOptions:
+        pins: dict[str, Any] = {"input:0": "S(0)", "target": "S(0)"}
+        for name, param in w.model.named_parameters():
+            pins[name] = {"storage": "R", "use": "R"}
+            for state in state_specs(("R",), tuple(param.shape), (devices,))[:1]:
+                pins[name] |= {"state": state, **({"grad": state} if stage == 2 else {})}
+        return PlanOptions(mesh_shape=(devices,), pin=pins)
+
+    return options
 
 
 def mlp_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
@@ -260,6 +276,32 @@ CASES = [
         {"size": "tiny", "num_layers": 4, "batch_size": 4},
         baseline_plan(dp=1, tp=2, pp=2, virtual_stages=2),
     ),
+    # ZeRO-1 and ZeRO-2: the optimizer state (and gradient) split, the parameters whole
+    Case("mlp-zero1", "mlp", MLP_LARGE_BATCH, zero12(1)),
+    Case("mlp-zero2", "mlp", MLP_LARGE_BATCH, zero12(2)),
+    # clipping reads the shards' gradients
+    Case("mlp-zero1-clip", "mlp", MLP_LARGE_BATCH, zero12(1), 4, 0.05),
+    Case("gpt-zero1", "gpt", GPT, zero12(1)),
+    Case("gpt-zero2", "gpt", GPT, zero12(2)),
+    # on (dp, tp): states split along dp beside tp's splits (a column weight's along dim 1)
+    Case("gpt-baseline-zero1-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, zero_stage=1)),
+    Case("gpt-baseline-zero2-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, zero_stage=2)),
+    # a pipeline's stages update their shards and gather them after the step
+    Case(
+        "mlp-baseline-pipeline-zero2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
+    ),
+    *[
+        Case(
+            f"zoo-llama-zero{stage}",
+            "zoo",
+            {"model": "llama", "batch_size": 64, "seq_len": 32},
+            zero12(stage),
+        )
+        for stage in (1, 2)
+    ],
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

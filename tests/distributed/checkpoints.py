@@ -26,6 +26,7 @@ from tests.distributed.cases import (
     gpt_megatron,
     pipeline,
     zero3,
+    zero12,
 )
 from tests.distributed.training import LR, layout_keyword, parallel, reference
 
@@ -138,9 +139,18 @@ def checkpoints(c: autoplan.Cluster, shared: Path) -> dict[str, Any]:
         "zero3": lambda w: zero3(w, (4,)),
         "pipeline-2x2": pipeline(stages=2, microbatches=2, mesh=(2,)),
         "tp": lambda w: gpt_megatron(w, (4,)),
+        # loaded into the shards, the whole parameters gathered from them
+        "zero1": zero12(1),
     }
     for name, layout in layouts.items():
         found[f"2x2->{name}"] = _resumed(w, c, layout, directory, before, ref)
+    # saved under ZeRO-2 (each rank's shards of the optimizer state), resumed data parallel
+    sharded = _step(w, c, zero12(2))
+    before_zero = _train(sharded, w, HALF)
+    sharded.save(shared / "from-zero2", extra={"batches": HALF})
+    found["zero2->dp"] = _resumed(
+        w, c, lambda w: data_parallel(w, (4,)), shared / "from-zero2", before_zero, ref
+    )
     found["wrong_model"] = {
         what: _load_error(load_workload(GPT_FILE, **{**WORKLOAD, **change}), c, directory)
         for what, change in (("fewer layers", {"num_layers": 1}), ("narrower", {"size": "tiny"}))

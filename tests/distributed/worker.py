@@ -38,6 +38,7 @@ from tests.distributed.cases import (  # noqa: E402
     data_parallel,
     mlp_megatron,
     zero3,
+    zero12,
 )
 from tests.distributed.checkpoints import checkpoints  # noqa: E402
 from tests.distributed.sends import planned_sends, recorded_sends, send_text  # noqa: E402
@@ -355,7 +356,13 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
         w.loss(ref).backward()
     expected = {n: p.grad for n, p in ref.named_parameters()}
     mesh = (world_size(),)
-    layouts = {"dp": data_parallel(w, mesh), "zero3": zero3(w, mesh), "tp": mlp_megatron(w, mesh)}
+    layouts = {
+        "dp": data_parallel(w, mesh),
+        "zero3": zero3(w, mesh),
+        "tp": mlp_megatron(w, mesh),
+        "zero1": zero12(1, world_size())(w),
+        "zero2": zero12(2, world_size())(w),
+    }
     found = {}
     for name, options in layouts.items():
         step = parallel(w, c, options=options)
@@ -371,7 +378,7 @@ def accumulation(c: autoplan.Cluster) -> dict[str, float]:
 
 def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     """SGD with momentum (foreach over DTensors), Adam (fused) and AdamW by foreach (the
-    default's alternative) on data- and tensor-parallel plans: the largest parameter
+    default's alternative) on data- and tensor-parallel and ZeRO-2 plans: the largest parameter
     difference from one process after 3 steps."""
     w = load_workload(ROOT / "examples/mlp.py", **MLP_LARGE_BATCH)
     found = {}
@@ -383,7 +390,12 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     for run, (name, options) in runs.items():
         ref = reference(w, optimizer=name, options=options)["params"]
         mesh = (world_size(),)
-        for layout, pins in (("dp", data_parallel(w, mesh)), ("tp", mlp_megatron(w, mesh))):
+        layouts = {
+            "dp": data_parallel(w, mesh),
+            "tp": mlp_megatron(w, mesh),
+            "zero2": zero12(2, world_size())(w),  # the shards stepped
+        }
+        for layout, pins in layouts.items():
             step = parallel(w, c, optimizer=name, optimizer_options=options, options=pins)
             for _ in range(STEPS):
                 step(w.example_inputs, w.example_target)

@@ -1,0 +1,51 @@
+"""ZeRO stages 1 and 2: a parameter stored whole along some mesh axes (replicated, as data
+parallelism keeps it) whose optimizer state is split along them.
+
+Each rank updates only its shard of such a parameter: it keeps the shard's optimizer state and
+a copy of the shard's values (the master shard the optimizer steps), and after the step the
+updated shards are all-gathered back into the whole parameter that forward reads (phase
+"update"). The gradient is synchronized either as stored (ZeRO-1: all-reduced whole, in a
+bucket, then each rank takes its shard's part) or straight to the shard (ZeRO-2: reduce-
+scattered, so that each rank keeps only its shard's gradient). ZeRO-3 is a storage placement
+of its own (the parameter stored split, gathered before use), not this.
+
+The state is split along one tensor dim that the storage leaves whole (the first that divides
+evenly), on one mesh axis where the parameter is stored whole, or on all of them together.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from autoplan.strategies.placement import R, Spec, is_valid, shard, shard_dim
+
+
+# asked for each parameter's storage candidates by the planner, and again by baselines and
+# plan checks
+@functools.lru_cache(maxsize=2**16)
+def state_specs(
+    storage: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[Spec, ...]:
+    """The placements of a ZeRO-1/2 optimizer state for a parameter of ``shape`` stored
+    ``storage``: split further along axes where it is stored whole (of more than one device)."""
+    whole = [
+        a
+        for a, (p, size) in enumerate(zip(storage, mesh_shape, strict=True))
+        if p == R and size > 1
+    ]
+    groups = [(a,) for a in whole] + ([tuple(whole)] if len(whole) > 1 else [])
+    split_dims = {shard_dim(p) for p in storage} - {None}
+    found = []
+    for axes in groups:
+        parts = math.prod(mesh_shape[a] for a in axes)
+        dim = next(
+            (d for d, n in enumerate(shape) if d not in split_dims and n % parts == 0 and n > 1),
+            None,
+        )
+        if dim is None:
+            continue
+        spec = tuple(shard(dim) if a in axes else p for a, p in enumerate(storage))
+        if is_valid(spec, shape, mesh_shape):
+            found.append(spec)
+    return tuple(found)
