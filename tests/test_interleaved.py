@@ -130,8 +130,8 @@ def test_the_planner_interleaves_where_that_is_faster(
     assert [s.ranks for s in plan.stages] == [tuple(range(8)), tuple(range(8, 16))] * (
         plan.virtual_stages
     )
-    # its device groups hold the activations of more microbatches in flight
-    assert plan.predicted.peak_memory_bytes > one.predicted.peak_memory_bytes
+    # (more microbatches in flight: test_interleaving_holds_more_activations; the two plans' peaks
+    # are not comparable, each splitting optimizer state as its own memory suggests)
     assert autoplan.Plan.from_json(plan.to_json()) == plan
     again = autoplan.estimate(
         plan, cluster, w.model, w.example_inputs, loss_fn=w.loss_fn, example_target=w.example_target
