@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.baselines.build import baseline_of_graph
 from autoplan.baselines.propagate import Layout, mesh_of
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.ir import INPUT, Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
@@ -37,14 +37,18 @@ class Degrees:
     zero_stage: int = 0
     sequence_parallel: bool = False
     num_microbatches: int = 1  # of a pipeline; 1 without one
+    recompute: bool = False  # every layer recomputed in backward
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.tp, self.zero_stage, self.sequence_parallel)
+        return Layout(
+            self.dp, self.tp, self.zero_stage, self.sequence_parallel, recompute=self.recompute
+        )
 
     def __str__(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += " zero3" * (self.zero_stage == 3) + " sp" * self.sequence_parallel
+        text += " recompute" * self.recompute
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
 
@@ -105,15 +109,25 @@ def conventional_plans(
     """The baselines of ``degrees`` that can be written and fit, in order, with their degrees;
     ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
     (asked once per count, in order of first need). Degrees the model does not split by, or
-    that do not fit, are skipped (logged at debug level)."""
+    that do not fit, are skipped (logged at debug level); as the planner does, degrees that
+    fit only with every layer recomputed are tried so unless ``options.recompute`` says."""
     graphs: dict[int, Graph] = {}
+    tries = (options or PlanOptions()).recompute_tries
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
-        try:
-            plan = baseline_of_graph(graph, cluster, d.layout, d.pp, d.num_microbatches, options)
-        except AutoplanError as e:  # InfeasiblePlanError among them
-            log.debug("conventional plan %s skipped: %s", d, e)
-            continue
-        yield d, plan
+        for recompute in tries if not d.recompute else (True,):
+            tried = replace(d, recompute=recompute)
+            try:
+                plan = baseline_of_graph(
+                    graph, cluster, tried.layout, d.pp, d.num_microbatches, options
+                )
+            except InfeasiblePlanError as e:
+                log.debug("conventional plan %s skipped: %s", tried, e)
+                continue
+            except AutoplanError as e:
+                log.debug("conventional plan %s skipped: %s", tried, e)
+                break
+            yield tried, plan
+            break

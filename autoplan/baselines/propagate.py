@@ -39,6 +39,7 @@ class Layout:
     zero_stage: int = 0  # 3: parameters stored split along dp (ZeRO-3)
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
+    recompute: bool = False  # every layer recomputed in backward (Megatron's full recomputation)
 
 
 def expert_weights(graph: Graph) -> list[Node]:

@@ -23,6 +23,7 @@ from autoplan.planfile.sections import (
     Pipeline,
     Predicted,
     Provenance,
+    RecomputedLayer,
     SolverInfo,
     Stage,
 )
@@ -42,6 +43,9 @@ class Plan:
     solver: SolverInfo
     pipeline: Pipeline | None = None
     version: int = PLAN_VERSION
+    # the layers recomputed in backward; written only when some are, so that plans without
+    # recomputation read and write as before
+    recompute: tuple[RecomputedLayer, ...] = ()
 
     def param_stages(self) -> dict[str, int]:
         """The stage holding each parameter and buffer, by FQN."""
@@ -59,7 +63,10 @@ class Plan:
 
     def to_json(self) -> str:
         """Canonical JSON: the same plan always gives the same bytes."""
-        return plan_text(asdict(self))
+        data = asdict(self)
+        if not self.recompute:
+            del data["recompute"]
+        return plan_text(data)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

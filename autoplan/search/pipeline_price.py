@@ -24,6 +24,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
 from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
+from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.schedules import simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
@@ -232,12 +233,13 @@ def price_pipeline(
     schedule: str,
     optimizer: str,
     memory_limit: float,
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> PipelinePlan:
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
     ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
-    (by node name of its stage graph)."""
+    (by node name of its stage graph), recomputing ``recompute``."""
     sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
-    costs = Pricer(sub_cluster, mesh_shape, optimizer)
+    costs = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
     stages = []
     for s, (stage, assignment) in enumerate(zip(stage_graphs, assignments, strict=True)):
         step = price_step(stage.graph, assignment, costs)

@@ -8,6 +8,8 @@
 * A parameter's time is its optimizer update on the locally stored shard; its memory is the
   stored shard with its gradient and optimizer state.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
+* A recomputed op (`autoplan.graph.recompute`) runs its forward twice, and keeps its output
+  only where it leaves its layer; the rest the ILP counts at the recomputation's share.
 * An edge's time is the forward redistribution from the producer's placement to the one the
   consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
   where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a
@@ -35,6 +37,7 @@ from autoplan.cluster.timing import (
     with_overhead,
 )
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
+from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
@@ -56,14 +59,20 @@ class Phased:
     """A collective with the phase of the step that issues it."""
 
     collective: Collective
-    phase: str  # "forward" | "backward" | "grad_sync"
+    phase: str  # "forward" | "backward" | "grad_sync" | "recompute" (forward's, again)
     params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
 class Pricer:
     """Prices strategies and edges for one (cluster, logical mesh, optimizer)."""
 
-    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], optimizer: str) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        mesh_shape: tuple[int, ...],
+        optimizer: str,
+        recompute: Recompute = NO_RECOMPUTE,
+    ) -> None:
         if optimizer not in OPTIMIZER_STATE:
             raise ValueError(
                 f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE)}"
@@ -71,6 +80,7 @@ class Pricer:
         self.cluster = cluster
         self.mesh_shape = mesh_shape
         self.state_per_elem = OPTIMIZER_STATE[optimizer]
+        self.recompute = recompute
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
         self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
@@ -108,9 +118,12 @@ class Pricer:
         moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
         seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
         transcendental = node.transcendental * itemsize(dtype) / f
-        return with_overhead(
-            self.cluster, seconds + activation_time(self.cluster, transcendental, dtype), node.op
-        )
+        activation = activation_time(self.cluster, transcendental, dtype)
+        total = with_overhead(self.cluster, seconds + activation, node.op)
+        if self.recompute.recomputes(node.name):  # its forward again (half the activation's)
+            again = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
+            total += with_overhead(self.cluster, again + activation / 2, node.op)
+        return total
 
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
@@ -120,7 +133,8 @@ class Pricer:
             return host_overhead(self.cluster) if node.needs_grad else 0.0
         if node.kind != "op":
             return 0.0
-        return host_overhead(self.cluster, "view" if node.is_view else node.op)
+        seconds = host_overhead(self.cluster, "view" if node.is_view else node.op)
+        return 2 * seconds if self.recompute.recomputes(node.name) else seconds
 
     def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs.
@@ -190,7 +204,12 @@ class Pricer:
             if node.kind == INPUT or not node.needs_grad:
                 return float(elems * itemsize(info.dtype))
             return float(elems * itemsize(info.dtype) * (2 + self.state_per_elem))
-        if node.kind == OUTPUT or node.is_view or not node.needs_grad:
+        saved = self.activation_memory(node, strategy)
+        return saved * self.recompute.share if self.recompute.drops(node.name) else saved
+
+    def activation_memory(self, node: Node, strategy: Strategy) -> float:
+        """The bytes of an op's output that backward needs (0 for parameters and inputs)."""
+        if node.kind != "op" or node.is_view or not node.needs_grad:
             return 0.0
         return float(
             sum(
