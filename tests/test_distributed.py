@@ -72,6 +72,12 @@ def test_trains_like_one_process_and_as_planned(
     if case.max_grad_norm is not None:  # clipping reduces the gradients' norms (scalars) too
         extra = [e for e in extra if not re.fullmatch(r"\d+ x all_reduce on \w+, \d+ B", e)]
     assert r["planned_not_issued"] == [] and extra == [], r
+    if "recompute" in case.name:  # every layer's blocks under torch.utils.checkpoint
+        assert r["recomputed"] and r["regions"] >= 1, r
+    else:
+        assert r["recomputed"] == [] and r["regions"] == 0, r
+    if "tp-recompute" in case.name:  # the tensor-parallel blocks' forward collectives, again
+        assert r["recompute_collectives"] > 0, r
     if "pipeline" in case.name or "gpipe" in case.name or "1f1b" in case.name:
         assert r["stages"] >= 2 and r["axes"][0] == "pp", r
     else:
@@ -271,3 +277,12 @@ def test_export_is_the_whole_state_dict(results: dict[int, dict[str, Any]]) -> N
     four = results[4]["checkpoints"]
     # plain tensors that a fresh model loads strictly (in the worker), as trained
     assert four["export_types"] == ["Tensor"] and four["export"] <= TOLERANCE
+
+
+def test_recomputed_dropout_draws_the_masks_of_forward(results: dict[int, dict[str, Any]]) -> None:
+    """GPT-2 with dropout trains alike with every layer recomputed in backward and without:
+    the recomputed forward draws the masks the first drew (a mask drawn anew would make
+    gradients that do not match the loss)."""
+    for layout, found in results[4]["recompute_dropout"].items():
+        assert found["dropouts"] > 0, (layout, found)
+        assert found["loss"] <= TOLERANCE and found["param"] <= TOLERANCE, (layout, found)
