@@ -4,12 +4,12 @@ of keeping their outputs from forward to backward (Megatron's "full" recomputati
 
 The unit is a layer (`autoplan.graph.cut`), one per repeated block (``blocks.3``) however
 the stage search merges blocks, or one of the step's balanced runs of ops when the model has
-no blocks. A recomputed layer recomputes its ops inside blocks (all its ops when the model has
-none): the embedding, the head and the loss, outside every block, keep their outputs, as in
-Megatron. What a recomputed layer keeps from forward to backward is what its recomputed ops
-send out of the layer (read by other ops); the rest of their outputs live only while its
-backward runs, one layer at a time. Its backward runs its forward again: the ops' time and the
-forward collectives issued inside it, twice.
+no blocks. A recomputed layer recomputes its ops from the step's first op in a block to its
+last (all its ops when the model has no blocks): the embedding, the head and the loss keep
+their outputs, as in Megatron. What a recomputed layer keeps from forward to backward is what
+its recomputed ops send out of the layer (read by other ops); the rest of their outputs live
+only while its backward runs, one layer at a time. Its backward runs its forward again: the
+ops' time and the forward collectives issued inside it, twice.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
 
 
 def recomputed_ops(graph: Graph, layer: Layer) -> tuple[str, ...]:
-    """The ops of ``layer`` that recompute their forward when it is recomputed: those inside
-    blocks, or all when the model has none (module docstring)."""
-    ops = [graph.node(n) for n in layer.nodes if graph.node(n).kind == OP]
-    inside = [n.name for n in ops if block_of(n) is not None]
-    if inside or any(block_of(n) is not None for n in graph if n.kind == OP):
-        return tuple(inside)
-    return tuple(n.name for n in ops)
+    """The ops of ``layer`` that recompute their forward when it is recomputed: those from the
+    step's first op inside a block to its last (all when the model has no blocks), so that
+    the embedding, the head and the loss stay out, and ops between blocks (an activation
+    applied outside them) stay in."""
+    ops = [n for n in graph if n.kind == OP]
+    inside = [i for i, n in enumerate(ops) if block_of(n) is not None]
+    first, last = (inside[0], inside[-1]) if inside else (0, len(ops) - 1)
+    span = {n.name for n in ops[first : last + 1]}
+    return tuple(n for n in layer.nodes if n in span)
 
 
 @dataclass(frozen=True)
