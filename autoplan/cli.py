@@ -23,6 +23,7 @@ from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.capture import capture_microbatches
+from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
 from autoplan.options import PlanOptions
 from autoplan.parallel import check_trainable, checked_plan
 from autoplan.planfile.check import check_plan
@@ -158,6 +159,17 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _recompute_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        help=(
+            "activation recomputation: none, or full (every layer's blocks run their forward "
+            "again in backward); default: only where no plan fits without"
+        ),
+    )
+
+
 def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptions:
     """The planner's options from the command line; `autoplan run` has no --pin, --optimizer
     or --time-limit, whose defaults then apply."""
@@ -172,6 +184,7 @@ def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptio
         num_stages=args.stages,
         num_microbatches=args.microbatches,
         schedule=args.schedule,
+        recompute=args.recompute,
     )
 
 
@@ -203,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd_momentum")
     p.add_argument("--time-limit", type=_positive, default=60.0, help="ILP time limit per mesh (s)")
     _pipeline_arguments(p)
+    _recompute_argument(p)
     _progress_argument(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
@@ -232,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", help="train with this plan instead of planning")
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     _pipeline_arguments(r)
+    _recompute_argument(r)
     _progress_argument(r)
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"

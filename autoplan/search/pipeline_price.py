@@ -48,9 +48,10 @@ class SolvedStage:
     forward_s: float
     send_s: float  # the boundary tensors to the next stage and their gradients back
     extra_s: float  # gradient synchronization and optimizer update, once per step
-    memory_bytes: float  # parameters, gradients, optimizer state
+    memory_bytes: float  # parameters, gradients, optimizer state; a recomputed layer's
     activation_bytes: float  # one microbatch in flight
     solver: SolverStats
+    recompute_bytes: float = 0.0  # of memory_bytes, its largest recomputed layer's activations
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,12 @@ def priced_stage(
     """A stage's price from its step's: the parameters' updates and the gradient
     synchronization are its once-per-step ``extra_s``, the rest its time per microbatch, split
     into forward and backward by FLOPs; its parameters and inputs are the memory it holds
-    once, the rest one microbatch's activations."""
+    once (with the activations of its largest recomputed layer, made again in backward one
+    microbatch at a time), the rest one microbatch's activations."""
     graph = stage.graph
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
-    static = sum(
+    static = step.recompute_bytes + sum(
         costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
     )
     flops = sum(n.flops for n in graph)
@@ -147,6 +149,7 @@ def priced_stage(
         memory_bytes=static,
         activation_bytes=step.memory_bytes - static,
         solver=solver,
+        recompute_bytes=step.recompute_bytes,
     )
 
 

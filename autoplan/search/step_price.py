@@ -28,6 +28,9 @@ class PricedStep:
     comm_s: float
     memory_bytes: float
     collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
+    # of memory_bytes, what the largest recomputed layer holds while its backward runs: once
+    # per stage, however many microbatches are in flight
+    recompute_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -121,5 +124,5 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     comm += costs.gradients_s([p for _, _, p in gradients])
     found += gradients
     comm += len(waits) * costs.sync_s
-    memory += max(dropped.values(), default=0.0)
-    return PricedStep(max(compute, host), comm, memory, tuple(found))
+    transient = max(dropped.values(), default=0.0)
+    return PricedStep(max(compute, host), comm, memory + transient, tuple(found), transient)
