@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -17,8 +18,9 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
+from autoplan.graph.cut import Layer
 from autoplan.graph.ir import PARAM, Graph
-from autoplan.graph.recompute import chosen
+from autoplan.graph.recompute import FULL, NO_RECOMPUTE, Recompute, recompute_layers
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -27,6 +29,8 @@ from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
+from autoplan.search.recompute_choice import fewest_layers
+from autoplan.search.step_price import PricedStep, price_step
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
@@ -214,7 +218,8 @@ def _plan_one_stage(
     pins = parse_pins(options.pin, graph)
     sharing = keep_sharing_consistent(sharing, pins)
 
-    recomputed = chosen(graph, options.max_layers, recompute)
+    layers = recompute_layers(graph, options.max_layers)
+    recomputed = Recompute.every_layer(graph, layers) if recompute else NO_RECOMPUTE
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
     tally.expect(len(meshes))
@@ -230,6 +235,8 @@ def _plan_one_stage(
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
+        if isinstance(found, MeshPlan) and recompute:
+            found = _fewest_recomputed(graph, layers, found, memory_limit, options)
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
@@ -247,12 +254,37 @@ def _plan_one_stage(
             best = found
     if best is None:
         return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, recompute)
-    plan = make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes), recomputed)
+    plan = make_plan(
+        graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
+    )
     if options.pin:  # conventional plans do not take pins
         return plan
     solved = [m for m in meshes if m not in needs]
     degrees = shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     return _keep_faster_conventional(plan, graph, cluster, degrees, options)
+
+
+def _fewest_recomputed(
+    graph: Graph, layers: tuple[Layer, ...], found: MeshPlan, limit: float, options: PlanOptions
+) -> MeshPlan | float:
+    """``found`` (planned with every layer recomputed) recomputing the fewest layers that fit
+    (`fewest_layers`), or every layer where ``options.recompute`` says so; the bytes per
+    device it needs if it does not fit (the ILP counts the layers' mean, the price the
+    largest)."""
+    costs = found.costs
+
+    def price(recompute: Recompute) -> PricedStep:
+        pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
+        return price_step(graph, found.result.assignment, pricer)
+
+    if options.recompute == FULL:
+        return found if found.step.memory_bytes <= limit else found.step.memory_bytes
+    fewest = fewest_layers(graph, layers, price, limit)
+    if fewest is None:
+        return found.step.memory_bytes
+    recompute, step = fewest
+    pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
+    return dataclasses.replace(found, costs=pricer, step=step)
 
 
 def _infeasible(

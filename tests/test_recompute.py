@@ -4,6 +4,7 @@ read back and shown. (Training with it, on 4 and 2 gloo ranks: tests/test_distri
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -16,7 +17,12 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.graph.ir import OP
+from autoplan.graph.recompute import Recompute, recompute_layers, recomputed_ops
+from autoplan.planfile.check import assignment_of
 from autoplan.planfile.show import summary
+from autoplan.search.recompute_choice import fewest_layers
+from autoplan.search.step_price import PricedStep, price_step
+from autoplan.strategies.pricing import Pricer
 from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 
@@ -136,19 +142,50 @@ def test_without_blocks_every_op_recomputes(cpu4: autoplan.Cluster) -> None:
     assert recomputed == [n.name for n in w.trace() if n.kind == OP]
 
 
+def test_the_fewest_layers_that_fit_recompute(cpu4: autoplan.Cluster) -> None:
+    """Time grows with each layer recomputed, and memory falls from the second on (one
+    recomputed layer's activations are held while its backward runs); `fewest_layers` takes
+    the least number of layers (from the first) that fits."""
+    w = example("gpt", size="small", num_layers=4, batch_size=4, seq_len=64)
+    graph = w.trace()
+    assignment = assignment_of(w.baseline(cpu4, dp=1, tp=4), graph)
+
+    def price(recompute: Recompute) -> PricedStep:
+        return price_step(graph, assignment, Pricer(cpu4, (4,), "adamw", recompute))
+
+    layers = recompute_layers(graph, 16)
+    ops = [(layer.name, recomputed_ops(graph, layer)) for layer in layers]
+    steps = [price(Recompute.of(graph, ops[:k])) for k in range(len(ops) + 1)]
+    assert len(steps) == 5
+    assert steps[1].memory_bytes == steps[0].memory_bytes
+    for fewer, more in itertools.pairwise(steps):
+        assert more.time_s > fewer.time_s
+        assert more.memory_bytes < fewer.memory_bytes or fewer is steps[0]
+    found = fewest_layers(graph, layers, price, steps[2].memory_bytes)
+    assert found is not None
+    assert [name for name, _ in found[0].layers] == ["blocks.0", "blocks.1"]
+    assert found[1] == steps[2]
+    assert fewest_layers(graph, layers, price, steps[-1].memory_bytes - 1) is None
+
+
 def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     """Megatron-LM's 1.7B GPT as Megatron trains it: data parallel over 32 A100s, 16
-    sequences of 2048 each, bf16. Without recomputation it needs 77.5 GiB a device; the
-    planner, held to data parallelism, recomputes every block and finds Megatron's plan."""
+    sequences of 2048 each, bf16. Without recomputation it needs 77.5 GiB a device, so
+    Megatron recomputes every block; the planner, held to data parallelism, recomputes the
+    fewest blocks that fit, and is faster."""
     a100 = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=4)
     w = example("gpt", size="1.7b", batch_size=512, device="meta", dtype="bfloat16")
     with pytest.raises(InfeasiblePlanError, match=r"needs 77\.49 GiB"):
         w.baseline(a100, dp=32, tp=1)
     megatron = w.baseline(a100, dp=32, tp=1, recompute="full")
+    assert len(megatron.recompute) == 24
     params = [n for n, _ in w.model.named_parameters()]
     pins = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(params, "R")}
     found = w.plan(a100, PlanOptions(mesh_shape=(32,), pin=pins))
-    assert len(found.recompute) == 24
+    recomputed = [layer.layer for layer in found.recompute]
+    assert (
+        recomputed == [f"blocks.{i}" for i in range(len(recomputed))] and 0 < len(recomputed) < 24
+    )
     limit = found.predicted.memory_limit_bytes
-    assert found.predicted.peak_memory_bytes <= limit < 77.49 * 2**30
-    assert found.predicted == megatron.predicted
+    assert megatron.predicted.peak_memory_bytes < found.predicted.peak_memory_bytes <= limit
+    assert found.predicted.step_time_s < megatron.predicted.step_time_s
