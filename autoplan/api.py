@@ -298,7 +298,6 @@ def _infeasible(
     mesh, need = min(needs.items(), key=lambda kv: kv[1])
     recomputed = ", every layer recomputed in backward" if recompute else ""
     hint = "" if recompute else ', activation recomputation (recompute="full")'
-
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
     return InfeasiblePlanError(
         f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "

@@ -1,9 +1,9 @@
 """Activation recomputation on Megatron-LM's GPTs as Megatron trains them (Narayanan et al.
 2021, table 1: 1.7B on 32 A100s, dp 32; 3.6B on 64, dp 32 x tp 2; 7.5B on 128, dp 32 x tp 4;
 16 sequences of 2048 a data-parallel rank, bf16) on simulated DGX A100s: Megatron's plan
-without and with full recomputation (`autoplan.baseline`), and the planner's plan held to the
-same degrees (every parameter pinned as the baseline places it is not possible for tp, so the
-planner is held to data parallelism on the 1.7B alone) and left free (``--free``: minutes each).
+without and with full recomputation (`autoplan.baseline`); for the 1.7B (tp 1), the planner
+held to Megatron's data parallelism by pins; with ``--free``, the planner left free (minutes
+each on a 2-core machine; each ILP may take 10 minutes).
 
     python benchmarks/recompute.py [--free]
 
@@ -59,7 +59,7 @@ def _case(size: str, nodes: int, dp: int, tp: int, free: bool) -> dict[str, Any]
         )
     if free:
         start = time.perf_counter()
-        found = w.plan(cluster)
+        found = w.plan(cluster, PlanOptions(time_limit_s=600))
         stages = len(found.stages)
         row["planner, free"] = (
             f"{_priced(found)}, mesh {found.mesh.shape}, {stages} stage(s), "

@@ -210,8 +210,10 @@ class PlanInterpreter:
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
 
         self.last_uses = last_uses(self.graph, keep=self.sent)
-        recomputed = {n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes}
-        self.steps = with_regions(self.graph, recomputed)
+        recomputed = {
+            n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
+        }
+        self.steps = with_regions(self.graph, recomputed)  # this stage's recomputed layers
 
         # local mean cross-entropies, by each tensor their total weight needs (target, weights)
         self.weighed: dict[str, list[torch.fx.Node]] = {}

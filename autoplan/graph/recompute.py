@@ -21,7 +21,8 @@ from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
 from autoplan.graph.ir import OP, Graph
 
-# a plan's choice for a layer ("none" is no entry); PlanOptions.recompute also takes "auto"
+# PlanOptions.recompute's choices (None: only where nothing fits without); a plan's recomputed
+# layer is FULL, one not recomputed has no entry
 FULL = "full"
 MODES = ("none", FULL)
 
