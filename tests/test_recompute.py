@@ -15,6 +15,7 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.cli import main
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.graph.ir import OP
 from autoplan.graph.recompute import Recompute, recompute_layers, recomputed_ops
@@ -189,3 +190,17 @@ def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     limit = found.predicted.memory_limit_bytes
     assert megatron.predicted.peak_memory_bytes < found.predicted.peak_memory_bytes <= limit
     assert found.predicted.step_time_s < megatron.predicted.step_time_s
+
+
+def test_cli_plans_with_recompute_and_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    mlp, cpu4 = ROOT / "examples/mlp.py", ROOT / "costmodels/cpu-gloo-4.json"
+    args = ["-q", "plan", str(mlp), "--cluster", str(cpu4), "--set", "hidden=64", "--mesh", "4"]
+    assert main([*args, "--recompute", "full", "-o", str(out)]) == 0
+    assert main(["show", str(out)]) == 0
+    assert "activation recomputation (full): 6 layer(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
+        main([*args, "--recompute", "some", "-o", str(out)])
+    assert "invalid choice: 'some' (choose from 'none', 'full')" in capsys.readouterr().err
