@@ -204,3 +204,16 @@ def test_cli_plans_with_recompute_and_shows_it(
     with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
         main([*args, "--recompute", "some", "-o", str(out)])
     assert "invalid choice: 'some' (choose from 'none', 'full')" in capsys.readouterr().err
+
+
+def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    options = PlanOptions(num_stages=2, num_microbatches=4, mesh_shape=(2,), recompute="full")
+    found = w.plan(cpu4, options)
+    assert [layer.layer for layer in found.recompute] == [f"blocks.{i}" for i in range(4)]
+    for layer in found.recompute:  # each layer on one stage
+        assert sum(set(layer.nodes) <= set(stage.nodes) for stage in found.stages) == 1
+    plain = w.plan(cpu4, dataclasses.replace(options, recompute="none"))
+    assert found.stages[0].predicted is not None and plain.stages[0].predicted is not None
+    assert found.stages[0].predicted.time_s > plain.stages[0].predicted.time_s
+    assert w.estimate(found, cpu4) == found
