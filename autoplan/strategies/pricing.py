@@ -110,8 +110,9 @@ class Pricer:
             return with_overhead(self.cluster, update)  # its gradient's accumulation node
         if node.kind != "op":
             return 0.0
+        again = self.recompute.recomputes(node.name)  # its forward runs again in backward
         if node.is_view:
-            return with_overhead(self.cluster, 0.0, "view")
+            return with_overhead(self.cluster, 0.0, "view") * (2 if again else 1)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
         # backward moves about twice the forward's bytes (grad in, grad out, saved input)
@@ -120,9 +121,9 @@ class Pricer:
         transcendental = node.transcendental * itemsize(dtype) / f
         activation = activation_time(self.cluster, transcendental, dtype)
         total = with_overhead(self.cluster, seconds + activation, node.op)
-        if self.recompute.recomputes(node.name):  # its forward again (half the activation's)
-            again = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
-            total += with_overhead(self.cluster, again + activation / 2, node.op)
+        if again:  # the forward's compute, and half the activation's
+            forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
+            total += with_overhead(self.cluster, forward + activation / 2, node.op)
         return total
 
     def host_time(self, node: Node) -> float:
