@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -17,7 +18,9 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
+from autoplan.graph.cut import Layer
 from autoplan.graph.ir import PARAM, Graph
+from autoplan.graph.recompute import FULL, NO_RECOMPUTE, Recompute, recompute_layers
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -26,6 +29,8 @@ from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
+from autoplan.search.recompute_choice import fewest_layers
+from autoplan.search.step_price import PricedStep, price_step
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
@@ -88,17 +93,28 @@ def plan_graph(
     tally = Tally(options.on_progress, "ILP")
     single: Plan | InfeasiblePlanError | None = None
     if not pipeline:
-        single = _plan_one_stage(graph, cluster, options, memory_limit, tally)
+        for recompute in options.recompute_tries:  # recomputation only where nothing else fits
+            single = _plan_one_stage(graph, cluster, options, memory_limit, tally, recompute)
+            if isinstance(single, Plan):
+                break
     piped, weighed = None, False
     # by default pipelines are weighed across nodes, on ranks sharing cores, or when one stage
-    # does not fit (inside a node of devices intra-op sharding is as fast, and planning
-    # quicker); never against pins, which pipelines do not take
+    # does not fit without recomputation (inside a node of devices intra-op sharding is as
+    # fast, and planning quicker); never against pins, which pipelines do not take
     auto = not options.pin and (
-        cluster.num_nodes > 1 or cluster.shares_cores or not isinstance(single, Plan)
+        cluster.num_nodes > 1
+        or cluster.shares_cores
+        or not isinstance(single, Plan)
+        or bool(single.recompute)
     )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit, tally)
+        for recompute in options.recompute_tries:
+            piped = _plan_pipelined(
+                graph, microbatch_graph, cluster, options, memory_limit, tally, recompute
+            )
+            if piped is not None:
+                break
     if piped is None:
         if isinstance(single, Plan):
             return single
@@ -143,6 +159,7 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
+    recompute: bool = False,
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
@@ -169,7 +186,13 @@ def _plan_pipelined(
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
     found = plan_pipeline(
-        microbatch_graph, cluster, options, batch=batch, memory_limit=memory_limit, tally=tally
+        microbatch_graph,
+        cluster,
+        options,
+        batch=batch,
+        memory_limit=memory_limit,
+        tally=tally,
+        recompute=recompute,
     )
     if found is None:
         return None
@@ -195,7 +218,12 @@ def _plan_pipelined(
 
 
 def _plan_one_stage(
-    graph: Graph, cluster: Cluster, options: PlanOptions, memory_limit: float, tally: Tally
+    graph: Graph,
+    cluster: Cluster,
+    options: PlanOptions,
+    memory_limit: float,
+    tally: Tally,
+    recompute: bool = False,
 ) -> Plan | InfeasiblePlanError:
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
@@ -207,6 +235,8 @@ def _plan_one_stage(
     pins = parse_pins(options.pin, graph)
     sharing = keep_sharing_consistent(sharing, pins)
 
+    layers = recompute_layers(graph, options.max_layers)
+    recomputed = Recompute.every_layer(graph, layers) if recompute else NO_RECOMPUTE
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
     tally.expect(len(meshes))
@@ -216,12 +246,14 @@ def _plan_one_stage(
         found = solve_mesh(
             graph,
             sharing,
-            Pricer(cluster, m, options.optimizer),
+            Pricer(cluster, m, options.optimizer, recomputed),
             memory_limit,
             options.time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
+        if isinstance(found, MeshPlan) and recompute:
+            found = _fewest_recomputed(graph, layers, found, memory_limit, options)
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
@@ -238,13 +270,38 @@ def _plan_one_stage(
         if best is None or found.step.time_s < best.step.time_s:
             best = found
     if best is None:
-        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction)
-    plan = make_plan(graph, cluster, best.result, best.step, best.rules, tuple(meshes))
+        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, recompute)
+    plan = make_plan(
+        graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
+    )
     if options.pin:  # conventional plans do not take pins
         return plan
     solved = [m for m in meshes if m not in needs]
     degrees = shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     return _keep_faster_conventional(plan, graph, cluster, degrees, options)
+
+
+def _fewest_recomputed(
+    graph: Graph, layers: tuple[Layer, ...], found: MeshPlan, limit: float, options: PlanOptions
+) -> MeshPlan | float:
+    """``found`` (planned with every layer recomputed) recomputing the fewest layers that fit
+    (`fewest_layers`), or every layer where ``options.recompute`` says so; the bytes per
+    device it needs if it does not fit (the ILP counts the layers' mean, the price the
+    largest)."""
+    costs = found.costs
+
+    def price(recompute: Recompute) -> PricedStep:
+        pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
+        return price_step(graph, found.result.assignment, pricer)
+
+    if options.recompute == FULL:
+        return found if found.step.memory_bytes <= limit else found.step.memory_bytes
+    fewest = fewest_layers(graph, layers, price, limit)
+    if fewest is None:
+        return found.step.memory_bytes
+    recompute, step = fewest
+    pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
+    return dataclasses.replace(found, costs=pricer, step=step)
 
 
 def _infeasible(
@@ -253,14 +310,17 @@ def _infeasible(
     needs: Mapping[tuple[int, ...], float],
     limit: float,
     fraction: float,
+    recompute: bool,
 ) -> InfeasiblePlanError:
     mesh, need = min(needs.items(), key=lambda kv: kv[1])
+    recomputed = ", every layer recomputed in backward" if recompute else ""
+    hint = "" if recompute else ', activation recomputation (recompute="full")'
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
     return InfeasiblePlanError(
-        f"the model does not fit: even sharded as far as mesh {mesh} allows, each device needs "
-        f"{need / GiB:.2f} GiB (parameters alone are {param_bytes / GiB:.2f} GiB unsharded, "
-        f"plus gradients, optimizer state and activations), but a device of cluster "
+        f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "
+        f"device needs {need / GiB:.2f} GiB (parameters alone are {param_bytes / GiB:.2f} GiB "
+        f"unsharded, plus gradients, optimizer state and activations), but a device of cluster "
         f"{cluster.name!r} offers {limit / GiB:.2f} GiB ({fraction:.0%} of "
         f"{cluster.device.memory_bytes / GiB:.0f} GiB). Use more devices (--nodes), a smaller "
-        "batch, lower-precision parameters, or a lighter optimizer."
+        f"batch, lower-precision parameters{hint}, or a lighter optimizer."
     )

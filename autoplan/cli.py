@@ -23,6 +23,7 @@ from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.capture import capture_microbatches
+from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
 from autoplan.options import PlanOptions
 from autoplan.parallel import check_trainable, checked_plan
 from autoplan.planfile.check import check_plan
@@ -179,6 +180,17 @@ def _precision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _recompute_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        help=(
+            "activation recomputation: none, or full (every layer's blocks run their forward "
+            "again in backward); default: only where no plan fits without"
+        ),
+    )
+
+
 def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptions:
     """The planner's options from the command line; `autoplan run` has no --pin, --optimizer
     or --time-limit, whose defaults then apply."""
@@ -195,6 +207,7 @@ def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptio
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         mixed_precision=args.mixed_precision,
+        recompute=args.recompute,
     )
 
 
@@ -227,6 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_positive, default=60.0, help="ILP time limit per mesh (s)")
     _pipeline_arguments(p)
     _precision_argument(p)
+    _recompute_argument(p)
     _progress_argument(p)
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
 
@@ -257,6 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", help="pin the logical mesh, e.g. 4 or 2,2")
     _pipeline_arguments(r)
     _precision_argument(r)
+    _recompute_argument(r)
     _progress_argument(r)
     r.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="workload option"

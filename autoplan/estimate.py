@@ -18,6 +18,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import Recompute
 from autoplan.planfile.assemble import (
     collective_plans,
     make_pipeline_plan,
@@ -98,12 +99,12 @@ def derive(
     graph = graph_for(count)
     checked = check_plan(plan, graph, cluster)
     limit = cluster.device.memory_bytes * memory_fraction
+    recompute = Recompute.of(graph, ((r.layer, r.nodes) for r in checked.recompute))
     if checked.pipeline is not None:
-        derived = _derive_pipeline(checked, graph, cluster, optimizer, limit)
+        derived = _derive_pipeline(checked, graph, cluster, optimizer, limit, recompute)
     else:
-        step = price_step(
-            graph, assignment_of(checked, graph), Pricer(cluster, checked.mesh.shape, optimizer)
-        )
+        costs = Pricer(cluster, checked.mesh.shape, optimizer, recompute)
+        step = price_step(graph, assignment_of(checked, graph), costs)
         derived = dataclasses.replace(
             checked,
             provenance=provenance(graph, cluster),
@@ -121,7 +122,7 @@ def derive(
 
 
 def _derive_pipeline(
-    plan: Plan, graph: Graph, cluster: Cluster, optimizer: str, limit: float
+    plan: Plan, graph: Graph, cluster: Cluster, optimizer: str, limit: float, recompute: Recompute
 ) -> Plan:
     assert plan.pipeline is not None
     layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(plan.stages))
@@ -141,6 +142,7 @@ def _derive_pipeline(
         optimizer=optimizer,
         memory_limit=limit,
         virtual_stages=plan.virtual_stages,
+        recompute=recompute,
     )
     priced = make_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
     stages = tuple(

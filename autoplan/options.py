@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
+from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
@@ -76,6 +77,11 @@ class PlanOptions:
     whichever the plan prices cheaper); "fp16" trains with dynamic loss scaling. None computes
     in the model's own dtypes."""
 
+    recompute: str | None = None
+    """Activation recomputation (`autoplan.graph.recompute`): "none" keeps every activation
+    from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
+    full recomputation); None recomputes only where no plan fits without: every layer, then."""
+
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known
     so far, and the mesh or pipeline (stages, mesh, boundary placement, microbatches) they are
@@ -99,6 +105,11 @@ class PlanOptions:
             object.__setattr__(self, "schedule", INTERLEAVED)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise AutoplanError(
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)} (or None: only where no "
+                f"plan fits without), got {self.recompute!r}"
+            )
         if self.max_layers < 1:
             raise AutoplanError(f"max_layers must be at least 1, got {self.max_layers}")
 
@@ -106,6 +117,13 @@ class PlanOptions:
     def schedules(self) -> tuple[str, ...]:
         """The schedules a pipeline may run: `schedule`, or every one."""
         return SCHEDULES if self.schedule is None else (self.schedule,)
+
+    @property
+    def recompute_tries(self) -> tuple[bool, ...]:
+        """Whether to recompute, in the order to try until a plan fits."""
+        if self.recompute is None:
+            return (False, True)
+        return (self.recompute != "none",)
 
     @property
     def wants_pipeline(self) -> bool | None:

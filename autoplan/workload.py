@@ -82,6 +82,7 @@ class Workload:
         zero_stage: int = 0,
         sequence_parallel: bool = False,
         ep: int = 1,
+        recompute: str = "none",
         options: PlanOptions | None = None,
     ) -> Plan:
         """`autoplan.baseline` of this workload."""
@@ -96,6 +97,7 @@ class Workload:
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
             ep=ep,
+            recompute=recompute,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
             options=options,

@@ -34,6 +34,10 @@ SIZES = {
     "125m": GPTConfig(num_layers=12, dim=768, num_heads=12, vocab_size=50304, seq_len=2048),
     "350m": GPTConfig(num_layers=24, dim=1024, num_heads=16, vocab_size=50304, seq_len=2048),
     "1.3b": GPTConfig(num_layers=24, dim=2048, num_heads=16, vocab_size=50304, seq_len=2048),
+    # Megatron-LM's 1.7B, 3.6B and 7.5B (Narayanan et al. 2021, table 1)
+    "1.7b": GPTConfig(num_layers=24, dim=2304, num_heads=24, vocab_size=51200, seq_len=2048),
+    "3.6b": GPTConfig(num_layers=30, dim=3072, num_heads=32, vocab_size=51200, seq_len=2048),
+    "7.5b": GPTConfig(num_layers=36, dim=4096, num_heads=32, vocab_size=51200, seq_len=2048),
     "2.7b": GPTConfig(num_layers=32, dim=2560, num_heads=32, vocab_size=50304, seq_len=2048),
     "7b": GPTConfig(num_layers=32, dim=4096, num_heads=32, vocab_size=50304, seq_len=2048),
     "13b": GPTConfig(num_layers=40, dim=5120, num_heads=40, vocab_size=50304, seq_len=2048),

@@ -98,6 +98,12 @@ def test_trains_like_one_process_and_as_planned(
     assert r["sends_planned_not_issued"] == [] and r["sends_issued_not_planned"] == [], r
     if any(k in case.name for k in ("pipeline", "gpipe", "1f1b", "interleaved")):
         assert r["stages"] >= 2 and r["axes"][0] == "pp" and r["num_sends"] > 0, r
+    if "recompute" in case.name:  # every layer's blocks under torch.utils.checkpoint
+        assert r["recomputed"] and r["regions"] >= 1, r
+    else:
+        assert r["recomputed"] == [] and r["regions"] == 0, r
+    if "tp-recompute" in case.name:  # the tensor-parallel blocks' forward collectives, again
+        assert r["recompute_collectives"] > 0, r
     else:
         assert r["num_collectives"] > 0, "the plan is fully replicated: the case tests nothing"
 
@@ -325,3 +331,12 @@ def test_export_is_the_whole_state_dict(results: dict[int, dict[str, Any]]) -> N
     four = results[4]["checkpoints"]
     # plain tensors that a fresh model loads strictly (in the worker), as trained
     assert four["export_types"] == ["Tensor"] and four["export"] <= TOLERANCE
+
+
+def test_recomputed_dropout_draws_the_masks_of_forward(results: dict[int, dict[str, Any]]) -> None:
+    """GPT-2 with dropout trains alike with every layer recomputed in backward and without:
+    the recomputed forward draws the masks the first drew (a mask drawn anew would make
+    gradients that do not match the loss)."""
+    for layout, found in results[4]["recompute_dropout"].items():
+        assert found["dropouts"] > 0, (layout, found)
+        assert found["loss"] <= TOLERANCE and found["param"] <= TOLERANCE, (layout, found)

@@ -208,15 +208,17 @@ def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
 
 def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     # A100-like nodes of 2 devices of 40 MiB: the activations of this small GPT need more
-    # than one node has however it is sharded
+    # than one node has however it is sharded, unless recomputed
     base = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json")
     device = dataclasses.replace(base.device, memory_bytes=40 * 2**20)
     node = dataclasses.replace(base, device=device, devices_per_node=2, num_nodes=1, name="tiny")
     w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
+    keep = PlanOptions(recompute="none")
     with pytest.raises(autoplan.errors.InfeasiblePlanError, match="does not fit"):
-        w.plan(node)
+        w.plan(node, keep)
+    assert w.plan(node).recompute  # recomputation fits it on one node
     cluster = node.with_nodes(2)
-    plan = w.plan(cluster)
+    plan = w.plan(cluster, keep)
     assert plan.pipeline is not None and plan.mesh.axes[0] == "pp"
     assert len(plan.stages) == plan.mesh.shape[0] >= 2
     stage_size = math.prod(plan.mesh.shape[1:])

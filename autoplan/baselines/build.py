@@ -52,6 +52,8 @@ from autoplan.graph.cut import (
     stage_graph,
 )
 from autoplan.graph.ir import OP, Graph
+from autoplan.graph.recompute import FULL, chosen
+from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
@@ -189,16 +191,16 @@ def _one_stage(
 ) -> Plan:
     space = baseline_strategies(graph, layout)
     mesh_shape = mesh_of(layout.dp, layout.tp)
-    costs = Pricer(cluster, mesh_shape, optimizer)
+    recompute = chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute)
+    costs = Pricer(cluster, mesh_shape, optimizer, recompute)
     problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
     choice = (0,) * problem.num_groups
     solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
     assignment = assignment_of(space)
     result = IntraOpResult(mesh_shape, assignment, solution, problem)
     rules = {name: ns.source for name, ns in space.items()}
-    return make_plan(
-        graph, cluster, result, price_step(graph, assignment, costs), rules, (mesh_shape,)
-    )
+    step = price_step(graph, assignment, costs)
+    return make_plan(graph, cluster, result, step, rules, (mesh_shape,), recompute)
 
 
 # the stages of a step depend on pp (and virtual_stages) alone: all conventional plans of so
@@ -260,6 +262,7 @@ def _pipelined(
         optimizer=optimizer,
         memory_limit=limit,
         virtual_stages=virtual_stages,
+        recompute=chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute),
     )
     plan = make_pipeline_plan(pipe, cluster, (mesh_shape,))
     named = (
@@ -281,6 +284,7 @@ def baseline(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     ep: int = 1,
+    recompute: str = "none",
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     options: PlanOptions | None = None,
@@ -307,6 +311,9 @@ def baseline(
     are stored and used split by expert, and tokens go to their experts' devices and back
     by all-to-all.
 
+    ``recompute="full"`` recomputes every layer's blocks in backward (Megatron's full
+    activation recomputation, `autoplan.graph.recompute`); so does ``options.recompute``.
+
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
     docstring says how), run with ``options.schedule`` (default "1F1B"); on mesh
@@ -328,7 +335,11 @@ def baseline(
             f"ep={ep}: experts are split along the whole dp axis (GShard), so ep must be 1 or "
             f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
         )
-    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep)
+    if recompute not in RECOMPUTE_MODES:
+        raise AutoplanError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
+    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, recompute == FULL)
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches
@@ -365,11 +376,13 @@ def baseline_of_graph(
     ``num_microbatches`` microbatches when ``pp > 1``; ``options`` give the schedule, the
     optimizer and the memory budget. Raises `InfeasiblePlanError` if it does not fit."""
     options = options or PlanOptions()
+    if options.recompute == FULL:
+        layout = replace(layout, recompute=True)
     dp, tp = layout.dp, layout.tp
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
-    degrees = f"dp={dp} tp={tp}"
+    degrees = f"dp={dp} tp={tp}" + " recompute=full" * layout.recompute
     if pp == 1:
         plan = _one_stage(graph, cluster, layout, optimizer, limit)
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from autoplan.baselines.build import baseline_of_graph
 from autoplan.baselines.propagate import Layout, mesh_of
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.ir import INPUT, Graph
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
@@ -39,15 +39,19 @@ class Degrees:
     sequence_parallel: bool = False
     num_microbatches: int = 1  # of a pipeline; 1 without one
     virtual_stages: int = 1  # stages on each of the pp device groups (Interleaved1F1B: 2)
+    recompute: bool = False  # every layer recomputed in backward
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dp, self.tp, self.zero_stage, self.sequence_parallel)
+        return Layout(
+            self.dp, self.tp, self.zero_stage, self.sequence_parallel, recompute=self.recompute
+        )
 
     def __str__(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" zero{self.zero_stage}" * (self.zero_stage > 0) + " sp" * self.sequence_parallel
         text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
+        text += " recompute" * self.recompute
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
 
@@ -115,17 +119,31 @@ def conventional_plans(
     """The baselines of ``degrees`` that can be written and fit, in order, with their degrees;
     ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
     (asked once per count, in order of first need). Degrees the model does not split by, or
-    that do not fit, are skipped (logged at debug level)."""
+    that do not fit, are skipped (logged at debug level); as the planner does, degrees that
+    fit only with every layer recomputed are tried so unless ``options.recompute`` says."""
     graphs: dict[int, Graph] = {}
+    tries = (options or PlanOptions()).recompute_tries
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
-        try:
-            plan = baseline_of_graph(
-                graph, cluster, d.layout, d.pp, d.num_microbatches, options, d.virtual_stages
-            )
-        except AutoplanError as e:  # InfeasiblePlanError among them
-            log.debug("conventional plan %s skipped: %s", d, e)
-            continue
-        yield d, plan
+        for recompute in tries if not d.recompute else (True,):
+            tried = replace(d, recompute=recompute)
+            try:
+                plan = baseline_of_graph(
+                    graph,
+                    cluster,
+                    tried.layout,
+                    d.pp,
+                    d.num_microbatches,
+                    options,
+                    d.virtual_stages,
+                )
+            except InfeasiblePlanError as e:
+                log.debug("conventional plan %s skipped: %s", tried, e)
+                continue
+            except AutoplanError as e:
+                log.debug("conventional plan %s skipped: %s", tried, e)
+                break
+            yield tried, plan
+            break

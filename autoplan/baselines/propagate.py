@@ -42,6 +42,7 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
+    recompute: bool = False  # every layer recomputed in backward (Megatron's full recomputation)
 
 
 def expert_weights(graph: Graph) -> list[Node]:

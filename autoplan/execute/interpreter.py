@@ -50,6 +50,7 @@ from autoplan.execute.placements import (
     to_dtensor,
 )
 from autoplan.execute.randomness import Draws, is_random
+from autoplan.execute.recompute import Region, checkpointed, with_regions
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -209,6 +210,10 @@ class PlanInterpreter:
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
 
         self.last_uses = last_uses(self.graph, keep=self.sent)
+        recomputed = {
+            n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
+        }
+        self.steps = with_regions(self.graph, recomputed)  # this stage's recomputed layers
 
         # local mean cross-entropies, by each tensor their total weight needs (target, weights)
         self.weighed: dict[str, list[torch.fx.Node]] = {}
@@ -267,28 +272,76 @@ class PlanInterpreter:
 
         for name in values:
             weigh(name)
-        for node in self.graph.nodes:
-            if node.op == "placeholder" or node.name in env:
+        for item in self.steps:
+            if isinstance(item, Region):
+                self._recompute(item, env, placed, totals, weigh)
                 continue
-            if node.op == "output":
+            if item.op == "placeholder" or item.name in env:
+                continue
+            if item.op == "output":
                 if self.sent:
                     break
-                return _map_tensors(node.args[0], lambda n: self._dtensor(n.name, env, placed))
-            if node.target is operator.getitem:
-                if node.args[0].name in env:
-                    env[node.name] = env[node.args[0].name][node.args[1]]
-            elif node.name in self.local:
-                total = totals.get(node.name)
-                total_weight = total.value() if total is not None else None
-                env[node.name] = self._call_local(node, env, placed, total_weight)
-            elif node.name in self.nodes:
-                env[node.name] = self._call(node, env, placed)
-            if node.name in self.weighed:
-                weigh(node.name)
-            for dead in self.last_uses.get(node.name, ()):
-                env.pop(dead, None)
-                placed.pop(dead, None)
+                return _map_tensors(item.args[0], lambda n: self._dtensor(n.name, env, placed))
+            self._step(item, env, placed, totals, weigh)
         return tuple(self._sent(name, env, placed) for name in self.sent)
+
+    def _step(
+        self,
+        node: torch.fx.Node,
+        env: dict[str, Any],
+        placed: Placed,
+        totals: dict[str, _Summed],
+        weigh: Callable[[str], None] | None,
+    ) -> None:
+        """Run one op (``weigh``: start summing the loss weights it completes; None when the
+        op runs again in backward, where those sums are done)."""
+        if node.target is operator.getitem:
+            source: Any = node.args[0]
+            if source.name in env:
+                env[node.name] = env[source.name][node.args[1]]
+        elif node.name in self.local:
+            total = totals.get(node.name)
+            total_weight = total.value() if total is not None else None
+            env[node.name] = self._call_local(node, env, placed, total_weight)
+        elif node.name in self.nodes:
+            env[node.name] = self._call(node, env, placed)
+        if weigh is not None and node.name in self.weighed:
+            weigh(node.name)
+        for dead in self.last_uses.get(node.name, ()):
+            env.pop(dead, None)
+            placed.pop(dead, None)
+
+    def _recompute(
+        self,
+        region: Region,
+        env: dict[str, Any],
+        placed: Placed,
+        totals: dict[str, _Summed],
+        weigh: Callable[[str], None],
+    ) -> None:
+        """Run a recomputed region under ``torch.utils.checkpoint``: in backward it runs again
+        from the values it read (and their placements made before it), drawing the same random
+        numbers, and its ops' saved tensors come from that run."""
+        env_in = {n: env[n] for n in region.reads if n in env}
+        placed_in = {n: dict(placed[n]) for n in region.reads if n in placed}
+        start = self.draws.state
+        runs = 0
+
+        def body() -> None:
+            nonlocal runs
+            runs += 1
+            if runs == 1:
+                for node in region.nodes:
+                    self._step(node, env, placed, totals, weigh)
+                return
+            ahead, self.draws.state = self.draws.state, start
+            again_env = dict(env_in)
+            again_placed = {n: dict(p) for n, p in placed_in.items()}
+            for node in region.nodes:
+                self._step(node, again_env, again_placed, totals, None)
+            self.draws.state = ahead
+
+        checkpointed(body)
 
     def _sent(self, name: str, env: dict[str, Any], placed: Placed) -> torch.Tensor:
         """This rank's shard of ``name`` placed as the boundary, its gradient expected alike.

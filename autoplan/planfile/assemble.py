@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
+from autoplan.graph.recompute import FULL, NO_RECOMPUTE, Recompute
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import (
     CollectivePlan,
@@ -18,6 +19,7 @@ from autoplan.planfile.sections import (
     Placements,
     Predicted,
     Provenance,
+    RecomputedLayer,
     SolverInfo,
     Stage,
     StagePredicted,
@@ -85,6 +87,10 @@ def predicted(step: PricedStep, memory_limit: float) -> Predicted:
     )
 
 
+def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
+    return tuple(RecomputedLayer(name, FULL, ops) for name, ops in recompute.layers)
+
+
 def make_plan(
     graph: Graph,
     cluster: Cluster,
@@ -92,6 +98,7 @@ def make_plan(
     step: PricedStep,
     rules: Mapping[str, str],
     meshes_tried: tuple[tuple[int, ...], ...],
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> Plan:
     assignment = result.assignment
     axes = axis_names(graph, assignment, result.mesh_shape)
@@ -118,6 +125,7 @@ def make_plan(
             meshes_tried=meshes_tried,
         ),
         mixed_precision=graph.precision,
+        recompute=recomputed_layers(recompute),
     )
 
 
@@ -242,4 +250,5 @@ def make_pipeline_plan(
         ),
         pipeline=Pipeline(pipe.schedule, pipe.num_microbatches, pipe.bubble_fraction),
         mixed_precision=graph.precision,
+        recompute=recomputed_layers(pipe.costs.recompute),
     )

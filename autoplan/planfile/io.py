@@ -20,7 +20,8 @@ from typing import Any
 
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
-from autoplan.graph.ir import PARAM
+from autoplan.graph.ir import INPUT, OUTPUT, PARAM
+from autoplan.graph.recompute import FULL
 from autoplan.jsonfields import JsonField
 from autoplan.planfile.sections import (
     PLAN_VERSION,
@@ -32,6 +33,7 @@ from autoplan.planfile.sections import (
     Placements,
     Predicted,
     Provenance,
+    RecomputedLayer,
     SolverInfo,
     Stage,
     StagePredicted,
@@ -46,6 +48,8 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 
 # a parameter's fields that a plan writes only when set (`autoplan.strategies.zero`)
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
+
+RECOMPUTE_MODES = (FULL,)  # a recomputed layer's mode (a layer not recomputed has no entry)
 
 
 def plan_text(data: dict[str, Any]) -> str:
@@ -204,6 +208,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         solver=solver,
         pipeline=pipeline,
         mixed_precision=_read_precision(doc.get("mixed_precision")),
+        recompute=_read_recompute(doc.get("recompute"), nodes, stages),
     )
 
 
@@ -230,6 +235,29 @@ def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:
     if param.grad and param.grad != param.state:
         raise f["grad"].fail("the state's placement (ZeRO-2), or no grad field (as stored)")
     return param
+
+
+def _read_recompute(
+    f: JsonField | None, nodes: Mapping[str, NodePlan], stages: tuple[Stage, ...]
+) -> tuple[RecomputedLayer, ...]:
+    """The recomputed layers: each of ops of one stage (absent: none)."""
+    if f is None:
+        return ()
+    stage_of = {n: s for s, stage in enumerate(stages) for n in stage.nodes}
+    found = []
+    for e in f.elements():
+        layer = RecomputedLayer(
+            layer=e["layer"].text(),
+            mode=e["mode"].one_of(RECOMPUTE_MODES),
+            nodes=tuple(n.text() for n in e["nodes"].elements(min_count=1)),
+        )
+        for i, name in enumerate(layer.nodes):
+            if name not in nodes or nodes[name].op in (PARAM, INPUT, OUTPUT):
+                raise e["nodes"].elements()[i].fail("the name of an op node in nodes")
+        if len({stage_of.get(n) for n in layer.nodes}) != 1:
+            raise e["nodes"].fail("ops of one stage")
+        found.append(layer)
+    return tuple(found)
 
 
 def _check_axes(f: JsonField, c: CollectivePlan, axes: tuple[str, ...]) -> None:

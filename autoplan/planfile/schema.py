@@ -23,6 +23,7 @@ from autoplan.planfile.sections import (
     Pipeline,
     Predicted,
     Provenance,
+    RecomputedLayer,
     SolverInfo,
     Stage,
 )
@@ -44,6 +45,9 @@ class Plan:
     # "bf16" or "fp16" when the step computes in that dtype under autocast (autoplan.precision)
     mixed_precision: str | None = None
     version: int = PLAN_VERSION
+    # the layers recomputed in backward; written only when some are, so that plans without
+    # recomputation read and write as before
+    recompute: tuple[RecomputedLayer, ...] = ()
 
     def param_stages(self) -> dict[str, int]:
         """The stage holding each parameter and buffer, by FQN."""
@@ -68,11 +72,13 @@ class Plan:
     def to_json(self) -> str:
         """Canonical JSON: the same plan always gives the same bytes. Optional fields are
         written only when set, so plans without them have the bytes they had before: a plan
-        in the model's own dtypes has no mixed_precision key, and a parameter no ZeRO-1/2
-        ``grad`` or ``state``."""
+        in the model's own dtypes has no mixed_precision key, one without recomputation no
+        recompute key, and a parameter no ZeRO-1/2 ``grad`` or ``state``."""
         data = asdict(self)
         if data["mixed_precision"] is None:
             del data["mixed_precision"]
+        if not self.recompute:
+            del data["recompute"]
         for param in data["params"].values():
             for key in OPTIONAL_PARAM_FIELDS:
                 if not param[key]:

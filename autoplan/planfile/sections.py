@@ -142,6 +142,17 @@ class CollectivePlan:
 
 
 @dataclass(frozen=True)
+class RecomputedLayer:
+    """A layer whose ops run their forward again in backward instead of keeping their outputs
+    (`autoplan.graph.recompute`); the executor runs each contiguous run of them under
+    ``torch.utils.checkpoint``."""
+
+    layer: str  # "blocks.3", or "ops 0-41"
+    mode: str  # "full"
+    nodes: tuple[str, ...]  # its recomputed ops, in graph order
+
+
+@dataclass(frozen=True)
 class Predicted:
     step_time_s: float
     compute_s: float

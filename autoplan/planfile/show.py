@@ -268,6 +268,22 @@ def _precision_line(precision: str) -> str:
     )
 
 
+def recompute_lines(plan: Plan) -> list[str]:
+    """Which layers recompute their forward in backward, with a blank line after; none when
+    no layer does."""
+    if not plan.recompute:
+        return []
+    names = [layer.layer for layer in plan.recompute]
+    shown = ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]}"
+    ops = sum(len(layer.nodes) for layer in plan.recompute)
+    modes = "/".join(sorted({layer.mode for layer in plan.recompute}))
+    return [
+        f"activation recomputation ({modes}): {len(names)} layer(s), {shown} ({ops} ops run "
+        "their forward again in backward, under torch.utils.checkpoint)",
+        "",
+    ]
+
+
 def summary(plan: Plan) -> str:
     pv, pr, so = plan.provenance, plan.predicted, plan.solver
     mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh.axes, plan.mesh.shape, strict=True))
@@ -283,6 +299,7 @@ def summary(plan: Plan) -> str:
         *_param_lines(plan),
         *(["", "in words:", *words] if (words := _words(plan)) else []),
         "",
+        *recompute_lines(plan),
         "collectives per step:"
         if plan.pipeline is None
         else "collectives (all stages; forward and backward ones once per microbatch):",

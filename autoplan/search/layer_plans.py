@@ -135,10 +135,12 @@ class StageSolver:
             if any(p is None for p in parts):
                 return None  # a tighter budget cannot help
             done = [p for p in parts if p is not None]
+            # one recomputed layer's activations at a time: the largest
+            transient = max(p.recompute_bytes for p in done)
             found = RangeCost(
                 time_s=sum(p.time_s for p in done),
                 extra_s=sum(p.extra_s for p in done),
-                memory_bytes=sum(p.memory_bytes for p in done),
+                memory_bytes=sum(p.memory_bytes - p.recompute_bytes for p in done) + transient,
                 activation_bytes=sum(p.activation_bytes for p in done),
                 level=level,
             )

@@ -29,6 +29,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
 from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
+from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.schedules import group_order, peak_in_flight, simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
@@ -52,9 +53,10 @@ class SolvedStage:
     forward_s: float
     send_s: float  # the boundary tensors to the next stage and their gradients back
     extra_s: float  # gradient synchronization and optimizer update, once per step
-    memory_bytes: float  # parameters, gradients, optimizer state
+    memory_bytes: float  # parameters, gradients, optimizer state; a recomputed layer's
     activation_bytes: float  # one microbatch in flight
     solver: SolverStats
+    recompute_bytes: float = 0.0  # of memory_bytes, its largest recomputed layer's activations
 
 
 @dataclass(frozen=True)
@@ -142,12 +144,13 @@ def priced_stage(
     """A stage's price from its step's: the parameters' updates and the gradient
     synchronization are its once-per-step ``extra_s``, the rest its time per microbatch, split
     into forward and backward by FLOPs; its parameters and inputs are the memory it holds
-    once, the rest one microbatch's activations."""
+    once (with the activations of its largest recomputed layer, made again in backward one
+    microbatch at a time), the rest one microbatch's activations."""
     graph = stage.graph
     extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
     extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
     extra += sum(costs.internal_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
-    static = sum(
+    static = step.recompute_bytes + sum(
         costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
     )
     flops = sum(n.flops for n in graph)
@@ -167,6 +170,7 @@ def priced_stage(
         memory_bytes=static,
         activation_bytes=step.memory_bytes - static,
         solver=solver,
+        recompute_bytes=step.recompute_bytes,
     )
 
 
@@ -262,12 +266,14 @@ def price_pipeline(
     optimizer: str,
     memory_limit: float,
     virtual_stages: int = 1,
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> PipelinePlan:
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
     ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
-    (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``."""
+    (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``,
+    recomputing ``recompute``."""
     sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
-    costs = Pricer(sub_cluster, mesh_shape, optimizer)
+    costs = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
     stages = []
     for s, (stage, assignment) in enumerate(zip(stage_graphs, assignments, strict=True)):
         step = price_step(stage.graph, assignment, costs)

@@ -29,6 +29,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import Recompute, chosen
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
@@ -66,6 +67,7 @@ def plan_pipeline(
     batch: int,
     memory_limit: float,
     tally: Tally,
+    recompute: bool = False,
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
@@ -78,7 +80,8 @@ def plan_pipeline(
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
     planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
-    the one count serves, as in Alpa."""
+    the one count serves, as in Alpa. ``recompute``: every layer recomputes in backward
+    (`autoplan.graph.recompute`)."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
@@ -92,7 +95,7 @@ def plan_pipeline(
     best: PipelinePlan | None = None
     while True:
         found = _best_for_count(
-            cluster, options, memory_limit, graph_for(count), sizes, count, tally
+            cluster, options, memory_limit, graph_for(count), sizes, count, tally, recompute
         )
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
@@ -110,6 +113,7 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
+    recompute: bool,
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""
@@ -126,6 +130,7 @@ def _best_for_count(
             f"({', '.join(layer.name for layer in layers)}); use at most {len(layers)} stages"
         )
     parts = LayerGraphs.of(graph, layers)
+    recomputed = chosen(graph, options.max_layers, recompute)
     tried = {
         size: _configurations(cluster, options, size, num_microbatches, len(layers))
         for size in sizes
@@ -135,8 +140,9 @@ def _best_for_count(
     best: PipelinePlan | None = None
     for size, configurations in tried.items():
         found = _best_for_size(
-            cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally
-        )
+            cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally,
+            recomputed,
+        )  # fmt: skip
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
@@ -197,6 +203,7 @@ def _best_for_size(
     num_microbatches: int,
     configurations: Sequence[tuple[tuple[int, ...], Spec]],
     tally: Tally,
+    recompute: Recompute,
 ) -> PipelinePlan | None:
     """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
     (logical mesh, boundary placement) and schedules."""
@@ -205,7 +212,7 @@ def _best_for_size(
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
     best: PipelinePlan | None = None
     for mesh, boundary in configurations:
-        costs = Pricer(sub_cluster, mesh, options.optimizer)
+        costs = Pricer(sub_cluster, mesh, options.optimizer, recompute)
         label = (
             f"{num_stages} stages of mesh {mesh}, boundary {'/'.join(boundary)}, "
             f"{num_microbatches} microbatches"

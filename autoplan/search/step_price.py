@@ -28,6 +28,9 @@ class PricedStep:
     comm_s: float
     memory_bytes: float
     collectives: tuple[tuple[str, str, Phased], ...]  # (consumer, producer, collective)
+    # of memory_bytes, what the largest recomputed layer holds while its backward runs: once
+    # per stage, however many microbatches are in flight
+    recompute_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -50,8 +53,15 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
     are redistributed, once per tensor whose gradient is, and once for the parameters'
     gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
-    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes."""
+    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes.
+
+    Recomputed ops (`Pricer.recompute`) keep only the outputs that leave their layer; the
+    others are alive only while their layer's backward runs, so the step holds those of its
+    largest recomputed layer. The forward redistributions of a recomputed op that is the first
+    to need them are issued again in backward (phase "recompute")."""
     compute = memory = comm = host = 0.0
+    recompute = costs.recompute
+    dropped: dict[int, float] = defaultdict(float)  # by recomputed layer
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
     needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
@@ -59,7 +69,10 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
         s = assignment[node.name]
         compute += costs.node_time(node, s)
         host += costs.host_time(node)
-        memory += costs.node_memory(node, s)
+        if recompute.drops(node.name):
+            dropped[recompute.layer_of[node.name]] += costs.activation_memory(node, s)
+        else:
+            memory += costs.node_memory(node, s)
         comm += costs.internal_time(node, s)
         found += [(node.name, node.name, p) for p in costs.internal(node, s)]
         for i, ref in enumerate(node.refs):
@@ -81,6 +94,10 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
         found += [(user, name, Phased(c, "forward")) for c in fwd]
         if fwd:
             waits.add(("forward", user))
+            if recompute.recomputes(user):
+                comm += seconds
+                found += [(user, name, Phased(c, "recompute")) for c in fwd]
+                waits.add(("recompute", user))
         if grad is None:
             continue
         seconds, bwd = costs.gradient(tensor, grad, assignment[name])
@@ -107,4 +124,5 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     comm += costs.gradients_s([p for _, _, p in gradients])
     found += gradients
     comm += len(waits) * costs.sync_s
-    return PricedStep(max(compute, host), comm, memory, tuple(found))
+    transient = max(dropped.values(), default=0.0)
+    return PricedStep(max(compute, host), comm, memory + transient, tuple(found), transient)

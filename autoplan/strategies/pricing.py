@@ -10,6 +10,8 @@
   update runs on the state's shard and is gathered back (`internal`); its memory is the
   parameter as stored, its gradient as kept, and the shard's state and master copy.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
+* A recomputed op (`autoplan.graph.recompute`) runs its forward twice, and keeps its output
+  only where it leaves its layer; the rest the ILP counts at the recomputation's share.
 * An edge's time is the forward redistribution from the producer's placement to the one the
   consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
   where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a
@@ -37,6 +39,7 @@ from autoplan.cluster.timing import (
     with_overhead,
 )
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
+from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
@@ -58,14 +61,21 @@ class Phased:
     """A collective with the phase of the step that issues it."""
 
     collective: Collective
-    phase: str  # "forward" | "backward" | "grad_sync" | "update" (after the optimizer step)
+    phase: str  # "forward" | "backward" | "grad_sync" | "update" (after the optimizer step) |
+    # "recompute" (forward's, again in backward)
     params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
 class Pricer:
     """Prices strategies and edges for one (cluster, logical mesh, optimizer)."""
 
-    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], optimizer: str) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        mesh_shape: tuple[int, ...],
+        optimizer: str,
+        recompute: Recompute = NO_RECOMPUTE,
+    ) -> None:
         if optimizer not in OPTIMIZER_STATE:
             raise ValueError(
                 f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE)}"
@@ -73,6 +83,7 @@ class Pricer:
         self.cluster = cluster
         self.mesh_shape = mesh_shape
         self.state_per_elem = OPTIMIZER_STATE[optimizer]
+        self.recompute = recompute
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
         self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
@@ -103,17 +114,21 @@ class Pricer:
             return with_overhead(self.cluster, update)  # its gradient's accumulation node
         if node.kind != "op":
             return 0.0
+        again = self.recompute.recomputes(node.name)  # its forward runs again in backward
         if node.is_view:
-            return with_overhead(self.cluster, 0.0, "view")
+            return with_overhead(self.cluster, 0.0, "view") * (2 if again else 1)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
         # backward moves about twice the forward's bytes (grad in, grad out, saved input)
         moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
         seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
         transcendental = node.transcendental * itemsize(dtype) / f
-        return with_overhead(
-            self.cluster, seconds + activation_time(self.cluster, transcendental, dtype), node.op
-        )
+        activation = activation_time(self.cluster, transcendental, dtype)
+        total = with_overhead(self.cluster, seconds + activation, node.op)
+        if again:  # the forward's compute, and half the activation's
+            forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
+            total += with_overhead(self.cluster, forward + activation / 2, node.op)
+        return total
 
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
@@ -123,7 +138,8 @@ class Pricer:
             return host_overhead(self.cluster) if node.needs_grad else 0.0
         if node.kind != "op":
             return 0.0
-        return host_overhead(self.cluster, "view" if node.is_view else node.op)
+        seconds = host_overhead(self.cluster, "view" if node.is_view else node.op)
+        return 2 * seconds if self.recompute.recomputes(node.name) else seconds
 
     def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs.
@@ -218,7 +234,12 @@ class Pricer:
             grads = local_numel(strategy.grad_target, info.shape, self.mesh_shape)
             shard = local_numel(strategy.state, info.shape, self.mesh_shape)
             return float((elems + grads + shard * (1 + self.state_per_elem)) * size)
-        if node.kind == OUTPUT or node.is_view or not node.needs_grad:
+        saved = self.activation_memory(node, strategy)
+        return saved * self.recompute.share if self.recompute.drops(node.name) else saved
+
+    def activation_memory(self, node: Node, strategy: Strategy) -> float:
+        """The bytes of an op's output that backward needs (0 for parameters and inputs)."""
+        if node.kind != "op" or node.is_view or not node.needs_grad:
             return 0.0
         return float(
             sum(

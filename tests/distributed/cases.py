@@ -148,6 +148,19 @@ def pipeline(
     return lambda w: options
 
 
+def recomputed(
+    layout: Callable[[Workload], PlanOptions | Plan],
+) -> Callable[[Workload], PlanOptions | Plan]:
+    """``layout``'s options with every layer recomputed in backward."""
+
+    def options(w: Workload) -> PlanOptions | Plan:
+        found = layout(w)
+        assert isinstance(found, PlanOptions)
+        return dataclasses.replace(found, recompute="full")
+
+    return options
+
+
 MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
@@ -301,6 +314,28 @@ CASES = [
             zero12(stage),
         )
         for stage in (1, 2)
+    ],
+    # every layer recomputed in backward (torch.utils.checkpoint): its forward collectives
+    # issued again, as the plan lists them
+    Case("gpt-dp-recompute", "gpt", GPT, recomputed(lambda w: data_parallel(w, (4,)))),
+    Case("gpt-tp-recompute", "gpt", GPT, recomputed(lambda w: gpt_megatron(w, (4,)))),
+    Case("gpt-2x2-recompute", "gpt", {**GPT, "batch_size": 8}, recomputed(own((2, 2)))),
+    Case("mlp-tp-recompute", "mlp", MLP_SMALL_BATCH, recomputed(lambda w: mlp_megatron(w, (4,)))),
+    Case(
+        "gpt-baseline-2x2-recompute",
+        "gpt",
+        {**GPT, "batch_size": 8},
+        baseline_plan(dp=2, tp=2, recompute="full"),
+    ),
+    Case("gpt-1f1b-2-recompute", "gpt", GPT, recomputed(pipeline(stages=2, microbatches=4)), 2),
+    *[
+        Case(
+            f"zoo-{model}-recompute",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            recomputed(own()),
+        )
+        for model in ("llama", "bert")
     ],
     # two blocks per stage
     Case(

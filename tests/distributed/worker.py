@@ -27,6 +27,7 @@ from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
+from autoplan.execute.recompute import Region  # noqa: E402
 from autoplan.precision import LossScaler  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
@@ -141,7 +142,17 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "dtensor_ops": _dtensor_ops(step),
         "local_leaves": _local_leaves(step),
         "kept": sorted(n.module for n in step.plan.nodes.values() if n.grad),
+        "recomputed": [layer.layer for layer in step.plan.recompute],
+        "recompute_collectives": sum(c.phase == "recompute" for c in step.plan.collectives),
+        "regions": _regions(step),
     }
+
+
+def _regions(step: autoplan.Step) -> int:
+    """How many regions of this rank's stage run under torch.utils.checkpoint."""
+    module = step.pipeline.module if step.pipeline is not None else step.module
+    assert module is not None
+    return sum(isinstance(item, Region) for item in module.interpreter.steps)
 
 
 def _local_leaves(step: autoplan.Step) -> list[int]:
@@ -445,6 +456,32 @@ def randomness(c: autoplan.Cluster) -> dict[str, Any]:
     return found
 
 
+def recompute_dropout(c: autoplan.Cluster) -> dict[str, dict[str, float]]:
+    """GPT-2 with dropout, trained with every layer recomputed and without, on one plan
+    otherwise: the recomputed forward must draw the masks the first drew, so both train
+    alike. The largest loss and parameter differences, per layout."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="gpt2-dropout", batch_size=16)
+    layouts = {"dp": data_parallel(w, (world_size(),)), "own-2x2": autoplan.PlanOptions((2, 2))}
+    found = {}
+    for name, options in layouts.items():
+        runs = []
+        for recompute in ("none", "full"):
+            torch.manual_seed(0)  # the executor's draws start from rank 0's generator
+            step = parallel(w, c, options=dataclasses.replace(options, recompute=recompute))
+            assert step.plan is not None and bool(step.plan.recompute) == (recompute == "full")
+            losses = [step(w.example_inputs, w.example_target).item() for _ in range(STEPS)]
+            runs.append((losses, step.state_dict()))
+            recomputed = {n for layer in step.plan.recompute for n in layer.nodes}
+        (plain, plain_params), (again, again_params) = runs
+        found[name] = {
+            "loss": max(abs(a - b) for a, b in zip(plain, again, strict=True)),
+            "param": max((plain_params[n] - v).abs().max().item() for n, v in again_params.items()),
+            # dropouts that run again in backward
+            "dropouts": sum("dropout" in step.plan.nodes[n].op for n in recomputed),
+        }
+    return found
+
+
 def world_size() -> int:
     return dist.get_world_size()
 
@@ -463,6 +500,8 @@ def main() -> None:
     results["accumulation"] = accumulation(c)
     results["optimizers"] = optimizers(c)
     results["randomness"] = randomness(c)
+    if world == 4:
+        results["recompute_dropout"] = recompute_dropout(c)
     results["checkpoints"] = checkpoints(c, out.parent)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()

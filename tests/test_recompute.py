@@ -1,0 +1,219 @@
+"""Activation recomputation: chosen where nothing fits without it, priced, written per layer,
+read back and shown. (Training with it, on 4 and 2 gloo ranks: tests/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import autoplan
+from autoplan import PlanOptions
+from autoplan.cli import main
+from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
+from autoplan.graph.ir import OP
+from autoplan.graph.recompute import Recompute, recompute_layers, recomputed_ops
+from autoplan.planfile.check import assignment_of
+from autoplan.planfile.show import summary
+from autoplan.search.recompute_choice import fewest_layers
+from autoplan.search.step_price import PricedStep, price_step
+from autoplan.strategies.pricing import Pricer
+from autoplan.workload import load_workload
+from tests.conftest import ROOT, example
+
+GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(cpu4: autoplan.Cluster) -> tuple[autoplan.Plan, autoplan.Plan]:
+    """Megatron's tensor-parallel GPT over 4 ranks, without and with full recomputation."""
+    w = example("gpt", **GPT)
+    return w.baseline(cpu4, dp=1, tp=4), w.baseline(cpu4, dp=1, tp=4, recompute="full")
+
+
+def test_unknown_modes_are_refused(cpu4: autoplan.Cluster) -> None:
+    with pytest.raises(AutoplanError, match="recompute must be one of none, full"):
+        PlanOptions(recompute="selective")
+    with pytest.raises(AutoplanError, match="recompute must be one of none, full"):
+        example("gpt", **GPT).baseline(cpu4, dp=4, tp=1, recompute="yes")
+
+
+def test_every_block_recomputes_and_only_blocks(
+    tensor_parallel: tuple[autoplan.Plan, autoplan.Plan],
+) -> None:
+    plain, full = tensor_parallel
+    assert plain.recompute == ()
+    assert [layer.layer for layer in full.recompute] == ["blocks.0", "blocks.1"]
+    for i, layer in enumerate(full.recompute):
+        assert layer.mode == "full"
+        # every op of the block, in graph order (the embedding, head and loss stay outside)
+        ops = [
+            n
+            for n, p in full.nodes.items()
+            if f"{p.module}.".startswith(f"blocks.{i}.") and p.op not in ("param", "output")
+        ]
+        assert list(layer.nodes) == ops
+
+
+def test_recomputation_trades_time_for_memory(
+    tensor_parallel: tuple[autoplan.Plan, autoplan.Plan],
+) -> None:
+    plain, full = tensor_parallel
+    assert plain.nodes == full.nodes and plain.params == full.params  # one layout
+    assert full.predicted.compute_s > plain.predicted.compute_s
+    assert full.predicted.comm_s > plain.predicted.comm_s  # the blocks' all-reduces, again
+    assert full.predicted.peak_memory_bytes < plain.predicted.peak_memory_bytes
+    # the recomputed forward issues the forward collectives of the recomputed ops again
+    recomputed = {n for layer in full.recompute for n in layer.nodes}
+
+    def listed(phase: str, only: set[str] | None = None) -> Counter[tuple[object, ...]]:
+        return Counter(
+            (c.kind, c.axes, c.bytes, c.node, c.tensor)
+            for c in full.collectives
+            if c.phase == phase and (only is None or c.node in only)
+        )
+
+    assert listed("recompute") == listed("forward", recomputed) and listed("recompute")
+    rest = [dataclasses.replace(c, phase="-") for c in full.collectives if c.phase != "recompute"]
+    assert rest == [dataclasses.replace(c, phase="-") for c in plain.collectives]
+
+
+def test_plans_read_back_and_show_it(
+    tensor_parallel: tuple[autoplan.Plan, autoplan.Plan], cpu4: autoplan.Cluster, tmp_path: Path
+) -> None:
+    plain, full = tensor_parallel
+    assert '"recompute"' not in plain.to_json()  # plans without it are written as before
+    path = tmp_path / "plan.json"
+    full.save(str(path))
+    assert autoplan.Plan.from_json(str(path)) == full
+    assert example("gpt", **GPT).estimate(str(path), cpu4) == full  # re-priced alike
+    text = summary(full)
+    assert "activation recomputation (full): 2 layer(s), blocks.0, blocks.1 (" in text
+    assert "recompute " in text  # its collectives
+    assert "recomputation" not in summary(plain)
+
+
+def _first_param(doc: dict[str, Any]) -> str:
+    return next(n for n, p in doc["nodes"].items() if p["op"] == "param")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda doc: {"mode": "selective"}, r"recompute\[0\]\.mode.*one of full"),
+        (lambda doc: {"nodes": [_first_param(doc)]}, r"recompute\[0\]\.nodes\[0\].*an op node"),
+        (lambda doc: {"nodes": []}, r"recompute\[0\]\.nodes"),
+        (lambda doc: {"nodes": ["no_such_node"]}, r"an op node"),
+    ],
+)
+def test_malformed_recomputation_is_refused(
+    tensor_parallel: tuple[autoplan.Plan, autoplan.Plan],
+    edit: Callable[[dict[str, Any]], dict[str, Any]],
+    message: str,
+) -> None:
+    doc = json.loads(tensor_parallel[1].to_json())
+    doc["recompute"][0].update(edit(doc))
+    with pytest.raises(PlanFormatError, match=message):
+        autoplan.Plan.from_json(json.dumps(doc))
+
+
+def test_ops_between_blocks_recompute(cpu4: autoplan.Cluster) -> None:
+    """The MLP's blocks are its Linear layers (``layers.3``); the ReLUs between them recompute
+    with them, the loss after the last does not."""
+    w = example("mlp")
+    found = w.baseline(cpu4, dp=4, tp=1, recompute="full")
+    ops = [n for n in w.trace() if n.kind == OP]
+    recomputed = [n for layer in found.recompute for n in layer.nodes]
+    assert len(found.recompute) == sum(1 for n in ops if n.op == "aten.linear.default") > 2
+    assert [n for n in recomputed if "relu" in n] == [n.name for n in ops if "relu" in n.op]
+    assert recomputed == [n.name for n in ops[: len(recomputed)]]  # from the first op on
+
+
+def test_without_blocks_every_op_recomputes(cpu4: autoplan.Cluster) -> None:
+    w = load_workload(ROOT / "tests/models/zoo.py", model="cnn", batch_size=8)
+    found = w.baseline(cpu4, dp=4, tp=1, recompute="full")
+    recomputed = [n for layer in found.recompute for n in layer.nodes]
+    assert len(found.recompute) > 1
+    assert recomputed == [n.name for n in w.trace() if n.kind == OP]
+
+
+def test_the_fewest_layers_that_fit_recompute(cpu4: autoplan.Cluster) -> None:
+    """Time grows with each layer recomputed, and memory falls from the second on (one
+    recomputed layer's activations are held while its backward runs); `fewest_layers` takes
+    the least number of layers (from the first) that fits."""
+    w = example("gpt", size="small", num_layers=4, batch_size=4, seq_len=64)
+    graph = w.trace()
+    assignment = assignment_of(w.baseline(cpu4, dp=1, tp=4), graph)
+
+    def price(recompute: Recompute) -> PricedStep:
+        return price_step(graph, assignment, Pricer(cpu4, (4,), "adamw", recompute))
+
+    layers = recompute_layers(graph, 16)
+    ops = [(layer.name, recomputed_ops(graph, layer)) for layer in layers]
+    steps = [price(Recompute.of(graph, ops[:k])) for k in range(len(ops) + 1)]
+    assert len(steps) == 5
+    assert steps[1].memory_bytes == steps[0].memory_bytes
+    for fewer, more in itertools.pairwise(steps):
+        assert more.time_s > fewer.time_s
+        assert more.memory_bytes < fewer.memory_bytes or fewer is steps[0]
+    found = fewest_layers(graph, layers, price, steps[2].memory_bytes)
+    assert found is not None
+    assert [name for name, _ in found[0].layers] == ["blocks.0", "blocks.1"]
+    assert found[1] == steps[2]
+    assert fewest_layers(graph, layers, price, steps[-1].memory_bytes - 1) is None
+
+
+def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
+    """Megatron-LM's 1.7B GPT as Megatron trains it: data parallel over 32 A100s, 16
+    sequences of 2048 each, bf16. Without recomputation it needs 77.5 GiB a device, so
+    Megatron recomputes every block; the planner, held to data parallelism, recomputes the
+    fewest blocks that fit, and is faster."""
+    a100 = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=4)
+    w = example("gpt", size="1.7b", batch_size=512, device="meta", dtype="bfloat16")
+    with pytest.raises(InfeasiblePlanError, match=r"needs 77\.49 GiB"):
+        w.baseline(a100, dp=32, tp=1)
+    megatron = w.baseline(a100, dp=32, tp=1, recompute="full")
+    assert len(megatron.recompute) == 24
+    params = [n for n, _ in w.model.named_parameters()]
+    pins = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(params, "R")}
+    found = w.plan(a100, PlanOptions(mesh_shape=(32,), pin=pins))
+    recomputed = [layer.layer for layer in found.recompute]
+    assert (
+        recomputed == [f"blocks.{i}" for i in range(len(recomputed))] and 0 < len(recomputed) < 24
+    )
+    limit = found.predicted.memory_limit_bytes
+    assert megatron.predicted.peak_memory_bytes < found.predicted.peak_memory_bytes <= limit
+    assert found.predicted.step_time_s < megatron.predicted.step_time_s
+
+
+def test_cli_plans_with_recompute_and_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    mlp, cpu4 = ROOT / "examples/mlp.py", ROOT / "costmodels/cpu-gloo-4.json"
+    args = ["-q", "plan", str(mlp), "--cluster", str(cpu4), "--set", "hidden=64", "--mesh", "4"]
+    assert main([*args, "--recompute", "full", "-o", str(out)]) == 0
+    assert main(["show", str(out)]) == 0
+    assert "activation recomputation (full): 6 layer(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
+        main([*args, "--recompute", "some", "-o", str(out)])
+    assert "invalid choice: 'some' (choose from 'none', 'full')" in capsys.readouterr().err
+
+
+def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    options = PlanOptions(num_stages=2, num_microbatches=4, mesh_shape=(2,), recompute="full")
+    found = w.plan(cpu4, options)
+    assert [layer.layer for layer in found.recompute] == [f"blocks.{i}" for i in range(4)]
+    for layer in found.recompute:  # each layer on one stage
+        assert sum(set(layer.nodes) <= set(stage.nodes) for stage in found.stages) == 1
+    plain = w.plan(cpu4, dataclasses.replace(options, recompute="none"))
+    assert found.stages[0].predicted is not None and plain.stages[0].predicted is not None
+    assert found.stages[0].predicted.time_s > plain.stages[0].predicted.time_s
+    assert w.estimate(found, cpu4) == found
