@@ -181,7 +181,10 @@ def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     megatron = w.baseline(a100, dp=32, tp=1, recompute="full")
     assert len(megatron.recompute) == 24
     params = [n for n, _ in w.model.named_parameters()]
-    pins = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(params, "R")}
+    # Megatron's data parallelism: every parameter and its optimizer state whole (the planner
+    # would rather split the state, ZeRO-2, and fit without recomputing)
+    whole = {"storage": "R", "use": "R", "state": "R"}
+    pins = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(params, whole)}
     found = w.plan(a100, PlanOptions(mesh_shape=(32,), pin=pins))
     recomputed = [layer.layer for layer in found.recompute]
     assert (
