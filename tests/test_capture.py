@@ -204,20 +204,6 @@ def test_no_grad_and_autocast_off_regions_are_inlined_with_their_gradients() -> 
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
 
 
-def test_an_enabled_autocast_region_is_refused_by_name() -> None:
-    class Autocast(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return self.fc(x).float().sum()
-
-    with pytest.raises(TraceError, match=r"torch\.autocast\('cpu', dtype=torch\.bfloat16\)"):
-        capture(Autocast(), (torch.randn(4, 8),))
-
-
 def test_blocks_that_make_tensors_in_forward_still_share_decisions() -> None:
     # Hugging Face's Llama makes a tensor in each attention's forward; export numbers them
     # across the model, which must not make the blocks look different
