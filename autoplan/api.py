@@ -67,6 +67,7 @@ def plan(
 
     traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
 
+    @functools.cache  # the search with and without recomputation asks for the same counts
     def microbatch_graph(count: int) -> Graph:
         return graph if count == 1 else traced(count)  # the whole batch: the step just traced
 

@@ -129,6 +129,15 @@ def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str
 
 def _propagate(
     graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+) -> Mapping[str, AxisRule]:
+    """`_propagated`, once per graph and axis (most conventional plans of a step share their
+    axes: the dp axis for all tp degrees, the tp axis for all dp degrees and ZeRO stages)."""
+    key = ("propagated", frozenset(seeds.items()), sequence, move)
+    return graph.memo(key, lambda: _propagated(graph, seeds, sequence=sequence, move=move))
+
+
+def _propagated(
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
 ) -> dict[str, AxisRule]:
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
     partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,

@@ -196,7 +196,7 @@ def _check_tp_divides(graph: Graph, regions: Sequence[Region], tp: int) -> None:
 def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     """The ``tp`` axis's seeds (parameter -> stored, read placements) from the regions of
     ``graph``, checked to split evenly over ``tp`` devices."""
-    regions = find_regions(graph)
+    regions = graph.memo("tensor-parallel regions", lambda: find_regions(graph))
     if not regions:
         raise AutoplanError(
             f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "

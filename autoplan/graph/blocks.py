@@ -9,6 +9,7 @@ reachable), and a 96-layer model costs about as much to solve as two layers.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Hashable
@@ -22,7 +23,11 @@ _INDEXED = re.compile(r"^(.*?\b[A-Za-z_]\w*)\.(\d+)(?:\.|$)")
 
 def block_of(node: Node) -> str | None:
     """``"blocks.3"`` for a node inside the 4th block of a ModuleList, else None."""
-    path = node.target if node.kind == PARAM else node.module_path
+    return _block_of_path(node.target if node.kind == PARAM else node.module_path)
+
+
+@functools.cache  # asked millions of times by the planner and the conventional plans
+def _block_of_path(path: str) -> str | None:
     m = _INDEXED.match(path)
     return f"{m.group(1)}.{m.group(2)}" if m else None
 

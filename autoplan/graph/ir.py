@@ -8,11 +8,13 @@ a networkx DAG, for the graph algorithms the planner runs on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import networkx as nx
+
+T = TypeVar("T")
 
 # Node kinds.
 PARAM = "param"  # a trainable parameter (or a buffer: ``trainable`` False)
@@ -87,6 +89,15 @@ class Node:
     # elements through which the forward evaluates a transcendental function (graph/flops.py)
     transcendental: float = 0.0
 
+    def __hash__(self) -> int:
+        # nodes key the planner's rule caches, asked a million times for a large model: the
+        # hash of the fields (nested arguments and all) is made once
+        cache = self.__dict__.get("_hash_cache")
+        if cache is None:
+            cache = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash_cache", cache)
+        return cache
+
     @property
     def output(self) -> TensorInfo:
         assert len(self.outputs) == 1, f"{self.name} has {len(self.outputs)} outputs"
@@ -150,6 +161,14 @@ class Graph:
             )
             object.__setattr__(self, "_dataflow_cache", cache)
         return cache
+
+    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, made once per graph and ``key``: for facts that follow from the nodes
+        alone and are asked for again and again (by every conventional plan, say)."""
+        memos = self.__dict__.setdefault("_memos", {})
+        if key not in memos:
+            memos[key] = make()
+        return memos[key]
 
     def users(self, name: str) -> tuple[str, ...]:
         """The nodes that read node ``name``, in graph order."""

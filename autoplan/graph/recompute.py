@@ -39,11 +39,15 @@ def recomputed_ops(graph: Graph, layer: Layer) -> tuple[str, ...]:
     step's first op inside a block to its last (all when the model has no blocks), so that
     the embedding, the head and the loss stay out, and ops between blocks (an activation
     applied outside them) stay in."""
+    span = graph.memo("recomputed span", lambda: _recomputed_span(graph))
+    return tuple(n for n in layer.nodes if n in span)
+
+
+def _recomputed_span(graph: Graph) -> frozenset[str]:
     ops = [n for n in graph if n.kind == OP]
     inside = [i for i, n in enumerate(ops) if block_of(n) is not None]
     first, last = (inside[0], inside[-1]) if inside else (0, len(ops) - 1)
-    span = {n.name for n in ops[first : last + 1]}
-    return tuple(n for n in layer.nodes if n in span)
+    return frozenset(n.name for n in ops[first : last + 1])
 
 
 @dataclass(frozen=True)
@@ -93,4 +97,7 @@ def chosen(graph: Graph, max_layers: int, recompute: bool) -> Recompute:
     """Every layer of ``graph`` (`recompute_layers`) recomputed, or none."""
     if not recompute:
         return NO_RECOMPUTE
-    return Recompute.every_layer(graph, recompute_layers(graph, max_layers))
+    return graph.memo(
+        ("every layer recomputed", max_layers),
+        lambda: Recompute.every_layer(graph, recompute_layers(graph, max_layers)),
+    )
