@@ -44,8 +44,8 @@ class PlanOptions:
     """The share of each device's memory a plan may use, in (0, 1]."""
 
     time_limit_s: float = 60.0
-    """Seconds each ILP solve may take; the best solution found by then is kept (with a
-    warning)."""
+    """Seconds each ILP solve may take (a pipeline layer's at most 10 s); the best solution
+    found by then is kept (with a warning)."""
 
     pipeline: bool | None = None
     """None weighs pipeline stages against one stage when the cluster has several nodes, its

@@ -13,14 +13,19 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.errors import AutoplanError, PlanFormatError
-from autoplan.graph.capture import capture
+from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
+from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.crossing import crossing_points
-from autoplan.graph.cut import Layer, cut_layers, shared_params, stage_graph
+from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph
+from autoplan.graph.recompute import NO_RECOMPUTE, chosen
+from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import sent_bytes
-from autoplan.search.stage_layout import boundary_specs, stage_sizes
-from tests.conftest import example
+from autoplan.search.pipeline_search import _may_fit
+from autoplan.search.stage_layout import boundary_specs, stage_cluster, stage_sizes
+from autoplan.strategies.pricing import Pricer
+from autoplan.strategies.space import node_strategies
+from tests.conftest import ROOT, example
 from tests.distributed.cases import data_parallel
 
 
@@ -336,3 +341,44 @@ def test_ranks_sharing_cores_weigh_pipelines_by_default(cpu4: autoplan.Cluster) 
     # pins hold for one stage only: never silently dropped for a pipeline
     pinned = w.plan(shared, data_parallel(w, (4,)))
     assert pinned.pipeline is None
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_memory_floor_is_under_every_strategy(mesh: tuple[int, ...], recomputed: bool) -> None:
+    # the pipeline search skips stage sizes on these floors: a floor above what some strategy
+    # needs would skip plans that fit
+    graph = _gpt_graph(num_layers=2)
+    cluster = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
+    costs = Pricer(cluster, mesh, "adam", chosen(graph, DEFAULT_MAX_LAYERS, recomputed))
+    checked = 0
+    for node in graph:
+        for strategy in node_strategies(node, graph, mesh).strategies:
+            assert costs.memory_floor(node) <= costs.node_memory(node, strategy) + 1e-6, node.name
+            checked += 1
+    assert checked > len(graph)
+    assert sum(costs.memory_floor(n) for n in graph) > 0
+
+
+def test_stage_sizes_that_cannot_fit_are_not_planned(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = example("gpt", size="tiny", num_layers=4, batch_size=8)
+    options = PlanOptions(pipeline=True, num_stages=2, num_microbatches=4)
+    plan = w.plan(cpu4, options)
+    assert plan.pipeline is not None
+    # the floors let the plan found through, and rule it out in a 1000th of its memory
+    graph = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)(4)
+    parts = LayerGraphs.of(graph, cut_layers(graph, DEFAULT_MAX_LAYERS))
+    costs = Pricer(stage_cluster(cpu4, 2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
+    need = plan.predicted.peak_memory_bytes
+    assert _may_fit(parts, costs, [2], 4, need)
+    assert not _may_fit(parts, costs, [2], 4, need / 1000)
+
+    def unplanned(*args: object) -> None:
+        raise AssertionError("a layer was planned for stages that cannot fit")
+
+    monkeypatch.setattr(StageSolver, "_solve", unplanned)
+    fraction = need / 1000 / cpu4.device.memory_bytes
+    with pytest.raises(InfeasiblePlanError, match="no pipeline fits"):
+        w.plan(cpu4, dataclasses.replace(options, memory_fraction=fraction, recompute="none"))

@@ -16,7 +16,9 @@ its work per microbatch, as the stage DP amortizes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+import os
+from collections.abc import Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
@@ -111,6 +113,7 @@ class StageSolver:
         self._memo: dict[tuple[int, tuple[int, ...], Spec, int], SolvedStage | None] = {}
         self._stages = parts.stages
         self._keys = parts.keys
+        self._structures = sorted(set(parts.keys))  # the first layer of each structure
         self._sends: dict[int, float] = {}  # stop -> send_s(stop); the stage DP asks often
 
     def unplanned(self) -> int:
@@ -131,6 +134,8 @@ class StageSolver:
         for the first level at which they fit together; None if none does."""
         level = 1
         while level <= 2 * (stop - start):
+            # the full budget's plans are all asked for sooner or later: plan them together
+            self._plan_together(self._structures if level == 1 else range(start, stop), level)
             parts = [self._layer(i, level) for i in range(start, stop)]
             if any(p is None for p in parts):
                 return None  # a tighter budget cannot help
@@ -169,14 +174,34 @@ class StageSolver:
         )
 
     def _layer(self, i: int, level: int) -> SolvedStage | None:
-        key = (self._keys[i], self.costs.mesh_shape, self.boundary, level)
-        if key not in self._memo:
+        self._plan_together([i], level)
+        return self._memo[self._key(i, level)]
+
+    def _key(self, i: int, level: int) -> tuple[int, tuple[int, ...], Spec, int]:
+        return (self._keys[i], self.costs.mesh_shape, self.boundary, level)
+
+    def _plan_together(self, layers: Iterable[int], level: int) -> None:
+        """Plan the structures of ``layers`` not yet planned within ``memory_limit / level``,
+        their ILPs side by side on the machine's cores (HiGHS lets go of Python's lock while
+        it solves)."""
+        todo: dict[tuple[int, tuple[int, ...], Spec, int], int] = {}
+        for i in layers:
+            todo.setdefault(self._key(i, level), i)
+        todo = {key: i for key, i in todo.items() if key not in self._memo}
+        if not todo:
+            return
+        workers = min(len(todo), os.cpu_count() or 1)
+        if workers == 1:
+            solved = [self._solve(i, level) for i in todo.values()]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                solved = list(pool.map(lambda i: self._solve(i, level), todo.values()))
+        for (key, i), found in zip(todo.items(), solved, strict=True):
             if level > 1:
                 self.tally.expect(1)
-            self._memo[key] = self._solve(i, level)
+            self._memo[key] = found
             budget = "" if level == 1 else f" in 1/{level} of the memory"
             self.tally.did(f"{self.label}: layer {i}{budget}")
-        return self._memo[key]
 
     def _renamed(self, i: int, level: int) -> SolvedStage:
         """Layer ``i``'s plan, possibly solved on another layer of the same structure."""

@@ -21,6 +21,7 @@ out (`_solve_dp`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
-from autoplan.graph.ir import Graph
+from autoplan.graph.ir import INPUT, OP, PARAM, Graph
 from autoplan.graph.recompute import Recompute, chosen
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
@@ -42,7 +43,14 @@ from autoplan.search.stage_layout import (
     stage_sizes,
     stage_submesh,
 )
-from autoplan.solve.stage_problem import InfeasibleStagesError, StageCost, StageProblem, Submesh
+from autoplan.solve.stage_problem import (
+    InfeasibleStagesError,
+    SendTimeFn,
+    StageCost,
+    StageProblem,
+    StageSolution,
+    Submesh,
+)
 from autoplan.solve.stage_search import solve_stages
 from autoplan.strategies.placement import Spec
 from autoplan.strategies.pricing import Pricer
@@ -50,6 +58,12 @@ from autoplan.strategies.pricing import Pricer
 log = logging.getLogger(__name__)
 
 GraphForMicrobatches = Callable[[int], Graph]
+
+# a layer's ILP stops here (or at PlanOptions.time_limit_s if sooner), keeping the best plan
+# found: a search solves dozens, and the hardest (a 1T-parameter GPT's blocks on 256 devices
+# in a tenth of the memory) ran into minutes proving what they had found in seconds, within
+# 0.1% of the optimum
+LAYER_TIME_LIMIT_S = 10.0
 
 
 def default_microbatches(batch: int, max_stages: int) -> int:
@@ -207,9 +221,23 @@ def _best_for_size(
 ) -> PipelinePlan | None:
     """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
     (logical mesh, boundary placement) and schedules."""
+    if not configurations:
+        return None
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
+    counts = [num_stages] * bool(runnable) + [v * num_stages for v in virtual]
+    floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, recompute)
+    if not _may_fit(parts, floor, counts, num_microbatches, memory_limit):
+        log.info(
+            "%d stages of %d devices, %d microbatches: cannot fit, even with every tensor "
+            "split over a stage's devices",
+            num_stages,
+            size,
+            num_microbatches,
+        )
+        tally.withdraw(parts.num_structures * len(configurations))
+        return None
     best: PipelinePlan | None = None
     for mesh, boundary in configurations:
         costs = Pricer(sub_cluster, mesh, options.optimizer, recompute)
@@ -224,7 +252,7 @@ def _best_for_size(
             boundary,
             num_microbatches,
             memory_limit,
-            options.time_limit_s,
+            min(options.time_limit_s, LAYER_TIME_LIMIT_S),
             tally,
             label,
         )
@@ -298,38 +326,89 @@ def _solve_dp(
     solver: StageSolver, sub: Submesh, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[SolvedStage, ...] | None:
     """Alpa's stage DP with every stage on ``sub`` (see the module docstring); with
-    ``virtual_stages`` v, into v times the stages: as many one-device stages on as many
-    one-device nodes, each priced as on ``sub`` (the DP's work then grows with the stages,
-    not with v times the devices)."""
-    cluster = solver.cluster
-    num_stages = virtual_stages * cluster.num_devices // sub.num_devices
-    longest = len(solver.layers) - num_stages + 1  # every other stage needs a layer
-    nodes, per_node, unit = cluster.num_nodes, cluster.devices_per_node, sub
-    if virtual_stages > 1:
-        nodes, per_node, unit = num_stages, 1, Submesh(1, 1)
+    ``virtual_stages`` v, into v times the stages."""
+    num_stages = virtual_stages * solver.cluster.num_devices // sub.num_devices
 
-    def cost(i: int, j: int, submesh: Submesh) -> StageCost:
-        usable = submesh == unit and j - i <= longest
-        found = solver.cost(i, j) if usable else None
+    def range_cost(i: int, j: int) -> StageCost | None:
+        found = solver.cost(i, j)
         if found is None:
-            return StageCost(math.inf, math.inf, feasible=False)
+            return None
         return StageCost(
             time_s=found.time_s + found.extra_s / num_microbatches,
             memory_bytes=found.memory_bytes,
             activation_bytes=found.activation_bytes,
         )
 
-    problem = StageProblem(
-        num_layers=len(solver.layers),
-        num_nodes=nodes,
-        devices_per_node=per_node,
-        num_microbatches=num_microbatches,
-        memory_limit=solver.memory_limit,
-        cost=cost,
-        send_time=lambda j, a, b: solver.send_s(j),
-    )
-    try:
-        solution = solve_stages(problem)
-    except InfeasibleStagesError:
+    solution = _partition(
+        len(solver.layers), num_stages, num_microbatches, solver.memory_limit, range_cost,
+        lambda j, a, b: solver.send_s(j),
+    )  # fmt: skip
+    if solution is None:
         return None
     return tuple(solver.stage(p.start, p.stop) for p in solution.stages)
+
+
+def _may_fit(
+    parts: LayerGraphs,
+    costs: Pricer,
+    stage_counts: Sequence[int],
+    num_microbatches: int,
+    memory_limit: float,
+) -> bool:
+    """Whether the layers might fit in one of ``stage_counts`` stages on meshes of
+    ``costs``'s size: the stage DP run on each layer's memory floor (`Pricer.memory_floor`,
+    every tensor split over all the stage's devices), which no plan of the layers' undercuts.
+    When it says no, no layer needs planning (a 1T-parameter GPT without recomputation: its
+    activations in flight alone outgrow the devices, whatever the stages' meshes)."""
+    floors = [
+        (
+            sum(costs.memory_floor(n) for n in st.graph if n.kind in (PARAM, INPUT)),
+            sum(costs.memory_floor(n) for n in st.graph if n.kind == OP),
+        )
+        for st in parts.stages
+    ]
+    static = [0.0, *itertools.accumulate(f[0] for f in floors)]
+    active = [0.0, *itertools.accumulate(f[1] for f in floors)]
+
+    def range_cost(i: int, j: int) -> StageCost:
+        return StageCost(j - i, static[j] - static[i], activation_bytes=active[j] - active[i])
+
+    return any(
+        _partition(len(parts.layers), count, num_microbatches, memory_limit, range_cost) is not None
+        for count in stage_counts
+    )
+
+
+def _partition(
+    num_layers: int,
+    num_stages: int,
+    num_microbatches: int,
+    memory_limit: float,
+    range_cost: Callable[[int, int], StageCost | None],
+    send_time: SendTimeFn | None = None,
+) -> StageSolution | None:
+    """The stage DP into ``num_stages`` stages of uniform submeshes, ``range_cost(i, j)``
+    pricing layers ``[i, j)`` as one stage (None: it cannot be one), or None if none fits.
+    The DP runs on as many one-device nodes as there are stages: its tables and states grow
+    with the stages, not with the devices (Alpa's submesh choices of 3072 devices made a
+    1T-parameter GPT's send table 20 million entries, all but the uniform ones unusable)."""
+    unit = Submesh(1, 1)
+    longest = num_layers - num_stages + 1  # every other stage needs a layer
+
+    def cost(i: int, j: int, submesh: Submesh) -> StageCost:
+        found = range_cost(i, j) if submesh == unit and j - i <= longest else None
+        return found if found is not None else StageCost(math.inf, math.inf, feasible=False)
+
+    problem = StageProblem(
+        num_layers=num_layers,
+        num_nodes=num_stages,
+        devices_per_node=1,
+        num_microbatches=num_microbatches,
+        memory_limit=memory_limit,
+        cost=cost,
+        send_time=send_time,
+    )
+    try:
+        return solve_stages(problem)
+    except InfeasibleStagesError:
+        return None

@@ -75,6 +75,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import replace
@@ -405,6 +406,14 @@ def _highs_banner_silenced() -> None:
     it: that first solver is made here, with file descriptor 1 pointed at /dev/null."""
     import highspy  # pulp's HiGHS interface, installed with autoplan
 
+    with _STDOUT_LOCK:  # layers' ILPs are solved side by side (autoplan.search.layer_plans)
+        _made_silently(highspy)
+
+
+_STDOUT_LOCK = threading.Lock()
+
+
+def _made_silently(highspy: Any) -> None:
     sys.stdout.flush()
     saved = os.dup(1)
     try:

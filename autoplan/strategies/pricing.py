@@ -237,6 +237,21 @@ class Pricer:
         saved = self.activation_memory(node, strategy)
         return saved * self.recompute.share if self.recompute.drops(node.name) else saved
 
+    def memory_floor(self, node: Node) -> float:
+        """A floor under `node_memory` of ``node`` whatever its strategy: every tensor split
+        over all the mesh's devices (ZeRO's copies are more), a dropped activation nothing.
+        Searches rule out with it what cannot fit before planning it."""
+        devices = math.prod(self.mesh_shape)
+        if node.kind in (PARAM, INPUT):
+            info = node.output
+            copies = 1 if node.kind == INPUT or not node.needs_grad else 2 + self.state_per_elem
+            return info.nbytes * copies / devices
+        if node.kind != "op" or node.is_view or not node.needs_grad:
+            return 0.0
+        if self.recompute.drops(node.name):
+            return 0.0
+        return sum(o.nbytes for o in node.outputs) / devices
+
     def activation_memory(self, node: Node, strategy: Strategy) -> float:
         """The bytes of an op's output that backward needs (0 for parameters and inputs)."""
         if node.kind != "op" or node.is_view or not node.needs_grad:
