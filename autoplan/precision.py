@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import AutoplanError
-from autoplan.torch_private import wait_collective
+from autoplan.torch_private import non_finite_check_and_unscale, wait_collective
 
 # The precisions a plan may compute in, by the names the command line takes, and their dtypes.
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,7 +85,7 @@ class LossScaler:
         found = torch.zeros(1, device=local[0].device if local else "cpu")
         if local:
             inv = torch.full((), 1.0 / self.scale, device=local[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(local, found, inv)
+            non_finite_check_and_unscale(local, found, inv)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return not bool(found.item())
 

@@ -37,6 +37,10 @@ the torch at hand has rather than comparing version numbers.
 - `TorchDispatchMode`, the functional collective ops and c10d's in-place all-reduce op (with
   the process group its arguments box): record the collectives a step really issues, as
   torch's own CommDebugMode does (execute/comms.py).
+- `FakeTensorMode` / `reparametrize_module`: trace a meta model on fake CPU tensors, which
+  autocast has kernels for (graph/fake.py).
+- `non_finite_check_and_unscale`: GradScaler's fused unscale and inf/nan check
+  (precision.py).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
@@ -69,6 +74,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
@@ -80,6 +86,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 __all__ = [
     "C10D_ALL_REDUCE",
     "FUNCTIONAL_COLLECTIVES",
+    "FakeTensorMode",
     "MaskPartial",
     "RuntimeSchemaInfo",
     "ShardingPlaceholder",
@@ -89,6 +96,7 @@ __all__ = [
     "dtensor_axis_rules",
     "from_local",
     "functional_all_reduce",
+    "non_finite_check_and_unscale",
     "pipeline_received",
     "pipeline_sent",
     "pipeline_wire_dtype",
@@ -96,6 +104,7 @@ __all__ = [
     "redistribute",
     "reduce_scatter_single",
     "register_single_dim_strategy",
+    "reparametrize_module",
     "resolve_process_group",
     "unbox_process_group",
     "wait_collective",
@@ -318,3 +327,11 @@ def unbox_process_group(boxed: Any) -> dist.ProcessGroup:
     """The process group a c10d op's arguments carry as a TorchScript object."""
     group: dist.ProcessGroup = dist.ProcessGroup.unbox(boxed)
     return group
+
+
+def non_finite_check_and_unscale(
+    grads: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place, setting ``found`` to 1 where any is not
+    finite (GradScaler's own op)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
+
+from autoplan.torch_private import FakeTensorMode, reparametrize_module
 
 
 @contextmanager
@@ -46,7 +46,7 @@ def on_fake_cpu(
                     nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
                 )
         fakes = tuple(_fake(a) for a in args)
-    with _reparametrize_module(module, {name: made[id(t)] for name, t in named}):
+    with reparametrize_module(module, {name: made[id(t)] for name, t in named}):
         yield fakes
 
 
