@@ -39,13 +39,20 @@ CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
 
 
 NAMED = "175b@1024x1536,1t@3072x3072"  # size@gpus x global batch, on A100s
+NAMED_VOCAB = 51200  # the named cases' vocabulary, as the literature trained them
 
 
-def run(size: str, gpus: int, kind: str, batch: int) -> dict[str, object]:
+def run(size: str, gpus: int, kind: str, batch: int, vocab: int | None = None) -> dict[str, object]:
     path = ROOT / "costmodels" / CLUSTERS[kind]
     cluster = autoplan.Cluster.load(path, num_nodes=max(1, gpus // 8))
+    vocab_size = {} if vocab is None else {"vocab_size": vocab}
     w = load_workload(
-        ROOT / "examples/gpt.py", size=size, batch_size=batch, device="meta", dtype="bfloat16"
+        ROOT / "examples/gpt.py",
+        size=size,
+        batch_size=batch,
+        device="meta",
+        dtype="bfloat16",
+        **vocab_size,
     )
     start = time.perf_counter()
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
@@ -76,6 +83,8 @@ def run(size: str, gpus: int, kind: str, batch: int) -> dict[str, object]:
         axes=",".join(plan.mesh.axes),
         stages=len(plan.stages),
         microbatches=plan.pipeline.num_microbatches if plan.pipeline else 1,
+        schedule=plan.pipeline.schedule if plan.pipeline else "",
+        recomputed_layers=len(plan.recompute),
         bubble=round(plan.pipeline.bubble_fraction, 3) if plan.pipeline else 0.0,
         ilp_groups=plan.solver.num_groups,
         ilp_variables=plan.solver.num_variables,
@@ -85,6 +94,7 @@ def run(size: str, gpus: int, kind: str, batch: int) -> dict[str, object]:
         tokens_per_s=round(tokens / plan.predicted.step_time_s),
         model_tflops_per_gpu=round(model_flops / plan.predicted.step_time_s / gpus / 1e12, 1),
         memory_gib=round(plan.predicted.peak_memory_bytes / 2**30, 1),
+        limit_gib=round(plan.predicted.memory_limit_bytes / 2**30, 1),
     )
     return row
 
@@ -98,8 +108,8 @@ def main() -> None:
     parser.add_argument("--named", default=NAMED)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    cases = [
-        (kind, size, gpus, max(4, int(gpus * float(per))))
+    cases: list[tuple[str, str, int, int, int | None]] = [
+        (kind, size, gpus, max(4, int(gpus * float(per))), None)
         for kind in args.clusters.split(",")
         for size in args.sizes.split(",")
         for gpus in (int(g) for g in args.gpus.split(","))
@@ -108,10 +118,10 @@ def main() -> None:
     for named in [] if args.named == "none" else args.named.split(","):
         size, shape = named.split("@")
         gpus, batch = shape.split("x")
-        cases.append(("a100", size, int(gpus), int(batch)))
+        cases.append(("a100", size, int(gpus), int(batch), NAMED_VOCAB))
     rows = []
-    for kind, size, gpus, batch in cases:
-        row = run(size, gpus, kind, batch)
+    for kind, size, gpus, batch, vocab in cases:
+        row = run(size, gpus, kind, batch, vocab)
         print(json.dumps(row), flush=True)
         rows.append(row)
     meta = {
@@ -120,7 +130,7 @@ def main() -> None:
         "torch": torch.__version__,
         "clusters": "costmodels/dgx-a100-80gb.json, h100-sxm-8.json (8 GPUs per node)",
         "model": "bf16 parameters, AdamW, 2048-token sequences; global batch: sequences per "
-        f"GPU {args.per_gpu} (at least 4), and the named cases' own",
+        f"GPU {args.per_gpu} (at least 4), and the named cases' own (vocabulary {NAMED_VOCAB})",
         "note": "predictions are analytic (published link and peak figures), not measured",
     }
     columns = [
@@ -135,6 +145,8 @@ def main() -> None:
         "axes",
         "stages",
         "microbatches",
+        "schedule",
+        "recomputed_layers",
         "bubble",
         "ilp_groups",
         "ilp_variables",
@@ -144,6 +156,7 @@ def main() -> None:
         "tokens_per_s",
         "model_tflops_per_gpu",
         "memory_gib",
+        "limit_gib",
     ]
     write_results("plan_gpt", "Planning benchmark", meta, rows, columns)
 
