@@ -98,8 +98,9 @@ def test_trains_like_one_process_and_as_planned(
     assert r["sends_planned_not_issued"] == [] and r["sends_issued_not_planned"] == [], r
     if "recompute" in case.name:  # every layer's blocks under torch.utils.checkpoint
         assert r["recomputed"] and r["regions"] >= 1, r
-        # or only its attention core
+        # or only its attention core, one region each however its ops lie in the graph
         assert r["recompute_modes"] == ["selective" if "selective" in case.name else "full"], r
+        assert "selective" not in case.name or r["regions"] == len(r["recomputed"]), r
     else:
         assert r["recomputed"] == [] and r["regions"] == 0, r
     if "tp-recompute" in case.name:  # the tensor-parallel blocks' forward collectives, again

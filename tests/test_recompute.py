@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import autoplan
 from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
+from autoplan.execute.recompute import Region, gathered, with_regions
 from autoplan.graph.ir import OP
 from autoplan.graph.recompute import (
     Recompute,
@@ -338,3 +340,31 @@ def test_planner_recomputes_selectively_when_asked(cpu4: autoplan.Cluster) -> No
     )
     assert [layer.layer for layer in piped.recompute] == ["blocks.0", "blocks.1"]
     assert {layer.mode for layer in piped.recompute} == {"selective"}
+
+
+def test_a_core_with_its_mask_between_runs_as_one_region() -> None:
+    """GPT's eager attention makes its causal mask between the scores and the softmax: the
+    executor runs the mask first, and the core's ops as one region under checkpoint."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.transpose(-2, -1) * 0.5
+        future = v.new_ones(4, 4).tril() == 0
+        return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+    nodes = list(torch.fx.symbolic_trace(attention).graph.nodes)
+    names = [n.name for n in nodes]
+    core = ["matmul", "mul", "masked_fill", "softmax", "matmul_1"]
+    assert names.index("tril") < names.index("masked_fill")  # made between: two runs
+    assert sum(isinstance(s, Region) for s in with_regions(nodes, dict.fromkeys(core, 0))) == 2
+    order = gathered(nodes, dict.fromkeys(core, 0))
+    assert sorted(n.name for n in order) == sorted(names)
+    steps = with_regions(order, dict.fromkeys(core, 0))
+    (region,) = [s for s in steps if isinstance(s, Region)]
+    assert [n.name for n in region.nodes] == core
+    assert "eq" in region.reads  # the mask, made before it
+    ran = [s.name for s in steps if not isinstance(s, Region)]
+    assert ran.index("new_ones") < ran.index("tril") < ran.index("eq")  # in their order
+    placed: set[str] = set()
+    for node in order:  # still in an order that computes each input before its readers
+        assert {r.name for r in node.all_input_nodes} <= placed
+        placed.add(node.name)

@@ -338,12 +338,19 @@ CASES = [
         for model in ("llama", "bert")
     ],
     # only the attention cores recomputed: eager attention's ops from Q K^T to the product
-    # with V, or the fused scaled_dot_product_attention (with its heads split under tp)
+    # with V (GPT's with its causal mask made between the scores and the softmax), or the
+    # fused scaled_dot_product_attention (with its heads split under tp)
     Case(
         "zoo-gpt2-eager-selective-recompute",
         "zoo",
         {"model": "gpt2-eager", "batch_size": 64, "seq_len": 32},
         recomputed(own(), "selective"),
+    ),
+    Case(
+        "gpt-eager-tp-selective-recompute",
+        "gpt",
+        {**GPT, "attention": "eager"},
+        recomputed(lambda w: gpt_megatron(w, (4,)), "selective"),
     ),
     Case(
         "gpt-tp-selective-recompute",
