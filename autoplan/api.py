@@ -94,7 +94,7 @@ def plan_graph(
     tally = Tally(options.on_progress, "ILP")
     single: Plan | InfeasiblePlanError | None = None
     if not pipeline:
-        for recompute in options.recompute_tries:  # recomputation only where nothing else fits
+        for recompute in options.recompute_tries(graph):  # only where nothing else fits
             single = _plan_one_stage(graph, cluster, options, memory_limit, tally, recompute)
             if isinstance(single, Plan):
                 break
@@ -110,7 +110,7 @@ def plan_graph(
     )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        for recompute in options.recompute_tries:
+        for recompute in options.recompute_tries(graph):
             piped = _plan_pipelined(
                 graph, microbatch_graph, cluster, options, memory_limit, tally, recompute
             )

@@ -121,14 +121,16 @@ def conventional_plans(
     ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
     (asked once per count, in order of first need). Degrees the model does not split by, or
     that do not fit, are skipped (logged at debug level); as the planner does, degrees that
-    fit only with every layer recomputed are tried so unless ``options.recompute`` says."""
+    fit only with recomputation are tried so (`PlanOptions.recompute_tries`: every layer's
+    attention core, then every layer) unless ``options.recompute`` says."""
     graphs: dict[int, Graph] = {}
-    tries = (options or PlanOptions()).recompute_tries
+    options = options or PlanOptions()
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
-        for recompute in tries if d.recompute == NONE else (d.recompute,):
+        tries = options.recompute_tries(graph) if d.recompute == NONE else (d.recompute,)
+        for recompute in tries:
             tried = replace(d, recompute=recompute)
             try:
                 plan = baseline_of_graph(

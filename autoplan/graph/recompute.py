@@ -105,6 +105,13 @@ def attention_core(graph: Graph) -> frozenset[str]:
     return frozenset(found)
 
 
+def frees_activations(graph: Graph) -> bool:
+    """Whether selective recomputation frees anything: some op of an attention core whose
+    output only the core reads (a fused attention op's output leaves it, and is kept)."""
+    core = graph.memo("attention core", lambda: attention_core(graph))
+    return any(set(graph.users(n)) <= core for n in core)
+
+
 def _walk(
     graph: Graph, start: str, module: str, forward: bool, end: Callable[[str], bool]
 ) -> tuple[set[str], list[str]]:
