@@ -57,7 +57,7 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = FULL) -> tuple[str, .
     (an activation applied outside them) stay in. SELECTIVE: its attention cores'
     (`attention_core`); a model without any is refused."""
     if mode == SELECTIVE:
-        core = graph.memo("attention core", lambda: attention_core(graph))
+        core = _memo_core(graph)
         if not core:
             raise AutoplanError(
                 'recompute="selective" recomputes attention\'s core (softmax(Q K^T) V, or '
@@ -83,6 +83,10 @@ def attention_core(graph: Graph) -> frozenset[str]:
     product to the second (the scores, scale, mask, softmax, casts and dropout, both products
     included). A mask made elsewhere is read, not recomputed."""
     found: set[str] = set()
+
+    def is_product(name: str) -> bool:
+        return graph.node(name).op in PRODUCTS
+
     for node in graph:
         if node.kind != OP:
             continue
@@ -91,10 +95,6 @@ def attention_core(graph: Graph) -> frozenset[str]:
             continue
         if node.op not in SOFTMAX:
             continue
-
-        def is_product(name: str) -> bool:
-            return graph.node(name).op in PRODUCTS
-
         module = node.module_path
         _, scores = _walk(graph, node.name, module, False, is_product)
         _, context = _walk(graph, node.name, module, True, is_product)
@@ -108,8 +108,12 @@ def attention_core(graph: Graph) -> frozenset[str]:
 def frees_activations(graph: Graph) -> bool:
     """Whether selective recomputation frees anything: some op of an attention core whose
     output only the core reads (a fused attention op's output leaves it, and is kept)."""
-    core = graph.memo("attention core", lambda: attention_core(graph))
+    core = _memo_core(graph)
     return any(set(graph.users(n)) <= core for n in core)
+
+
+def _memo_core(graph: Graph) -> frozenset[str]:
+    return graph.memo("attention core", lambda: attention_core(graph))
 
 
 def _walk(
@@ -120,7 +124,8 @@ def _walk(
     seen, ends, todo = {start}, [], [start]
     while todo:
         name = todo.pop()
-        near = graph.users(name) if forward else {r.name: 0 for r in graph.node(name).refs}
+        refs = graph.node(name).refs
+        near = graph.users(name) if forward else tuple(dict.fromkeys(r.name for r in refs))
         for other in near:
             node = graph.node(other)
             if other in seen or node.kind != OP or node.module_path != module:
