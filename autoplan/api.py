@@ -20,7 +20,7 @@ from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.cut import Layer
 from autoplan.graph.ir import PARAM, Graph
-from autoplan.graph.recompute import FULL, NO_RECOMPUTE, Recompute, recompute_layers
+from autoplan.graph.recompute import FULL, NONE, SELECTIVE, Recompute, chosen, recompute_layers
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -94,7 +94,7 @@ def plan_graph(
     tally = Tally(options.on_progress, "ILP")
     single: Plan | InfeasiblePlanError | None = None
     if not pipeline:
-        for recompute in options.recompute_tries:  # recomputation only where nothing else fits
+        for recompute in options.recompute_tries(graph):  # only where nothing else fits
             single = _plan_one_stage(graph, cluster, options, memory_limit, tally, recompute)
             if isinstance(single, Plan):
                 break
@@ -110,7 +110,7 @@ def plan_graph(
     )
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        for recompute in options.recompute_tries:
+        for recompute in options.recompute_tries(graph):
             piped = _plan_pipelined(
                 graph, microbatch_graph, cluster, options, memory_limit, tally, recompute
             )
@@ -160,7 +160,7 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-    recompute: bool = False,
+    recompute: str = NONE,
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
@@ -224,7 +224,7 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-    recompute: bool = False,
+    recompute: str = NONE,
 ) -> Plan | InfeasiblePlanError:
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
@@ -237,7 +237,7 @@ def _plan_one_stage(
     sharing = keep_sharing_consistent(sharing, pins)
 
     layers = recompute_layers(graph, options.max_layers)
-    recomputed = Recompute.every_layer(graph, layers) if recompute else NO_RECOMPUTE
+    recomputed = chosen(graph, options.max_layers, recompute)
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
     tally.expect(len(meshes))
@@ -253,7 +253,7 @@ def _plan_one_stage(
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
-        if isinstance(found, MeshPlan) and recompute:
+        if isinstance(found, MeshPlan) and recompute != NONE:
             found = _fewest_recomputed(graph, layers, found, memory_limit, options)
         if not isinstance(found, MeshPlan):
             needs[m] = found
@@ -286,18 +286,18 @@ def _fewest_recomputed(
     graph: Graph, layers: tuple[Layer, ...], found: MeshPlan, limit: float, options: PlanOptions
 ) -> MeshPlan | float:
     """``found`` (planned with every layer recomputed) recomputing the fewest layers that fit
-    (`fewest_layers`), or every layer where ``options.recompute`` says so; the bytes per
-    device it needs if it does not fit (the ILP counts the layers' mean, the price the
-    largest)."""
+    (`fewest_layers`, in its mode), or every layer where ``options.recompute`` says so; the
+    bytes per device it needs if it does not fit (the ILP counts the layers' mean, the price
+    the largest)."""
     costs = found.costs
 
     def price(recompute: Recompute) -> PricedStep:
         pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
         return price_step(graph, found.result.assignment, pricer)
 
-    if options.recompute == FULL:
+    if options.recompute is not None:
         return found if found.step.memory_bytes <= limit else found.step.memory_bytes
-    fewest = fewest_layers(graph, layers, price, limit)
+    fewest = fewest_layers(graph, layers, price, limit, costs.recompute.mode)
     if fewest is None:
         return found.step.memory_bytes
     recompute, step = fewest
@@ -311,11 +311,17 @@ def _infeasible(
     needs: Mapping[tuple[int, ...], float],
     limit: float,
     fraction: float,
-    recompute: bool,
+    recompute: str,
 ) -> InfeasiblePlanError:
     mesh, need = min(needs.items(), key=lambda kv: kv[1])
-    recomputed = ", every layer recomputed in backward" if recompute else ""
-    hint = "" if recompute else ', activation recomputation (recompute="full")'
+    recomputed = {
+        FULL: ", every layer recomputed in backward",
+        SELECTIVE: ", every layer's attention core recomputed in backward",
+    }.get(recompute, "")
+    hint = {
+        NONE: ', activation recomputation (recompute="full")',
+        SELECTIVE: ', full activation recomputation (recompute="full")',
+    }.get(recompute, "")
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
     return InfeasiblePlanError(
         f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "

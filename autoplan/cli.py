@@ -185,8 +185,9 @@ def _recompute_argument(parser: argparse.ArgumentParser) -> None:
         "--recompute",
         choices=RECOMPUTE_MODES,
         help=(
-            "activation recomputation: none, or full (every layer's blocks run their forward "
-            "again in backward); default: only where no plan fits without"
+            "activation recomputation: none, full (every layer's blocks run their forward "
+            "again in backward) or selective (only their attention cores); default: only "
+            "where no plan fits without"
         ),
     )
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
+from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import FULL, NONE, SELECTIVE, frees_activations
 from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
@@ -80,7 +82,11 @@ class PlanOptions:
     recompute: str | None = None
     """Activation recomputation (`autoplan.graph.recompute`): "none" keeps every activation
     from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
-    full recomputation); None recomputes only where no plan fits without: every layer, then."""
+    full recomputation); "selective" recomputes only every layer's attention core, from the
+    product of queries and keys through softmax to the product with the values (Megatron's
+    selective recomputation); None recomputes only where no plan fits without: every layer's
+    attention core, then, where that frees activations, and every layer where that does not
+    fit either."""
 
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known
@@ -118,12 +124,12 @@ class PlanOptions:
         """The schedules a pipeline may run: `schedule`, or every one."""
         return SCHEDULES if self.schedule is None else (self.schedule,)
 
-    @property
-    def recompute_tries(self) -> tuple[bool, ...]:
-        """Whether to recompute, in the order to try until a plan fits."""
-        if self.recompute is None:
-            return (False, True)
-        return (self.recompute != "none",)
+    def recompute_tries(self, graph: Graph) -> tuple[str, ...]:
+        """The recomputation modes to try on ``graph``, in order, until a plan fits: by
+        default none, selective where it frees activations (`frees_activations`), full."""
+        if self.recompute is not None:
+            return (self.recompute,)
+        return (NONE, *[SELECTIVE] * frees_activations(graph), FULL)
 
     @property
     def wants_pipeline(self) -> bool | None:

@@ -1,5 +1,9 @@
 """A GPT-2 style decoder, sizes from a toy up to GPT-3 175B.
 
+Attention is F.scaled_dot_product_attention; ``attention="eager"`` computes it as separate ops
+instead, softmax(Q K^T / sqrt(d), causally masked) V, as Megatron-LM's core attention (what
+selective recomputation recomputes).
+
 Large sizes are built on the meta device (no memory) and are meant for planning:
 
     autoplan plan examples/gpt.py --cluster costmodels/dgx-a100-80gb.json --nodes 8 \
@@ -25,6 +29,7 @@ class GPTConfig:
     num_heads: int
     vocab_size: int
     seq_len: int
+    eager_attention: bool = False  # separate ops, not F.scaled_dot_product_attention
 
 
 # GPT-3 paper sizes (Brown et al. 2020, table 2.1); vocabulary padded to a multiple of 64
@@ -51,6 +56,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.eager = cfg.eager_attention
         # separate projections (as in torchtitan's Llama) so heads split evenly across ranks;
         # no biases: the key bias has an exactly zero gradient (softmax ignores a constant
         # added to every key), whose rounding noise Adam would amplify into real updates
@@ -63,7 +69,12 @@ class Attention(nn.Module):
         b, t, c = x.shape
         shape = (b, t, self.num_heads, c // self.num_heads)
         q, k, v = (f(x).view(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.eager:
+            scores = q @ k.transpose(-2, -1) * (c // self.num_heads) ** -0.5
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -123,9 +134,12 @@ def workload(
     device: str = "cpu",
     dtype: str = "float32",
     seed: int = 0,
+    attention: str = "fused",
 ) -> Workload:
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
+    if attention not in ("fused", "eager"):
+        raise ValueError(f"attention must be 'fused' or 'eager', got {attention!r}")
     cfg = SIZES[size]
     cfg = GPTConfig(
         num_layers=num_layers or cfg.num_layers,
@@ -133,6 +147,7 @@ def workload(
         num_heads=cfg.num_heads,
         vocab_size=vocab_size or cfg.vocab_size,
         seq_len=seq_len or cfg.seq_len,
+        eager_attention=attention == "eager",
     )
     torch.manual_seed(seed)
     with torch.device(device):

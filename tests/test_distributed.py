@@ -98,6 +98,9 @@ def test_trains_like_one_process_and_as_planned(
     assert r["sends_planned_not_issued"] == [] and r["sends_issued_not_planned"] == [], r
     if "recompute" in case.name:  # every layer's blocks under torch.utils.checkpoint
         assert r["recomputed"] and r["regions"] >= 1, r
+        # or only its attention core, one region each however its ops lie in the graph
+        assert r["recompute_modes"] == ["selective" if "selective" in case.name else "full"], r
+        assert "selective" not in case.name or r["regions"] == len(r["recomputed"]), r
     else:
         assert r["recomputed"] == [] and r["regions"] == 0, r
     if "tp-recompute" in case.name:  # the tensor-parallel blocks' forward collectives, again
@@ -334,9 +337,14 @@ def test_export_is_the_whole_state_dict(results: dict[int, dict[str, Any]]) -> N
 
 
 def test_recomputed_dropout_draws_the_masks_of_forward(results: dict[int, dict[str, Any]]) -> None:
-    """GPT-2 with dropout trains alike with every layer recomputed in backward and without:
-    the recomputed forward draws the masks the first drew (a mask drawn anew would make
-    gradients that do not match the loss)."""
-    for layout, found in results[4]["recompute_dropout"].items():
+    """GPT-2 with dropout trains alike with every layer recomputed in backward (whole, or
+    only its attention core, whose dropout on the attention probabilities runs again) and
+    without: the recomputed forward draws the masks the first drew (a mask drawn anew would
+    make gradients that do not match the loss)."""
+    found_all = results[4]["recompute_dropout"]
+    assert sorted(found_all) == sorted(
+        f"{layout} {mode}" for layout in ("dp", "own-2x2") for mode in ("full", "selective")
+    )
+    for layout, found in found_all.items():
         assert found["dropouts"] > 0, (layout, found)
         assert found["loss"] <= TOLERANCE and found["param"] <= TOLERANCE, (layout, found)

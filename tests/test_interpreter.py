@@ -34,7 +34,7 @@ def _readers(graph: torch.fx.Graph) -> dict[str, list[str]]:
 
 def test_every_value_is_freed_once_by_its_last_reader() -> None:
     graph = _graph()
-    freed = last_uses(graph)
+    freed = last_uses(list(graph.nodes))
     by_value = {value: node for node, values in freed.items() for value in values}
     assert sum(len(v) for v in freed.values()) == len(by_value)  # none freed twice
     readers = _readers(graph)
@@ -47,7 +47,7 @@ def test_every_value_is_freed_once_by_its_last_reader() -> None:
 def test_values_kept_for_later_are_never_freed() -> None:
     graph = _graph()
     relu = next(n.name for n in graph.nodes if n.target is torch.ops.aten.relu.default)
-    freed = last_uses(graph, keep=[relu])
+    freed = last_uses(list(graph.nodes), keep=[relu])
     assert relu not in {value for values in freed.values() for value in values}
 
 

@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import autoplan
 from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
+from autoplan.execute.recompute import Region, gathered, with_regions
 from autoplan.graph.ir import OP
-from autoplan.graph.recompute import Recompute, recompute_layers, recomputed_ops
+from autoplan.graph.recompute import (
+    Recompute,
+    attention_core,
+    recompute_layers,
+    recomputed_ops,
+)
 from autoplan.planfile.check import assignment_of
 from autoplan.planfile.show import summary
 from autoplan.search.recompute_choice import fewest_layers
@@ -38,9 +45,9 @@ def tensor_parallel(cpu4: autoplan.Cluster) -> tuple[autoplan.Plan, autoplan.Pla
 
 
 def test_unknown_modes_are_refused(cpu4: autoplan.Cluster) -> None:
-    with pytest.raises(AutoplanError, match="recompute must be one of none, full"):
-        PlanOptions(recompute="selective")
-    with pytest.raises(AutoplanError, match="recompute must be one of none, full"):
+    with pytest.raises(AutoplanError, match="recompute must be one of none, full, selective"):
+        PlanOptions(recompute="some")
+    with pytest.raises(AutoplanError, match="recompute must be one of none, full, selective"):
         example("gpt", **GPT).baseline(cpu4, dp=4, tp=1, recompute="yes")
 
 
@@ -106,7 +113,7 @@ def _first_param(doc: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda doc: {"mode": "selective"}, r"recompute\[0\]\.mode.*one of full"),
+        (lambda doc: {"mode": "some"}, r"recompute\[0\]\.mode.*one of full, selective"),
         (lambda doc: {"nodes": [_first_param(doc)]}, r"recompute\[0\]\.nodes\[0\].*an op node"),
         (lambda doc: {"nodes": []}, r"recompute\[0\]\.nodes"),
         (lambda doc: {"nodes": ["no_such_node"]}, r"an op node"),
@@ -206,7 +213,15 @@ def test_cli_plans_with_recompute_and_shows_it(
     assert "activation recomputation (full): 6 layer(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
         main([*args, "--recompute", "some", "-o", str(out)])
-    assert "invalid choice: 'some' (choose from 'none', 'full')" in capsys.readouterr().err
+    assert (
+        "invalid choice: 'some' (choose from 'none', 'full', 'selective')"
+        in capsys.readouterr().err
+    )
+    # the MLP has no attention to recompute selectively: refused, naming the way out
+    assert main([*args, "--recompute", "selective", "-o", str(out)]) != 0
+    assert 'the model has none: no softmax between two matrix products. Use recompute="full"' in (
+        capsys.readouterr().err
+    )
 
 
 def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster) -> None:
@@ -220,3 +235,160 @@ def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster
     assert found.stages[0].predicted is not None and plain.stages[0].predicted is not None
     assert found.stages[0].predicted.time_s > plain.stages[0].predicted.time_s
     assert w.estimate(found, cpu4) == found
+
+
+# ---------------------------------------------------------------- selective recomputation
+
+
+def _eager_gpt2() -> autoplan.Workload:
+    """GPT-2 with eager attention and dropout on the attention probabilities."""
+    return load_workload(
+        ROOT / "tests/models/zoo.py", model="gpt2-dropout", batch_size=8, seq_len=64
+    )
+
+
+def test_attention_cores_of_eager_attention() -> None:
+    """Each layer's core runs from the product reading Q and K to the one reading V, through
+    the scale, the mask's add, softmax, a cast and dropout; the mask, made outside the layer's
+    attention, and the projections stay out."""
+    graph = _eager_gpt2().trace()
+    core = attention_core(graph)
+    layers = recompute_layers(graph, 16)
+    found = [recomputed_ops(graph, layer, "selective") for layer in layers]
+    found = [ops for ops in found if ops]
+    assert len(found) == 2  # one per block
+    for ops in found:
+        kinds = [graph.node(n).op for n in ops]
+        assert kinds == [
+            "aten.matmul.default",
+            "aten.mul.Tensor",
+            "aten.add.Tensor",
+            "aten.softmax.int",
+            "aten.to.dtype",
+            "aten.dropout.default",
+            "aten.matmul.default",
+        ]
+        scores, context = graph.node(ops[0]), graph.node(ops[-1])
+        assert {r.name for r in scores.refs}.isdisjoint(core)  # Q and K come from outside
+        assert graph.node(ops[-2]).name in {r.name for r in context.refs}
+        assert any(graph.users(ops[-1]))  # the context leaves the core
+    assert sorted(n for ops in found for n in ops) == sorted(core)
+
+
+def test_attention_core_of_fused_attention() -> None:
+    """GPT's blocks call F.scaled_dot_product_attention: that op is the core."""
+    graph = example("gpt", **GPT).trace()
+    core = attention_core(graph)
+    assert len(core) == 2
+    assert {graph.node(n).op for n in core} == {"aten.scaled_dot_product_attention.default"}
+
+
+def test_selective_without_attention_is_refused(cpu4: autoplan.Cluster) -> None:
+    w = example("mlp")
+    message = r"recompute=\"selective\" recomputes attention's core .* the model has none"
+    with pytest.raises(AutoplanError, match=message):
+        w.baseline(cpu4, dp=4, tp=1, recompute="selective")
+    with pytest.raises(AutoplanError, match=message):
+        w.plan(cpu4, PlanOptions(mesh_shape=(4,), recompute="selective"))
+
+
+@pytest.fixture(scope="module")
+def eager_modes(cpu4: autoplan.Cluster) -> dict[str, autoplan.Plan]:
+    """Eager-attention GPT-2, data parallel over 4 ranks, in each recomputation mode."""
+    w = _eager_gpt2()
+    return {m: w.baseline(cpu4, dp=4, tp=1, recompute=m) for m in ("none", "selective", "full")}
+
+
+def test_selective_lies_between_none_and_full(eager_modes: dict[str, autoplan.Plan]) -> None:
+    """Recomputing the attention cores frees their sequence-squared activations for a part of
+    full recomputation's extra compute; full frees more, for more."""
+    none, selective, full = (eager_modes[m] for m in ("none", "selective", "full"))
+    assert none.nodes == selective.nodes == full.nodes  # one layout
+    assert [layer.mode for layer in selective.recompute] == ["selective", "selective"]
+    memory = [p.predicted.peak_memory_bytes for p in (none, selective, full)]
+    compute = [p.predicted.compute_s for p in (none, selective, full)]
+    time = [p.predicted.step_time_s for p in (none, selective, full)]
+    assert memory[0] > memory[1] > memory[2]
+    assert compute[0] < compute[1] < compute[2]
+    assert time[0] < time[1] < time[2]
+    # a seventh of a layer's ops, the cheap ones: under half full recomputation's extra work
+    assert compute[1] - compute[0] < 0.5 * (compute[2] - compute[0])
+
+
+def test_selective_plans_read_back_and_show_it(
+    eager_modes: dict[str, autoplan.Plan], cpu4: autoplan.Cluster, tmp_path: Path
+) -> None:
+    selective = eager_modes["selective"]
+    path = tmp_path / "plan.json"
+    selective.save(str(path))
+    doc = json.loads(path.read_text())
+    assert [layer["mode"] for layer in doc["recompute"]] == ["selective", "selective"]
+    assert autoplan.Plan.from_json(str(path)) == selective
+    assert _eager_gpt2().estimate(str(path), cpu4) == selective  # re-priced alike
+    assert "activation recomputation (selective): 2 layer(s)" in summary(selective)
+    doc["recompute"][1]["mode"] = "full"  # one plan, one mode
+    with pytest.raises(PlanFormatError, match=r"recompute\[1\]\.mode must be 'selective'"):
+        autoplan.Plan.from_json(json.dumps(doc))
+
+
+def test_planner_recomputes_selectively_when_asked(cpu4: autoplan.Cluster) -> None:
+    w = example("gpt", size="tiny", num_layers=2, batch_size=8)
+    found = w.plan(cpu4, PlanOptions(mesh_shape=(4,), recompute="selective"))
+    assert [(layer.mode, len(layer.nodes)) for layer in found.recompute] == [("selective", 1)] * 2
+    piped = w.plan(
+        cpu4, PlanOptions(num_stages=2, num_microbatches=2, mesh_shape=(2,), recompute="selective")
+    )
+    assert [layer.layer for layer in piped.recompute] == ["blocks.0", "blocks.1"]
+    assert {layer.mode for layer in piped.recompute} == {"selective"}
+
+
+def test_a_core_with_its_mask_between_runs_as_one_region() -> None:
+    """GPT's eager attention makes its causal mask between the scores and the softmax: the
+    executor runs the mask first, and the core's ops as one region under checkpoint."""
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.transpose(-2, -1) * 0.5
+        future = v.new_ones(4, 4).tril() == 0
+        return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+    nodes = list(torch.fx.symbolic_trace(attention).graph.nodes)
+    names = [n.name for n in nodes]
+    core = ["matmul", "mul", "masked_fill", "softmax", "matmul_1"]
+    assert names.index("tril") < names.index("masked_fill")  # made between: two runs
+    assert sum(isinstance(s, Region) for s in with_regions(nodes, dict.fromkeys(core, 0))) == 2
+    order = gathered(nodes, dict.fromkeys(core, 0))
+    assert sorted(n.name for n in order) == sorted(names)
+    steps = with_regions(order, dict.fromkeys(core, 0))
+    (region,) = [s for s in steps if isinstance(s, Region)]
+    assert [n.name for n in region.nodes] == core
+    assert "eq" in region.reads  # the mask, made before it
+    ran = [s.name for s in steps if not isinstance(s, Region)]
+    assert ran.index("new_ones") < ran.index("tril") < ran.index("eq")  # in their order
+    placed: set[str] = set()
+    for node in order:  # still in an order that computes each input before its readers
+        assert {r.name for r in node.all_input_nodes} <= placed
+        placed.add(node.name)
+
+
+def test_by_default_attention_cores_recompute_before_whole_layers(cpu4: autoplan.Cluster) -> None:
+    """Eager-attention GPT-2 on 256-token sequences, held to data parallelism: with every
+    attention core recomputed it needs 57.5 MiB a device, with every layer 50.2 MiB, and the
+    least without is over 60. By default the planner recomputes the cores where they are
+    enough, faster than whole layers, and whole layers where they are not."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="gpt2-dropout", batch_size=8, seq_len=256)
+    pins = {"input:0": "S(0)", "input:1": "S(0)", **{n: "R" for n, _ in w.model.named_parameters()}}
+    device = cpu4.device.memory_bytes
+
+    def planned(mib: float, recompute: str | None = None) -> autoplan.Plan:
+        options = PlanOptions((4,), pin=pins, memory_fraction=mib * 2**20 / device)
+        return w.plan(cpu4, dataclasses.replace(options, recompute=recompute))
+
+    with pytest.raises(InfeasiblePlanError):
+        planned(60, "none")
+    selective, full = planned(60), planned(56)
+    assert [layer.mode for layer in selective.recompute] == ["selective"] * 2
+    assert [layer.mode for layer in full.recompute] == ["full"] * 2
+    assert selective.predicted.step_time_s < full.predicted.step_time_s
+    assert planned(60, "full").predicted.step_time_s == full.predicted.step_time_s
+    with pytest.raises(InfeasiblePlanError, match="attention core recomputed"):
+        planned(56, "selective")

@@ -52,8 +52,8 @@ from autoplan.graph.cut import (
     stage_graph,
 )
 from autoplan.graph.ir import OP, Graph
-from autoplan.graph.recompute import FULL, chosen
 from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
+from autoplan.graph.recompute import NONE, chosen
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
@@ -312,7 +312,8 @@ def baseline(
     by all-to-all.
 
     ``recompute="full"`` recomputes every layer's blocks in backward (Megatron's full
-    activation recomputation, `autoplan.graph.recompute`); so does ``options.recompute``.
+    activation recomputation, `autoplan.graph.recompute`), ``recompute="selective"`` only
+    their attention cores (Megatron's selective recomputation); so does ``options.recompute``.
 
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's
@@ -339,7 +340,7 @@ def baseline(
         raise AutoplanError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, recompute == FULL)
+    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, recompute)
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches
@@ -376,13 +377,13 @@ def baseline_of_graph(
     ``num_microbatches`` microbatches when ``pp > 1``; ``options`` give the schedule, the
     optimizer and the memory budget. Raises `InfeasiblePlanError` if it does not fit."""
     options = options or PlanOptions()
-    if options.recompute == FULL:
-        layout = replace(layout, recompute=True)
+    if options.recompute not in (None, NONE):
+        layout = replace(layout, recompute=options.recompute)
     dp, tp = layout.dp, layout.tp
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
-    degrees = f"dp={dp} tp={tp}" + " recompute=full" * layout.recompute
+    degrees = f"dp={dp} tp={tp}" + f" recompute={layout.recompute}" * (layout.recompute != NONE)
     if pp == 1:
         plan = _one_stage(graph, cluster, layout, optimizer, limit)
     else:

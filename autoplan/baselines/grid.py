@@ -21,6 +21,7 @@ from autoplan.baselines.propagate import Layout, mesh_of
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.ir import INPUT, Graph
+from autoplan.graph.recompute import NONE
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import INTERLEAVED, schedule_refusal
@@ -39,7 +40,7 @@ class Degrees:
     sequence_parallel: bool = False
     num_microbatches: int = 1  # of a pipeline; 1 without one
     virtual_stages: int = 1  # stages on each of the pp device groups (Interleaved1F1B: 2)
-    recompute: bool = False  # every layer recomputed in backward
+    recompute: str = NONE  # every layer recomputed in backward in this mode (FULL, SELECTIVE)
 
     @property
     def layout(self) -> Layout:
@@ -51,7 +52,7 @@ class Degrees:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" zero{self.zero_stage}" * (self.zero_stage > 0) + " sp" * self.sequence_parallel
         text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
-        text += " recompute" * self.recompute
+        text += f" recompute={self.recompute}" * (self.recompute != NONE)
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
 
@@ -120,14 +121,16 @@ def conventional_plans(
     ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
     (asked once per count, in order of first need). Degrees the model does not split by, or
     that do not fit, are skipped (logged at debug level); as the planner does, degrees that
-    fit only with every layer recomputed are tried so unless ``options.recompute`` says."""
+    fit only with recomputation are tried so (`PlanOptions.recompute_tries`: every layer's
+    attention core, then every layer) unless ``options.recompute`` says."""
     graphs: dict[int, Graph] = {}
-    tries = (options or PlanOptions()).recompute_tries
+    options = options or PlanOptions()
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
-        for recompute in tries if not d.recompute else (True,):
+        tries = options.recompute_tries(graph) if d.recompute == NONE else (d.recompute,)
+        for recompute in tries:
             tried = replace(d, recompute=recompute)
             try:
                 plan = baseline_of_graph(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
+from autoplan.graph.recompute import NONE
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
@@ -42,7 +43,7 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
-    recompute: bool = False  # every layer recomputed in backward (Megatron's full recomputation)
+    recompute: str = NONE  # every layer recomputed in backward in this mode (FULL, SELECTIVE)
 
 
 def expert_weights(graph: Graph) -> list[Node]:

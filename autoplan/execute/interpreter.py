@@ -50,7 +50,7 @@ from autoplan.execute.placements import (
     to_dtensor,
 )
 from autoplan.execute.randomness import Draws, is_random
-from autoplan.execute.recompute import Region, checkpointed, with_regions
+from autoplan.execute.recompute import Region, checkpointed, gathered, with_regions
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -95,15 +95,16 @@ def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return _nodes_in([node.args, *node.kwargs.values()])
 
 
-def last_uses(graph: torch.fx.Graph, keep: Sequence[str] = ()) -> dict[str, list[str]]:
-    """By node, the values it is the last to read (in graph order), to free once it has run;
+def last_uses(nodes: Sequence[torch.fx.Node], keep: Sequence[str] = ()) -> dict[str, list[str]]:
+    """By node, the values it is the last to read (``nodes`` in the order they run), to free
+    once it has run;
     ``keep``: values needed after the last node (a stage's sent tensors). A value kept to the
     end of the step would hold its memory through the whole forward, and every op would write
     into fresh pages (the module's own forward frees as it goes; in a profile of GPT's forward
     on 4 CPU ranks, the 1 MB bias copies of its MLPs took 3-14 ms instead of 0.1)."""
     freed: dict[str, list[str]] = {}
     seen: set[str] = set(keep)
-    for node in reversed(graph.nodes):
+    for node in reversed(nodes):
         for read in _tensor_inputs(node):
             if read.name not in seen:
                 seen.add(read.name)
@@ -209,11 +210,12 @@ class PlanInterpreter:
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
 
-        self.last_uses = last_uses(self.graph, keep=self.sent)
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
         }
-        self.steps = with_regions(self.graph, recomputed)  # this stage's recomputed layers
+        order = gathered(list(self.graph.nodes), recomputed)
+        self.last_uses = last_uses(order, keep=self.sent)
+        self.steps = with_regions(order, recomputed)  # this stage's recomputed layers
 
         # local mean cross-entropies, by each tensor their total weight needs (target, weights)
         self.weighed: dict[str, list[torch.fx.Node]] = {}

@@ -4,13 +4,15 @@
 and made again in backward by running the region once more. The interpreter runs a region
 (`autoplan.execute.interpreter.PlanInterpreter._recompute`) from the values it read, with the
 random draws it made, so the second run computes the same tensors; its forward collectives are
-issued again, as the plan lists them (phase "recompute").
+issued again, as the plan lists them (phase "recompute"). A layer's ops run as one region
+where the graph allows (`gathered`): an attention core's mask, made between its scores and its
+softmax, runs before it.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +27,39 @@ class Region:
     reads: tuple[str, ...]  # the values it reads from outside it, in order of first read
 
 
+def gathered(nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, int]) -> list[torch.fx.Node]:
+    """``nodes`` (in graph order) with the nodes between a recomputed layer's first op and its
+    last (their names -> the layer, ``layer_of``) that read none of its ops, directly or
+    through others there, moved ahead of its first op, in order: what is left there (the
+    layer's ops, their ``getitem`` nodes) is then one run."""
+    last = {layer_of[n.name]: i for i, n in enumerate(nodes) if n.name in layer_of}
+    order: list[torch.fx.Node] = []
+    i = 0
+    while i < len(nodes):
+        layer = layer_of.get(nodes[i].name)
+        if layer is None:
+            order.append(nodes[i])
+            i += 1
+            continue
+        run: list[torch.fx.Node] = []
+        after: set[str] = set()  # the layer's ops so far and the nodes that read them
+        for node in nodes[i : last[layer] + 1]:
+            reads = {r.name for r in node.all_input_nodes}
+            if layer_of.get(node.name) == layer or not reads.isdisjoint(after):
+                after.add(node.name)
+                run.append(node)
+            else:
+                order.append(node)
+        order += run
+        i = last[layer] + 1
+    return order
+
+
 def with_regions(
-    graph: torch.fx.Graph, layer_of: Mapping[str, int]
+    nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, int]
 ) -> list[torch.fx.Node | Region]:
-    """The graph's nodes in order, each contiguous run of one recomputed layer's ops (their
-    names -> the layer, ``layer_of``) replaced by its `Region`."""
+    """``nodes`` in order, each contiguous run of one recomputed layer's ops (their names ->
+    the layer, ``layer_of``) replaced by its `Region`."""
     steps: list[torch.fx.Node | Region] = []
     run: list[torch.fx.Node] = []
     current: int | None = None
@@ -41,7 +71,7 @@ def with_regions(
             steps.append(Region(tuple(run), tuple(dict.fromkeys(reads))))
             run.clear()
 
-    for node in graph.nodes:
+    for node in nodes:
         layer = layer_of.get(node.name)
         if layer is None and node.target is operator.getitem and run:
             source = node.args[0]

@@ -1,6 +1,6 @@
 """Activation recomputation: which ops of a step run their forward again in backward, instead
-of keeping their outputs from forward to backward (Megatron's "full" recomputation,
-``torch.utils.checkpoint``).
+of keeping their outputs from forward to backward (``torch.utils.checkpoint``): Megatron's
+"full" recomputation (a layer's ops) or its "selective" one (a layer's attention core).
 
 The unit is a layer (`autoplan.graph.cut`), one per repeated block (``blocks.3``) however
 the stage search merges blocks, or one of the step's balanced runs of ops when the model has
@@ -10,21 +10,37 @@ their outputs, as in Megatron. What a recomputed layer keeps from forward to bac
 its recomputed ops send out of the layer (read by other ops); the rest of their outputs live
 only while its backward runs, one layer at a time. Its backward runs its forward again: the
 ops' time and the forward collectives issued inside it, twice.
+
+Selective recomputation recomputes only each layer's attention core (`attention_core`): the
+ops from the product of queries and keys through the scale, mask, softmax and dropout to the
+product with the values (or a fused ``scaled_dot_product_attention``). Their outputs of
+sequence-squared size are dropped and made again at a small compute cost (Megatron's
+selective activation recomputation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
 from autoplan.graph.ir import OP, Graph
 
 # PlanOptions.recompute's choices (None: only where nothing fits without); a plan's recomputed
-# layer is FULL, one not recomputed has no entry
+# layer is FULL or SELECTIVE, one not recomputed has no entry
+NONE = "none"
 FULL = "full"
-MODES = ("none", FULL)
+SELECTIVE = "selective"
+MODES = (NONE, FULL, SELECTIVE)
+
+SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default"})
+# the products that start and end an eager attention core: scores = Q K^T, context = P V
+PRODUCTS = frozenset(
+    {"aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"}
+)
+FUSED_ATTENTION = ("aten.scaled_dot_product_", "aten._scaled_dot_product_")
 
 
 def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
@@ -34,11 +50,21 @@ def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
     return cut_layers(graph, len(graph) if has_blocks else max_layers)
 
 
-def recomputed_ops(graph: Graph, layer: Layer) -> tuple[str, ...]:
-    """The ops of ``layer`` that recompute their forward when it is recomputed: those from the
-    step's first op inside a block to its last (all when the model has no blocks), so that
-    the embedding, the head and the loss stay out, and ops between blocks (an activation
-    applied outside them) stay in."""
+def recomputed_ops(graph: Graph, layer: Layer, mode: str = FULL) -> tuple[str, ...]:
+    """The ops of ``layer`` that recompute their forward when it is recomputed in ``mode``.
+    FULL: those from the step's first op inside a block to its last (all when the model has
+    no blocks), so that the embedding, the head and the loss stay out, and ops between blocks
+    (an activation applied outside them) stay in. SELECTIVE: its attention cores'
+    (`attention_core`); a model without any is refused."""
+    if mode == SELECTIVE:
+        core = _memo_core(graph)
+        if not core:
+            raise AutoplanError(
+                'recompute="selective" recomputes attention\'s core (softmax(Q K^T) V, or '
+                "scaled_dot_product_attention), but the model has none: no softmax between "
+                'two matrix products. Use recompute="full" (every layer) or "none"'
+            )
+        return tuple(n for n in layer.nodes if n in core)
     span = graph.memo("recomputed span", lambda: _recomputed_span(graph))
     return tuple(n for n in layer.nodes if n in span)
 
@@ -50,12 +76,75 @@ def _recomputed_span(graph: Graph) -> frozenset[str]:
     return frozenset(n.name for n in ops[first : last + 1])
 
 
+def attention_core(graph: Graph) -> frozenset[str]:
+    """The ops of the step's attention cores: each fused ``scaled_dot_product_*`` op, and for
+    each softmax whose input comes from a matrix product (Q K^T) and whose output goes to one
+    (with V), through ops of its module, the ops of that module on the paths from the first
+    product to the second (the scores, scale, mask, softmax, casts and dropout, both products
+    included). A mask made elsewhere is read, not recomputed."""
+    found: set[str] = set()
+
+    def is_product(name: str) -> bool:
+        return graph.node(name).op in PRODUCTS
+
+    for node in graph:
+        if node.kind != OP:
+            continue
+        if node.op.startswith(FUSED_ATTENTION):
+            found.add(node.name)
+            continue
+        if node.op not in SOFTMAX:
+            continue
+        module = node.module_path
+        _, scores = _walk(graph, node.name, module, False, is_product)
+        _, context = _walk(graph, node.name, module, True, is_product)
+        if len(scores) == 1 and len(context) == 1:
+            after, _ = _walk(graph, scores[0], module, True, context[0].__eq__)
+            before, _ = _walk(graph, context[0], module, False, scores[0].__eq__)
+            found |= after & before
+    return frozenset(found)
+
+
+def frees_activations(graph: Graph) -> bool:
+    """Whether selective recomputation frees anything: some op of an attention core whose
+    output only the core reads (a fused attention op's output leaves it, and is kept)."""
+    core = _memo_core(graph)
+    return any(set(graph.users(n)) <= core for n in core)
+
+
+def _memo_core(graph: Graph) -> frozenset[str]:
+    return graph.memo("attention core", lambda: attention_core(graph))
+
+
+def _walk(
+    graph: Graph, start: str, module: str, forward: bool, end: Callable[[str], bool]
+) -> tuple[set[str], list[str]]:
+    """The ops of ``module`` reached from ``start`` (included) through its users
+    (``forward``) or its inputs, not passing the ops where ``end`` holds; with those ends."""
+    seen, ends, todo = {start}, [], [start]
+    while todo:
+        name = todo.pop()
+        refs = graph.node(name).refs
+        near = graph.users(name) if forward else tuple(dict.fromkeys(r.name for r in refs))
+        for other in near:
+            node = graph.node(other)
+            if other in seen or node.kind != OP or node.module_path != module:
+                continue
+            seen.add(other)
+            if end(other):
+                ends.append(other)
+            else:
+                todo.append(other)
+    return seen, ends
+
+
 @dataclass(frozen=True)
 class Recompute:
     """The recomputed layers of a step, for pricing (`autoplan.strategies.pricing.Pricer`)
     and for the plan (`autoplan.planfile.sections.RecomputedLayer`)."""
 
     layers: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (layer name, its recomputed ops)
+    mode: str = FULL  # which of its ops each layer recomputes (`recomputed_ops`)
     layer_of: Mapping[str, int] = field(default_factory=dict)  # recomputed op -> its layer
     kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their layer
     # the ILP counts a dropped output at this share of its bytes: it sees the layers' mean,
@@ -63,8 +152,11 @@ class Recompute:
     share: float = 1.0
 
     @staticmethod
-    def of(graph: Graph, layers: Iterable[tuple[str, Sequence[str]]]) -> Recompute:
-        """(layer name, its recomputed ops (`recomputed_ops`)) for each recomputed layer."""
+    def of(
+        graph: Graph, layers: Iterable[tuple[str, Sequence[str]]], mode: str = FULL
+    ) -> Recompute:
+        """(layer name, its recomputed ops (`recomputed_ops` in ``mode``)) for each
+        recomputed layer."""
         chosen = tuple((name, tuple(ops)) for name, ops in layers if ops)
         layer_of = {op: i for i, (_, ops) in enumerate(chosen) for op in ops}
         kept = frozenset(
@@ -72,12 +164,13 @@ class Recompute:
             for name, i in layer_of.items()
             if any(layer_of.get(u) != i for u in graph.users(name))
         )
-        return Recompute(chosen, layer_of, kept, 1.0 / max(len(chosen), 1))
+        return Recompute(chosen, mode, layer_of, kept, 1.0 / max(len(chosen), 1))
 
     @staticmethod
-    def every_layer(graph: Graph, layers: Iterable[Layer]) -> Recompute:
-        """Every layer of ``layers`` recomputed."""
-        return Recompute.of(graph, ((la.name, recomputed_ops(graph, la)) for la in layers))
+    def every_layer(graph: Graph, layers: Iterable[Layer], mode: str = FULL) -> Recompute:
+        """Every layer of ``layers`` recomputed in ``mode``."""
+        ops = ((la.name, recomputed_ops(graph, la, mode)) for la in layers)
+        return Recompute.of(graph, ops, mode)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -93,11 +186,11 @@ class Recompute:
 NO_RECOMPUTE = Recompute()
 
 
-def chosen(graph: Graph, max_layers: int, recompute: bool) -> Recompute:
-    """Every layer of ``graph`` (`recompute_layers`) recomputed, or none."""
-    if not recompute:
+def chosen(graph: Graph, max_layers: int, mode: str) -> Recompute:
+    """Every layer of ``graph`` (`recompute_layers`) recomputed in ``mode``, or none (NONE)."""
+    if mode == NONE:
         return NO_RECOMPUTE
     return graph.memo(
-        ("every layer recomputed", max_layers),
-        lambda: Recompute.every_layer(graph, recompute_layers(graph, max_layers)),
+        ("every layer recomputed", max_layers, mode),
+        lambda: Recompute.every_layer(graph, recompute_layers(graph, max_layers), mode),
     )

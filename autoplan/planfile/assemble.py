@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
-from autoplan.graph.recompute import FULL, NO_RECOMPUTE, Recompute
+from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import (
     CollectivePlan,
@@ -88,7 +88,7 @@ def predicted(step: PricedStep, memory_limit: float) -> Predicted:
 
 
 def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
-    return tuple(RecomputedLayer(name, FULL, ops) for name, ops in recompute.layers)
+    return tuple(RecomputedLayer(name, recompute.mode, ops) for name, ops in recompute.layers)
 
 
 def make_plan(

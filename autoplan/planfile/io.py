@@ -21,7 +21,7 @@ from typing import Any
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
 from autoplan.graph.ir import INPUT, OUTPUT, PARAM
-from autoplan.graph.recompute import FULL
+from autoplan.graph.recompute import FULL, SELECTIVE
 from autoplan.jsonfields import JsonField
 from autoplan.planfile.sections import (
     PLAN_VERSION,
@@ -49,7 +49,8 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 # a parameter's fields that a plan writes only when set (`autoplan.strategies.zero`)
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
-RECOMPUTE_MODES = (FULL,)  # a recomputed layer's mode (a layer not recomputed has no entry)
+# a recomputed layer's mode (a layer not recomputed has no entry), the same for all of a plan's
+RECOMPUTE_MODES = (FULL, SELECTIVE)
 
 
 def plan_text(data: dict[str, Any]) -> str:
@@ -240,11 +241,11 @@ def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:
 def _read_recompute(
     f: JsonField | None, nodes: Mapping[str, NodePlan], stages: tuple[Stage, ...]
 ) -> tuple[RecomputedLayer, ...]:
-    """The recomputed layers: each of ops of one stage (absent: none)."""
+    """The recomputed layers: each of ops of one stage, all in one mode (absent: none)."""
     if f is None:
         return ()
     stage_of = {n: s for s, stage in enumerate(stages) for n in stage.nodes}
-    found = []
+    found: list[RecomputedLayer] = []
     for e in f.elements():
         layer = RecomputedLayer(
             layer=e["layer"].text(),
@@ -256,6 +257,8 @@ def _read_recompute(
                 raise e["nodes"].elements()[i].fail("the name of an op node in nodes")
         if len({stage_of.get(n) for n in layer.nodes}) != 1:
             raise e["nodes"].fail("ops of one stage")
+        if found and layer.mode != found[0].mode:
+            raise e["mode"].fail(f"{found[0].mode!r}, the mode of the plan's other layers")
         found.append(layer)
     return tuple(found)
 

@@ -148,7 +148,7 @@ class RecomputedLayer:
     ``torch.utils.checkpoint``."""
 
     layer: str  # "blocks.3", or "ops 0-41"
-    mode: str  # "full"
+    mode: str  # "full" (its blocks' ops) or "selective" (its attention cores')
     nodes: tuple[str, ...]  # its recomputed ops, in graph order
 
 

@@ -30,7 +30,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import INPUT, OP, PARAM, Graph
-from autoplan.graph.recompute import Recompute, chosen
+from autoplan.graph.recompute import NONE, Recompute, chosen
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
@@ -81,7 +81,7 @@ def plan_pipeline(
     batch: int,
     memory_limit: float,
     tally: Tally,
-    recompute: bool = False,
+    recompute: str = NONE,
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
@@ -94,8 +94,8 @@ def plan_pipeline(
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
     planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
-    the one count serves, as in Alpa. ``recompute``: every layer recomputes in backward
-    (`autoplan.graph.recompute`)."""
+    the one count serves, as in Alpa. ``recompute``: the mode in which every layer
+    recomputes in backward (`autoplan.graph.recompute`)."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
@@ -127,7 +127,7 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
-    recompute: bool,
+    recompute: str,
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from autoplan.graph.cut import Layer
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import Recompute, recomputed_ops
+from autoplan.graph.recompute import FULL, Recompute, recomputed_ops
 from autoplan.search.step_price import PricedStep
 
 
@@ -22,18 +22,20 @@ def fewest_layers(
     layers: Sequence[Layer],
     price: Callable[[Recompute], PricedStep],
     memory_limit: float,
+    mode: str = FULL,
 ) -> tuple[Recompute, PricedStep] | None:
-    """The first ``k`` of ``layers`` recomputed, for the least ``k`` whose step (``price``)
-    fits in ``memory_limit``, with that step; None if not even every layer recomputed fits."""
-    ops = [(layer.name, recomputed_ops(graph, layer)) for layer in layers]
-    every = Recompute.of(graph, ops)
+    """The first ``k`` of ``layers`` recomputed in ``mode``, for the least ``k`` whose step
+    (``price``) fits in ``memory_limit``, with that step; None if not even every layer
+    recomputed fits."""
+    ops = [(layer.name, recomputed_ops(graph, layer, mode)) for layer in layers]
+    every = Recompute.of(graph, ops, mode)
     best = (every, price(every))
     if best[1].memory_bytes > memory_limit:
         return None
     low, high = 0, len(ops)  # high fits
     while low < high:
         middle = (low + high) // 2
-        recompute = Recompute.of(graph, ops[:middle])
+        recompute = Recompute.of(graph, ops[:middle], mode)
         step = price(recompute)
         if step.memory_bytes <= memory_limit:
             high, best = middle, (recompute, step)

@@ -149,14 +149,14 @@ def pipeline(
 
 
 def recomputed(
-    layout: Callable[[Workload], PlanOptions | Plan],
+    layout: Callable[[Workload], PlanOptions | Plan], mode: str = "full"
 ) -> Callable[[Workload], PlanOptions | Plan]:
-    """``layout``'s options with every layer recomputed in backward."""
+    """``layout``'s options with every layer recomputed in backward in ``mode``."""
 
     def options(w: Workload) -> PlanOptions | Plan:
         found = layout(w)
         assert isinstance(found, PlanOptions)
-        return dataclasses.replace(found, recompute="full")
+        return dataclasses.replace(found, recompute=mode)
 
     return options
 
@@ -337,6 +337,27 @@ CASES = [
         )
         for model in ("llama", "bert")
     ],
+    # only the attention cores recomputed: eager attention's ops from Q K^T to the product
+    # with V (GPT's with its causal mask made between the scores and the softmax), or the
+    # fused scaled_dot_product_attention (with its heads split under tp)
+    Case(
+        "zoo-gpt2-eager-selective-recompute",
+        "zoo",
+        {"model": "gpt2-eager", "batch_size": 64, "seq_len": 32},
+        recomputed(own(), "selective"),
+    ),
+    Case(
+        "gpt-eager-tp-selective-recompute",
+        "gpt",
+        {**GPT, "attention": "eager"},
+        recomputed(lambda w: gpt_megatron(w, (4,)), "selective"),
+    ),
+    Case(
+        "gpt-tp-selective-recompute",
+        "gpt",
+        GPT,
+        recomputed(lambda w: gpt_megatron(w, (4,)), "selective"),
+    ),
     # two blocks per stage
     Case(
         "gpt-baseline-pipeline-tp",

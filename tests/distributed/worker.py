@@ -143,6 +143,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "local_leaves": _local_leaves(step),
         "kept": sorted(n.module for n in step.plan.nodes.values() if n.grad),
         "recomputed": [layer.layer for layer in step.plan.recompute],
+        "recompute_modes": sorted({layer.mode for layer in step.plan.recompute}),
         "recompute_collectives": sum(c.phase == "recompute" for c in step.plan.collectives),
         "regions": _regions(step),
     }
@@ -457,28 +458,34 @@ def randomness(c: autoplan.Cluster) -> dict[str, Any]:
 
 
 def recompute_dropout(c: autoplan.Cluster) -> dict[str, dict[str, float]]:
-    """GPT-2 with dropout, trained with every layer recomputed and without, on one plan
-    otherwise: the recomputed forward must draw the masks the first drew, so both train
-    alike. The largest loss and parameter differences, per layout."""
+    """GPT-2 with dropout (attention's too), trained with every layer recomputed (whole, or
+    its attention core) and without, on one plan otherwise: the recomputed forward must draw
+    the masks the first drew, so all train alike. The largest loss and parameter differences
+    from the run without, per layout and mode."""
     w = load_workload(ROOT / "tests/models/zoo.py", model="gpt2-dropout", batch_size=16)
     layouts = {"dp": data_parallel(w, (world_size(),)), "own-2x2": autoplan.PlanOptions((2, 2))}
     found = {}
     for name, options in layouts.items():
-        runs = []
-        for recompute in ("none", "full"):
+        runs = {}
+        for recompute in ("none", "full", "selective"):
             torch.manual_seed(0)  # the executor's draws start from rank 0's generator
             step = parallel(w, c, options=dataclasses.replace(options, recompute=recompute))
-            assert step.plan is not None and bool(step.plan.recompute) == (recompute == "full")
+            assert step.plan is not None
+            assert {layer.mode for layer in step.plan.recompute} == {recompute} - {"none"}
             losses = [step(w.example_inputs, w.example_target).item() for _ in range(STEPS)]
-            runs.append((losses, step.state_dict()))
             recomputed = {n for layer in step.plan.recompute for n in layer.nodes}
-        (plain, plain_params), (again, again_params) = runs
-        found[name] = {
-            "loss": max(abs(a - b) for a, b in zip(plain, again, strict=True)),
-            "param": max((plain_params[n] - v).abs().max().item() for n, v in again_params.items()),
             # dropouts that run again in backward
-            "dropouts": sum("dropout" in step.plan.nodes[n].op for n in recomputed),
-        }
+            dropouts = sum("dropout" in step.plan.nodes[n].op for n in recomputed)
+            runs[recompute] = (losses, step.state_dict(), dropouts)
+        plain, plain_params, _ = runs.pop("none")
+        for recompute, (again, again_params, dropouts) in runs.items():
+            found[f"{name} {recompute}"] = {
+                "loss": max(abs(a - b) for a, b in zip(plain, again, strict=True)),
+                "param": max(
+                    (plain_params[n] - v).abs().max().item() for n, v in again_params.items()
+                ),
+                "dropouts": dropouts,
+            }
     return found
 
 

@@ -3,8 +3,11 @@ weights (nothing is downloaded), each computing its own loss as users call it. D
 so that training can be compared with one process exactly.
 
 - gpt2: tied embedding and head, Conv1D projections (addmm), labels shifted by padding.
-- gpt2-dropout: gpt2 with dropout (p 0.1) on its embeddings and residual branches, to compare
-  two parallel runs that draw alike (recomputation's), not one process.
+- gpt2-eager: gpt2 with eager attention (softmax(Q K^T) V as separate ops, which selective
+  recomputation recomputes), not scaled_dot_product_attention.
+- gpt2-dropout: gpt2-eager with dropout (p 0.1) on its embeddings, residual branches and
+  attention probabilities, to compare two parallel runs that draw alike (recomputation's),
+  not one process.
 - llama: grouped-query attention, rotary embeddings, RMSNorm, SwiGLU.
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
@@ -32,11 +35,12 @@ NO_DROPOUT = {"attention_dropout": 0.0}
 
 
 def _gpt2(
-    batch: int, seq: int, layers: int, dropout: float = 0.0
+    batch: int, seq: int, layers: int, dropout: float = 0.0, attention: str = "sdpa"
 ) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.GPT2Config(
         n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=seq, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0,
+        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        attn_implementation=attention,
     )  # fmt: skip
     ids = torch.randint(0, VOCAB, (batch, seq))
     return transformers.GPT2LMHeadModel(config), ("input_ids", "labels"), (ids, ids)
@@ -120,7 +124,8 @@ def _cnn(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...],
 
 MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]] = {
     "gpt2": _gpt2,
-    "gpt2-dropout": functools.partial(_gpt2, dropout=0.1),
+    "gpt2-eager": functools.partial(_gpt2, attention="eager"),
+    "gpt2-dropout": functools.partial(_gpt2, dropout=0.1, attention="eager"),
     "llama": _llama,
     "bert": _bert,
     "bart": _bart,
