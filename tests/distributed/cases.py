@@ -391,6 +391,14 @@ CASES = [
         reduce_dtype="fp32",
     ),
     Case(
+        "tied-dp-bf16-fp32",
+        "tied",
+        {"batch_size": 128, "seq_len": 16, "hidden": 128, "vocab": 512},
+        lambda w: data_parallel(w, (4,)),
+        precision="bf16",
+        reduce_dtype="fp32",
+    ),
+    Case(
         "gpt-baseline-2x2-bf16-fp32",
         "gpt",
         GPT,
