@@ -6,6 +6,7 @@ tests/distributed/cases.py (the "-bf16" and "-fp16" cases)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.errors import AutoplanError, TraceError
+from autoplan.errors import AutoplanError, PlanFormatError, TraceError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Graph
 from autoplan.planfile.sections import CollectivePlan
@@ -213,6 +214,11 @@ def test_baselines_reduce_in_float32_under_the_option(cpu4: autoplan.Cluster) ->
     split = [fp32.nodes[n] for n in weight_copies(graph) if fp32.nodes[n].output["tp"][0] == "S"]
     assert split and all(n.grad == {"dp": "P", "tp": n.output["tp"]} for n in split)
     assert autoplan.Plan.from_json(fp32.to_json()) == fp32
+    edited = json.loads(fp32.to_json())  # kept partial along tp too, where the cast is split
+    name = next(n for n in weight_copies(graph) if fp32.nodes[n].output["tp"][0] == "S")
+    edited["nodes"][name]["grad"]["tp"] = "P"
+    with pytest.raises(PlanFormatError, match="not replicated on axis 'tp'"):
+        autoplan.Plan.from_json(json.dumps(edited))
 
 
 def test_cli_takes_reduce_dtype(tmp_path: Path) -> None:
