@@ -251,6 +251,7 @@ def _plan_one_stage(
             memory_limit,
             options.time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
+            float32_grads=options.float32_grads,
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
         if isinstance(found, MeshPlan) and recompute != NONE:

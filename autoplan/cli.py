@@ -33,6 +33,7 @@ from autoplan.planfile.show import summary
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.profile import Settings, base_refusal, profile_cluster
 from autoplan.progress import Progress
+from autoplan.strategies.float32_grads import REDUCE_DTYPES
 from autoplan.training import Checkpointing, compare, one_process, train
 from autoplan.workload import load_workload
 
@@ -178,6 +179,15 @@ def _precision_argument(parser: argparse.ArgumentParser) -> None:
             "optimizer state (fp16: with loss scaling); default: the model's own dtypes"
         ),
     )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=REDUCE_DTYPES,
+        help=(
+            "with --mixed-precision: reduce every gradient in this dtype (fp32: as FSDP2's "
+            "reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32); default: "
+            "each reduced in float32 or in the compute dtype, whichever the plan prices cheaper"
+        ),
+    )
 
 
 def _recompute_argument(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +218,7 @@ def _plan_options(args: argparse.Namespace, progress: ProgressLine) -> PlanOptio
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         mixed_precision=args.mixed_precision,
+        reduce_dtype=args.reduce_dtype,
         recompute=args.recompute,
     )
 

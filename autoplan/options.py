@@ -21,6 +21,7 @@ from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
 from autoplan.schedules import INTERLEAVED, SCHEDULES, check_schedule
+from autoplan.strategies.float32_grads import FP32, check_reduce_dtype
 from autoplan.strategies.pricing import OPTIMIZER_STATE
 
 
@@ -76,8 +77,14 @@ class PlanOptions:
     """"bf16" or "fp16": forward and backward compute in that dtype under ``torch.autocast``
     while parameters, gradients and optimizer state stay float32 (`autoplan.precision`; a
     gradient is reduced in float32 at its parameter or in the compute dtype at its cast,
-    whichever the plan prices cheaper); "fp16" trains with dynamic loss scaling. None computes
-    in the model's own dtypes."""
+    whichever the plan prices cheaper, unless `reduce_dtype` says); "fp16" trains with dynamic
+    loss scaling. None computes in the model's own dtypes."""
+
+    reduce_dtype: str | None = None
+    """"fp32": under `mixed_precision`, every trained parameter's gradient is reduced in
+    float32 (FSDP2's ``reduce_dtype=torch.float32``, Megatron's
+    ``--accumulate-allreduce-grads-in-fp32``; `autoplan.strategies.float32_grads`), never in
+    the compute dtype. None lets the planner choose where each is reduced."""
 
     recompute: str | None = None
     """Activation recomputation (`autoplan.graph.recompute`): "none" keeps every activation
@@ -97,6 +104,7 @@ class PlanOptions:
     def __post_init__(self) -> None:
         check_budget(self.optimizer, self.memory_fraction)
         check_precision(self.mixed_precision)
+        check_reduce_dtype(self.reduce_dtype, self.mixed_precision)
         if self.mesh_shape is not None:
             object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "pin", types.MappingProxyType(dict(self.pin)))
@@ -130,6 +138,11 @@ class PlanOptions:
         if self.recompute is not None:
             return (self.recompute,)
         return (NONE, *[SELECTIVE] * frees_activations(graph), FULL)
+
+    @property
+    def float32_grads(self) -> bool:
+        """Whether every gradient is to be reduced in float32 (`reduce_dtype`)."""
+        return self.reduce_dtype == FP32
 
     @property
     def wants_pipeline(self) -> bool | None:

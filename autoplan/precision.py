@@ -8,7 +8,8 @@ The planner prices and places those casts like any op, so a plan may gather a pa
 its cast (the 2-byte copy, as FSDP2's ``param_dtype`` does) or before; the executor runs them
 as the graph says. The gradients of the float32 parameters come back float32 through the
 casts' backward: a plan reduces a gradient in float32 at its parameter (FSDP2's
-``reduce_dtype=float32``), or in bf16 at the cast's output where that is priced cheaper.
+``reduce_dtype=float32``), or in bf16 at the cast's output where that is priced cheaper;
+``PlanOptions(reduce_dtype="fp32")`` rules the latter out (`autoplan.strategies.float32_grads`).
 
 float16's narrow range needs loss scaling (`LossScaler`): torch's ``GradScaler`` semantics
 across ranks.

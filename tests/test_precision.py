@@ -6,6 +6,7 @@ tests/distributed/cases.py (the "-bf16" and "-fp16" cases)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,13 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.errors import AutoplanError, TraceError
+from autoplan.errors import AutoplanError, PlanFormatError, TraceError
 from autoplan.graph.capture import capture
+from autoplan.graph.ir import Graph
+from autoplan.planfile.sections import CollectivePlan
 from autoplan.planfile.show import summary
 from autoplan.precision import LossScaler
+from autoplan.strategies.float32_grads import weight_copies
 from autoplan.strategies.placement import R
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
@@ -158,3 +162,71 @@ def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert "mixed precision: bf16" in shown.stdout
+
+
+def test_reduce_dtype_is_checked() -> None:
+    with pytest.raises(AutoplanError, match="reduce_dtype 'bf16' is not known; use 'fp32'"):
+        PlanOptions(mixed_precision="bf16", reduce_dtype="bf16")
+    with pytest.raises(AutoplanError, match=r'needs mixed precision.*mixed_precision="bf16"'):
+        PlanOptions(reduce_dtype="fp32")
+    assert PlanOptions(mixed_precision="fp16", reduce_dtype="fp32").float32_grads
+    assert not PlanOptions(mixed_precision="bf16").float32_grads
+
+
+def _reductions_at_copies(plan: autoplan.Plan, graph: Graph) -> list[CollectivePlan]:
+    """The plan's collectives that sum gradients at a weight copy (in the compute dtype)."""
+    copies = weight_copies(graph)
+    return [
+        c
+        for c in plan.collectives
+        if c.tensor in copies and c.kind in ("all_reduce", "reduce_scatter")
+    ]
+
+
+def test_float32_reduction_prices_4_bytes_a_gradient(a100: autoplan.Cluster) -> None:
+    """A 1.3B GPT block on 8 A100s in bf16: the planner gathers each weight after its cast and
+    reduce-scatters its gradient in bf16 there; under reduce_dtype="fp32" no gradient is
+    reduced at a weight copy, the parameters' reduce-scatters (grad_sync) move float32, twice
+    the bytes, and the step costs more."""
+    w = example("gpt", size="1.3b", num_layers=1, batch_size=8, device="meta")
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target, "bf16")
+    free = w.plan(a100, PlanOptions(mesh_shape=(8,), mixed_precision="bf16"))
+    fp32 = w.plan(a100, PlanOptions(mesh_shape=(8,), mixed_precision="bf16", reduce_dtype="fp32"))
+    in_bf16 = _reductions_at_copies(free, graph)
+    assert in_bf16 and {c.kind for c in in_bf16} == {"reduce_scatter"}
+    assert _reductions_at_copies(fp32, graph) == []
+    synced = [c for c in fp32.collectives if c.phase == "grad_sync" and c.kind == "reduce_scatter"]
+    assert sum(c.bytes for c in synced) == 2 * sum(c.bytes for c in in_bf16)
+    assert fp32.predicted.step_time_s > free.predicted.step_time_s
+
+
+def test_baselines_reduce_in_float32_under_the_option(cpu4: autoplan.Cluster) -> None:
+    """Megatron's dp=2 tp=2 in bf16 all-reduces its weights' gradients along dp in bf16, at
+    their casts; under reduce_dtype="fp32" each split cast keeps its gradient partial along
+    dp, reduced in float32 at the parameter; the plan reads back as written."""
+    w = example("gpt", size="small", num_layers=2, batch_size=4, seq_len=64)
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target, "bf16")
+    bf16 = PlanOptions(mixed_precision="bf16")
+    free = w.baseline(cpu4, dp=2, tp=2, options=bf16)
+    fp32 = w.baseline(cpu4, dp=2, tp=2, options=dataclasses.replace(bf16, reduce_dtype="fp32"))
+    assert {c.axes for c in _reductions_at_copies(free, graph)} == {("dp",)}
+    assert _reductions_at_copies(fp32, graph) == []
+    split = [fp32.nodes[n] for n in weight_copies(graph) if fp32.nodes[n].output["tp"][0] == "S"]
+    assert split and all(n.grad == {"dp": "P", "tp": n.output["tp"]} for n in split)
+    assert autoplan.Plan.from_json(fp32.to_json()) == fp32
+    edited = json.loads(fp32.to_json())  # kept partial along tp too, where the cast is split
+    name = next(n for n in weight_copies(graph) if fp32.nodes[n].output["tp"][0] == "S")
+    edited["nodes"][name]["grad"]["tp"] = "P"
+    with pytest.raises(PlanFormatError, match="not replicated on axis 'tp'"):
+        autoplan.Plan.from_json(json.dumps(edited))
+
+
+def test_cli_takes_reduce_dtype(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", str(ROOT / "examples/mlp.py"), "--cluster"]
+    args += [str(ROOT / "costmodels/cpu-gloo-4.json"), "-o", str(out)]
+    run = [sys.executable, "-m", "autoplan.cli", "-q", *args, "--reduce-dtype", "fp32"]
+    refused = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode != 0 and "needs mixed precision" in refused.stderr
+    subprocess.run([*run, "--mixed-precision", "bf16"], check=True, capture_output=True, cwd=ROOT)
+    assert autoplan.Plan.from_json(str(out)).mixed_precision == "bf16"

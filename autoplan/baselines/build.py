@@ -379,6 +379,8 @@ def baseline_of_graph(
     options = options or PlanOptions()
     if options.recompute not in (None, NONE):
         layout = replace(layout, recompute=options.recompute)
+    if options.float32_grads:
+        layout = replace(layout, float32_grads=True)
     dp, tp = layout.dp, layout.tp
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction

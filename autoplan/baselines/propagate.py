@@ -23,6 +23,11 @@ from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
 from autoplan.graph.recompute import NONE
+from autoplan.strategies.float32_grads import (
+    baseline_copy,
+    check_copies_read_as_placed,
+    weight_copies,
+)
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
@@ -44,6 +49,8 @@ class Layout:
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
     recompute: str = NONE  # every layer recomputed in backward in this mode (FULL, SELECTIVE)
+    # every gradient reduced in float32 (`autoplan.strategies.float32_grads`)
+    float32_grads: bool = False
 
 
 def expert_weights(graph: Graph) -> list[Node]:
@@ -209,6 +216,11 @@ def baseline_strategies(
                 f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
             )
         space[node.name] = NodeStrategies(node.name, (strategy,), source_of(node, graph))
+    if layout.float32_grads:
+        for name in weight_copies(graph):
+            kept = baseline_copy(graph.node(name), space[name].strategies[0], mesh_shape)
+            space[name] = replace(space[name], strategies=(kept,))
+        check_copies_read_as_placed(space, graph, mesh_shape)
     return space
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
@@ -37,6 +37,7 @@ from autoplan.graph.ir import PARAM, Graph, Node
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
+from autoplan.strategies.float32_grads import kept_where_whole, weight_copies
 from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
 from autoplan.strategies.space import Strategy, node_strategies
 from autoplan.version import torch_release
@@ -342,7 +343,7 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
             )
         strategy = _strategy(plan, node)
         candidates = node_strategies(node, graph, shape).strategies
-        if strategy in candidates:
+        if strategy in candidates or _kept_weight_copy(strategy, node, graph, shape, candidates):
             continue
         if strategy.state is not None:
             _refuse_state(node, strategy, candidates, axes)
@@ -358,6 +359,22 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
             f"the closest it has: {shown}. Edit the plan "
             f"to one of them (a parameter's placements in params){pin}"
         )
+
+
+def _kept_weight_copy(
+    strategy: Strategy,
+    node: Node,
+    graph: Graph,
+    shape: tuple[int, ...],
+    candidates: Collection[Strategy],
+) -> bool:
+    """Whether ``strategy`` is a weight copy's candidate keeping its gradient partial where its
+    output is whole, as plans that reduce every gradient in float32 place them
+    (`autoplan.strategies.float32_grads`)."""
+    if strategy.grad is None or node.name not in weight_copies(graph):
+        return False
+    placed = replace(strategy, grad=None)
+    return placed in candidates and strategy == kept_where_whole(placed, shape)
 
 
 def _refuse_state(

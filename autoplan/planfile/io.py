@@ -41,6 +41,7 @@ from autoplan.planfile.sections import (
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
+from autoplan.strategies.float32_grads import SPLIT_COPIES
 from autoplan.strategies.placement import is_placement
 from autoplan.version import torch_release
 
@@ -94,16 +95,25 @@ def read_plan(
 
 
 def _check_kept_gradient(f: JsonField, node: NodePlan) -> None:
-    """A gradient may be kept partial only by an op that is replicated on every axis (each
-    rank runs it whole on the same values): anything else would train on wrong gradients."""
-    placed = [node.output, *node.inputs]
-    if not node.output or any(p != "R" for spec in placed for p in spec.values()):
-        raise f["grad"].problem(
-            "only an op whose output and inputs are all R may keep its gradient partial; "
-            "make it {} (no gradient placement)"
-        )
-    if set(node.grad.values()) - {"R", "P"} or "P" not in node.grad.values():
-        raise f["grad"].fail('"P" on some axes and "R" on the others, or {}')
+    """A gradient may be kept partial only on axes where the op is replicated (each rank runs
+    it whole on the same values), and elsewhere kept as the output is placed, which only a
+    cast runs exactly on its shards (a weight copy under float32 gradient reduction,
+    `autoplan.strategies.float32_grads`): anything else would train on wrong gradients."""
+    if not node.output or set(node.grad) != set(node.output) or "P" not in node.grad.values():
+        raise f["grad"].fail('"P" on some axes and as the output is placed on the others, or {}')
+    for axis, kept in node.grad.items():
+        placed = [node.output[axis], *(spec[axis] for spec in node.inputs)]
+        if kept == "P" and any(p != "R" for p in placed):
+            raise f["grad"].problem(
+                f"the op is not replicated on axis {axis!r}, where it keeps its gradient "
+                "partial; make it {} (no gradient placement)"
+            )
+        if kept != "P" and kept != node.output[axis].replace("P", "R"):
+            raise f["grad"].fail('"P" on some axes and as the output is placed on the others')
+        if kept != "R" and kept != "P" and node.op not in SPLIT_COPIES:
+            raise f["grad"].problem(
+                f"only a cast keeps its gradient partial while split (axis {axis!r}); make it {{}}"
+            )
 
 
 def _read_fields(doc: JsonField) -> dict[str, Any]:

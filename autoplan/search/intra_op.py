@@ -38,6 +38,7 @@ from autoplan.solve.problem import (
     SharedCost,
 )
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, searched, strategy_space
@@ -374,12 +375,16 @@ def solve_mesh(
     time_limit_s: float,
     restrict: SpaceFilter | None = None,
     once: float = 1.0,
+    float32_grads: bool = False,
 ) -> MeshPlan | float:
     """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins),
-    ``once`` weighs the once-per-step work (`build_problem`). Returns the least memory any
-    plan would need per device when none fits."""
+    ``once`` weighs the once-per-step work (`build_problem`), ``float32_grads`` has every
+    gradient reduced in float32 (`searched_in_float32`). Returns the least memory any plan
+    would need per device when none fits."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     space = strategy_space(graph, costs.mesh_shape, reps)
+    if float32_grads:
+        space = searched_in_float32(space, graph, costs.mesh_shape)
     if restrict is not None:
         space = restrict(space)
     space = searched(space, graph, costs.mesh_shape)

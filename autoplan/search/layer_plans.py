@@ -98,6 +98,7 @@ class StageSolver:
         time_limit_s: float,
         tally: Tally,
         label: str,
+        float32_grads: bool = False,
     ) -> None:
         self.graph = parts.graph
         self.num_microbatches = num_microbatches  # the layers' ILPs amortize work over them
@@ -109,6 +110,7 @@ class StageSolver:
         self.time_limit_s = time_limit_s
         self.tally = tally  # one ILP per structure at the full budget is expected of us
         self.label = label  # what the tally reports the layers' ILPs as part of
+        self.float32_grads = float32_grads  # every gradient reduced in float32
         # (structure, mesh, boundary, level) -> its plan
         self._memo: dict[tuple[int, tuple[int, ...], Spec, int], SolvedStage | None] = {}
         self._stages = parts.stages
@@ -241,6 +243,7 @@ class StageSolver:
             self.time_limit_s,
             restrict,
             once=1.0 / self.num_microbatches,
+            float32_grads=self.float32_grads,
         )
         log.debug(
             "layer %d on %s, boundary %s, 1/%d of memory: %s",

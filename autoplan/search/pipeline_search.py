@@ -255,6 +255,7 @@ def _best_for_size(
             min(options.time_limit_s, LAYER_TIME_LIMIT_S),
             tally,
             label,
+            options.float32_grads,
         )
         sub = stage_submesh(cluster, size)
         solved = _solve_dp(solver, sub, num_microbatches) if runnable else None

@@ -28,12 +28,15 @@ class Case:
     # autocast (and GradScaler from `init_scale` for fp16)
     precision: str | None = None
     init_scale: float = 2.0**16
+    reduce_dtype: str | None = None  # "fp32": every gradient reduced in float32
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
-        """The layout, in the case's precision."""
+        """The layout, in the case's precision (and gradient reductions')."""
         layout = self.layout(w)
         if isinstance(layout, PlanOptions):
-            return dataclasses.replace(layout, mixed_precision=self.precision)
+            return dataclasses.replace(
+                layout, mixed_precision=self.precision, reduce_dtype=self.reduce_dtype
+            )
         assert layout.mixed_precision == self.precision, "a plan made in another precision"
         return layout
 
@@ -165,6 +168,7 @@ MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
 BF16 = PlanOptions(mixed_precision="bf16")
+BF16_FP32 = PlanOptions(mixed_precision="bf16", reduce_dtype="fp32")
 
 # mlp-own's seed: with seed 0, one ReLU input at the third step is 1.8e-8 in one process,
 # within float32 rounding of zero. The parallel run, summing in another order, finds it
@@ -396,6 +400,40 @@ CASES = [
         )
         for model in ("llama", "vit")
     ],
+    # every gradient reduced in float32 (PlanOptions.reduce_dtype): the weight copies
+    # replicated, their gradients kept partial into the float32 buckets; Megatron's split
+    # copies with their gradients partial along dp; a pipeline's stages
+    Case(
+        "gpt-2x2-bf16-fp32",
+        "gpt",
+        {**GPT, "batch_size": 8},
+        own((2, 2)),
+        precision="bf16",
+        reduce_dtype="fp32",
+    ),
+    Case(
+        "tied-dp-bf16-fp32",
+        "tied",
+        {"batch_size": 128, "seq_len": 16, "hidden": 128, "vocab": 512},
+        lambda w: data_parallel(w, (4,)),
+        precision="bf16",
+        reduce_dtype="fp32",
+    ),
+    Case(
+        "gpt-baseline-2x2-bf16-fp32",
+        "gpt",
+        GPT,
+        baseline_plan(dp=2, tp=2, options=BF16_FP32),
+        precision="bf16",
+    ),
+    Case(
+        "gpt-pipeline-2x2-bf16-fp32",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        precision="bf16",
+        reduce_dtype="fp32",
+    ),
     # fp16 with loss scaling; from 2**22 the first step's gradients overflow: it is skipped
     # (no optimizer step) and the scale halved, as GradScaler does in one process
     Case("mlp-dp-fp16", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (4,)), precision="fp16"),
