@@ -1,9 +1,10 @@
 """Every conventional plan of a step on a cluster: the baselines of each choice of degrees
 (``dp * tp * pp`` devices, each ZeRO stage, sequence parallelism or not, the microbatches of a
-pipeline, its stages on each device group under Interleaved1F1B) that divides the cluster
-and the batch and fits in memory.
+pipeline, its stages on each device group under Interleaved1F1B, every layer recomputed or
+not) that divides the cluster and the batch and fits in memory.
 
-The planner must never be slower than the best of them (tests/test_optimality.py). It checks
+The planner must never be slower than the best of them (tests/test_optimality.py and
+benchmarks/vs_baselines.py price `every_degrees`, the whole grid). It checks
 its plans against the conventional plans of their shape (`shaped_degrees`: one stage on each
 mesh it solved, or pipelines of the stage and microbatch counts it found) and keeps the faster
 (`autoplan.api`). Expert parallelism (``ep``) is left out: it applies to mixtures of experts
@@ -83,6 +84,17 @@ def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[De
     return found
 
 
+def every_degrees(num_devices: int, batch: int) -> list[Degrees]:
+    """The whole grid: `all_degrees` under 1F1B, the pipelines again under Interleaved1F1B,
+    and each of them also with every layer recomputed (Megatron's full recomputation)."""
+    interleaved = [d for d in all_degrees(num_devices, batch, INTERLEAVED) if d.pp > 1]
+    return [
+        replace(d, recompute=recompute)
+        for d in all_degrees(num_devices, batch) + interleaved
+        for recompute in (False, True)
+    ]
+
+
 def shaped_degrees(
     num_devices: int,
     batch: int,
@@ -120,15 +132,21 @@ def conventional_plans(
     ``graph_for(count)`` is the step traced at the shape of one of ``count`` microbatches
     (asked once per count, in order of first need). Degrees the model does not split by, or
     that do not fit, are skipped (logged at debug level); as the planner does, degrees that
-    fit only with every layer recomputed are tried so unless ``options.recompute`` says."""
+    fit only with every layer recomputed are tried so unless ``options.recompute`` says.
+    Degrees asked with ``recompute`` are tried recomputed alone; each plan is written once,
+    even if both a degree and its recomputed twin are asked."""
     graphs: dict[int, Graph] = {}
     tries = (options or PlanOptions()).recompute_tries
+    tried_already: set[Degrees] = set()
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
         for recompute in tries if not d.recompute else (True,):
             tried = replace(d, recompute=recompute)
+            if tried in tried_already:
+                break
+            tried_already.add(tried)
             try:
                 plan = baseline_of_graph(
                     graph,
