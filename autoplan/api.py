@@ -99,15 +99,11 @@ def plan_graph(
             if isinstance(single, Plan):
                 break
     piped, weighed = None, False
-    # by default pipelines are weighed across nodes, on ranks sharing cores, or when one stage
-    # does not fit without recomputation (inside a node of devices intra-op sharding is as
-    # fast, and planning quicker); never against pins, which pipelines do not take
-    auto = not options.pin and (
-        cluster.num_nodes > 1
-        or cluster.shares_cores
-        or not isinstance(single, Plan)
-        or bool(single.recompute)
-    )
+    # by default pipelines are weighed on every cluster of several devices, inside a node too:
+    # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
+    # the planner is to be no slower than any conventional plan (tests/test_optimality.py);
+    # never against pins, which pipelines do not take
+    auto = not options.pin and cluster.num_devices > 1
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         for recompute in options.recompute_tries(graph):

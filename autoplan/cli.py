@@ -144,8 +144,8 @@ def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help=(
-            "require pipeline stages (default: weighed across nodes, on CPU ranks sharing "
-            "cores, or if one stage won't fit)"
+            "require pipeline stages (default: weighed against one stage on every cluster "
+            "of several devices)"
         ),
     )
     pipe.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="never pipeline")

@@ -1,7 +1,8 @@
 """The planner against every conventional plan: for each model and cluster, the planner's plan
-and every baseline `autoplan.baseline` can write (`autoplan.baselines.grid`: dp x tp x pp x
-microbatches x ZeRO 0-3 x sequence parallelism, those that divide and fit), all priced by the
-same cost model (`autoplan.search.step_price.price_step` and the pipeline formula).
+and every baseline `autoplan.baseline` can write (`autoplan.baselines.grid.every_degrees`: dp x
+tp x pp x microbatches x ZeRO 0-3 x sequence parallelism x 1F1B or Interleaved1F1B x every
+layer recomputed or not, those that divide and fit), all priced by the same cost model
+(`autoplan.search.step_price.price_step` and the pipeline formula).
 
 Each case plans twice: with the default options, against every conventional plan; and with
 the mesh pinned to each one-stage baseline's mesh (one stage only), against the baselines on
@@ -31,9 +32,9 @@ import autoplan  # noqa: E402
 from autoplan import PlanOptions  # noqa: E402
 from autoplan.baselines.grid import (  # noqa: E402
     Degrees,
-    all_degrees,
     batch_of,
     conventional_plans,
+    every_degrees,
 )
 from autoplan.baselines.propagate import mesh_of  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
@@ -80,7 +81,7 @@ def compare(case: str, cluster_name: str) -> list[dict[str, object]]:
     w = CASES[case]()
     graph_for = w.trace
     start = time.perf_counter()
-    degrees = all_degrees(cluster.num_devices, batch_of(graph_for(1)))
+    degrees = every_degrees(cluster.num_devices, batch_of(graph_for(1)))
     plans = list(conventional_plans(graph_for, cluster, degrees))
     baselines_s = time.perf_counter() - start
     rows = []
@@ -143,9 +144,11 @@ def main() -> None:
             f"{k}: costmodels/{p} x {n} node(s)" for k, (p, n) in CLUSTERS.items()
         ),
         "conventional plans": "every dp x tp x pp x microbatches x ZeRO 0-3 x sequence parallel "
-        "baseline that divides and fits (autoplan.baselines.grid); 1F1B",
+        "x 1F1B or Interleaved1F1B (2 stages a device group) x every layer recomputed or not "
+        "baseline that divides and fits (autoplan.baselines.grid.every_degrees)",
         "ratio": "planner's predicted step time / the best conventional plan's (same cost model)",
         "plans compared": f"{compared} of {len(rows)} (the others have no conventional plan)",
+        "worst ratio": max((r["ratio"] for r in rows if "ratio" in r), default=None),
         "slower than the best conventional plan (ratio > 1.001)": slower,
         "kept from the conventional plans of their shape (autoplan.api), not the search": kept,
     }

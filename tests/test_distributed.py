@@ -273,6 +273,7 @@ def test_cli_run_trains_and_checks(tmp_path: Path) -> None:
         "--steps",
         "2",
         "--check",
+        "--no-pipeline",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,17 +1,28 @@
-"""The planner never loses to a conventional plan: on each model and cluster here, its plan is
-priced no slower (within 0.1%) than the best of every plan `autoplan.baseline` can write
-(`autoplan.baselines.grid`: dp x tp x pp x microbatches x ZeRO 1-3 x sequence parallelism), all
-priced by one cost model. benchmarks/vs_baselines.py runs the larger grid."""
+"""The planner never loses to a conventional plan: on each model and cluster here (4 CPU
+ranks; 8, 64 and 512 A100s), its plan is priced no slower (within 0.1%) than the best of every
+plan `autoplan.baseline` can write (`autoplan.baselines.grid.every_degrees`: dp x tp x pp x
+microbatches x ZeRO 0-3 x sequence parallelism x 1F1B or Interleaved1F1B x every layer
+recomputed or not, all that fit), all priced by one cost model. The grid is the whole grid in
+every case, 512 A100s included. benchmarks/vs_baselines.py runs more models."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 import autoplan
 from autoplan import PlanOptions
 from autoplan.api import _keep_faster_conventional
-from autoplan.baselines.grid import Degrees, all_degrees, batch_of, conventional_plans
+from autoplan.baselines.grid import (
+    Degrees,
+    all_degrees,
+    batch_of,
+    conventional_plans,
+    every_degrees,
+)
 from autoplan.baselines.propagate import mesh_of
+from autoplan.graph.recompute import FULL, NONE
 from autoplan.workload import Workload
 from tests.conftest import example
 from tests.models.zoo import workload as zoo
@@ -22,7 +33,7 @@ TOLERANCE = 1.001
 def _conventional(
     w: Workload, cluster: autoplan.Cluster, precision: str | None = None
 ) -> list[tuple[Degrees, autoplan.Plan]]:
-    degrees = all_degrees(cluster.num_devices, batch_of(w.trace()))
+    degrees = every_degrees(cluster.num_devices, batch_of(w.trace()))
     return list(conventional_plans(lambda n: w.trace(n, precision), cluster, degrees))
 
 
@@ -44,20 +55,56 @@ def test_the_grid_is_every_layout_that_divides() -> None:
     assert (1, 1, 4, 2) in {
         (d.dp, d.tp, d.pp, d.num_microbatches) for d in all_degrees(4, 4, schedule="GPipe")
     }
+    # the whole grid: each of those, the pipelines again interleaved, each also recomputed
+    interleaved = [d for d in all_degrees(4, 4, schedule="Interleaved1F1B") if d.pp > 1]
+    assert interleaved and all(d.virtual_stages == 2 for d in interleaved)
+    every = every_degrees(4, batch=4)
+    assert len(every) == len(set(every)) == 2 * (len(degrees) + len(interleaved))
+    assert {replace(d, recompute=NONE) for d in every} == {*degrees, *interleaved}
+    assert {replace(d, recompute=FULL) for d in degrees} < set(every)
 
 
 def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="tiny", batch_size=8)
     plans = dict(_conventional(w, cpu4))
     # tied or unsplit layouts are skipped, not raised: the head feeds the loss and is not split,
-    # which is fine; 8 samples in 8 microbatches leave dp=2 nothing to split
+    # which is fine; 8 samples in 8 microbatches leave dp=2 nothing to split, and 2 layers
+    # make no 4 interleaved stages
     assert Degrees(2, 1, 2, num_microbatches=8) not in plans
-    for d in [Degrees(2, 2, sequence_parallel=True), Degrees(1, 2, 2, num_microbatches=4)]:
+    assert not any(d.virtual_stages > 1 for d in plans)
+    for d in [
+        Degrees(2, 2, sequence_parallel=True),
+        Degrees(1, 2, 2, num_microbatches=4),
+        Degrees(1, 2, 2, num_microbatches=4, recompute=FULL),
+        Degrees(4, 1, zero_stage=3, recompute=FULL),
+    ]:
         options = PlanOptions(num_microbatches=d.num_microbatches) if d.pp > 1 else None
         written = w.baseline(
-            cpu4, dp=d.dp, tp=d.tp, pp=d.pp, sequence_parallel=d.sequence_parallel, options=options
+            cpu4,
+            dp=d.dp,
+            tp=d.tp,
+            pp=d.pp,
+            virtual_stages=d.virtual_stages,
+            zero_stage=d.zero_stage,
+            sequence_parallel=d.sequence_parallel,
+            recompute=d.recompute,
+            options=options,
         )
         assert plans[d].to_json() == written.to_json()
+        assert bool(written.recompute) == (d.recompute != NONE)
+
+
+def test_recomputation_is_a_dimension_of_its_own(cpu4: autoplan.Cluster) -> None:
+    # a degree and its recomputed twin are two plans, each written once however often asked;
+    # the recomputed one computes the forward twice and keeps fewer activations
+    w = example("mlp", hidden=64, batch_size=256)
+    d = Degrees(4, 1)
+    twin = replace(d, recompute=FULL)
+    plans = list(conventional_plans(w.trace, cpu4, [d, twin, d, twin]))
+    assert [found for found, _ in plans] == [d, twin]
+    (_, kept), (_, recomputed) = plans
+    assert recomputed.predicted.step_time_s > kept.predicted.step_time_s
+    assert recomputed.predicted.peak_memory_bytes < kept.predicted.peak_memory_bytes
 
 
 def test_the_reported_mlp_plans_data_parallel_on_a_flat_mesh(a100: autoplan.Cluster) -> None:
@@ -95,6 +142,12 @@ def test_the_reported_mlp_plans_data_parallel_on_a_flat_mesh(a100: autoplan.Clus
             64,
             None,
         ),
+        (
+            "mlp small batch",
+            lambda: example("mlp", hidden=1024, batch_size=8, device="meta"),
+            512,
+            None,
+        ),
         # mixed precision: the conventional plans of the step traced under autocast
         ("gpt bf16", lambda: example("gpt", size="small", batch_size=8, device="meta"), 8, "bf16"),
         (
@@ -113,7 +166,7 @@ def test_the_planner_is_no_slower_than_any_conventional_plan(
     cpu4: autoplan.Cluster,
     a100: autoplan.Cluster,
 ) -> None:
-    on = {4: cpu4, 8: a100, 64: a100.with_nodes(8)}[cluster]
+    on = {4: cpu4, 8: a100, 64: a100.with_nodes(8), 512: a100.with_nodes(64)}[cluster]
     assert callable(make)
     w = make()
     plans = _conventional(w, on, precision)

@@ -76,8 +76,8 @@ def test_the_options_reach_the_planner(cpu4: autoplan.Cluster) -> None:
 
 def test_planning_reports_its_progress(cpu4: autoplan.Cluster) -> None:
     seen: list[Progress] = []
-    options = PlanOptions(on_progress=seen.append)
-    assert options == PlanOptions()  # no part of what is planned
+    options = PlanOptions(pipeline=False, on_progress=seen.append)
+    assert options == PlanOptions(pipeline=False)  # no part of what is planned
     example("mlp", batch_size=8, hidden=32).plan(cpu4, options)
     meshes = candidate_meshes(cpu4)
     done = [p for p in seen if p.milestone]

@@ -1,9 +1,10 @@
 """Every conventional plan of a step on a cluster: the baselines of each choice of degrees
 (``dp * tp * pp`` devices, each ZeRO stage, sequence parallelism or not, the microbatches of a
-pipeline, its stages on each device group under Interleaved1F1B) that divides the cluster
-and the batch and fits in memory.
+pipeline, its stages on each device group under Interleaved1F1B, every layer recomputed or
+not) that divides the cluster and the batch and fits in memory.
 
-The planner must never be slower than the best of them (tests/test_optimality.py). It checks
+The planner must never be slower than the best of them (tests/test_optimality.py and
+benchmarks/vs_baselines.py price `every_degrees`, the whole grid). It checks
 its plans against the conventional plans of their shape (`shaped_degrees`: one stage on each
 mesh it solved, or pipelines of the stage and microbatch counts it found) and keeps the faster
 (`autoplan.api`). Expert parallelism (``ep``) is left out: it applies to mixtures of experts
@@ -21,7 +22,7 @@ from autoplan.baselines.propagate import Layout, mesh_of
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.ir import INPUT, Graph
-from autoplan.graph.recompute import NONE
+from autoplan.graph.recompute import FULL, NONE
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import INTERLEAVED, schedule_refusal
@@ -84,6 +85,17 @@ def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[De
     return found
 
 
+def every_degrees(num_devices: int, batch: int) -> list[Degrees]:
+    """The whole grid: `all_degrees` under 1F1B, the pipelines again under Interleaved1F1B,
+    and each of them also with every layer recomputed (Megatron's full recomputation)."""
+    interleaved = [d for d in all_degrees(num_devices, batch, INTERLEAVED) if d.pp > 1]
+    return [
+        replace(d, recompute=recompute)
+        for d in all_degrees(num_devices, batch) + interleaved
+        for recompute in (NONE, FULL)
+    ]
+
+
 def shaped_degrees(
     num_devices: int,
     batch: int,
@@ -122,9 +134,12 @@ def conventional_plans(
     (asked once per count, in order of first need). Degrees the model does not split by, or
     that do not fit, are skipped (logged at debug level); as the planner does, degrees that
     fit only with recomputation are tried so (`PlanOptions.recompute_tries`: every layer's
-    attention core, then every layer) unless ``options.recompute`` says."""
+    attention core, then every layer) unless ``options.recompute`` says. Degrees asked with
+    a ``recompute`` mode are tried in that mode alone; each plan is written once, even if
+    both a degree and its recomputed twin are asked."""
     graphs: dict[int, Graph] = {}
     options = options or PlanOptions()
+    tried_already: set[Degrees] = set()
     for d in degrees:
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
@@ -132,6 +147,9 @@ def conventional_plans(
         tries = options.recompute_tries(graph) if d.recompute == NONE else (d.recompute,)
         for recompute in tries:
             tried = replace(d, recompute=recompute)
+            if tried in tried_already:
+                break
+            tried_already.add(tried)
             try:
                 plan = baseline_of_graph(
                     graph,

@@ -131,7 +131,8 @@ def baseline_plan(dp: int, tp: int, pp: int = 1, **options: Any) -> Callable[[Wo
 
 
 def own(mesh: Mesh = None) -> Callable[[Workload], PlanOptions]:
-    return lambda w: PlanOptions(mesh_shape=mesh)
+    # the planner's one-stage plan (its pipelines are the cases of `pipeline`)
+    return lambda w: PlanOptions(mesh_shape=mesh, pipeline=False)
 
 
 def pipeline(
