@@ -122,7 +122,7 @@ class StageSolver:
         """How many structures were never planned at the full budget (the DP never needed
         them, or an earlier layer ruled its ranges out)."""
         planned = [key for key in self._memo if key[-1] == 1]
-        return len(set(self._keys)) - len(planned)
+        return len(self._structures) - len(planned)
 
     def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""

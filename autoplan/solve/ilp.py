@@ -399,6 +399,11 @@ def _set_objective(model: pulp.LpProblem, terms: list[Term]) -> None:
 # ---------------------------------------------------------------- solving
 
 
+# two threads making the process's first solvers at once (a pipeline's layers are solved
+# side by side, autoplan.search.layer_plans) must not point file descriptor 1 away together
+_STDOUT_LOCK = threading.Lock()
+
+
 @functools.cache
 def _highs_banner_silenced() -> None:
     """HiGHS's C library prints its banner to the process's stdout when the first solver of
@@ -406,23 +411,16 @@ def _highs_banner_silenced() -> None:
     it: that first solver is made here, with file descriptor 1 pointed at /dev/null."""
     import highspy  # pulp's HiGHS interface, installed with autoplan
 
-    with _STDOUT_LOCK:  # layers' ILPs are solved side by side (autoplan.search.layer_plans)
-        _made_silently(highspy)
-
-
-_STDOUT_LOCK = threading.Lock()
-
-
-def _made_silently(highspy: Any) -> None:
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+    with _STDOUT_LOCK:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _solve(model: pulp.LpProblem, solver: str, time_limit_s: float) -> None:

@@ -246,11 +246,10 @@ class Pricer:
             info = node.output
             copies = 1 if node.kind == INPUT or not node.needs_grad else 2 + self.state_per_elem
             return info.nbytes * copies / devices
-        if node.kind != "op" or node.is_view or not node.needs_grad:
-            return 0.0
         if self.recompute.drops(node.name):
             return 0.0
-        return sum(o.nbytes for o in node.outputs) / devices
+        whole = Strategy((R,) * len(self.mesh_shape), ())
+        return self.activation_memory(node, whole) / devices
 
     def activation_memory(self, node: Node, strategy: Strategy) -> float:
         """The bytes of an op's output that backward needs (0 for parameters and inputs)."""
