@@ -59,7 +59,7 @@ from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
-from autoplan.search.pipeline_price import price_pipeline
+from autoplan.search.pipeline_price import PipelinePlan, price_pipeline
 from autoplan.search.step_price import price_step
 from autoplan.solve.evaluate import evaluate
 from autoplan.solve.problem import IntraOpSolution
@@ -237,9 +237,9 @@ def _pipelined(
     optimizer: str,
     limit: float,
     virtual_stages: int,
-) -> Plan:
+) -> tuple[PipelinePlan, tuple[tuple[Layer, ...], ...]]:
     """``graph`` (one microbatch's step) in the stages of `_split_layers`, each placed on its
-    own graph as a one-stage baseline is."""
+    own graph as a one-stage baseline is, priced; with each stage's layers."""
     groups, stages, stage_graphs = _stages(graph, pp, virtual_stages)
     assignments = []
     for s, (group, stage) in enumerate(zip(groups, stage_graphs, strict=True)):
@@ -264,7 +264,14 @@ def _pipelined(
         virtual_stages=virtual_stages,
         recompute=chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute),
     )
-    plan = make_pipeline_plan(pipe, cluster, (mesh_shape,))
+    return pipe, groups
+
+
+def _pipeline_plan(
+    pipe: PipelinePlan, groups: tuple[tuple[Layer, ...], ...], cluster: Cluster
+) -> Plan:
+    """The plan of a conventional pipeline, each stage named by its layers."""
+    plan = make_pipeline_plan(pipe, cluster, (pipe.mesh_shape,))
     named = (
         replace(st, layers=tuple(layer.name for layer in group))
         for st, group in zip(plan.stages, groups, strict=True)
@@ -386,21 +393,25 @@ def baseline_of_graph(
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
     degrees = f"dp={dp} tp={tp}" + f" recompute={layout.recompute}" * (layout.recompute != NONE)
+
+    def refuse_unless_fits(need: float) -> None:
+        if need > limit:
+            raise InfeasiblePlanError(
+                f"the baseline {degrees} zero_stage={layout.zero_stage} needs "
+                f"{need / GiB:.2f} GiB per device, but a device of cluster {cluster.name!r} "
+                f"offers {limit / GiB:.2f} GiB ({memory_fraction:.0%} of "
+                f"{cluster.device.memory_bytes / GiB:.0f} GiB)"
+            )
+
     if pp == 1:
         plan = _one_stage(graph, cluster, layout, optimizer, limit)
-    else:
-        _check_stages(cluster, dp, tp, pp, num_microbatches, schedule, virtual_stages)
-        plan = _pipelined(
-            graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit,
-            virtual_stages,
-        )  # fmt: skip
-        degrees += f" pp={pp} num_microbatches={num_microbatches}"
-        degrees += f" virtual_stages={virtual_stages}" * (virtual_stages > 1)
-    need = plan.predicted.peak_memory_bytes
-    if need > limit:
-        raise InfeasiblePlanError(
-            f"the baseline {degrees} zero_stage={layout.zero_stage} needs {need / GiB:.2f} GiB "
-            f"per device, but a device of cluster {cluster.name!r} offers {limit / GiB:.2f} GiB "
-            f"({memory_fraction:.0%} of {cluster.device.memory_bytes / GiB:.0f} GiB)"
-        )
-    return plan
+        refuse_unless_fits(plan.predicted.peak_memory_bytes)
+        return plan
+    _check_stages(cluster, dp, tp, pp, num_microbatches, schedule, virtual_stages)
+    degrees += f" pp={pp} num_microbatches={num_microbatches}"
+    degrees += f" virtual_stages={virtual_stages}" * (virtual_stages > 1)
+    pipe, groups = _pipelined(
+        graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit, virtual_stages
+    )
+    refuse_unless_fits(max(pipe.stage_memory(s) for s in range(len(pipe.stages))))
+    return _pipeline_plan(pipe, groups, cluster)  # written only once it fits
