@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +106,11 @@ def plan_graph(
     auto = not options.pin and cluster.num_devices > 1
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        for recompute in options.recompute_tries(graph):
-            piped = _plan_pipelined(
-                graph, microbatch_graph, cluster, options, memory_limit, tally, recompute
-            )
-            if piped is not None:
-                break
+        # one search: each stage chooses its recomputation (pipeline_search's variants)
+        modes = options.recompute_tries(graph)
+        piped = _plan_pipelined(
+            graph, microbatch_graph, cluster, options, memory_limit, tally, modes
+        )
     if piped is None:
         if isinstance(single, Plan):
             return single
@@ -156,7 +155,7 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-    recompute: str = NONE,
+    modes: Sequence[str] = (NONE,),
 ) -> Plan | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
@@ -189,7 +188,7 @@ def _plan_pipelined(
         batch=batch,
         memory_limit=memory_limit,
         tally=tally,
-        recompute=recompute,
+        modes=modes,
     )
     if found is None:
         return None
@@ -251,7 +250,7 @@ def _plan_one_stage(
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
         if isinstance(found, MeshPlan) and recompute != NONE:
-            found = _fewest_recomputed(graph, layers, found, memory_limit, options)
+            found = _fewest_recomputed(graph, layers, found, memory_limit, options, recompute)
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
@@ -280,10 +279,15 @@ def _plan_one_stage(
 
 
 def _fewest_recomputed(
-    graph: Graph, layers: tuple[Layer, ...], found: MeshPlan, limit: float, options: PlanOptions
+    graph: Graph,
+    layers: tuple[Layer, ...],
+    found: MeshPlan,
+    limit: float,
+    options: PlanOptions,
+    mode: str,
 ) -> MeshPlan | float:
-    """``found`` (planned with every layer recomputed) recomputing the fewest layers that fit
-    (`fewest_layers`, in its mode), or every layer where ``options.recompute`` says so; the
+    """``found`` (planned with every layer recomputed in ``mode``) recomputing the fewest
+    layers that fit (`fewest_layers`), or every layer where ``options.recompute`` says so; the
     bytes per device it needs if it does not fit (the ILP counts the layers' mean, the price
     the largest)."""
     costs = found.costs
@@ -294,7 +298,7 @@ def _fewest_recomputed(
 
     if options.recompute is not None:
         return found if found.step.memory_bytes <= limit else found.step.memory_bytes
-    fewest = fewest_layers(graph, layers, price, limit, costs.recompute.mode)
+    fewest = fewest_layers(graph, layers, price, limit, mode)
     if fewest is None:
         return found.step.memory_bytes
     recompute, step = fewest

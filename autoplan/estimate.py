@@ -18,7 +18,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import FULL, Recompute
+from autoplan.graph.recompute import Recompute
 from autoplan.planfile.assemble import (
     collective_plans,
     make_pipeline_plan,
@@ -99,8 +99,7 @@ def derive(
     graph = graph_for(count)
     checked = check_plan(plan, graph, cluster)
     limit = cluster.device.memory_bytes * memory_fraction
-    mode = checked.recompute[0].mode if checked.recompute else FULL  # one, the reader checks
-    recompute = Recompute.of(graph, ((r.layer, r.nodes) for r in checked.recompute), mode)
+    recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))
     if checked.pipeline is not None:
         derived = _derive_pipeline(checked, graph, cluster, optimizer, limit, recompute)
     else:

@@ -91,9 +91,10 @@ class PlanOptions:
     from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
     full recomputation); "selective" recomputes only every layer's attention core, from the
     product of queries and keys through softmax to the product with the values (Megatron's
-    selective recomputation); None recomputes only where no plan fits without: every layer's
-    attention core, then, where that frees activations, and every layer where that does not
-    fit either."""
+    selective recomputation). None lets the planner choose: one stage recomputes the fewest
+    layers that make it fit (selective recomputation, where it frees activations, before
+    full), and each pipeline stage takes the fastest mode that fits the microbatches it holds
+    in flight (`autoplan.search.pipeline_search`)."""
 
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known

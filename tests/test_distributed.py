@@ -101,6 +101,7 @@ def test_trains_like_one_process_and_as_planned(
         # or only its attention core, one region each however its ops lie in the graph
         assert r["recompute_modes"] == ["selective" if "selective" in case.name else "full"], r
         assert "selective" not in case.name or r["regions"] == len(r["recomputed"]), r
+        assert "mixed" not in case.name or r["recomputed"] == ["blocks.0"], r
     else:
         assert r["recomputed"] == [] and r["regions"] == 0, r
     if "tp-recompute" in case.name:  # the tensor-parallel blocks' forward collectives, again

@@ -356,3 +356,25 @@ def test_96_layers_on_1024_devices() -> None:
     assert elapsed < 60.0, f"stage DP took {elapsed:.1f} s"
     check_solution(problem, solution)
     assert 1 < len(solution.stages) < num_layers
+
+
+def test_each_stage_takes_the_fastest_variant_that_fits_its_microbatches_in_flight() -> None:
+    # two layers on two devices, one stage each; each stage comes as variant 0 (fast, heavy in
+    # activations) or 1 (slower, light: recomputed). Under 1F1B the first stage holds two
+    # microbatches in flight, the second one: 4 + 2 * 3 > 9 rules variant 0 out for the first
+    # stage only.
+    fast, light = StageCost(2.0, 4.0, True, 3.0), StageCost(2.5, 4.0, True, 1.0)
+
+    def cost(i: int, j: int, submesh: Submesh) -> tuple[StageCost, StageCost]:
+        return (fast, light) if submesh == ONE and j == i + 1 else (INFEASIBLE, INFEASIBLE)
+
+    for solve in (solve_stages, solve_stages_plain):
+        problem = StageProblem(2, 1, 2, 4, 9.0, cost, variants=2)
+        solution = solve(problem)
+        assert [(s.start, s.variant) for s in solution.stages] == [(0, 1), (1, 0)]
+        assert solution.objective == pytest.approx(2.5 + 2.0 + 3 * 2.5)
+        assert [s.memory_bytes for s in solution.stages] == [4.0 + 2 * 1.0, 4.0 + 3.0]
+    unlimited = solve_stages(StageProblem(2, 1, 2, 4, math.inf, cost, variants=2))
+    assert [s.variant for s in unlimited.stages] == [0, 0]
+    with pytest.raises(AutoplanError, match=r"gave 2 cost\(s\); the problem has 3 variant"):
+        solve_stages(StageProblem(2, 1, 2, 4, 9.0, cost, variants=3))

@@ -171,7 +171,7 @@ def test_the_fewest_layers_that_fit_recompute(cpu4: autoplan.Cluster) -> None:
         assert more.memory_bytes < fewer.memory_bytes or fewer is steps[0]
     found = fewest_layers(graph, layers, price, steps[2].memory_bytes)
     assert found is not None
-    assert [name for name, _ in found[0].layers] == ["blocks.0", "blocks.1"]
+    assert [name for name, _, _ in found[0].layers] == ["blocks.0", "blocks.1"]
     assert found[1] == steps[2]
     assert fewest_layers(graph, layers, price, steps[-1].memory_bytes - 1) is None
 
@@ -235,6 +235,51 @@ def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster
     assert found.stages[0].predicted is not None and plain.stages[0].predicted is not None
     assert found.stages[0].predicted.time_s > plain.stages[0].predicted.time_s
     assert w.estimate(found, cpu4) == found
+
+
+def test_each_pipeline_stage_recomputes_only_where_its_microbatches_in_flight_need_it() -> None:
+    # 4 one-block stages, 8 microbatches: under 1F1B stage s holds 4 - s of them in flight.
+    # In 25 MiB a device, only the first stage needs its block recomputed to fit
+    base = autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
+    device = dataclasses.replace(base.device, memory_bytes=25 * 2**20)
+    cluster = dataclasses.replace(base, device=device, devices_per_node=4, name="small")
+    w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
+    options = PlanOptions(num_stages=4, num_microbatches=8, mesh_shape=(1,))
+    found = w.plan(cluster, options)
+
+    def modes(plan: autoplan.Plan) -> list[list[str]]:
+        return [
+            sorted({la.mode for la in plan.recompute if set(la.nodes) <= set(stage.nodes)})
+            for stage in plan.stages
+        ]
+
+    assert modes(found) == [["full"], [], [], []]
+    assert [la.layer for la in found.recompute] == ["blocks.0"]
+    limit = found.predicted.memory_limit_bytes
+    assert all(s.predicted is not None and s.predicted.memory_bytes <= limit for s in found.stages)
+    with pytest.raises(InfeasiblePlanError, match="no pipeline fits"):
+        w.plan(cluster, dataclasses.replace(options, recompute="none"))
+    every = w.plan(cluster, dataclasses.replace(options, recompute="full"))
+    assert modes(every) == [["full"]] * 4
+    assert found.predicted.step_time_s < every.predicted.step_time_s
+    assert autoplan.Plan.from_json(found.to_json()) == found
+    assert w.estimate(found, cluster) == found  # re-priced alike
+    assert "activation recomputation (full): 1 layer(s), blocks.0" in summary(found)
+
+
+def test_a_stage_plans_its_layers_for_the_microbatches_it_holds(cpu4: autoplan.Cluster) -> None:
+    # 2 one-block stages of 4 microbatches: the first holds 2 in flight. In 0.28% of each
+    # device's memory the first block's fastest plan fits the last stage only, and half the
+    # memory holds no plan of it: no pipeline fitted before each stage's layers were also
+    # planned with their activations counted once per microbatch the stage holds
+    w = example("gpt", **GPT)
+    options = PlanOptions(
+        num_stages=2, num_microbatches=4, memory_fraction=0.0028, recompute="none"
+    )
+    found = w.plan(cpu4, options)
+    assert found.pipeline is not None and not found.recompute
+    limit = found.predicted.memory_limit_bytes
+    assert all(s.predicted is not None and s.predicted.memory_bytes <= limit for s in found.stages)
 
 
 # ---------------------------------------------------------------- selective recomputation
@@ -326,9 +371,10 @@ def test_selective_plans_read_back_and_show_it(
     assert autoplan.Plan.from_json(str(path)) == selective
     assert _eager_gpt2().estimate(str(path), cpu4) == selective  # re-priced alike
     assert "activation recomputation (selective): 2 layer(s)" in summary(selective)
-    doc["recompute"][1]["mode"] = "full"  # one plan, one mode
-    with pytest.raises(PlanFormatError, match=r"recompute\[1\]\.mode must be 'selective'"):
-        autoplan.Plan.from_json(json.dumps(doc))
+    doc["recompute"][1]["mode"] = "full"  # each layer its own mode (a pipeline's stages differ)
+    mixed = autoplan.Plan.from_json(json.dumps(doc))
+    assert [layer.mode for layer in mixed.recompute] == ["selective", "full"]
+    assert "activation recomputation (full/selective): 2 layer(s)" in summary(mixed)
 
 
 def test_planner_recomputes_selectively_when_asked(cpu4: autoplan.Cluster) -> None:

@@ -20,7 +20,7 @@ selective activation recomputation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autoplan.errors import AutoplanError
@@ -140,11 +140,12 @@ def _walk(
 
 @dataclass(frozen=True)
 class Recompute:
-    """The recomputed layers of a step, for pricing (`autoplan.strategies.pricing.Pricer`)
-    and for the plan (`autoplan.planfile.sections.RecomputedLayer`)."""
+    """The recomputed layers of a step, each in its mode (a pipeline's stages may differ),
+    for pricing (`autoplan.strategies.pricing.Pricer`) and for the plan
+    (`autoplan.planfile.sections.RecomputedLayer`)."""
 
-    layers: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (layer name, its recomputed ops)
-    mode: str = FULL  # which of its ops each layer recomputes (`recomputed_ops`)
+    # (layer name, its mode, its recomputed ops (`recomputed_ops` in that mode))
+    layers: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
     layer_of: Mapping[str, int] = field(default_factory=dict)  # recomputed op -> its layer
     kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their layer
     # the ILP counts a dropped output at this share of its bytes: it sees the layers' mean,
@@ -157,14 +158,19 @@ class Recompute:
     ) -> Recompute:
         """(layer name, its recomputed ops (`recomputed_ops` in ``mode``)) for each
         recomputed layer."""
-        chosen = tuple((name, tuple(ops)) for name, ops in layers if ops)
-        layer_of = {op: i for i, (_, ops) in enumerate(chosen) for op in ops}
+        return Recompute.mixed(graph, ((name, mode, ops) for name, ops in layers))
+
+    @staticmethod
+    def mixed(graph: Graph, layers: Iterable[tuple[str, str, Sequence[str]]]) -> Recompute:
+        """(layer name, its mode, its recomputed ops) for each recomputed layer."""
+        chosen = tuple((name, mode, tuple(ops)) for name, mode, ops in layers if ops)
+        layer_of = {op: i for i, (_, _, ops) in enumerate(chosen) for op in ops}
         kept = frozenset(
             name
             for name, i in layer_of.items()
             if any(layer_of.get(u) != i for u in graph.users(name))
         )
-        return Recompute(chosen, mode, layer_of, kept, 1.0 / max(len(chosen), 1))
+        return Recompute(chosen, layer_of, kept, 1.0 / max(len(chosen), 1))
 
     @staticmethod
     def every_layer(graph: Graph, layers: Iterable[Layer], mode: str = FULL) -> Recompute:
@@ -172,8 +178,17 @@ class Recompute:
         ops = ((la.name, recomputed_ops(graph, la, mode)) for la in layers)
         return Recompute.of(graph, ops, mode)
 
+    def within(self, nodes: Collection[str]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+        """Those of its layers whose ops are among ``nodes`` (one pipeline stage's): a
+        pipeline's recomputation is its stages' together (`Recompute.mixed`)."""
+        return tuple(layer for layer in self.layers if layer[2][0] in nodes)
+
     def __bool__(self) -> bool:
         return bool(self.layers)
+
+    @property
+    def modes(self) -> frozenset[str]:
+        return frozenset(mode for _, mode, _ in self.layers)
 
     def recomputes(self, name: str) -> bool:
         return name in self.layer_of

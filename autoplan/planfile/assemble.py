@@ -88,7 +88,7 @@ def predicted(step: PricedStep, memory_limit: float) -> Predicted:
 
 
 def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
-    return tuple(RecomputedLayer(name, recompute.mode, ops) for name, ops in recompute.layers)
+    return tuple(RecomputedLayer(name, mode, ops) for name, mode, ops in recompute.layers)
 
 
 def make_plan(
@@ -250,5 +250,5 @@ def make_pipeline_plan(
         ),
         pipeline=Pipeline(pipe.schedule, pipe.num_microbatches, pipe.bubble_fraction),
         mixed_precision=graph.precision,
-        recompute=recomputed_layers(pipe.costs.recompute),
+        recompute=recomputed_layers(pipe.recompute),
     )

@@ -50,7 +50,7 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 # a parameter's fields that a plan writes only when set (`autoplan.strategies.zero`)
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
-# a recomputed layer's mode (a layer not recomputed has no entry), the same for all of a plan's
+# a recomputed layer's mode (a layer not recomputed has no entry); a pipeline's stages may differ
 RECOMPUTE_MODES = (FULL, SELECTIVE)
 
 
@@ -251,7 +251,7 @@ def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:
 def _read_recompute(
     f: JsonField | None, nodes: Mapping[str, NodePlan], stages: tuple[Stage, ...]
 ) -> tuple[RecomputedLayer, ...]:
-    """The recomputed layers: each of ops of one stage, all in one mode (absent: none)."""
+    """The recomputed layers, each of ops of one stage, in its own mode (absent: none)."""
     if f is None:
         return ()
     stage_of = {n: s for s, stage in enumerate(stages) for n in stage.nodes}
@@ -267,8 +267,6 @@ def _read_recompute(
                 raise e["nodes"].elements()[i].fail("the name of an op node in nodes")
         if len({stage_of.get(n) for n in layer.nodes}) != 1:
             raise e["nodes"].fail("ops of one stage")
-        if found and layer.mode != found[0].mode:
-            raise e["mode"].fail(f"{found[0].mode!r}, the mode of the plan's other layers")
         found.append(layer)
     return tuple(found)
 

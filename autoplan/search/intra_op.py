@@ -226,11 +226,14 @@ def build_problem(
     costs: Pricer,
     memory_limit: float,
     once: float = 1.0,
+    in_flight: float = 1.0,
 ) -> tuple[IntraOpProblem, Grouping]:
     """The ILP of ``graph`` over its candidate strategies ``space``, in decision groups (the
     module docstring), and how its groups decide each node. ``once`` weighs the work done
     once per step (parameters' updates and gradient synchronization) against the rest: 1
-    for a whole step, 1 / microbatches for a pipeline stage's layer (`Pricer.grad_s`)."""
+    for a whole step, 1 / microbatches for a pipeline stage's layer (`Pricer.grad_s`).
+    ``in_flight`` counts the ops' activations so many times against ``memory_limit``: a
+    pipeline stage keeps one set per microbatch in flight."""
     reps = [n for n in graph if n.name not in layers.canonical]
     edge_counts, shared_reads = _reads(graph, layers)
     matrices = {key: _edge_matrix(graph, space, costs, key, once) for key in edge_counts}
@@ -248,7 +251,8 @@ def build_problem(
         own_time = [
             (costs.node_time(node, s) + costs.internal_time(node, s)) * weight for s in strategies
         ]
-        own_mem = [costs.node_memory(node, s) * count for s in strategies]
+        copies = count * (in_flight if node.kind == OP else 1.0)
+        own_mem = [costs.node_memory(node, s) * copies for s in strategies]
         producer = _follower_producer(node, graph)
         follow = (
             _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
@@ -376,11 +380,13 @@ def solve_mesh(
     restrict: SpaceFilter | None = None,
     once: float = 1.0,
     float32_grads: bool = False,
+    in_flight: float = 1.0,
 ) -> MeshPlan | float:
     """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins),
-    ``once`` weighs the once-per-step work (`build_problem`), ``float32_grads`` has every
-    gradient reduced in float32 (`searched_in_float32`). Returns the least memory any plan
-    would need per device when none fits."""
+    ``once`` weighs the once-per-step work and ``in_flight`` the activations' memory
+    (`build_problem`), ``float32_grads`` has every gradient reduced in float32
+    (`searched_in_float32`). Returns the least memory any plan would need per device when
+    none fits."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     space = strategy_space(graph, costs.mesh_shape, reps)
     if float32_grads:
@@ -388,7 +394,7 @@ def solve_mesh(
     if restrict is not None:
         space = restrict(space)
     space = searched(space, graph, costs.mesh_shape)
-    problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once)
+    problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once, in_flight)
     need = min_memory(problem)
     if need > memory_limit:
         return need

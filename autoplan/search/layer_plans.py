@@ -1,5 +1,5 @@
 """Per-layer plans for the stage DP: a layer range priced as the sum of its layers' intra-op
-plans, each layer's ILP solved once per structure.
+plans, each layer's ILP solved once per structure and memory budget.
 
 A layer range is priced by composition: each layer is planned as a stage graph of its own (the
 ILP of `autoplan.search.intra_op`, memoized by structure, so identical blocks are solved once)
@@ -7,15 +7,19 @@ with the tensors between layers at the boundary placement (`autoplan.search.stag
 and a range costs the sum of its layers. The union of the layers' plans is a valid plan of the
 range (the placements agree where layers meet), so a range never costs less than its ILP
 would find; in exchange the DP's table costs one ILP per distinct layer instead of one per
-range. When the fastest layer plans do not fit together, each layer is planned again within
-``memory_limit / level`` for ``level`` = 2, 4, ... until the range fits. A layer's ILP weighs
-its once-per-step work (parameters' updates, gradient synchronization) at 1 / microbatches of
-its work per microbatch, as the stage DP amortizes it.
+range. A layer is planned within each memory budget (`Budget`) the search asks for: the
+fastest plans within the whole memory first, then lighter ones for ranges of several layers
+(within ``memory_limit / level``, ``level`` = 2, 4, ...) or for stages with many
+microbatches in flight (their activations counted so many times); a budget that a looser
+budget's plan already meets reuses that plan without an ILP. A layer's ILP weighs its
+once-per-step work (parameters' updates, gradient synchronization) at 1 / microbatches of its
+work per microbatch, as the stage DP amortizes it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +28,7 @@ from dataclasses import dataclass, replace
 from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
-from autoplan.graph.ir import Graph
+from autoplan.graph.ir import INPUT, OP, PARAM, Graph
 from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.pipeline_price import (
@@ -72,6 +76,34 @@ class LayerGraphs:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """What a layer's ILP may use: its parameters' and inputs' memory, plus ``in_flight``
+    times its activations (one set per microbatch a pipeline stage holds), within
+    ``memory_limit / level``."""
+
+    level: int = 1
+    in_flight: int = 1
+
+    def bytes(self, memory_limit: float) -> float:
+        return memory_limit / self.level
+
+    def tighter(self) -> Budget:
+        return Budget(2 * self.level, self.in_flight)
+
+    def within(self, other: Budget) -> bool:
+        """Whether every plan within this budget is within ``other``."""
+        return other.level <= self.level and other.in_flight <= self.in_flight
+
+    def describe(self) -> str:
+        """How the progress reports it: nothing for the full budget."""
+        share = f" in 1/{self.level} of the memory" * (self.level > 1)
+        return share + f", {self.in_flight} microbatches in flight" * (self.in_flight > 1)
+
+
+FULL_BUDGET = Budget()
+
+
+@dataclass(frozen=True)
 class RangeCost:
     """A layer range priced as the sum of its layers (what the DP's cost table holds)."""
 
@@ -79,7 +111,6 @@ class RangeCost:
     extra_s: float
     memory_bytes: float
     activation_bytes: float
-    level: int  # each layer was planned within memory_limit / level
 
 
 class StageSolver:
@@ -99,6 +130,7 @@ class StageSolver:
         tally: Tally,
         label: str,
         float32_grads: bool = False,
+        announced: bool = True,
     ) -> None:
         self.graph = parts.graph
         self.num_microbatches = num_microbatches  # the layers' ILPs amortize work over them
@@ -111,17 +143,24 @@ class StageSolver:
         self.tally = tally  # one ILP per structure at the full budget is expected of us
         self.label = label  # what the tally reports the layers' ILPs as part of
         self.float32_grads = float32_grads  # every gradient reduced in float32
-        # (structure, mesh, boundary, level) -> its plan
-        self._memo: dict[tuple[int, tuple[int, ...], Spec, int], SolvedStage | None] = {}
+        self.announced = announced  # the tally expects its full-budget ILPs already
+        # (structure, budget) -> its plan, and the memory its ILP counts for it
+        self._memo: dict[tuple[int, Budget], SolvedStage | None] = {}
+        # what the ILP counts of each plan: its parameters' and inputs', its activations'
+        self._ilp_memory: dict[tuple[int, Budget], tuple[float, float]] = {}
+        self._reused: set[tuple[int, Budget]] = set()  # plans of the looser budget, kept
         self._stages = parts.stages
         self._keys = parts.keys
         self._structures = sorted(set(parts.keys))  # the first layer of each structure
         self._sends: dict[int, float] = {}  # stop -> send_s(stop); the stage DP asks often
+        self._ranges: dict[tuple[int, int, Budget], RangeCost | None] = {}
 
     def unplanned(self) -> int:
         """How many structures were never planned at the full budget (the DP never needed
         them, or an earlier layer ruled its ranges out)."""
-        planned = [key for key in self._memo if key[-1] == 1]
+        if not self.announced:
+            return 0
+        planned = [key for key in self._memo if key[1] == FULL_BUDGET]
         return len(self._structures) - len(planned)
 
     def send_s(self, stop: int) -> float:
@@ -131,37 +170,46 @@ class StageSolver:
             self._sends[stop] = send_time(self.cluster, sent)
         return self._sends[stop]
 
-    def cost(self, start: int, stop: int) -> RangeCost | None:
-        """Layers ``[start, stop)`` as the sum of their plans within ``memory_limit / level``
-        for the first level at which they fit together; None if none does."""
-        level = 1
-        while level <= 2 * (stop - start):
-            # the full budget's plans are all asked for sooner or later: plan them together
-            self._plan_together(self._structures if level == 1 else range(start, stop), level)
-            parts = [self._layer(i, level) for i in range(start, stop)]
-            if any(p is None for p in parts):
-                return None  # a tighter budget cannot help
+    def infeasible(self, budget: Budget) -> bool:
+        """Whether some layer has no plan within ``budget`` (then no tighter budget has one
+        either)."""
+        self._plan_together(self._structures, budget)
+        return any(self._memo[(i, budget)] is None for i in self._structures)
+
+    def repeats(self, budget: Budget) -> bool:
+        """Whether every layer's plan within ``budget`` is its plan within a looser one:
+        those plans met ``budget`` already."""
+        self._plan_together(self._structures, budget)
+        return all((i, budget) in self._reused for i in self._structures)
+
+    def cost(self, start: int, stop: int, budget: Budget) -> RangeCost | None:
+        """Layers ``[start, stop)`` as the sum of their plans within ``budget``; None if a
+        layer has none."""
+        key = (start, stop, budget)
+        if key not in self._ranges:
+            self._plan_together(self._structures, budget)
+            parts = [self._layer(i, budget) for i in range(start, stop)]
             done = [p for p in parts if p is not None]
             # one recomputed layer's activations at a time: the largest
-            transient = max(p.recompute_bytes for p in done)
-            found = RangeCost(
-                time_s=sum(p.time_s for p in done),
-                extra_s=sum(p.extra_s for p in done),
-                memory_bytes=sum(p.memory_bytes - p.recompute_bytes for p in done) + transient,
-                activation_bytes=sum(p.activation_bytes for p in done),
-                level=level,
+            transient = max(p.recompute_bytes for p in done) if done else 0.0
+            self._ranges[key] = (
+                None
+                if len(done) < len(parts)
+                else RangeCost(
+                    time_s=sum(p.time_s for p in done),
+                    extra_s=sum(p.extra_s for p in done),
+                    memory_bytes=sum(p.memory_bytes - p.recompute_bytes for p in done) + transient,
+                    activation_bytes=sum(p.activation_bytes for p in done),
+                )
             )
-            if found.memory_bytes + found.activation_bytes <= self.memory_limit:
-                return found
-            level *= 2
-        return None
+        return self._ranges[key]
 
-    def stage(self, start: int, stop: int) -> SolvedStage:
-        """The plan of layers ``[start, stop)``: the union of its layers' plans, priced whole."""
-        found = self.cost(start, stop)
-        assert found is not None, "the DP chose a range it was told does not fit"
+    def stage(self, start: int, stop: int, budget: Budget) -> SolvedStage:
+        """The plan of layers ``[start, stop)``, the union of its layers' plans within
+        ``budget``, priced whole."""
+        assert self.cost(start, stop, budget) is not None, "the DP chose a range with no plan"
         stage = stage_graph(self.graph, self.layers, start, stop)
-        parts = [self._renamed(i, found.level) for i in range(start, stop)]
+        parts = [self._renamed(i, budget) for i in range(start, stop)]
         assignment, rules = own_decisions(parts)
         output = stage.graph.nodes[-1]
         whole = replicated(len(self.costs.mesh_shape))
@@ -175,39 +223,55 @@ class StageSolver:
             start, stop, stage, assignment, step, rules, self.costs, self.send_s(stop), solver
         )
 
-    def _layer(self, i: int, level: int) -> SolvedStage | None:
-        self._plan_together([i], level)
-        return self._memo[self._key(i, level)]
+    def _layer(self, i: int, budget: Budget) -> SolvedStage | None:
+        self._plan_together([i], budget)
+        return self._memo[(self._keys[i], budget)]
 
-    def _key(self, i: int, level: int) -> tuple[int, tuple[int, ...], Spec, int]:
-        return (self._keys[i], self.costs.mesh_shape, self.boundary, level)
-
-    def _plan_together(self, layers: Iterable[int], level: int) -> None:
-        """Plan the structures of ``layers`` not yet planned within ``memory_limit / level``,
-        their ILPs side by side on the machine's cores (HiGHS lets go of Python's lock while
-        it solves)."""
-        todo: dict[tuple[int, tuple[int, ...], Spec, int], int] = {}
+    def _plan_together(self, layers: Iterable[int], budget: Budget) -> None:
+        """Plan the structures of ``layers`` not yet planned within ``budget``, their ILPs
+        side by side on the machine's cores (HiGHS lets go of Python's lock while it
+        solves); a structure whose plan within a looser budget meets this one keeps it."""
+        todo: dict[int, int] = {}  # structure -> a layer of it
         for i in layers:
-            todo.setdefault(self._key(i, level), i)
-        todo = {key: i for key, i in todo.items() if key not in self._memo}
+            if (self._keys[i], budget) not in self._memo:
+                todo.setdefault(self._keys[i], i)
+        for key in list(todo):
+            kept = self._kept_plan(key, budget)
+            if kept is not None:
+                self._memo[(key, budget)] = self._memo[(key, kept)]
+                self._ilp_memory[(key, budget)] = self._ilp_memory[(key, kept)]
+                self._reused.add((key, budget))
+                del todo[key]
         if not todo:
             return
         workers = min(len(todo), os.cpu_count() or 1)
         if workers == 1:
-            solved = [self._solve(i, level) for i in todo.values()]
+            solved = [self._solve(i, budget) for i in todo.values()]
         else:
             with ThreadPoolExecutor(workers) as pool:
-                solved = list(pool.map(lambda i: self._solve(i, level), todo.values()))
-        for (key, i), found in zip(todo.items(), solved, strict=True):
-            if level > 1:
+                solved = list(pool.map(lambda i: self._solve(i, budget), todo.values()))
+        for (key, i), (found, memory) in zip(todo.items(), solved, strict=True):
+            if budget != FULL_BUDGET or not self.announced:
                 self.tally.expect(1)
-            self._memo[key] = found
-            budget = "" if level == 1 else f" in 1/{level} of the memory"
-            self.tally.did(f"{self.label}: layer {i}{budget}")
+            self._memo[(key, budget)] = found
+            self._ilp_memory[(key, budget)] = memory
+            self.tally.did(f"{self.label}: layer {i}{budget.describe()}")
 
-    def _renamed(self, i: int, level: int) -> SolvedStage:
+    def _kept_plan(self, key: int, budget: Budget) -> Budget | None:
+        """A looser budget (every plan within ``budget`` is within it) whose plan of
+        structure ``key`` meets ``budget`` by the ILP's own count: that plan is then the
+        tighter ILP's optimum too."""
+        for (other, looser), found in self._memo.items():
+            if other != key or found is None or not budget.within(looser):
+                continue
+            static, active = self._ilp_memory[(key, looser)]
+            if static + budget.in_flight * active <= budget.bytes(self.memory_limit):
+                return looser
+        return None
+
+    def _renamed(self, i: int, budget: Budget) -> SolvedStage:
         """Layer ``i``'s plan, possibly solved on another layer of the same structure."""
-        found = self._layer(i, level)
+        found = self._layer(i, budget)
         assert found is not None
         stage = self._stages[i]
         if found.stage is stage:
@@ -223,14 +287,16 @@ class StageSolver:
             rules={rename[k]: v for k, v in found.rules.items()},
         )
 
-    def _solve(self, i: int, level: int) -> SolvedStage | None:
+    def _solve(self, i: int, budget: Budget) -> tuple[SolvedStage | None, tuple[float, float]]:
+        """Layer ``i``'s plan within ``budget`` (None if none fits), and the memory the ILP
+        counts for it."""
         stage = self._stages[i]
         graph = stage.graph
         mesh, boundary = self.costs.mesh_shape, self.boundary
         crossing = (*stage.received, *stage.sent)
         shapes = [graph.node(n).output.shape for n in crossing]
         if not all(is_valid(fitted(boundary, shape), shape, mesh) for shape in shapes):
-            return None
+            return None, (math.inf, math.inf)
 
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
             return pin_boundary(space, stage, boundary)
@@ -239,22 +305,23 @@ class StageSolver:
             graph,
             find_sharing(graph),
             self.costs,
-            self.memory_limit / level,
+            budget.bytes(self.memory_limit),
             self.time_limit_s,
             restrict,
             once=1.0 / self.num_microbatches,
             float32_grads=self.float32_grads,
+            in_flight=budget.in_flight,
         )
         log.debug(
-            "layer %d on %s, boundary %s, 1/%d of memory: %s",
+            "layer %d on %s, boundary %s%s: %s",
             i,
             mesh,
             boundary,
-            level,
+            budget.describe(),
             "does not fit" if not isinstance(found, MeshPlan) else "planned",
         )
         if not isinstance(found, MeshPlan):
-            return None
+            return None, (math.inf, math.inf)
         solution = found.result.solution
         solver = SolverStats(
             solution.solve_time_s,
@@ -262,7 +329,12 @@ class StageSolver:
             solution.num_constraints,
             found.result.problem.num_groups,
         )
+        assignment = found.result.assignment
+        static, active = (
+            sum(self.costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in kinds)
+            for kinds in ((PARAM, INPUT), (OP,))
+        )
         return priced_stage(
             i, i + 1, stage, found.result.assignment, found.step, found.rules, self.costs,
             self.send_s(i + 1), solver,
-        )  # fmt: skip
+        ), (static, active)  # fmt: skip

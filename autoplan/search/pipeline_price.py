@@ -57,6 +57,8 @@ class SolvedStage:
     activation_bytes: float  # one microbatch in flight
     solver: SolverStats
     recompute_bytes: float = 0.0  # of memory_bytes, its largest recomputed layer's activations
+    # its recomputed layers (`Recompute.layers`): stages choose their own
+    recomputed: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class PipelinePlan:
     num_microbatches: int
     schedule: str
     mesh_shape: tuple[int, ...]  # each stage's logical mesh
-    costs: Pricer
+    costs: Pricer  # of a stage's mesh (what each stage recomputes: `recompute`)
     boundary: Spec
     stages: tuple[SolvedStage, ...]
     step_time_s: float
@@ -80,6 +82,11 @@ class PipelinePlan:
     @property
     def num_groups(self) -> int:
         return len(self.stages) // self.virtual_stages
+
+    @property
+    def recompute(self) -> Recompute:
+        """The stages' recomputed layers, each in the mode its stage chose."""
+        return Recompute.mixed(self.graph, (la for st in self.stages for la in st.recomputed))
 
     def stage_memory(self, s: int) -> float:
         """Peak bytes per device of stage ``s`` under the schedule; interleaved, of its device
@@ -171,6 +178,7 @@ def priced_stage(
         activation_bytes=step.memory_bytes - static,
         solver=solver,
         recompute_bytes=step.recompute_bytes,
+        recomputed=costs.recompute.within(frozenset(stage.nodes)),
     )
 
 

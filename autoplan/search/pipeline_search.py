@@ -8,10 +8,21 @@ placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solve.stage_
 chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plans
 (`autoplan.search.layer_plans`), each layer solved once per structure. The stages found are
 then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
-the fastest that fits kept. Interleaved 1F1B with ``v`` stages on each of the ``p`` device
-groups is searched the same way (`_interleaved`): the DP splits the layers into ``p v`` stages
-(the layers' plans are the same), for ``v = 2, 3, ...`` while the layers allow and the step
-gets faster; its memory per device group, over all its stages, is checked once priced.
+the fastest that fits kept.
+
+Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a
+recomputation mode (`autoplan.graph.recompute`: none, selective, full; each a layer plan of
+its own) and a memory budget for its layers' plans (``memory_limit / level``). Under 1F1B the
+first stage holds as many microbatches in flight as there are stages, the last stage one: the
+DP gives each stage the fastest variant that fits its own count, so early stages recompute
+or shard more than late ones. Variants are added only while some range of balanced length cannot fit
+at the fewest microbatches it could hold in flight: a mode's tighter budgets while its plans
+leave such a range, the next mode only where the previous mode's fastest plans did.
+
+Interleaved 1F1B with ``v`` stages on each of the ``p`` device groups is searched the same way
+(`_interleaved`): the DP splits the layers into ``p v`` stages (the layers' plans are the
+same), for ``v = 2, 3, ...`` while the layers allow and the step gets faster; its memory per
+device group, over all its stages, is checked once priced.
 
 The DP minimizes ``sum(t) + (B - 1) * max(t)`` over stage times ``t`` per microbatch, with the
 once-per-step gradient synchronization and optimizer update amortized as ``extra / B``; it
@@ -25,16 +36,17 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import INPUT, OP, PARAM, Graph
-from autoplan.graph.recompute import NONE, Recompute, chosen
+from autoplan.graph.recompute import NONE, chosen
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
-from autoplan.search.layer_plans import LayerGraphs, StageSolver
+from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.stage_layout import (
     boundary_specs,
@@ -62,8 +74,9 @@ GraphForMicrobatches = Callable[[int], Graph]
 # a layer's ILP stops here (or at PlanOptions.time_limit_s if sooner), keeping the best plan
 # found: a search solves dozens, and the hardest (a 1T-parameter GPT's blocks on 256 devices
 # in a tenth of the memory) ran into minutes proving what they had found in seconds, within
-# 0.1% of the optimum
-LAYER_TIME_LIMIT_S = 10.0
+# 0.1% of the optimum. Stopped at 3 s, the four hardest found plans within 0.03% of those
+# found at 10 s (at 2 s, 0.25%)
+LAYER_TIME_LIMIT_S = 3.0
 
 
 def default_microbatches(batch: int, max_stages: int) -> int:
@@ -81,7 +94,7 @@ def plan_pipeline(
     batch: int,
     memory_limit: float,
     tally: Tally,
-    recompute: str = NONE,
+    modes: Sequence[str] = (NONE,),
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
@@ -94,8 +107,8 @@ def plan_pipeline(
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
     planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
-    the one count serves, as in Alpa. ``recompute``: the mode in which every layer
-    recomputes in backward (`autoplan.graph.recompute`)."""
+    the one count serves, as in Alpa. ``modes``: the recomputation modes each stage may
+    choose among (`autoplan.graph.recompute`), the fastest first."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
@@ -109,7 +122,7 @@ def plan_pipeline(
     best: PipelinePlan | None = None
     while True:
         found = _best_for_count(
-            cluster, options, memory_limit, graph_for(count), sizes, count, tally, recompute
+            cluster, options, memory_limit, graph_for(count), sizes, count, tally, modes
         )
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
@@ -127,7 +140,7 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
-    recompute: str,
+    modes: Sequence[str],
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""
@@ -144,7 +157,6 @@ def _best_for_count(
             f"({', '.join(layer.name for layer in layers)}); use at most {len(layers)} stages"
         )
     parts = LayerGraphs.of(graph, layers)
-    recomputed = chosen(graph, options.max_layers, recompute)
     tried = {
         size: _configurations(cluster, options, size, num_microbatches, len(layers))
         for size in sizes
@@ -155,7 +167,7 @@ def _best_for_count(
     for size, configurations in tried.items():
         found = _best_for_size(
             cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally,
-            recomputed,
+            modes,
         )  # fmt: skip
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
@@ -217,17 +229,19 @@ def _best_for_size(
     num_microbatches: int,
     configurations: Sequence[tuple[tuple[int, ...], Spec]],
     tally: Tally,
-    recompute: Recompute,
+    modes: Sequence[str],
 ) -> PipelinePlan | None:
     """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
-    (logical mesh, boundary placement) and schedules."""
+    (logical mesh, boundary placement), schedules and the stages' variants."""
     if not configurations:
         return None
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
     counts = [num_stages] * bool(runnable) + [v * num_stages for v in virtual]
-    floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, recompute)
+    graph = parts.graph
+    lightest = chosen(graph, options.max_layers, modes[-1])
+    floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, lightest)
     if not _may_fit(parts, floor, counts, num_microbatches, memory_limit):
         log.info(
             "%d stages of %d devices, %d microbatches: cannot fit, even with every tensor "
@@ -240,44 +254,120 @@ def _best_for_size(
         return None
     best: PipelinePlan | None = None
     for mesh, boundary in configurations:
-        costs = Pricer(sub_cluster, mesh, options.optimizer, recompute)
         label = (
             f"{num_stages} stages of mesh {mesh}, boundary {'/'.join(boundary)}, "
             f"{num_microbatches} microbatches"
         )
-        solver = StageSolver(
-            parts,
-            cluster,
-            costs,
-            boundary,
-            num_microbatches,
-            memory_limit,
-            min(options.time_limit_s, LAYER_TIME_LIMIT_S),
-            tally,
-            label,
-            options.float32_grads,
-        )
+        solvers = [
+            StageSolver(
+                parts,
+                cluster,
+                Pricer(sub_cluster, mesh, options.optimizer, chosen(graph, options.max_layers, m)),
+                boundary,
+                num_microbatches,
+                memory_limit,
+                min(options.time_limit_s, LAYER_TIME_LIMIT_S),
+                tally,
+                label if m == NONE else f"{label}, {m} recomputation",
+                options.float32_grads,
+                announced=i == 0,
+            )
+            for i, m in enumerate(modes)
+        ]
+        variants = _variants(solvers, num_stages, num_microbatches)
         sub = stage_submesh(cluster, size)
-        solved = _solve_dp(solver, sub, num_microbatches) if runnable else None
+        solved = _solve_dp(variants, sub, num_microbatches) if runnable and variants else None
         fitting = []
         for schedule in runnable:
             if solved is None:
                 break
             found = pipeline_plan(
-                cluster, parts.graph, parts.layers, num_microbatches, schedule, costs, boundary,
-                solved, memory_limit,
+                cluster, graph, parts.layers, num_microbatches, schedule, solvers[0].costs,
+                boundary, solved, memory_limit,
             )  # fmt: skip
             _log(found)
             if _fits(found):
                 fitting.append(found)
-        fitting += _interleaved(solver, sub, num_microbatches, virtual)
-        tally.withdraw(solver.unplanned())
+        if variants:
+            fitting += _interleaved(variants, sub, num_microbatches, virtual)
+        tally.withdraw(solvers[0].unplanned())
         fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
         outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"
         tally.report(f"{label}: {outcome}", milestone=True)
         if fastest is not None and (best is None or fastest.step_time_s < best.step_time_s):
             best = fastest
     return best
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A stage's layers planned by ``solver`` (in its recomputation mode) within ``budget``."""
+
+    solver: StageSolver
+    budget: Budget
+
+    def cost(self, start: int, stop: int) -> StageCost | None:
+        """Layers ``[start, stop)`` as the stage DP counts them: the once-per-step work
+        amortized over the microbatches."""
+        found = self.solver.cost(start, stop, self.budget)
+        if found is None:
+            return None
+        return StageCost(
+            time_s=found.time_s + found.extra_s / self.solver.num_microbatches,
+            memory_bytes=found.memory_bytes,
+            activation_bytes=found.activation_bytes,
+        )
+
+
+def _variants(
+    solvers: Sequence[StageSolver], num_stages: int, num_microbatches: int
+) -> list[Variant]:
+    """The variants the DP chooses among (module docstring). For each solver (a mode, the
+    fastest first), its layers' plans within the whole memory; then, while some range does
+    not fit (`_uncovered`), within ``memory_limit / level`` for ``level`` = 1, 2, 4, ...,
+    counting the activations once and as often as the first stage holds them (a budget
+    with no plans ends its line; one whose plans repeat the looser budget's adds nothing).
+    The next solver is tried only if this one's fastest plans leave a range that does not
+    fit."""
+    found: list[Variant] = []
+    most = min(num_stages, num_microbatches)  # the first stage's microbatches in flight
+    for solver in solvers:
+        fastest = Variant(solver, FULL_BUDGET)
+        if solver.infeasible(FULL_BUDGET):
+            continue
+        found.append(fastest)
+        if not _uncovered([fastest], num_stages, num_microbatches):
+            break
+        lines = [Budget(1, most)] * (most > 1) + [FULL_BUDGET.tighter()]
+        while lines and _uncovered(found, num_stages, num_microbatches):
+            budget = lines.pop(0)
+            if budget.level > 2 * len(solver.layers) or solver.infeasible(budget):
+                continue
+            if not solver.repeats(budget):
+                found.append(Variant(solver, budget))
+            lines.append(budget.tighter())
+    return found
+
+
+def _uncovered(variants: Sequence[Variant], num_stages: int, num_microbatches: int) -> bool:
+    """Whether some range of layers fits in none of ``variants`` with the fewest
+    microbatches in flight it could hold as one of ``num_stages`` stages under 1F1B: a range
+    from layer ``i`` is at most the ``i``-th stage, with ``num_stages - i`` (at least one, at
+    most the microbatches) in flight. Only ranges as long as balanced stages are (``L / S``
+    layers, rounded up) are asked to fit: a longer one would hold the pipeline back."""
+    solver = variants[0].solver
+    num_layers, limit = len(solver.layers), solver.memory_limit
+    longest = -(-num_layers // num_stages)
+    for start in range(num_layers):
+        in_flight = min(num_microbatches, max(1, num_stages - start))
+        for stop in range(start + 1, min(start + longest, num_layers) + 1):
+            costs = [v.cost(start, stop) for v in variants]
+            if not any(
+                c is not None and c.memory_bytes + in_flight * c.activation_bytes <= limit
+                for c in costs
+            ):
+                return True
+    return False
 
 
 def _fits(found: PipelinePlan) -> bool:
@@ -298,15 +388,16 @@ def _log(found: PipelinePlan) -> None:
 
 
 def _interleaved(
-    solver: StageSolver, sub: Submesh, num_microbatches: int, counts: Sequence[int]
+    variants: Sequence[Variant], sub: Submesh, num_microbatches: int, counts: Sequence[int]
 ) -> list[PipelinePlan]:
     """The interleaved pipelines that fit, ``v`` stages on each device group for ``v`` in
     ``counts``, stopping after two in a row slower than the fastest before them (a ``v`` that
     splits the layers unevenly can be slower than the next)."""
     found: list[PipelinePlan] = []
     fastest, slower = math.inf, 0
+    solver = variants[0].solver
     for v in counts:
-        solved = _solve_dp(solver, sub, num_microbatches, v)
+        solved = _solve_dp(variants, sub, num_microbatches, v)
         if solved is None:
             continue
         priced = pipeline_plan(
@@ -324,29 +415,26 @@ def _interleaved(
 
 
 def _solve_dp(
-    solver: StageSolver, sub: Submesh, num_microbatches: int, virtual_stages: int = 1
+    variants: Sequence[Variant], sub: Submesh, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[SolvedStage, ...] | None:
-    """Alpa's stage DP with every stage on ``sub`` (see the module docstring); with
-    ``virtual_stages`` v, into v times the stages."""
+    """Alpa's stage DP with every stage on ``sub`` in one of ``variants`` (see the module
+    docstring); with ``virtual_stages`` v, into v times the stages."""
+    solver = variants[0].solver
     num_stages = virtual_stages * solver.cluster.num_devices // sub.num_devices
 
-    def range_cost(i: int, j: int) -> StageCost | None:
-        found = solver.cost(i, j)
-        if found is None:
-            return None
-        return StageCost(
-            time_s=found.time_s + found.extra_s / num_microbatches,
-            memory_bytes=found.memory_bytes,
-            activation_bytes=found.activation_bytes,
-        )
+    def range_cost(i: int, j: int) -> list[StageCost | None]:
+        return [v.cost(i, j) for v in variants]
 
     solution = _partition(
         len(solver.layers), num_stages, num_microbatches, solver.memory_limit, range_cost,
-        lambda j, a, b: solver.send_s(j),
+        lambda j, a, b: solver.send_s(j), len(variants),
     )  # fmt: skip
     if solution is None:
         return None
-    return tuple(solver.stage(p.start, p.stop) for p in solution.stages)
+    return tuple(
+        variants[p.variant].solver.stage(p.start, p.stop, variants[p.variant].budget)
+        for p in solution.stages
+    )
 
 
 def _may_fit(
@@ -371,8 +459,8 @@ def _may_fit(
     static = [0.0, *itertools.accumulate(f[0] for f in floors)]
     active = [0.0, *itertools.accumulate(f[1] for f in floors)]
 
-    def range_cost(i: int, j: int) -> StageCost:
-        return StageCost(j - i, static[j] - static[i], activation_bytes=active[j] - active[i])
+    def range_cost(i: int, j: int) -> list[StageCost | None]:
+        return [StageCost(j - i, static[j] - static[i], activation_bytes=active[j] - active[i])]
 
     return any(
         _partition(len(parts.layers), count, num_microbatches, memory_limit, range_cost) is not None
@@ -385,20 +473,24 @@ def _partition(
     num_stages: int,
     num_microbatches: int,
     memory_limit: float,
-    range_cost: Callable[[int, int], StageCost | None],
+    range_cost: Callable[[int, int], Sequence[StageCost | None]],
     send_time: SendTimeFn | None = None,
+    variants: int = 1,
 ) -> StageSolution | None:
     """The stage DP into ``num_stages`` stages of uniform submeshes, ``range_cost(i, j)``
-    pricing layers ``[i, j)`` as one stage (None: it cannot be one), or None if none fits.
-    The DP runs on as many one-device nodes as there are stages: its tables and states grow
-    with the stages, not with the devices (Alpa's submesh choices of 3072 devices made a
-    1T-parameter GPT's send table 20 million entries, all but the uniform ones unusable)."""
+    pricing layers ``[i, j)`` as one stage in each of ``variants`` (None: it cannot be one),
+    or None if none fits. The DP runs on as many one-device nodes as there are stages: its
+    tables and states grow with the stages, not with the devices (Alpa's submesh choices of
+    3072 devices made a 1T-parameter GPT's send table 20 million entries, all but the
+    uniform ones unusable)."""
     unit = Submesh(1, 1)
     longest = num_layers - num_stages + 1  # every other stage needs a layer
+    unusable = StageCost(math.inf, math.inf, feasible=False)
 
-    def cost(i: int, j: int, submesh: Submesh) -> StageCost:
-        found = range_cost(i, j) if submesh == unit and j - i <= longest else None
-        return found if found is not None else StageCost(math.inf, math.inf, feasible=False)
+    def cost(i: int, j: int, submesh: Submesh) -> list[StageCost]:
+        if submesh != unit or j - i > longest:
+            return [unusable] * variants
+        return [unusable if c is None else c for c in range_cost(i, j)]
 
     problem = StageProblem(
         num_layers=num_layers,
@@ -408,6 +500,7 @@ def _partition(
         memory_limit=memory_limit,
         cost=cost,
         send_time=send_time,
+        variants=variants,
     )
     try:
         return solve_stages(problem)

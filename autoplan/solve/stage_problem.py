@@ -9,7 +9,9 @@ layers ``[k, j)`` on submesh ``m``; ``cost(k, j, m)`` gives its time ``T[k, j, m
 microbatch, forward + backward), memory ``mem[k, j, m]`` and the activation memory of one
 in-flight microbatch ``act[k, j, m]``, per device. ``send(j, a, b)`` is the time to send the
 activations at boundary ``j`` from a stage on ``a`` to the next stage, on ``b`` (0 without
-``send_time``).
+``send_time``). A stage may come in ``V`` variants (`StageProblem.variants`: a pipeline's
+recomputation modes and memory budgets of its layers' plans): ``cost`` then gives each, and the
+solver chooses one per stage, as if each were a submesh of its own.
 
 Plan and objective (:func:`pipeline_time`)
     Stages ``s = 0..S-1`` cover the layers contiguously and in order, and their submeshes use
@@ -62,7 +64,8 @@ class StageCost:
     activation_bytes: float = 0.0
 
 
-StageCostFn = Callable[[int, int, Submesh], StageCost]
+# a stage's cost, or with ``StageProblem.variants`` > 1 that many, one per variant
+StageCostFn = Callable[[int, int, Submesh], StageCost | Sequence[StageCost]]
 
 
 SendTimeFn = Callable[[int, Submesh, Submesh], float]
@@ -72,7 +75,8 @@ SendTimeFn = Callable[[int, Submesh, Submesh], float]
 class StageProblem:
     """Split ``num_layers`` layers into pipeline stages on a ``num_nodes x devices_per_node``
     cluster. ``cost(i, j, submesh)`` costs layers ``[i, j)``; ``send_time(j, a, b)`` is the
-    time to send the activations at boundary ``j`` from a stage on ``a`` to one on ``b``."""
+    time to send the activations at boundary ``j`` from a stage on ``a`` to one on ``b``;
+    with ``variants`` > 1, ``cost`` gives that many costs of each stage, one per variant."""
 
     num_layers: int
     num_nodes: int
@@ -81,9 +85,10 @@ class StageProblem:
     memory_limit: float
     cost: StageCostFn = field(repr=False)
     send_time: SendTimeFn | None = field(default=None, repr=False)
+    variants: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_nodes", "devices_per_node", "num_microbatches"):
+        for name in ("num_layers", "num_nodes", "devices_per_node", "num_microbatches", "variants"):
             value = getattr(self, name)
             if value < 1:
                 raise AutoplanError(f"StageProblem.{name}={value}; it must be at least 1")
@@ -105,6 +110,7 @@ class StagePlan:
     submesh: Submesh
     time_s: float
     memory_bytes: float
+    variant: int = 0  # which of the stage's variants (`StageProblem.variants`)
 
 
 @dataclass(frozen=True)

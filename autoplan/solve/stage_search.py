@@ -195,6 +195,7 @@ class _CapSearch:
                 memory_bytes=float(
                     self.tables.memory[k, j, m] + (num_stages - s) * self.tables.activation[k, j, m]
                 ),
+                variant=m % self.tables.variants,
             )
             for s, ((k, j, m), t) in enumerate(zip(plan.stages, plan.times, strict=True))
         )

@@ -1,7 +1,9 @@
 """The stage DP's cost tables: a `StageProblem`'s ``cost`` and ``send_time`` called once per
 stage and boundary, into arrays indexed ``[k, j, m]`` (notation of
 `autoplan.solve.stage_problem`). A stage that ``cost`` reports infeasible, or that never fits
-in memory, is unusable: ``R = 0`` and ``T = inf`` (:func:`build_tables`).
+in memory, is unusable: ``R = 0`` and ``T = inf`` (:func:`build_tables`). A problem's stage
+variants are submesh choices of their own: index ``m`` is submesh ``m // V`` in variant
+``m % V``.
 
 Memory (:func:`_max_stages_left`)
     Under 1F1B stage ``s`` keeps ``S - s`` microbatches in flight: ``mem + (S - s) * act <=
@@ -14,19 +16,20 @@ Memory (:func:`_max_stages_left`)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoplan.errors import AutoplanError
-from autoplan.solve.stage_problem import StageProblem, Submesh, submesh_choices
+from autoplan.solve.stage_problem import StageCost, StageProblem, Submesh, submesh_choices
 
 
 @dataclass(frozen=True)
 class StageTables:
     """Every stage's cost as arrays indexed ``[k, j, m]`` (layers ``[k, j)``, submesh ``m``)."""
 
-    submeshes: tuple[Submesh, ...]
+    submeshes: tuple[Submesh, ...]  # each repeated for its ``variants``
     sizes: np.ndarray  # (K,) devices of each submesh, ascending
     time: np.ndarray  # (L, L+1, K) seconds; inf where the stage is unusable
     memory: np.ndarray  # (L, L+1, K) bytes per device, without in-flight activations
@@ -35,6 +38,7 @@ class StageTables:
     send: np.ndarray | None  # (L+1, K, K) seconds, send[j, a, b]
     memory_limit: float
     min_memory_seen: float  # least memory + activation of a feasible stage (inf if none)
+    variants: int = 1
 
     @property
     def num_layers(self) -> int:
@@ -60,8 +64,9 @@ class StageTables:
 
 def build_tables(problem: StageProblem) -> StageTables:
     """Call ``cost`` once per stage (and ``send_time`` once per boundary and pair)."""
-    num_layers, num_devices = problem.num_layers, problem.num_devices
-    submeshes = submesh_choices(problem.num_nodes, problem.devices_per_node)
+    num_layers, num_devices, variants = problem.num_layers, problem.num_devices, problem.variants
+    choices = submesh_choices(problem.num_nodes, problem.devices_per_node)
+    submeshes = tuple(s for s in choices for _ in range(variants))
     sizes = np.array([s.num_devices for s in submeshes], dtype=np.int64)
     shape = (num_layers, num_layers + 1, len(submeshes))
     time = np.full(shape, np.inf)
@@ -72,22 +77,25 @@ def build_tables(problem: StageProblem) -> StageTables:
         for j in range(k + 1, num_layers + 1):
             # Every other stage needs at least one device.
             spare = num_devices - (k > 0) - (j < num_layers)
-            for m, submesh in enumerate(submeshes):
+            for i, submesh in enumerate(choices):
                 if submesh.num_devices > spare:
                     break
-                c = problem.cost(k, j, submesh)
-                if not c.feasible:
-                    continue
-                if not c.time_s >= 0:
-                    raise _bad_time(c.time_s, f"cost({k}, {j}, {submesh}).time_s")
-                time[k, j, m], memory[k, j, m] = c.time_s, c.memory_bytes
-                activation[k, j, m] = c.activation_bytes
-                feasible[k, j, m] = True
+                for v, c in enumerate(_variants(problem, k, j, submesh)):
+                    if not c.feasible:
+                        continue
+                    if not c.time_s >= 0:
+                        raise _bad_time(c.time_s, f"cost({k}, {j}, {submesh}).time_s")
+                    m = i * variants + v
+                    time[k, j, m], memory[k, j, m] = c.time_s, c.memory_bytes
+                    activation[k, j, m] = c.activation_bytes
+                    feasible[k, j, m] = True
     max_left = _max_stages_left(memory, activation, problem.memory_limit, num_layers)
     max_left[~feasible | ~np.isfinite(time)] = 0
     time[max_left == 0] = np.inf
     min_memory_seen = float((memory + activation)[feasible].min()) if feasible.any() else math.inf
-    send = None if problem.send_time is None else _send_table(problem, submeshes)
+    send = None if problem.send_time is None else _send_table(problem, choices)
+    if send is not None and variants > 1:
+        send = np.repeat(np.repeat(send, variants, axis=1), variants, axis=2)
     return StageTables(
         submeshes=submeshes,
         sizes=sizes,
@@ -98,7 +106,20 @@ def build_tables(problem: StageProblem) -> StageTables:
         send=send,
         memory_limit=problem.memory_limit,
         min_memory_seen=min_memory_seen,
+        variants=variants,
     )
+
+
+def _variants(problem: StageProblem, k: int, j: int, submesh: Submesh) -> Sequence[StageCost]:
+    """``cost(k, j, submesh)`` as one cost per variant."""
+    found = problem.cost(k, j, submesh)
+    costs = (found,) if isinstance(found, StageCost) else tuple(found)
+    if len(costs) != problem.variants:
+        raise AutoplanError(
+            f"cost({k}, {j}, {submesh}) gave {len(costs)} cost(s); the problem has "
+            f"{problem.variants} variant(s) of each stage"
+        )
+    return costs
 
 
 def _max_stages_left(

@@ -333,6 +333,14 @@ CASES = [
         baseline_plan(dp=2, tp=2, recompute="full"),
     ),
     Case("gpt-1f1b-2-recompute", "gpt", GPT, recomputed(pipeline(stages=2, microbatches=4)), 2),
+    # recomputation chosen stage by stage: in 0.22% of a device's memory the first stage (2
+    # microbatches in flight) recomputes its block, the last (1) does not
+    Case(
+        "gpt-1f1b-mixed-recompute",
+        "gpt",
+        GPT,
+        lambda w: PlanOptions(num_stages=2, num_microbatches=4, memory_fraction=0.0022),
+    ),
     *[
         Case(
             f"zoo-{model}-recompute",
