@@ -293,8 +293,7 @@ def _fewest_recomputed(
     costs = found.costs
 
     def price(recompute: Recompute) -> PricedStep:
-        pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
-        return price_step(graph, found.result.assignment, pricer)
+        return price_step(graph, found.result.assignment, costs.recomputing(recompute))
 
     if options.recompute is not None:
         return found if found.step.memory_bytes <= limit else found.step.memory_bytes
@@ -302,8 +301,7 @@ def _fewest_recomputed(
     if fewest is None:
         return found.step.memory_bytes
     recompute, step = fewest
-    pricer = Pricer(costs.cluster, costs.mesh_shape, options.optimizer, recompute)
-    return dataclasses.replace(found, costs=pricer, step=step)
+    return dataclasses.replace(found, costs=costs.recomputing(recompute), step=step)
 
 
 def _infeasible(

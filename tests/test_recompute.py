@@ -237,34 +237,35 @@ def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster
     assert w.estimate(found, cpu4) == found
 
 
-def test_each_pipeline_stage_recomputes_only_where_its_microbatches_in_flight_need_it() -> None:
-    # 4 one-block stages, 8 microbatches: under 1F1B stage s holds 4 - s of them in flight.
-    # In 25 MiB a device, only the first stage needs its block recomputed to fit
+def test_each_pipeline_stage_recomputes_only_what_its_microbatches_in_flight_need() -> None:
+    # 4 stages of 2 blocks, 8 microbatches: under 1F1B stage s holds 4 - s of them in flight.
+    # In 40 MiB a device the first stage recomputes both its blocks, the second one of its
+    # two (the first), the others none
     base = autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
-    device = dataclasses.replace(base.device, memory_bytes=25 * 2**20)
+    device = dataclasses.replace(base.device, memory_bytes=40 * 2**20)
     cluster = dataclasses.replace(base, device=device, devices_per_node=4, name="small")
-    w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
+    w = example("gpt", size="small", num_layers=8, batch_size=16, seq_len=64)
     options = PlanOptions(num_stages=4, num_microbatches=8, mesh_shape=(1,))
     found = w.plan(cluster, options)
 
-    def modes(plan: autoplan.Plan) -> list[list[str]]:
+    def recomputed(plan: autoplan.Plan) -> list[list[str]]:
         return [
-            sorted({la.mode for la in plan.recompute if set(la.nodes) <= set(stage.nodes)})
+            [la.layer for la in plan.recompute if set(la.nodes) <= set(stage.nodes)]
             for stage in plan.stages
         ]
 
-    assert modes(found) == [["full"], [], [], []]
-    assert [la.layer for la in found.recompute] == ["blocks.0"]
+    assert recomputed(found) == [["blocks.0", "blocks.1"], ["blocks.2"], [], []]
+    assert {la.mode for la in found.recompute} == {"full"}
     limit = found.predicted.memory_limit_bytes
     assert all(s.predicted is not None and s.predicted.memory_bytes <= limit for s in found.stages)
     with pytest.raises(InfeasiblePlanError, match="no pipeline fits"):
         w.plan(cluster, dataclasses.replace(options, recompute="none"))
     every = w.plan(cluster, dataclasses.replace(options, recompute="full"))
-    assert modes(every) == [["full"]] * 4
+    assert recomputed(every) == [[f"blocks.{2 * s}", f"blocks.{2 * s + 1}"] for s in range(4)]
     assert found.predicted.step_time_s < every.predicted.step_time_s
     assert autoplan.Plan.from_json(found.to_json()) == found
     assert w.estimate(found, cluster) == found  # re-priced alike
-    assert "activation recomputation (full): 1 layer(s), blocks.0" in summary(found)
+    assert "activation recomputation (full): 3 layer(s), blocks.0" in summary(found)
 
 
 def test_a_stage_plans_its_layers_for_the_microbatches_it_holds(cpu4: autoplan.Cluster) -> None:

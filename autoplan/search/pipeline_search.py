@@ -12,11 +12,15 @@ the fastest that fits kept.
 
 Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a
 recomputation mode (`autoplan.graph.recompute`: none, selective, full; each a layer plan of
-its own) and a memory budget for its layers' plans (``memory_limit / level``). Under 1F1B the
+its own) and a memory budget for its layers' plans (`autoplan.search.layer_plans.Budget`: a
+share of the memory, the activations counted once or once per microbatch the first stage
+holds). Under 1F1B the
 first stage holds as many microbatches in flight as there are stages, the last stage one: the
 DP gives each stage the fastest variant that fits its own count, so early stages recompute
-or shard more than late ones. Variants are added only while some range of balanced length cannot fit
-at the fewest microbatches it could hold in flight: a mode's tighter budgets while its plans
+or shard more than late ones; a stage that recomputes then keeps the fewest of its layers
+recomputed that fit (`autoplan.search.recompute_choice`), unless the mode was given.
+Variants are added only while some range of balanced length cannot fit at the fewest
+microbatches it could hold in flight: a mode's tighter budgets while its plans
 leave such a range, the next mode only where the previous mode's fastest plans did.
 
 Interleaved 1F1B with ``v`` stages on each of the ``p`` device groups is searched the same way
@@ -48,6 +52,7 @@ from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
+from autoplan.search.recompute_choice import fewest_in_stages
 from autoplan.search.stage_layout import (
     boundary_specs,
     stage_cluster,
@@ -290,6 +295,8 @@ def _best_for_size(
                 fitting.append(found)
         if variants:
             fitting += _interleaved(variants, sub, num_microbatches, virtual)
+        if options.recompute is None:  # the planner's choice: each stage as few layers as fit
+            fitting = [fewest_in_stages(found, cluster) for found in fitting]
         tally.withdraw(solvers[0].unplanned())
         fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
         outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"

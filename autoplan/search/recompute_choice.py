@@ -1,20 +1,25 @@
-"""How many layers a one-stage plan recomputes: the fewest that fit.
+"""How many layers a plan recomputes: the fewest that fit.
 
-The ILP plans the step with every layer recomputed (`autoplan.graph.recompute`); its strategies
-are then priced again (`price_step`) with only the first ``k`` layers recomputed, for the least
-``k`` at which the step fits. Memory only falls as ``k`` grows (a layer recomputed gives up its
-activations but the largest recomputed layer's, which the step still holds once), so ``k`` is
-found by bisection; each layer left alone saves its forward's time in backward.
+The planner plans with every layer recomputed (`autoplan.graph.recompute`): a one-stage plan
+in the mode chosen for the step, each pipeline stage in the mode the stage DP chose for it.
+The strategies found are then priced again (`price_step`) with only the first ``k`` of those
+layers recomputed, for the least ``k`` at which the step (or the stage, with the microbatches
+it holds in flight) still fits. Memory only falls as ``k`` grows (a layer recomputed gives
+up its activations but the largest recomputed layer's, which the step still holds once), so
+``k`` is found by bisection; each layer left alone saves its forward's time in backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
+from autoplan.cluster.model import Cluster
 from autoplan.graph.cut import Layer
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import FULL, Recompute, recomputed_ops
-from autoplan.search.step_price import PricedStep
+from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan, priced_stage
+from autoplan.search.step_price import PricedStep, price_step
 
 
 def fewest_layers(
@@ -28,17 +33,69 @@ def fewest_layers(
     (``price``) fits in ``memory_limit``, with that step; None if not even every layer
     recomputed fits."""
     ops = [(layer.name, recomputed_ops(graph, layer, mode)) for layer in layers]
-    every = Recompute.of(graph, ops, mode)
-    best = (every, price(every))
-    if best[1].memory_bytes > memory_limit:
+    steps: dict[int, tuple[Recompute, PricedStep]] = {}
+
+    def fits(k: int) -> bool:
+        recompute = Recompute.of(graph, ops[:k], mode)
+        steps[k] = (recompute, price(recompute))
+        return steps[k][1].memory_bytes <= memory_limit
+
+    k = least(len(ops), fits)
+    return None if k is None else steps[k]
+
+
+def fewest_in_stages(pipe: PipelinePlan, cluster: Cluster) -> PipelinePlan:
+    """``pipe`` with each stage recomputing the first ``k`` of its recomputed layers, the
+    least ``k`` with which it still fits the microbatches it holds in flight under the
+    pipeline's schedule (interleaved: with its device group's other stages), priced again
+    on ``cluster``; ``pipe`` itself where no stage recomputes."""
+    if not any(stage.recomputed for stage in pipe.stages):
+        return pipe
+    stages = list(pipe.stages)
+    for s in range(len(stages)):
+        stages[s] = _fewest_in_stage(pipe, stages, s)
+    return pipeline_plan(
+        cluster, pipe.graph, pipe.layers, pipe.num_microbatches, pipe.schedule, pipe.costs,
+        pipe.boundary, tuple(stages), pipe.memory_limit, pipe.virtual_stages,
+    )  # fmt: skip
+
+
+def _fewest_in_stage(pipe: PipelinePlan, stages: Sequence[SolvedStage], s: int) -> SolvedStage:
+    """Stage ``s`` recomputing the fewest of its layers with which it fits among ``stages``
+    (itself if it recomputes none, or fits only as it is)."""
+    stage = stages[s]
+    tried: dict[int, SolvedStage] = {}
+
+    def fits(k: int) -> bool:
+        tried[k] = _recomputing(stage, pipe, k)
+        trial = dataclasses.replace(pipe, stages=(*stages[:s], tried[k], *stages[s + 1 :]))
+        return trial.stage_memory(s) <= pipe.memory_limit
+
+    k = least(len(stage.recomputed), fits) if stage.recomputed else None
+    return stage if k is None else tried[k]
+
+
+def _recomputing(stage: SolvedStage, pipe: PipelinePlan, k: int) -> SolvedStage:
+    """``stage`` priced again recomputing only the first ``k`` of its recomputed layers."""
+    recompute = Recompute.mixed(pipe.graph, stage.recomputed[:k])
+    costs = pipe.costs.recomputing(recompute)
+    step = price_step(stage.stage.graph, stage.assignment, costs)
+    return priced_stage(
+        stage.start, stage.stop, stage.stage, stage.assignment, step, stage.rules, costs,
+        stage.send_s, stage.solver,
+    )  # fmt: skip
+
+
+def least(count: int, fits: Callable[[int], bool]) -> int | None:
+    """The least ``k`` in ``0..count`` for which ``fits(k)`` (false, then true as ``k``
+    grows), by bisection; None if not even ``fits(count)``."""
+    if not fits(count):
         return None
-    low, high = 0, len(ops)  # high fits
+    low, high = 0, count  # high fits
     while low < high:
         middle = (low + high) // 2
-        recompute = Recompute.of(graph, ops[:middle], mode)
-        step = price(recompute)
-        if step.memory_bytes <= memory_limit:
-            high, best = middle, (recompute, step)
+        if fits(middle):
+            high = middle
         else:
             low = middle + 1
-    return best
+    return high

@@ -82,6 +82,7 @@ class Pricer:
             )
         self.cluster = cluster
         self.mesh_shape = mesh_shape
+        self.optimizer = optimizer
         self.state_per_elem = OPTIMIZER_STATE[optimizer]
         self.recompute = recompute
         self.has_all_to_all = cluster.backend != "gloo"
@@ -90,6 +91,10 @@ class Pricer:
         self._all_reduce_s = lru_cache(maxsize=None)(
             lambda axes, nbytes: self.collective_s(Collective("all_reduce", axes, nbytes))
         )
+
+    def recomputing(self, recompute: Recompute) -> Pricer:
+        """The same prices for a step recomputing ``recompute``."""
+        return Pricer(self.cluster, self.mesh_shape, self.optimizer, recompute)
 
     # ------------------------------------------------------------------ nodes
 
