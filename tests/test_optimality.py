@@ -13,7 +13,7 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.api import _keep_faster_conventional
+from autoplan.api import Searched, _keep_faster_conventional
 from autoplan.baselines.grid import (
     Degrees,
     all_degrees,
@@ -199,12 +199,10 @@ def test_a_slower_plan_gives_way_to_the_fastest_conventional_one(cpu4: autoplan.
     fast, slow = plans[data_parallel], plans[tensor_parallel]
     assert fast.predicted.step_time_s < slow.predicted.step_time_s
     degrees = [data_parallel, tensor_parallel]
-    kept = _keep_faster_conventional(slow, graph, cpu4, degrees, PlanOptions())
+    kept = _keep_faster_conventional(Searched(slow, graph, degrees), cpu4, PlanOptions())
     assert kept.to_json() == fast.to_json()
-    assert _keep_faster_conventional(fast, graph, cpu4, degrees, PlanOptions()) is fast
+    assert _keep_faster_conventional(Searched(fast, graph, degrees), cpu4, PlanOptions()) is fast
     # a conventional plan that does not fit is no candidate
     half = fast.predicted.peak_memory_bytes / 2 / cpu4.device.memory_bytes
-    assert (
-        _keep_faster_conventional(slow, graph, cpu4, degrees, PlanOptions(memory_fraction=half))
-        is slow
-    )
+    tight = PlanOptions(memory_fraction=half)
+    assert _keep_faster_conventional(Searched(slow, graph, degrees), cpu4, tight) is slow
