@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Ref, TensorInfo
 from autoplan.strategies import dtensor_rules
@@ -226,3 +228,42 @@ def test_reductions_selects_convolutions_and_masks_keep_their_other_dims_split()
             assert rule is not None, node.op
             found[node.op] = rule(node, [graph.tensor(r) for r in node.refs])
     assert found == expected
+
+
+def _shard(t: torch.Tensor, spec: str, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``t`` placed ``spec`` over two ranks."""
+    return t if spec == "R" else t.chunk(2, int(spec[2:-1]))[rank]
+
+
+def test_matmul_rules_are_exact_on_two_shards() -> None:
+    """Each rule of ``a @ b``, run on two ranks' shards, makes the shards (or, for ``P``,
+    the partial sums) of the whole product: batch dims (an operand broadcast along one stays
+    whole), rows, columns and the contraction, for the shapes torch broadcasts."""
+    import torch
+
+    from autoplan.graph.ir import Node
+
+    cases = [
+        ((2, 4, 6, 8), (2, 4, 8, 6)),  # eager attention's q @ k^T, by batch and heads
+        ((2, 6, 8), (8, 4)),  # x @ W
+        ((2, 4, 6, 8), (4, 8, 6)),  # b broadcast along the batch
+        ((2, 1, 6, 8), (2, 4, 8, 6)),  # a broadcast along the heads
+        ((8,), (2, 8, 6)),
+        ((2, 6, 8), (8,)),
+        ((8,), (8,)),
+    ]
+    for a_shape, b_shape in cases:
+        a, b = torch.randn(a_shape, dtype=torch.float64), torch.randn(b_shape, dtype=torch.float64)
+        whole = a @ b
+        node = Node(
+            "mm", "op", "aten.matmul.default", (Ref("a"), Ref("b")), (),
+            tuple(_tensors(tuple(whole.shape))), 0, 0, 0, "", "", (), True, False,
+        )  # fmt: skip
+        rule = own_rule(node.op)
+        assert rule is not None
+        rules = rule(node, _tensors(a_shape, b_shape))
+        assert rules and any(r[0] == "P" for r in rules), (a_shape, b_shape)
+        for out, *specs in rules:
+            parts = [_shard(a, specs[0], rank) @ _shard(b, specs[1], rank) for rank in range(2)]
+            made = parts[0] + parts[1] if out == "P" else torch.cat(parts, int(out[2:-1]))
+            assert torch.allclose(made, whole), (a_shape, b_shape, out, specs)

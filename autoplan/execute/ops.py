@@ -187,8 +187,14 @@ LOCAL_OPS = {
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
-# their local result over a split reduced dim (contracted letter) is a partial sum, as planned
-PARTIAL_SUMS = MEANS | {_aten.sum.dim_IntList, _aten.sum.default, _aten.einsum.default}
+# their local result over a split reduced dim (contracted letter or dim) is a partial sum, as
+# planned
+PARTIAL_SUMS = MEANS | {
+    _aten.sum.dim_IntList,
+    _aten.sum.default,
+    _aten.einsum.default,
+    _aten.matmul.default,
+}
 MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
 # views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
 # global shape: made local from the planned output. A factory's input is read for its dtype

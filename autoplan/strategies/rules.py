@@ -193,6 +193,32 @@ def _one_hot(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [(shard(d), shard(d)) for d in range(len(ins[0].shape))]
 
 
+def _matmul(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """matmul(a, b) as torch broadcasts it: ``a (..., n, k) @ b (..., k, m)`` (a 1-dim
+    operand lacks ``n`` or ``m``). Each batch dim of the output split with the operands that
+    have it at full size (an operand broadcast along it stays whole); ``n`` with ``a``;
+    ``m`` with ``b``; the contracted ``k`` in both, partial sums out. Eager attention's
+    ``q @ k^T`` and ``p @ v`` split so by batch and heads."""
+    (a, b), out = (len(t.shape) for t in ins), node.outputs[0].shape
+    if a == 1 and b == 1:
+        return [(P, shard(0), shard(0))]
+    batch = len(out) - (a > 1) - (b > 1)
+    rules: list[AxisRule] = []
+    for d in range(batch):
+        specs = []
+        for t, rank in zip(ins, (a, b), strict=True):
+            own = d - (batch - (rank - 2))  # the operand's dim that broadcasts to d, if any
+            whole = rank < 2 or own < 0 or t.shape[own] != out[d]
+            specs.append(R if whole else shard(own))
+        rules.append((shard(d), *specs))
+    if a > 1:
+        rules.append((shard(batch), shard(a - 2), R))
+    if b > 1:
+        rules.append((shard(len(out) - 1), R, shard(b - 1)))
+    rules.append((P, shard(a - 1), shard(max(b - 2, 0))))
+    return rules
+
+
 def _einsum(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     """einsum(equation, operands): per subscript letter, every operand that has it split
     along it; the output too where it has the letter, else partial sums (a contraction).
@@ -323,6 +349,7 @@ _RULES: dict[str, Rule] = {
     "argmin": _arg_reduce,
     "one_hot": _one_hot,
     "einsum": _einsum,
+    "matmul": _matmul,
     "rand_like": _elementwise,
     "zeros_like": _elementwise,
     "ones_like": _elementwise,
