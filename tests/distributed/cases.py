@@ -280,6 +280,13 @@ CASES = [
         {"size": "tiny", "num_layers": 4, "batch_size": 16},
         pipeline(2, 2, "Interleaved1F1B", (2,), virtual_stages=2),
     ),
+    # one microbatch: the planner prices and may choose such interleaved pipelines
+    Case(
+        "gpt-interleaved-1-microbatch",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 4},
+        pipeline(2, 1, "Interleaved1F1B", (2,), virtual_stages=2),
+    ),
     # Llama of 4 layers: 2 device groups of (2,), 2 stages each, 4 microbatches
     Case(
         "zoo-llama-interleaved-2x2",
