@@ -109,6 +109,16 @@ def test_memory_limit_forces_smaller_strategy(solver: str) -> None:
     check_solution(memory_problem(10.0), solver, (0, 0, 1), 4.5)
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_a_plan_a_hair_over_the_memory_limit_is_not_taken(solver: str) -> None:
+    # 9 GiB less 100 B: the plan of 9 GiB is over by 2e-8 of the row's largest coefficient,
+    # within a solver's feasibility tolerance; the row's margin keeps it out
+    problem = dataclasses.replace(memory_problem(10.0), memory_limit=9 * GIB - 100)
+    solution = solve_intra_op(problem, solver=solver)
+    assert solution.choice != (0, 0, 1)
+    assert evaluate(problem, solution.choice).feasible
+
+
 def test_infeasible_memory_limit_names_both_numbers() -> None:
     # The smallest plan shards everything: 3 x 1 GiB = 3 GiB > 2 GiB.
     problem = memory_problem(2.0)

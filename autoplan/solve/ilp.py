@@ -59,7 +59,9 @@ Constraints
     counts it whole).
     ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
     the largest ``m`` so the coefficients are at most 1 whatever the unit
-    (:func:`_add_memory_constraint`; omitted when ``M`` is infinite).
+    (:func:`_add_memory_constraint`; omitted when ``M`` is infinite). Where the plan found
+    is over ``M`` within the solver's tolerance, it is solved again with the bound lowered
+    by `MEMORY_MARGIN`.
 
 The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
 the solver. The solver's own log goes to this module's logger at debug level and nowhere else
@@ -94,6 +96,10 @@ GIB = float(2**30)
 # HiGHS stops at a 1e-4 relative gap by default; plans should be optimal, not merely close.
 MIP_REL_GAP = 1e-6
 SOLVERS = ("highs", "cbc")
+# where the solver's plan is over the memory limit within its feasibility tolerance (a plan
+# some bytes over a tight limit failed the check after the solve: eager GPT on 140 MiB), it is
+# solved again with the memory row's bound lowered by this (in its largest coefficient's units)
+MEMORY_MARGIN = 1e-5
 
 Matrix = tuple[tuple[float, ...], ...]
 NodeVariables = dict[int, list[pulp.LpVariable]]
@@ -116,20 +122,26 @@ def solve_intra_op(
         logger.debug("ILP: every group has a single strategy; no solver needed")
         return _solution(problem, (0,) * problem.num_groups, "optimal", start, 0, 0)
 
-    model, s = build_model(reduced)
-    num_variables, num_constraints = model.numVariables(), model.numConstraints()
-    logger.debug(
-        "ILP: %d groups (%d free), %d edges (%d after simplify): %d variables, %d constraints",
-        problem.num_groups,
-        len(s),
-        len(problem.edges),
-        len(reduced.edges),
-        num_variables,
-        num_constraints,
-    )
-    _solve(model, solver, time_limit_s)
-    status = _status(model, problem, time_limit_s)
-    choice = _extract_choice(reduced, s)
+    for margin in (0.0, MEMORY_MARGIN):
+        model, s = build_model(reduced, margin)
+        num_variables, num_constraints = model.numVariables(), model.numConstraints()
+        logger.debug(
+            "ILP: %d groups (%d free), %d edges (%d after simplify): %d variables, %d constraints",
+            problem.num_groups,
+            len(s),
+            len(problem.edges),
+            len(reduced.edges),
+            num_variables,
+            num_constraints,
+        )
+        _solve(model, solver, time_limit_s)
+        status = _status(model, problem, time_limit_s)
+        choice = _extract_choice(reduced, s)
+        if evaluate(problem, choice).memory <= problem.memory_limit:
+            break
+        # the solver took a plan over the limit by no more than its feasibility tolerance
+        # (HiGHS: 1e-6 of the row's largest coefficient): once more, the row's bound lowered
+        logger.debug("ILP: the plan found is over the memory limit; solving again with a margin")
     return _solution(problem, choice, status, start, num_variables, num_constraints)
 
 
@@ -227,8 +239,11 @@ def _transpose(matrix: Matrix) -> Matrix:
 # ---------------------------------------------------------------- model
 
 
-def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]:
-    """The ILP of the module docstring for an already simplified problem.
+def build_model(
+    problem: IntraOpProblem, margin: float = 0.0
+) -> tuple[pulp.LpProblem, NodeVariables]:
+    """The ILP of the module docstring for an already simplified problem, the memory row's
+    bound lowered by ``margin`` (in units of its largest coefficient).
 
     Returns the model and ``s``: for each group with 2+ strategies, its binary variables.
     """
@@ -246,7 +261,7 @@ def build_model(problem: IntraOpProblem) -> tuple[pulp.LpProblem, NodeVariables]
         ]
     terms += _add_shared_variables(model, problem, s, links)
     terms += _add_bucket_variables(model, problem, s, links)
-    _add_memory_constraint(model, problem, s)
+    _add_memory_constraint(model, problem, s, margin)
     _set_objective(model, terms)
     return model, s
 
@@ -380,7 +395,7 @@ def _add_bucket_variables(
 
 
 def _add_memory_constraint(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables
+    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, margin: float
 ) -> None:
     if math.isinf(problem.memory_limit):
         return
@@ -388,7 +403,7 @@ def _add_memory_constraint(
     terms = [(x, problem.node_memory[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
     scale = max((abs(m) for _, m in terms), default=0.0) or 1.0
     used = pulp.LpAffineExpression([(x, m / scale) for x, m in terms])
-    model += used <= (problem.memory_limit - fixed) / scale, "memory"
+    model += used <= (problem.memory_limit - fixed) / scale - margin, "memory"
 
 
 def _set_objective(model: pulp.LpProblem, terms: list[Term]) -> None:
@@ -517,7 +532,7 @@ def _solution(
 ) -> IntraOpSolution:
     evaluation = evaluate(problem, choice)
     if not evaluation.feasible:
-        # Only possible through solver tolerances (a few bytes over a tight limit).
+        # over the memory limit even with the margin (solve_intra_op)
         logger.warning("ILP plan violates the problem: %s", "; ".join(evaluation.violations))
     solve_time_s = time.perf_counter() - start
     logger.debug("ILP %s: objective %.6g s in %.2f s", status, evaluation.objective, solve_time_s)
