@@ -186,10 +186,6 @@ class Recompute:
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    @property
-    def modes(self) -> frozenset[str]:
-        return frozenset(mode for _, mode, _ in self.layers)
-
     def recomputes(self, name: str) -> bool:
         return name in self.layer_of
 

@@ -112,6 +112,18 @@ class RangeCost:
     memory_bytes: float
     activation_bytes: float
 
+    @staticmethod
+    def of(parts: list[SolvedStage]) -> RangeCost:
+        """The layers' plans added up; one recomputed layer's activations are held at a
+        time, the largest."""
+        transient = max(p.recompute_bytes for p in parts)
+        return RangeCost(
+            time_s=sum(p.time_s for p in parts),
+            extra_s=sum(p.extra_s for p in parts),
+            memory_bytes=sum(p.memory_bytes - p.recompute_bytes for p in parts) + transient,
+            activation_bytes=sum(p.activation_bytes for p in parts),
+        )
+
 
 class StageSolver:
     """Plans layers on one stage size, logical mesh and boundary placement, and prices layer
@@ -144,7 +156,7 @@ class StageSolver:
         self.label = label  # what the tally reports the layers' ILPs as part of
         self.float32_grads = float32_grads  # every gradient reduced in float32
         self.announced = announced  # the tally expects its full-budget ILPs already
-        # (structure, budget) -> its plan, and the memory its ILP counts for it
+        # (structure, budget) -> its plan
         self._memo: dict[tuple[int, Budget], SolvedStage | None] = {}
         # what the ILP counts of each plan: its parameters' and inputs', its activations'
         self._ilp_memory: dict[tuple[int, Budget], tuple[float, float]] = {}
@@ -190,18 +202,7 @@ class StageSolver:
             self._plan_together(self._structures, budget)
             parts = [self._layer(i, budget) for i in range(start, stop)]
             done = [p for p in parts if p is not None]
-            # one recomputed layer's activations at a time: the largest
-            transient = max(p.recompute_bytes for p in done) if done else 0.0
-            self._ranges[key] = (
-                None
-                if len(done) < len(parts)
-                else RangeCost(
-                    time_s=sum(p.time_s for p in done),
-                    extra_s=sum(p.extra_s for p in done),
-                    memory_bytes=sum(p.memory_bytes - p.recompute_bytes for p in done) + transient,
-                    activation_bytes=sum(p.activation_bytes for p in done),
-                )
-            )
+            self._ranges[key] = RangeCost.of(done) if len(done) == len(parts) else None
         return self._ranges[key]
 
     def stage(self, start: int, stop: int, budget: Budget) -> SolvedStage:

@@ -14,14 +14,14 @@ Each range comes in variants (`_variants`) that the DP chooses among stage by st
 recomputation mode (`autoplan.graph.recompute`: none, selective, full; each a layer plan of
 its own) and a memory budget for its layers' plans (`autoplan.search.layer_plans.Budget`: a
 share of the memory, the activations counted once or once per microbatch the first stage
-holds). Under 1F1B the
-first stage holds as many microbatches in flight as there are stages, the last stage one: the
-DP gives each stage the fastest variant that fits its own count, so early stages recompute
-or shard more than late ones; a stage that recomputes then keeps the fewest of its layers
-recomputed that fit (`autoplan.search.recompute_choice`), unless the mode was given.
-Variants are added only while some range of balanced length cannot fit at the fewest
-microbatches it could hold in flight: a mode's tighter budgets while its plans
-leave such a range, the next mode only where the previous mode's fastest plans did.
+holds). Under 1F1B the first stage holds as many microbatches in flight as there are
+stages, the last stage one: the DP gives each stage the fastest variant that fits its own
+count, so early stages recompute or shard more than late ones; a stage that recomputes then
+keeps the fewest of its layers recomputed that fit (`autoplan.search.recompute_choice`),
+unless the mode was given. Variants are added only while some range of balanced length
+cannot fit at the fewest microbatches it could hold in flight: a mode's tighter budgets
+while its plans leave such a range, the next mode only where the previous mode's fastest
+plans did.
 
 Interleaved 1F1B with ``v`` stages on each of the ``p`` device groups is searched the same way
 (`_interleaved`): the DP splits the layers into ``p v`` stages (the layers' plans are the
