@@ -26,7 +26,14 @@ from autoplan.solve.ilp import (
     simplify,
     solve_intra_op,
 )
-from autoplan.solve.problem import BucketCost, Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solve.problem import (
+    BucketCost,
+    Edge,
+    IntraOpProblem,
+    IntraOpSolution,
+    Recomputation,
+    SharedCost,
+)
 
 GIB = float(2**30)
 SOLVERS = ["highs", "cbc"]
@@ -212,11 +219,11 @@ def test_names_are_sanitized_and_unique() -> None:
     names = ["layers.0.attn", "layers.0.attn", "  "]
     assert group_labels(tuple(names)) == ["layers_0_attn_0", "layers_0_attn_1", "group_2"]
     problem = make_problem([[1, 2]] * 3, [(0, 1, RESHARD)], limit_gib=1, names=names)
-    model, s = build_model(simplify(problem))
+    model, variables = build_model(simplify(problem))
     constraint_names = {c.name for c in model.constraints()}
     assert {"pick_layers_0_attn_0", "pick_group_2", "memory"} <= constraint_names
     assert "row_layers_0_attn_0__layers_0_attn_1_1" in constraint_names
-    assert [x.name for x in s[2]] == ["s_group_2_0", "s_group_2_1"]
+    assert [x.name for x in variables.s[2]] == ["s_group_2_0", "s_group_2_1"]
 
 
 def test_solution_is_deterministic() -> None:
@@ -410,3 +417,103 @@ def test_simplify_keeps_every_assignment_cost(seed: int) -> None:
         before, after = evaluate(problem, choice), evaluate(simplified, choice)
         assert after.objective == pytest.approx(before.objective)
         assert after.memory == before.memory
+
+
+# ---------------------------------------------------------------- recomputation chosen
+
+
+def _random_recomputations(
+    rng: np.random.Generator, problem: IntraOpProblem
+) -> tuple[Recomputation, ...]:
+    """Two units: one of 3 copies that may recompute two ways (over groups 0-2), one of a
+    single copy (over groups 2-4, group 2 in both, as a follower merged across layers is)."""
+    sizes = [len(c) for c in problem.node_costs]
+
+    def way(name: str, unit: int, copies: int, groups: range) -> Recomputation:
+        time = [rng.uniform(0, 3, size=k).round(2) * (g in groups) for g, k in enumerate(sizes)]
+        freed = [
+            [min(m, x) for m, x in zip(mem, rng.uniform(0, 3, size=len(mem)) * GIB, strict=True)]
+            if g in groups
+            else [0.0] * len(mem)
+            for g, mem in enumerate(problem.node_memory)
+        ]
+        frozen = [tuple(tuple(float(x) for x in row) for row in rows) for rows in (time, freed)]
+        held = tuple(tuple(f / copies for f in row) for row in frozen[1])
+        return Recomputation(name, unit, copies, *frozen, held)
+
+    return (
+        way("full", 0, 3, range(0, 3)),
+        way("selective", 0, 3, range(0, 3)),
+        way("single", 1, 1, range(2, 5)),
+    )
+
+
+def all_counts(problem: IntraOpProblem) -> list[tuple[int, ...]]:
+    return [
+        counts
+        for counts in itertools.product(*(range(r.copies + 1) for r in problem.recompute))
+        if counts[0] + counts[1] <= problem.recompute[0].copies
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recomputation_chosen_with_strategies_matches_brute_force(seed: int) -> None:
+    """The ILP chooses how many copies recompute each way jointly with the strategies: its
+    plan is the cheapest of every strategy choice x recomputed counts that fits, counting
+    the largest recomputed copy's activations held again during its backward."""
+    rng = np.random.default_rng(100 + seed)
+    base = random_problem(seed, min_strategies=1)
+    # a tighter limit than random_problem's: recomputing is what makes some plans fit
+    problem = dataclasses.replace(
+        base,
+        recompute=_random_recomputations(rng, base),
+        memory_limit=min_memory(base) * 0.9,
+    )
+    evaluations = [
+        (evaluate(problem, c, n), c, n) for c in all_choices(problem) for n in all_counts(problem)
+    ]
+    feasible = [e for e in evaluations if e[0].feasible]
+    assert feasible, "the test's limit should leave some plan"
+    best = min(e.objective for e, _, _ in feasible)
+    for solver in SOLVERS:
+        solution = solve_intra_op(problem, solver=solver)
+        assert solution.status == "optimal"
+        check = evaluate(problem, solution.choice, solution.recomputed)
+        assert check.feasible
+        assert solution.objective == pytest.approx(best, rel=1e-6)
+        assert any(solution.recomputed), "nothing fits without recomputing"
+    # min_memory is a floor; just under the least memory of any plan, none is found
+    least = min(e.memory for e, _, _ in evaluations)
+    assert min_memory(problem) <= least
+    with pytest.raises(InfeasiblePlanError):
+        solve_intra_op(dataclasses.replace(problem, memory_limit=least * (1 - 1e-6)))
+
+
+def test_recomputation_is_chosen_only_where_it_pays() -> None:
+    """One layer repeated 4 times: a fast strategy (1 s, 10 GiB of activations) or a slow one
+    (3 s, 4 GiB); recomputing a copy costs 0.5 s (fast) or 0.25 s (slow) and frees its
+    activations, but the step holds one recomputed copy's again during its backward."""
+    time = ((2.0, 1.0),)
+    freed = ((8.0 * GIB, 2.0 * GIB),)  # of all 4 copies
+    held = ((2.0 * GIB, 0.5 * GIB),)  # one copy's
+    way = Recomputation("blocks full", 0, 4, time, freed, held)
+    cases = {
+        # limit: (strategy, copies recomputed, objective)
+        11.0: (0, 0, 1.0),  # fits without
+        # fast: 10 - 2n + 2 <= 8 -> n = 2 (2 s); slow fits without (3 s)
+        8.0: (0, 2, 2.0),
+        # fast needs 4 GiB at best (all recomputed: 10 - 8 + 2); slow: 4 - 0.5n + 0.5 -> n = 2
+        3.9: (1, 2, 3.5),
+    }
+    for limit, (k, n, objective) in cases.items():
+        problem = make_problem([[1.0, 3.0]], memory_gib=[[10.0, 4.0]], limit_gib=limit)
+        problem = dataclasses.replace(problem, recompute=(way,))
+        for solver in SOLVERS:
+            solution = solve_intra_op(problem, solver=solver)
+            assert (solution.choice, solution.recomputed) == ((k,), (n,)), (limit, solver)
+            assert solution.objective == pytest.approx(objective)
+    # every copy recomputed would need 2 GiB but for the copy held again: 2.5 at best
+    assert min_memory(problem) == 2.5 * GIB
+    too_tight = dataclasses.replace(problem, memory_limit=2.2 * GIB)
+    with pytest.raises(InfeasiblePlanError, match=r"the smallest needs 2\.50 GiB"):
+        solve_intra_op(too_tight)

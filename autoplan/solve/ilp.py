@@ -31,10 +31,18 @@ Variables
     each ``i`` with ``C[t][i] != 0``).
     ``x[b]`` in [0, 1], continuous, and ``n[b]`` >= 0: bucket cost ``b`` (``B[b]`` seconds a
     bucket) pays its first bucket, and so many more.
+    For each recomputation ``r`` (`Recomputation`: ``C[r]`` copies, extra time ``t[r][v][k]``
+    and freed bytes ``f[r][v][k]`` of all copies, ``h[r][v][k]`` held again): ``count[r]``
+    in 0..C[r], integer, the copies recomputed; ``some[r]`` in {0, 1}, whether any is;
+    ``w[r][v][k]`` in [0, 1], continuous, standing for
+    ``count[r] / C[r] * s[v][k]``; ``z[r][v][k]`` in [0, 1], continuous, for
+    ``some[r] * s[v][k]``; and one ``T`` >= 0, the bytes the largest recomputed copy holds
+    again during its backward.
 
 Objective (minimize, :func:`_set_objective`)
     ``sum_v sum_k c[v][k] s[v][k] + sum_(u,v) sum_(i,j) R[u,v][i][j] e[u,v][i][j]
-    + sum_t sum_i C[t][i] y[t][i] + sum_b B[b] (x[b] + n[b])``, divided by its largest
+    + sum_t sum_i C[t][i] y[t][i] + sum_b B[b] (x[b] + n[b]) + sum_r sum_v sum_k t[r][v][k]
+    w[r][v][k]``, divided by its largest
     coefficient so that solver tolerances are relative to the costs (which are seconds, often
     1e-6 or smaller).
 
@@ -57,8 +65,18 @@ Constraints
     one-strategy groups is a constant and left out). ``n[b]`` is integer unless ``whole(b)``
     is false (then the count past the first bucket is not rounded up; ``evaluate`` still
     counts it whole).
-    ``memory``: ``sum_v sum_k m[v][k] s[v][k] <= M - (memory of fixed groups)``, divided by
-    the largest ``m`` so the coefficients are at most 1 whatever the unit
+    ``share_w_<v>_<r>``: ``C[r] sum_k w[r][v][k] == count[r]`` and
+    ``within_w_<v>_<r>_<k>``: ``w[r][v][k] <= s[v][k]``: with ``s`` integral, ``w`` is
+    ``count[r] / C[r]`` at the chosen strategy and 0 elsewhere (`_times_choice`, as tight as
+    the edges' products). ``counted_<r>``: ``count[r] <= C[r] some[r]``; ``z`` from
+    ``some[r]`` as ``w`` from the count (``z`` is ``w`` where ``C[r] = 1``, ``some`` the
+    count); ``largest_<r>``: ``T >= sum_v sum_k h[r][v][k] z[r][v][k]`` (the memory row
+    pushes ``some`` and ``T`` down); ``unit_<u>``: the counts of one unit's recomputations
+    add up to at most its copies (:func:`_add_recompute_variables`; a group with one
+    strategy enters as a constant times ``count[r]`` or ``some[r]``).
+    ``memory``: ``sum_v sum_k m[v][k] s[v][k] - sum_r sum_v sum_k f[r][v][k] w[r][v][k] + T
+    <= M - (memory of fixed groups)``, divided by the largest ``m`` or ``f`` so the
+    coefficients are at most 1 whatever the unit
     (:func:`_add_memory_constraint`; omitted when ``M`` is infinite). Where the plan found
     is over ``M`` within the solver's tolerance, it is solved again with the bound lowered
     by `MEMORY_MARGIN`.
@@ -80,7 +98,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,17 +136,17 @@ def solve_intra_op(
     if min_memory(problem) > problem.memory_limit:
         raise _infeasible_error(problem)
     reduced = simplify(problem)
-    if all(len(costs) == 1 for costs in reduced.node_costs):
+    if all(len(costs) == 1 for costs in reduced.node_costs) and not problem.recompute:
         logger.debug("ILP: every group has a single strategy; no solver needed")
-        return _solution(problem, (0,) * problem.num_groups, "optimal", start, 0, 0)
+        return _solution(problem, (0,) * problem.num_groups, (), "optimal", start, 0, 0)
 
     for margin in (0.0, MEMORY_MARGIN):
-        model, s = build_model(reduced, margin)
+        model, variables = build_model(reduced, margin)
         num_variables, num_constraints = model.numVariables(), model.numConstraints()
         logger.debug(
             "ILP: %d groups (%d free), %d edges (%d after simplify): %d variables, %d constraints",
             problem.num_groups,
-            len(s),
+            len(variables.s),
             len(problem.edges),
             len(reduced.edges),
             num_variables,
@@ -136,13 +154,14 @@ def solve_intra_op(
         )
         _solve(model, solver, time_limit_s)
         status = _status(model, problem, time_limit_s)
-        choice = _extract_choice(reduced, s)
-        if evaluate(problem, choice).memory <= problem.memory_limit:
+        choice = _extract_choice(reduced, variables)
+        recomputed = tuple(round(n.varValue or 0.0) for n in variables.n)
+        if evaluate(problem, choice, recomputed).memory <= problem.memory_limit:
             break
         # the solver took a plan over the limit by no more than its feasibility tolerance
         # (HiGHS: 1e-6 of the row's largest coefficient): once more, the row's bound lowered
         logger.debug("ILP: the plan found is over the memory limit; solving again with a margin")
-    return _solution(problem, choice, status, start, num_variables, num_constraints)
+    return _solution(problem, choice, recomputed, status, start, num_variables, num_constraints)
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -239,14 +258,18 @@ def _transpose(matrix: Matrix) -> Matrix:
 # ---------------------------------------------------------------- model
 
 
-def build_model(
-    problem: IntraOpProblem, margin: float = 0.0
-) -> tuple[pulp.LpProblem, NodeVariables]:
-    """The ILP of the module docstring for an already simplified problem, the memory row's
-    bound lowered by ``margin`` (in units of its largest coefficient).
+@dataclass(frozen=True)
+class Variables:
+    """What a solution is read from: ``s``, for each group with 2+ strategies its binary
+    variables, and ``n``, the count of each recomputation."""
 
-    Returns the model and ``s``: for each group with 2+ strategies, its binary variables.
-    """
+    s: NodeVariables
+    n: list[pulp.LpVariable]
+
+
+def build_model(problem: IntraOpProblem, margin: float = 0.0) -> tuple[pulp.LpProblem, Variables]:
+    """The ILP of the module docstring for an already simplified problem, the memory row's
+    bound lowered by ``margin`` (in units of its largest coefficient)."""
     labels = group_labels(problem.names)
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = _add_node_variables(model, problem, labels)
@@ -261,9 +284,14 @@ def build_model(
         ]
     terms += _add_shared_variables(model, problem, s, links)
     terms += _add_bucket_variables(model, problem, s, links)
-    _add_memory_constraint(model, problem, s, margin)
+    scale = _memory_scale(problem, s)
+    counts, recompute_terms, memory_terms = _add_recompute_variables(
+        model, problem, s, labels, scale
+    )
+    terms += recompute_terms
+    _add_memory_constraint(model, problem, s, margin, memory_terms, scale)
     _set_objective(model, terms)
-    return model, s
+    return model, Variables(s, counts)
 
 
 def group_labels(names: tuple[str, ...]) -> list[str]:
@@ -394,14 +422,103 @@ def _add_bucket_variables(
     return terms
 
 
+def _memory_scale(problem: IntraOpProblem, s: NodeVariables) -> float:
+    """The memory row's largest coefficient (bytes), which divides its coefficients: solvers
+    drop a coefficient below 1e-9 or so, and a row of bytes has them near 1e9 besides."""
+    found = [m for v in s for m in problem.node_memory[v]]
+    found += [f for r in problem.recompute for row in r.freed for f in row]
+    return max(map(abs, found), default=0.0) or 1.0
+
+
+def _add_recompute_variables(
+    model: pulp.LpProblem,
+    problem: IntraOpProblem,
+    s: NodeVariables,
+    labels: list[str],
+    scale: float,
+) -> tuple[list[pulp.LpVariable], list[Term], list[Term]]:
+    """``count[r]`` of each recomputation, with the ``some``, ``w``, ``z`` and ``T`` (in
+    units of ``scale`` bytes) that price it and their constraints; returns the counts and
+    the terms of the objective and of the memory row (bytes)."""
+    counts: list[pulp.LpVariable] = []
+    objective: list[Term] = []
+    memory: list[Term] = []
+    largest: list[list[Term]] = []  # for each recomputation, what one copy holds again
+    for r, way in enumerate(problem.recompute):
+        single = way.copies == 1
+        kind = pulp.LpBinary if single else pulp.LpInteger
+        n = _new_variable(model, f"count_{r}", kind, upper=way.copies)
+        counts.append(n)
+        some = n if single else _new_variable(model, f"some_{r}", pulp.LpBinary)
+        if not single:
+            model += n <= way.copies * some, f"counted_{r}"
+        again: list[Term] = []
+        # the groups with one strategy: constants times the count (each variable once in a
+        # row: pulp keeps a variable's last coefficient)
+        fixed = [v for v in range(problem.num_groups) if v not in s]
+        objective.append((n, sum(way.time[v][0] for v in fixed) / way.copies))
+        memory.append((n, -sum(way.freed[v][0] for v in fixed) / way.copies))
+        if any(way.held[v][0] for v in fixed):
+            again.append((some, sum(way.held[v][0] for v in fixed) / scale))
+        for v, (time_s, freed) in enumerate(zip(way.time, way.freed, strict=True)):
+            held = way.held[v]
+            if v not in s or (not any(time_s) and not any(freed) and not any(held)):
+                continue
+            name = f"{labels[v]}_{r}"
+            w = _times_choice(model, s[v], n, way.copies, f"w_{name}")
+            objective += [(x, t) for x, t in zip(w, time_s, strict=True) if t]
+            memory += [(x, -f) for x, f in zip(w, freed, strict=True) if f]
+            if any(held):
+                z = w if single else _times_choice(model, s[v], some, 1, f"z_{name}")
+                again += [(x, h / scale) for x, h in zip(z, held, strict=True) if h]
+        largest.append(again)
+    if any(largest):
+        # bounded, so that HiGHS's presolve finds an infeasible problem infeasible (not
+        # "infeasible or unbounded")
+        most = max(sum(max(row) for row in way.held) for way in problem.recompute)
+        held = _new_variable(model, "largest_held", pulp.LpContinuous, upper=most / scale)
+        memory.append((held, scale))
+        for r, again in enumerate(largest):
+            if again:
+                model += held >= pulp.LpAffineExpression(again), f"largest_{r}"
+    for unit in sorted({way.unit for way in problem.recompute}):
+        ways = [n for n, way in zip(counts, problem.recompute, strict=True) if way.unit == unit]
+        if len(ways) > 1:
+            copies = next(w.copies for w in problem.recompute if w.unit == unit)
+            model += pulp.lpSum(ways) <= copies, f"unit_{unit}"
+    return counts, objective, memory
+
+
+def _times_choice(
+    model: pulp.LpProblem,
+    s: list[pulp.LpVariable],
+    total: pulp.LpVariable,
+    divisor: int,
+    name: str,
+) -> list[pulp.LpVariable]:
+    """Variables ``x[k]`` equal to ``total / divisor * s[k]`` (``s`` one-hot, ``total /
+    divisor`` in [0, 1]): ``divisor * sum_k x[k] == total`` and ``x[k] <= s[k]``, as tight
+    as the edges' products (`_add_link_variables`)."""
+    x = [_new_variable(model, f"{name}_{k}", pulp.LpContinuous) for k in range(len(s))]
+    model += pulp.lpSum(x) * divisor == total, f"share_{name}"
+    for k, (xk, sk) in enumerate(zip(x, s, strict=True)):
+        model += xk <= sk, f"within_{name}_{k}"
+    return x
+
+
 def _add_memory_constraint(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, margin: float
+    model: pulp.LpProblem,
+    problem: IntraOpProblem,
+    s: NodeVariables,
+    margin: float,
+    recompute: list[Term],
+    scale: float,
 ) -> None:
     if math.isinf(problem.memory_limit):
         return
     fixed = sum(mem[0] for v, mem in enumerate(problem.node_memory) if v not in s)
     terms = [(x, problem.node_memory[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
-    scale = max((abs(m) for _, m in terms), default=0.0) or 1.0
+    terms += recompute
     used = pulp.LpAffineExpression([(x, m / scale) for x, m in terms])
     model += used <= (problem.memory_limit - fixed) / scale - margin, "memory"
 
@@ -510,9 +627,9 @@ def _status(model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float)
     )
 
 
-def _extract_choice(problem: IntraOpProblem, s: NodeVariables) -> tuple[int, ...]:
+def _extract_choice(problem: IntraOpProblem, variables: Variables) -> tuple[int, ...]:
     choice = [0] * problem.num_groups
-    for v, xs in s.items():
+    for v, xs in variables.s.items():
         values = [x.varValue or 0.0 for x in xs]
         k = max(range(len(values)), key=values.__getitem__)
         assert [round(x) for x in values].count(1) == 1 and round(values[k]) == 1, (
@@ -525,12 +642,13 @@ def _extract_choice(problem: IntraOpProblem, s: NodeVariables) -> tuple[int, ...
 def _solution(
     problem: IntraOpProblem,
     choice: tuple[int, ...],
+    recomputed: tuple[int, ...],
     status: str,
     start: float,
     num_variables: int,
     num_constraints: int,
 ) -> IntraOpSolution:
-    evaluation = evaluate(problem, choice)
+    evaluation = evaluate(problem, choice, recomputed)
     if not evaluation.feasible:
         # over the memory limit even with the margin (solve_intra_op)
         logger.warning("ILP plan violates the problem: %s", "; ".join(evaluation.violations))
@@ -543,11 +661,20 @@ def _solution(
         solve_time_s=solve_time_s,
         num_variables=num_variables,
         num_constraints=num_constraints,
+        recomputed=recomputed or (0,) * len(problem.recompute),
     )
 
 
 def _infeasible_error(problem: IntraOpProblem) -> InfeasiblePlanError:
+    need = min_memory(problem)
+    # with recomputation chosen that is a floor; what one recomputed layer holds again during
+    # its backward may take a plan over the limit even so
+    smallest = (
+        f"the smallest needs {need / GIB:.2f} GiB"
+        if need > problem.memory_limit
+        else ("a layer recomputed holds its activations again during its backward, over the limit")
+    )
     return InfeasiblePlanError(
         f"no strategy assignment fits in {problem.memory_limit / GIB:.2f} GiB per device; "
-        f"the smallest needs {min_memory(problem) / GIB:.2f} GiB"
+        + smallest
     )

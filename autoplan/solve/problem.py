@@ -6,7 +6,9 @@ its merged followers, or the same node in every copy of a repeated layer). Group
 multiplied by how many graph nodes the group stands for; memory is bytes per device. A cost
 depends on one group's strategy (node costs), on two groups' (edges), on one group's and
 whether any of several others take given strategies (shared costs), or on which of several
-pairs of groups take given strategies (bucket costs).
+pairs of groups take given strategies (bucket costs). A problem may also choose how many
+copies of its layers recompute their forward in backward (`Recomputation`), trading time for
+memory.
 """
 
 from __future__ import annotations
@@ -70,9 +72,27 @@ class BucketCost:
 
 
 @dataclass(frozen=True)
+class Recomputation:
+    """Recomputing some of ``copies`` identical layers in one way (a mode): the problem
+    chooses how many, ``n``. Each group's strategy ``k`` then costs ``n / copies`` of
+    ``time[v][k]`` more and holds ``n / copies`` of ``freed[v][k]`` less (both are what all
+    the copies recomputed would add and free). While ``n > 0`` the step holds ``held[v][k]``
+    again during one copy's backward, the largest such copy of all its recomputations (a
+    pipeline stage's layer, planned alone, leaves that to its stage: all zero). Those of
+    one ``unit`` share its copies: a layer recomputes in one way at most."""
+
+    name: str  # how the layers recompute (the planner's mode)
+    unit: int
+    copies: int
+    time: tuple[tuple[float, ...], ...]
+    freed: tuple[tuple[float, ...], ...]
+    held: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
 class IntraOpProblem:
-    """Choose one strategy per group to minimize node + edge + shared + bucket costs within a
-    memory limit."""
+    """Choose one strategy per group (and how many layers recompute each way) to minimize
+    node + edge + shared + bucket (+ recomputation) costs within a memory limit."""
 
     names: tuple[str, ...]
     node_costs: tuple[tuple[float, ...], ...]
@@ -81,6 +101,7 @@ class IntraOpProblem:
     memory_limit: float
     shared: tuple[SharedCost, ...] = ()
     buckets: tuple[BucketCost, ...] = ()
+    recompute: tuple[Recomputation, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.names) == len(self.node_costs) == len(self.node_memory)
@@ -97,6 +118,11 @@ class IntraOpProblem:
                 0 <= k < len(self.node_costs[g]) and 0 <= m < len(self.node_costs[h])
                 for g, k, h, m, _ in b.when
             )
+        for r in self.recompute:
+            shapes = [len(c) for c in self.node_costs]
+            assert r.copies > 0
+            assert [len(t) for t in r.time] == [len(f) for f in r.freed] == shapes
+            assert [len(h) for h in r.held] == shapes
 
     @property
     def num_groups(self) -> int:
@@ -105,7 +131,8 @@ class IntraOpProblem:
 
 @dataclass(frozen=True)
 class IntraOpSolution:
-    """One strategy index per group, and how the solver got there."""
+    """One strategy index per group, how many copies recompute each way (one count per
+    `Recomputation` of the problem), and how the solver got there."""
 
     choice: tuple[int, ...]
     objective: float
@@ -113,3 +140,4 @@ class IntraOpSolution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    recomputed: tuple[int, ...] = ()
