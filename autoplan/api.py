@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,8 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
-from autoplan.graph.cut import Layer
 from autoplan.graph.ir import PARAM, Graph
-from autoplan.graph.recompute import FULL, NONE, SELECTIVE, Recompute, chosen, recompute_layers
+from autoplan.graph.recompute import FULL, NONE, SELECTIVE, chosen
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
@@ -29,8 +28,7 @@ from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
-from autoplan.search.recompute_choice import fewest_layers
-from autoplan.search.step_price import PricedStep, price_step
+from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
@@ -94,10 +92,7 @@ def plan_graph(
     tally = Tally(options.on_progress, "ILP")
     single: Searched | InfeasiblePlanError | None = None
     if not pipeline:
-        for recompute in options.recompute_tries(graph):  # only where nothing else fits
-            single = _plan_one_stage(graph, cluster, options, memory_limit, tally, recompute)
-            if isinstance(single, Searched):
-                break
+        single = _plan_one_stage(graph, cluster, options, memory_limit, tally)
     piped, weighed = None, False
     # by default pipelines are weighed on every cluster of several devices, inside a node too:
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
@@ -106,11 +101,8 @@ def plan_graph(
     auto = not options.pin and cluster.num_devices > 1
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
-        # one search: each stage chooses its recomputation (pipeline_search's variants)
-        modes = options.recompute_tries(graph)
-        piped = _plan_pipelined(
-            graph, microbatch_graph, cluster, options, memory_limit, tally, modes
-        )
+        # one search: each stage's layers choose their recomputation in their ILPs
+        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit, tally)
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
         if single is None:
@@ -174,7 +166,6 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-    modes: Sequence[str] = (NONE,),
 ) -> Searched | None:
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
@@ -207,7 +198,6 @@ def _plan_pipelined(
         batch=batch,
         memory_limit=memory_limit,
         tally=tally,
-        modes=modes,
     )
     if found is None:
         return None
@@ -238,8 +228,9 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-    recompute: str = NONE,
 ) -> Searched | InfeasiblePlanError:
+    """The plan of ``graph`` as one stage: one ILP per candidate mesh, choosing the layers
+    that recompute with the strategies unless ``options.recompute`` fixes them."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -250,8 +241,9 @@ def _plan_one_stage(
     pins = parse_pins(options.pin, graph)
     sharing = keep_sharing_consistent(sharing, pins)
 
-    layers = recompute_layers(graph, options.max_layers)
-    recomputed = chosen(graph, options.max_layers, recompute)
+    recompute = options.recompute
+    recomputed = chosen(graph, options.max_layers, recompute or NONE)
+    choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
     tally.expect(len(meshes))
@@ -266,10 +258,13 @@ def _plan_one_stage(
             options.time_limit_s,
             functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
             float32_grads=options.float32_grads,
+            recompute=choice,
         )
         tally.did(f"one stage on mesh {m}", milestone=True)
-        if isinstance(found, MeshPlan) and recompute != NONE:
-            found = _fewest_recomputed(graph, layers, found, memory_limit, options, recompute)
+        if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:
+            # the ILP counts recomputed activations at the layers' mean (a mode given), or
+            # prices a unit's layers on its first (chosen); the step's price is exact
+            found = found.step.memory_bytes
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
@@ -286,7 +281,9 @@ def _plan_one_stage(
         if best is None or found.step.time_s < best.step.time_s:
             best = found
     if best is None:
-        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, recompute)
+        # the ILP that chooses finds none only where every layer recomputed does not fit
+        mode = FULL if recompute is None else recompute
+        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
     plan = make_plan(
         graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
     )
@@ -296,32 +293,6 @@ def _plan_one_stage(
         [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     )
     return Searched(plan, graph, degrees)
-
-
-def _fewest_recomputed(
-    graph: Graph,
-    layers: tuple[Layer, ...],
-    found: MeshPlan,
-    limit: float,
-    options: PlanOptions,
-    mode: str,
-) -> MeshPlan | float:
-    """``found`` (planned with every layer recomputed in ``mode``) recomputing the fewest
-    layers that fit (`fewest_layers`), or every layer where ``options.recompute`` says so; the
-    bytes per device it needs if it does not fit (the ILP counts the layers' mean, the price
-    the largest)."""
-    costs = found.costs
-
-    def price(recompute: Recompute) -> PricedStep:
-        return price_step(graph, found.result.assignment, costs.recomputing(recompute))
-
-    if options.recompute is not None:
-        return found if found.step.memory_bytes <= limit else found.step.memory_bytes
-    fewest = fewest_layers(graph, layers, price, limit, mode)
-    if fewest is None:
-        return found.step.memory_bytes
-    recompute, step = fewest
-    return dataclasses.replace(found, costs=costs.recomputing(recompute), step=step)
 
 
 def _infeasible(
@@ -342,9 +313,11 @@ def _infeasible(
         SELECTIVE: ', full activation recomputation (recompute="full")',
     }.get(recompute, "")
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
+    # just over the limit: the ILP choosing recomputation found no plan (`solve_mesh`)
+    amount = f"{need / GiB:.2f} GiB" if need > limit * 1.001 else "more than it has"
     return InfeasiblePlanError(
         f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "
-        f"device needs {need / GiB:.2f} GiB (parameters alone are {param_bytes / GiB:.2f} GiB "
+        f"device needs {amount} (parameters alone are {param_bytes / GiB:.2f} GiB "
         f"unsharded, plus gradients, optimizer state and activations), but a device of cluster "
         f"{cluster.name!r} offers {limit / GiB:.2f} GiB ({fraction:.0%} of "
         f"{cluster.device.memory_bytes / GiB:.0f} GiB). Use more devices (--nodes), a smaller "

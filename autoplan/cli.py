@@ -196,8 +196,8 @@ def _recompute_argument(parser: argparse.ArgumentParser) -> None:
         choices=RECOMPUTE_MODES,
         help=(
             "activation recomputation: none, full (every layer's blocks run their forward "
-            "again in backward) or selective (only their attention cores); default: only "
-            "where no plan fits without"
+            "again in backward) or selective (only their attention cores); default: the "
+            "planner chooses, layer by layer, for the fastest plan that fits"
         ),
     )
 

@@ -91,10 +91,12 @@ class PlanOptions:
     from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
     full recomputation); "selective" recomputes only every layer's attention core, from the
     product of queries and keys through softmax to the product with the values (Megatron's
-    selective recomputation). None lets the planner choose: one stage recomputes the fewest
-    layers that make it fit (selective recomputation, where it frees activations, before
-    full), and each pipeline stage takes the fastest mode that fits the microbatches it holds
-    in flight (`autoplan.search.pipeline_search`)."""
+    selective recomputation). None lets the planner choose, layer by layer: the ILP chooses
+    with the strategies how many layers recompute and in which mode (selective where it frees
+    activations, or full; `autoplan.search.recompute_ilp`), the fastest plan within the
+    memory, which may mix modes; a pipeline's layers choose so within the budget of the stage
+    that holds them, and each stage keeps the fewest of them that fit the microbatches it
+    holds in flight (`autoplan.search.pipeline_search`)."""
 
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known
@@ -122,8 +124,8 @@ class PlanOptions:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise AutoplanError(
-                f"recompute must be one of {', '.join(RECOMPUTE_MODES)} (or None: only where no "
-                f"plan fits without), got {self.recompute!r}"
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)} (or None: the planner "
+                f"chooses, layer by layer), got {self.recompute!r}"
             )
         if self.max_layers < 1:
             raise AutoplanError(f"max_layers must be at least 1, got {self.max_layers}")

@@ -28,7 +28,7 @@ from autoplan.graph.recompute import (
 )
 from autoplan.planfile.check import assignment_of
 from autoplan.planfile.show import summary
-from autoplan.search.recompute_choice import fewest_layers
+from autoplan.search.recompute_choice import least
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.strategies.pricing import Pricer
 from autoplan.workload import load_workload
@@ -150,10 +150,10 @@ def test_without_blocks_every_op_recomputes(cpu4: autoplan.Cluster) -> None:
     assert recomputed == [n.name for n in w.trace() if n.kind == OP]
 
 
-def test_the_fewest_layers_that_fit_recompute(cpu4: autoplan.Cluster) -> None:
+def test_each_layer_recomputed_costs_time_and_frees_memory(cpu4: autoplan.Cluster) -> None:
     """Time grows with each layer recomputed, and memory falls from the second on (one
-    recomputed layer's activations are held while its backward runs); `fewest_layers` takes
-    the least number of layers (from the first) that fits."""
+    recomputed layer's activations are held while its backward runs): what lets `least`
+    find the fewest layers of a pipeline stage that fit by bisection."""
     w = example("gpt", size="small", num_layers=4, batch_size=4, seq_len=64)
     graph = w.trace()
     assignment = assignment_of(w.baseline(cpu4, dp=1, tp=4), graph)
@@ -169,18 +169,20 @@ def test_the_fewest_layers_that_fit_recompute(cpu4: autoplan.Cluster) -> None:
     for fewer, more in itertools.pairwise(steps):
         assert more.time_s > fewer.time_s
         assert more.memory_bytes < fewer.memory_bytes or fewer is steps[0]
-    found = fewest_layers(graph, layers, price, steps[2].memory_bytes)
-    assert found is not None
-    assert [name for name, _, _ in found[0].layers] == ["blocks.0", "blocks.1"]
-    assert found[1] == steps[2]
-    assert fewest_layers(graph, layers, price, steps[-1].memory_bytes - 1) is None
+
+    def fits(limit: float) -> Callable[[int], bool]:
+        return lambda k: steps[k].memory_bytes <= limit
+
+    assert least(len(ops), fits(steps[2].memory_bytes)) == 2
+    assert least(len(ops), fits(steps[0].memory_bytes)) == 0
+    assert least(len(ops), fits(steps[-1].memory_bytes - 1)) is None
 
 
 def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     """Megatron-LM's 1.7B GPT as Megatron trains it: data parallel over 32 A100s, 16
     sequences of 2048 each, bf16. Without recomputation it needs 77.5 GiB a device, so
-    Megatron recomputes every block; the planner, held to data parallelism, recomputes the
-    fewest blocks that fit, and is faster."""
+    Megatron recomputes every block; the planner, held to data parallelism, chooses some
+    blocks to recompute (with the strategies, in its ILP), and is faster."""
     a100 = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=4)
     w = example("gpt", size="1.7b", batch_size=512, device="meta", dtype="bfloat16")
     with pytest.raises(InfeasiblePlanError, match=r"needs 77\.49 GiB"):
@@ -193,13 +195,31 @@ def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     whole = {"storage": "R", "use": "R", "state": "R"}
     pins = {"input:0": "S(0)", "target": "S(0)", **dict.fromkeys(params, whole)}
     found = w.plan(a100, PlanOptions(mesh_shape=(32,), pin=pins))
-    recomputed = [layer.layer for layer in found.recompute]
-    assert (
-        recomputed == [f"blocks.{i}" for i in range(len(recomputed))] and 0 < len(recomputed) < 24
-    )
+    recomputed = {layer.layer for layer in found.recompute}
+    assert recomputed < {f"blocks.{i}" for i in range(24)} and recomputed
     limit = found.predicted.memory_limit_bytes
     assert megatron.predicted.peak_memory_bytes < found.predicted.peak_memory_bytes <= limit
     assert found.predicted.step_time_s < megatron.predicted.step_time_s
+
+
+def test_the_ilp_mixes_modes_where_no_single_mode_fits(cpu4: autoplan.Cluster) -> None:
+    """Eager-attention GPT of 3 blocks on 4 ranks in 0.7% of a device's memory: every
+    attention core recomputed does not fit, and the ILP, choosing each block's recomputation
+    with the strategies, recomputes some blocks whole and others' cores only."""
+    w = example("gpt", size="small", num_layers=3, batch_size=8, seq_len=128, attention="eager")
+    options = PlanOptions(mesh_shape=(4,), memory_fraction=0.007, pipeline=False)
+    found = w.plan(cpu4, options)
+    assert {layer.layer for layer in found.recompute} == {"blocks.0", "blocks.1", "blocks.2"}
+    assert {layer.mode for layer in found.recompute} == {"full", "selective"}
+    assert found.predicted.peak_memory_bytes <= found.predicted.memory_limit_bytes
+    with pytest.raises(InfeasiblePlanError):
+        w.plan(cpu4, dataclasses.replace(options, recompute="selective"))
+    again = w.estimate(found, cpu4).predicted  # re-priced alike
+    assert (again.step_time_s, again.peak_memory_bytes) == (
+        found.predicted.step_time_s,
+        found.predicted.peak_memory_bytes,
+    )
+    assert autoplan.Plan.from_json(found.to_json()) == found
 
 
 def test_cli_plans_with_recompute_and_shows_it(

@@ -28,7 +28,7 @@ from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
 from autoplan.graph.ir import OP, Graph
 
-# PlanOptions.recompute's choices (None: only where nothing fits without); a plan's recomputed
+# PlanOptions.recompute's choices (None: the planner's ILP chooses); a plan's recomputed
 # layer is FULL or SELECTIVE, one not recomputed has no entry
 NONE = "none"
 FULL = "full"

@@ -20,13 +20,16 @@ The plan found is priced again from its assignment, node by node (`search.step_p
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
+from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node, Ref
+from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
@@ -341,7 +344,7 @@ def solve_problem(
 ) -> IntraOpResult:
     log.info("mesh %s: %d decision groups for %d nodes", mesh_shape, problem.num_groups, len(graph))
     solution = solve_intra_op(problem, time_limit_s=time_limit_s)
-    check = evaluate(problem, solution.choice)
+    check = evaluate(problem, solution.choice, solution.recomputed)
     assert check.feasible, check.violations
     assignment = decode(graph, layers, space, grouping, solution.choice)
     return IntraOpResult(mesh_shape, assignment, solution, problem)
@@ -381,12 +384,22 @@ def solve_mesh(
     once: float = 1.0,
     float32_grads: bool = False,
     in_flight: float = 1.0,
+    recompute: RecomputeChoice | None = None,
+    relaxed_first: bool = True,
 ) -> MeshPlan | float:
     """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins),
     ``once`` weighs the once-per-step work and ``in_flight`` the activations' memory
     (`build_problem`), ``float32_grads`` has every gradient reduced in float32
-    (`searched_in_float32`). Returns the least memory any plan would need per device when
-    none fits."""
+    (`searched_in_float32`), ``recompute`` lets the ILP choose which layers recompute (the
+    plan's `MeshPlan.costs` then recompute those). Returns the least memory any plan would
+    need per device when none fits (where recomputation is chosen, at least that: just over
+    ``memory_limit`` when only the activations a recomputed layer holds again during its
+    backward keep it from fitting).
+
+    Where the ILP chooses recomputation it is first solved without recomputing or a memory
+    limit (``relaxed_first``; a caller that knows that plan does not fit says False): if
+    that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
+    limit and recomputation, several times slower, is then not needed."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     space = strategy_space(graph, costs.mesh_shape, reps)
     if float32_grads:
@@ -395,9 +408,28 @@ def solve_mesh(
         space = restrict(space)
     space = searched(space, graph, costs.mesh_shape)
     problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once, in_flight)
+    mesh = costs.mesh_shape
+    result = None
+    if recompute is not None and relaxed_first and min_memory(problem) <= memory_limit:
+        relaxed = replace(problem, memory_limit=math.inf)
+        found = solve_problem(graph, layers, space, relaxed, grouping, mesh, time_limit_s)
+        if evaluate(problem, found.solution.choice).memory <= memory_limit:
+            result = replace(found, problem=problem)
+    if recompute is not None and result is None:
+        ways = recompute.recomputations(problem, graph, layers, space, grouping, costs, in_flight)
+        problem = replace(problem, recompute=ways)
     need = min_memory(problem)
     if need > memory_limit:
         return need
-    result = solve_problem(graph, layers, space, problem, grouping, costs.mesh_shape, time_limit_s)
+    if result is None:
+        try:
+            result = solve_problem(graph, layers, space, problem, grouping, mesh, time_limit_s)
+        except InfeasiblePlanError:
+            assert problem.recompute, "min_memory is exact without recomputation"
+            return math.nextafter(memory_limit, math.inf)
+    if problem.recompute:
+        assert recompute is not None
+        counts = result.solution.recomputed
+        costs = costs.recomputing(recompute.chosen(graph, layers, problem.recompute, counts))
     rules = {n.name: space[layers.rep(n.name)].source for n in graph}
     return MeshPlan(result, costs, price_step(graph, result.assignment, costs), rules)

@@ -11,7 +11,11 @@ range. A layer is planned within each memory budget (`Budget`) the search asks f
 fastest plans within the whole memory first, then lighter ones for ranges of several layers
 (within ``memory_limit / level``, ``level`` = 2, 4, ...) or for stages with many
 microbatches in flight (their activations counted so many times); a budget that a looser
-budget's plan already meets reuses that plan without an ILP. A layer's ILP weighs its
+budget's plan already meets reuses that plan without an ILP, and a budget within which some
+layers have no plan still serves the ranges of the others. Where the planner chooses
+recomputation, each layer's ILP chooses it too (`autoplan.search.recompute_ilp`), counting
+the activations a recomputed layer holds again during its backward at its share of a
+balanced stage, which holds one layer's at a time (`RangeCost.of`). A layer's ILP weighs its
 once-per-step work (parameters' updates, gradient synchronization) at 1 / microbatches of its
 work per microbatch, as the stage DP amortizes it.
 """
@@ -29,6 +33,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import INPUT, OP, PARAM, Graph
+from autoplan.graph.recompute import Recompute
 from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.pipeline_price import (
@@ -39,6 +44,7 @@ from autoplan.search.pipeline_price import (
     send_time,
     sent_bytes,
 )
+from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
 from autoplan.search.step_price import price_step
 from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
@@ -143,6 +149,7 @@ class StageSolver:
         label: str,
         float32_grads: bool = False,
         announced: bool = True,
+        recompute: RecomputeChoice | None = None,
     ) -> None:
         self.graph = parts.graph
         self.num_microbatches = num_microbatches  # the layers' ILPs amortize work over them
@@ -156,6 +163,11 @@ class StageSolver:
         self.label = label  # what the tally reports the layers' ILPs as part of
         self.float32_grads = float32_grads  # every gradient reduced in float32
         self.announced = announced  # the tally expects its full-budget ILPs already
+        # what each layer's ILP may recompute (else ``costs`` say what every layer does)
+        self.recompute = recompute
+        layers = [(la.name, la.nodes) for la in recompute.layers] if recompute else []
+        layers += [(name, ops) for name, _, ops in costs.recompute.layers]
+        self._recompute_layer = {n: name for name, nodes in layers for n in nodes}
         # (structure, budget) -> its plan
         self._memo: dict[tuple[int, Budget], SolvedStage | None] = {}
         # what the ILP counts of each plan: its parameters' and inputs', its activations'
@@ -183,10 +195,10 @@ class StageSolver:
         return self._sends[stop]
 
     def infeasible(self, budget: Budget) -> bool:
-        """Whether some layer has no plan within ``budget`` (then no tighter budget has one
-        either)."""
+        """Whether no layer has a plan within ``budget`` (then no tighter budget has one
+        either; ranges of the layers that have one may use it)."""
         self._plan_together(self._structures, budget)
-        return any(self._memo[(i, budget)] is None for i in self._structures)
+        return all(self._memo[(i, budget)] is None for i in self._structures)
 
     def repeats(self, budget: Budget) -> bool:
         """Whether every layer's plan within ``budget`` is its plan within a looser one:
@@ -218,10 +230,12 @@ class StageSolver:
         assignment.update(boundary_assignment(stage, self.boundary, loss))
         rules.update(dict.fromkeys(stage.received, "boundary"))
         rules[output.name] = "output"
-        step = price_step(stage.graph, assignment, self.costs)
+        recomputed = Recompute.mixed(self.graph, (r for p in parts for r in p.recomputed))
+        costs = self.costs.recomputing(recomputed)
+        step = price_step(stage.graph, assignment, costs)
         solver = SolverStats.total(p.solver for p in parts)
         return priced_stage(
-            start, stop, stage, assignment, step, rules, self.costs, self.send_s(stop), solver
+            start, stop, stage, assignment, step, rules, costs, self.send_s(stop), solver
         )
 
     def _layer(self, i: int, budget: Budget) -> SolvedStage | None:
@@ -237,6 +251,11 @@ class StageSolver:
             if (self._keys[i], budget) not in self._memo:
                 todo.setdefault(self._keys[i], i)
         for key in list(todo):
+            if self._hopeless(key, budget):
+                self._memo[(key, budget)] = None
+                self._ilp_memory[(key, budget)] = (math.inf, math.inf)
+                del todo[key]
+                continue
             kept = self._kept_plan(key, budget)
             if kept is not None:
                 self._memo[(key, budget)] = self._memo[(key, kept)]
@@ -257,6 +276,13 @@ class StageSolver:
             self._memo[(key, budget)] = found
             self._ilp_memory[(key, budget)] = memory
             self.tally.did(f"{self.label}: layer {i}{budget.describe()}")
+
+    def _hopeless(self, key: int, budget: Budget) -> bool:
+        """Whether structure ``key`` has no plan within a looser budget than ``budget``."""
+        return any(
+            other == key and found is None and budget.within(looser)
+            for (other, looser), found in self._memo.items()
+        )
 
     def _kept_plan(self, key: int, budget: Budget) -> Budget | None:
         """A looser budget (every plan within ``budget`` is within it) whose plan of
@@ -286,7 +312,16 @@ class StageSolver:
             stage=stage,
             assignment={rename[k]: v for k, v in found.assignment.items()},
             rules={rename[k]: v for k, v in found.rules.items()},
+            recomputed=tuple(self._renamed_layer(r, rename) for r in found.recomputed),
         )
+
+    def _renamed_layer(
+        self, layer: tuple[str, str, tuple[str, ...]], rename: dict[str, str]
+    ) -> tuple[str, str, tuple[str, ...]]:
+        """A recomputed layer of a plan solved on another layer of the same structure, as
+        the same layer of this one."""
+        ops = tuple(rename[n] for n in layer[2])
+        return self._recompute_layer[ops[0]], layer[1], ops
 
     def _solve(self, i: int, budget: Budget) -> tuple[SolvedStage | None, tuple[float, float]]:
         """Layer ``i``'s plan within ``budget`` (None if none fits), and the memory the ILP
@@ -312,6 +347,10 @@ class StageSolver:
             once=1.0 / self.num_microbatches,
             float32_grads=self.float32_grads,
             in_flight=budget.in_flight,
+            recompute=self.recompute and self.recompute.within(frozenset(stage.nodes)),
+            # the plan within the whole memory is the fastest plan where that fits; a tighter
+            # budget is asked for only where it does not fit (`_kept_plan`)
+            relaxed_first=budget == FULL_BUDGET,
         )
         log.debug(
             "layer %d on %s, boundary %s%s: %s",
@@ -330,12 +369,20 @@ class StageSolver:
             solution.num_constraints,
             found.result.problem.num_groups,
         )
-        assignment = found.result.assignment
-        static, active = (
-            sum(self.costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in kinds)
-            for kinds in ((PARAM, INPUT), (OP,))
+        assignment, costs = found.result.assignment, found.costs
+        static = sum(
+            costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
         )
+        if self.recompute is None:  # the ILP counts dropped activations at a share
+            active = sum(costs.node_memory(n, assignment[n.name]) for n in graph if n.kind == OP)
+        else:  # the ILP counts what the plan's price does
+            static += found.step.recompute_bytes
+            active = sum(
+                costs.node_memory(n, assignment[n.name])
+                for n in graph
+                if n.kind == OP and not costs.recompute.drops(n.name)
+            )
         return priced_stage(
-            i, i + 1, stage, found.result.assignment, found.step, found.rules, self.costs,
-            self.send_s(i + 1), solver,
+            i, i + 1, stage, assignment, found.step, found.rules, costs, self.send_s(i + 1),
+            solver,
         ), (static, active)  # fmt: skip

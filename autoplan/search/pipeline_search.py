@@ -10,18 +10,17 @@ chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plan
 then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
 the fastest that fits kept.
 
-Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a
-recomputation mode (`autoplan.graph.recompute`: none, selective, full; each a layer plan of
-its own) and a memory budget for its layers' plans (`autoplan.search.layer_plans.Budget`: a
-share of the memory, the activations counted once or once per microbatch the first stage
-holds). Under 1F1B the first stage holds as many microbatches in flight as there are
-stages, the last stage one: the DP gives each stage the fastest variant that fits its own
-count, so early stages recompute or shard more than late ones; a stage that recomputes then
-keeps the fewest of its layers recomputed that fit (`autoplan.search.recompute_choice`),
-unless the mode was given. Variants are added only while some range of balanced length
-cannot fit at the fewest microbatches it could hold in flight: a mode's tighter budgets
-while its plans leave such a range, the next mode only where the previous mode's fastest
-plans did.
+Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a memory
+budget for its layers' plans (`autoplan.search.layer_plans.Budget`: a share of the memory,
+the activations counted once, once per microbatch the first stage holds, or that for every
+layer). Each layer's ILP chooses which of its blocks recompute, and how, within its budget
+(`autoplan.search.recompute_ilp`), unless the options fix the mode. Under 1F1B the first
+stage holds as many microbatches in flight as there are stages, the last stage one: the DP
+gives each stage the fastest variant that fits its own count, so early stages recompute or
+shard more than late ones; a stage that recomputes then keeps the fewest of its layers
+recomputed that fit (`autoplan.search.recompute_choice`), unless the mode was given.
+Variants are added only while some range of balanced length cannot fit at the fewest
+microbatches it could hold in flight.
 
 Interleaved 1F1B with ``v`` stages on each of the ``p`` device groups is searched the same way
 (`_interleaved`): the DP splits the layers into ``p v`` stages (the layers' plans are the
@@ -46,13 +45,14 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import INPUT, OP, PARAM, Graph
-from autoplan.graph.recompute import NONE, chosen
+from autoplan.graph.recompute import FULL, NONE, chosen
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.recompute_choice import fewest_in_stages
+from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import (
     boundary_specs,
     stage_cluster,
@@ -79,9 +79,11 @@ GraphForMicrobatches = Callable[[int], Graph]
 # a layer's ILP stops here (or at PlanOptions.time_limit_s if sooner), keeping the best plan
 # found: a search solves dozens, and the hardest (a 1T-parameter GPT's blocks on 256 devices
 # in a tenth of the memory) ran into minutes proving what they had found in seconds, within
-# 0.1% of the optimum. Stopped at 3 s, the four hardest found plans within 0.03% of those
-# found at 10 s (at 2 s, 0.25%)
-LAYER_TIME_LIMIT_S = 3.0
+# 0.1% of the optimum. Stopped at 3 s, the four hardest of those (without recomputation
+# chosen) found plans within 0.03% of those found at 10 s, at 2 s within 0.25%; with the
+# ILPs choosing recomputation, the 1T GPT on 3072 A100s plans in 55 s at 2 s, 66 s at 3 s,
+# and to the same step time (benchmarks/plan_gpt.py)
+LAYER_TIME_LIMIT_S = 2.0
 
 
 def default_microbatches(batch: int, max_stages: int) -> int:
@@ -99,7 +101,6 @@ def plan_pipeline(
     batch: int,
     memory_limit: float,
     tally: Tally,
-    modes: Sequence[str] = (NONE,),
 ) -> PipelinePlan | None:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
@@ -127,7 +128,7 @@ def plan_pipeline(
     best: PipelinePlan | None = None
     while True:
         found = _best_for_count(
-            cluster, options, memory_limit, graph_for(count), sizes, count, tally, modes
+            cluster, options, memory_limit, graph_for(count), sizes, count, tally
         )
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
             return best or found
@@ -145,7 +146,6 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
-    modes: Sequence[str],
 ) -> PipelinePlan | None:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
     sizes ``sizes``."""
@@ -171,9 +171,8 @@ def _best_for_count(
     best: PipelinePlan | None = None
     for size, configurations in tried.items():
         found = _best_for_size(
-            cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally,
-            modes,
-        )  # fmt: skip
+            cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally
+        )
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
     return best
@@ -234,7 +233,6 @@ def _best_for_size(
     num_microbatches: int,
     configurations: Sequence[tuple[tuple[int, ...], Spec]],
     tally: Tally,
-    modes: Sequence[str],
 ) -> PipelinePlan | None:
     """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
     (logical mesh, boundary placement), schedules and the stages' variants."""
@@ -245,7 +243,13 @@ def _best_for_size(
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
     counts = [num_stages] * bool(runnable) + [v * num_stages for v in virtual]
     graph = parts.graph
-    lightest = chosen(graph, options.max_layers, modes[-1])
+    # the layers' ILPs choose what recomputes, unless the options say
+    mode = options.recompute
+    # a balanced stage of k layers holds one recomputed layer's activations again at a time
+    holds = 1 / -(-len(parts.layers) // num_stages)
+    choice = RecomputeChoice.of(graph, options.max_layers, holds) if mode is None else None
+    recomputed = chosen(graph, options.max_layers, mode or NONE)
+    lightest = chosen(graph, options.max_layers, mode or FULL)
     floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, lightest)
     if not _may_fit(parts, floor, counts, num_microbatches, memory_limit):
         log.info(
@@ -263,23 +267,20 @@ def _best_for_size(
             f"{num_stages} stages of mesh {mesh}, boundary {'/'.join(boundary)}, "
             f"{num_microbatches} microbatches"
         )
-        solvers = [
-            StageSolver(
-                parts,
-                cluster,
-                Pricer(sub_cluster, mesh, options.optimizer, chosen(graph, options.max_layers, m)),
-                boundary,
-                num_microbatches,
-                memory_limit,
-                min(options.time_limit_s, LAYER_TIME_LIMIT_S),
-                tally,
-                label if m == NONE else f"{label}, {m} recomputation",
-                options.float32_grads,
-                announced=i == 0,
-            )
-            for i, m in enumerate(modes)
-        ]
-        variants = _variants(solvers, num_stages, num_microbatches)
+        solver = StageSolver(
+            parts,
+            cluster,
+            Pricer(sub_cluster, mesh, options.optimizer, recomputed),
+            boundary,
+            num_microbatches,
+            memory_limit,
+            min(options.time_limit_s, LAYER_TIME_LIMIT_S),
+            tally,
+            label,
+            options.float32_grads,
+            recompute=choice,
+        )
+        variants = _variants(solver, num_stages, num_microbatches)
         sub = stage_submesh(cluster, size)
         solved = _solve_dp(variants, sub, num_microbatches) if runnable and variants else None
         fitting = []
@@ -287,7 +288,7 @@ def _best_for_size(
             if solved is None:
                 break
             found = pipeline_plan(
-                cluster, graph, parts.layers, num_microbatches, schedule, solvers[0].costs,
+                cluster, graph, parts.layers, num_microbatches, schedule, solver.costs,
                 boundary, solved, memory_limit,
             )  # fmt: skip
             _log(found)
@@ -297,7 +298,7 @@ def _best_for_size(
             fitting += _interleaved(variants, sub, num_microbatches, virtual)
         if options.recompute is None:  # the planner's choice: each stage as few layers as fit
             fitting = [fewest_in_stages(found, cluster) for found in fitting]
-        tally.withdraw(solvers[0].unplanned())
+        tally.withdraw(solver.unplanned())
         fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
         outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"
         tally.report(f"{label}: {outcome}", milestone=True)
@@ -326,33 +327,29 @@ class Variant:
         )
 
 
-def _variants(
-    solvers: Sequence[StageSolver], num_stages: int, num_microbatches: int
-) -> list[Variant]:
-    """The variants the DP chooses among (module docstring). For each solver (a mode, the
-    fastest first), its layers' plans within the whole memory; then, while some range does
-    not fit (`_uncovered`), within ``memory_limit / level`` for ``level`` = 1, 2, 4, ...,
-    counting the activations once and as often as the first stage holds them (a budget
-    with no plans ends its line; one whose plans repeat the looser budget's adds nothing).
-    The next solver is tried only if this one's fastest plans leave a range that does not
-    fit."""
-    found: list[Variant] = []
+def _variants(solver: StageSolver, num_stages: int, num_microbatches: int) -> list[Variant]:
+    """The variants the DP chooses among (module docstring): the layers' plans within the
+    whole memory; then, while some range does not fit (`_uncovered`), within the whole
+    memory counting the activations as often as the first stage holds them, and that for
+    every layer (where the layers' ILPs choose recomputation, plans with the fewest
+    activations: a layer alone may fit its share of a stage without, and the first layer's
+    embedding leaves it no even share of the memory), and within
+    ``memory_limit / level`` for ``level`` = 2, 4, ..., counting the activations once (a
+    budget with no plans ends its line; one whose plans repeat the looser budget's adds
+    nothing)."""
+    if solver.infeasible(FULL_BUDGET):
+        return []
+    found = [Variant(solver, FULL_BUDGET)]
     most = min(num_stages, num_microbatches)  # the first stage's microbatches in flight
-    for solver in solvers:
-        fastest = Variant(solver, FULL_BUDGET)
-        if solver.infeasible(FULL_BUDGET):
+    counts = sorted({most, most * len(solver.layers)} - {1})
+    lines = [Budget(1, count) for count in counts] or [FULL_BUDGET.tighter()]
+    while lines and _uncovered(found, num_stages, num_microbatches):
+        budget = lines.pop(0)
+        if budget.level > 2 * len(solver.layers) or solver.infeasible(budget):
             continue
-        found.append(fastest)
-        if not _uncovered([fastest], num_stages, num_microbatches):
-            break
-        lines = [Budget(1, most)] * (most > 1) + [FULL_BUDGET.tighter()]
-        while lines and _uncovered(found, num_stages, num_microbatches):
-            budget = lines.pop(0)
-            if budget.level > 2 * len(solver.layers) or solver.infeasible(budget):
-                continue
-            if not solver.repeats(budget):
-                found.append(Variant(solver, budget))
-            lines.append(budget.tighter())
+        if not solver.repeats(budget):
+            found.append(Variant(solver, budget))
+        lines.append(budget.tighter())
     return found
 
 

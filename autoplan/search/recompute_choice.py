@@ -1,12 +1,13 @@
-"""How many layers a plan recomputes: the fewest that fit.
+"""How many layers a pipeline stage recomputes: the fewest that fit.
 
-The planner plans with every layer recomputed (`autoplan.graph.recompute`): a one-stage plan
-in the mode chosen for the step, each pipeline stage in the mode the stage DP chose for it.
-The strategies found are then priced again (`price_step`) with only the first ``k`` of those
-layers recomputed, for the least ``k`` at which the step (or the stage, with the microbatches
-it holds in flight) still fits. Memory only falls as ``k`` grows (a layer recomputed gives
-up its activations but the largest recomputed layer's, which the step still holds once), so
-``k`` is found by bisection; each layer left alone saves its forward's time in backward.
+Each stage's layers are planned recomputed in the mode the stage DP chose for it
+(`autoplan.search.pipeline_search`). The strategies found are then priced again
+(`price_step`) with only the first ``k`` of those layers recomputed, for the least ``k`` at
+which the stage, with the microbatches it holds in flight, still fits. Memory only falls as
+``k`` grows (a layer recomputed gives up its activations but the largest recomputed layer's,
+which the stage still holds once), so ``k`` is found by bisection; each layer left alone
+saves its forward's time in backward. (A one-stage plan's ILP chooses its recomputed layers
+itself: `autoplan.search.recompute_ilp`.)
 """
 
 from __future__ import annotations
@@ -15,33 +16,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from autoplan.cluster.model import Cluster
-from autoplan.graph.cut import Layer
-from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import FULL, Recompute, recomputed_ops
+from autoplan.graph.recompute import Recompute
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan, priced_stage
-from autoplan.search.step_price import PricedStep, price_step
-
-
-def fewest_layers(
-    graph: Graph,
-    layers: Sequence[Layer],
-    price: Callable[[Recompute], PricedStep],
-    memory_limit: float,
-    mode: str = FULL,
-) -> tuple[Recompute, PricedStep] | None:
-    """The first ``k`` of ``layers`` recomputed in ``mode``, for the least ``k`` whose step
-    (``price``) fits in ``memory_limit``, with that step; None if not even every layer
-    recomputed fits."""
-    ops = [(layer.name, recomputed_ops(graph, layer, mode)) for layer in layers]
-    steps: dict[int, tuple[Recompute, PricedStep]] = {}
-
-    def fits(k: int) -> bool:
-        recompute = Recompute.of(graph, ops[:k], mode)
-        steps[k] = (recompute, price(recompute))
-        return steps[k][1].memory_bytes <= memory_limit
-
-    k = least(len(ops), fits)
-    return None if k is None else steps[k]
+from autoplan.search.step_price import price_step
 
 
 def fewest_in_stages(pipe: PipelinePlan, cluster: Cluster) -> PipelinePlan:

@@ -11,7 +11,8 @@
   parameter as stored, its gradient as kept, and the shard's state and master copy.
 * An op's memory is its output shard, which backward keeps (views keep nothing new).
 * A recomputed op (`autoplan.graph.recompute`) runs its forward twice, and keeps its output
-  only where it leaves its layer; the rest the ILP counts at the recomputation's share.
+  only where it leaves its layer; the rest the ILP counts at the recomputation's share (a
+  mode given for every layer; where the ILP chooses, `autoplan.search.recompute_ilp`).
 * An edge's time is the forward redistribution from the producer's placement to the one the
   consumer needs, plus the backward redistribution of the gradient (`grad_spec`) back to
   where the producer keeps it (its placement, or partial: `Strategy.grad_target`). For a

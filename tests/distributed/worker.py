@@ -143,7 +143,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "local_leaves": _local_leaves(step),
         "kept": sorted(n.module for n in step.plan.nodes.values() if n.grad),
         "recomputed": [layer.layer for layer in step.plan.recompute],
-        "recompute_modes": sorted({layer.mode for layer in step.plan.recompute}),
+        "recompute_modes": [layer.mode for layer in step.plan.recompute],
         "recompute_collectives": sum(c.phase == "recompute" for c in step.plan.collectives),
         "regions": _regions(step),
     }
