@@ -27,5 +27,9 @@ class InfeasiblePlanError(AutoplanError):
     """No plan fits in device memory."""
 
 
+class SolverTimeLimitError(AutoplanError):
+    """The ILP solver found no plan at all within its time limit."""
+
+
 class PlanFormatError(AutoplanError):
     """A plan document is malformed, of the wrong version, or made for another model or cluster."""

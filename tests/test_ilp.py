@@ -13,7 +13,7 @@ import numpy as np
 import pulp
 import pytest
 
-from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.solve import ilp
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import (
@@ -239,7 +239,7 @@ def test_status_time_limit_and_no_solution(caplog: pytest.LogCaptureFixture) -> 
         assert ilp._status(incumbent, problem, 5.0) == "time_limit"
     assert "time limit" in caplog.text
     nothing = SimpleNamespace(sol_status=pulp.LpSolutionNoSolutionFound, status=0)
-    with pytest.raises(AutoplanError, match="time_limit_s=5"):
+    with pytest.raises(SolverTimeLimitError, match="time_limit_s=5"):
         ilp._status(nothing, problem, 5.0)
 
 

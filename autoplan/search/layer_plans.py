@@ -22,6 +22,7 @@ work per microbatch, as the stage DP amortizes it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
+from autoplan.errors import SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import INPUT, OP, PARAM, Graph
@@ -337,7 +339,8 @@ class StageSolver:
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
             return pin_boundary(space, stage, boundary)
 
-        found = solve_mesh(
+        solve = functools.partial(
+            solve_mesh,
             graph,
             find_sharing(graph),
             self.costs,
@@ -352,6 +355,16 @@ class StageSolver:
             # budget is asked for only where it does not fit (`_kept_plan`)
             relaxed_first=budget == FULL_BUDGET,
         )
+        try:
+            found = solve()
+        except SolverTimeLimitError:
+            # a layer's ILP stops at LAYER_TIME_LIMIT_S; one that found no plan at all by then
+            # (choosing recomputation in a tight budget) leaves this budget to the others
+            log.warning(
+                "layer %d on %s%s: the ILP found no plan in %g s; not planned within it",
+                i, mesh, budget.describe(), self.time_limit_s,
+            )  # fmt: skip
+            return None, (math.inf, math.inf)
         log.debug(
             "layer %d on %s, boundary %s%s: %s",
             i,

@@ -113,8 +113,7 @@ def plan_pipeline(
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
     planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
-    the one count serves, as in Alpa. ``modes``: the recomputation modes each stage may
-    choose among (`autoplan.graph.recompute`), the fastest first."""
+    the one count serves, as in Alpa."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
@@ -309,7 +308,7 @@ def _best_for_size(
 
 @dataclass(frozen=True)
 class Variant:
-    """A stage's layers planned by ``solver`` (in its recomputation mode) within ``budget``."""
+    """A stage's layers planned by ``solver`` within ``budget``."""
 
     solver: StageSolver
     budget: Budget

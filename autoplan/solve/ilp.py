@@ -104,7 +104,7 @@ from typing import Any
 
 import pulp
 
-from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
 
@@ -621,7 +621,7 @@ def _status(model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float)
         return "time_limit"
     if model.sol_status == pulp.LpSolutionInfeasible:
         raise _infeasible_error(problem)
-    raise AutoplanError(
+    raise SolverTimeLimitError(
         f"the ILP solver found no plan within time_limit_s={time_limit_s:g} "
         f"(status {pulp.LpStatus[model.status]!r}); raise the time limit"
     )
