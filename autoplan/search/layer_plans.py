@@ -22,7 +22,6 @@ work per microbatch, as the stage DP amortizes it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -150,7 +149,6 @@ class StageSolver:
         tally: Tally,
         label: str,
         float32_grads: bool = False,
-        announced: bool = True,
         recompute: RecomputeChoice | None = None,
     ) -> None:
         self.graph = parts.graph
@@ -164,7 +162,6 @@ class StageSolver:
         self.tally = tally  # one ILP per structure at the full budget is expected of us
         self.label = label  # what the tally reports the layers' ILPs as part of
         self.float32_grads = float32_grads  # every gradient reduced in float32
-        self.announced = announced  # the tally expects its full-budget ILPs already
         # what each layer's ILP may recompute (else ``costs`` say what every layer does)
         self.recompute = recompute
         layers = [(la.name, la.nodes) for la in recompute.layers] if recompute else []
@@ -184,8 +181,6 @@ class StageSolver:
     def unplanned(self) -> int:
         """How many structures were never planned at the full budget (the DP never needed
         them, or an earlier layer ruled its ranges out)."""
-        if not self.announced:
-            return 0
         planned = [key for key in self._memo if key[1] == FULL_BUDGET]
         return len(self._structures) - len(planned)
 
@@ -273,7 +268,7 @@ class StageSolver:
             with ThreadPoolExecutor(workers) as pool:
                 solved = list(pool.map(lambda i: self._solve(i, budget), todo.values()))
         for (key, i), (found, memory) in zip(todo.items(), solved, strict=True):
-            if budget != FULL_BUDGET or not self.announced:
+            if budget != FULL_BUDGET:  # the full budget's were announced with the search
                 self.tally.expect(1)
             self._memo[(key, budget)] = found
             self._ilp_memory[(key, budget)] = memory
@@ -339,24 +334,22 @@ class StageSolver:
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
             return pin_boundary(space, stage, boundary)
 
-        solve = functools.partial(
-            solve_mesh,
-            graph,
-            find_sharing(graph),
-            self.costs,
-            budget.bytes(self.memory_limit),
-            self.time_limit_s,
-            restrict,
-            once=1.0 / self.num_microbatches,
-            float32_grads=self.float32_grads,
-            in_flight=budget.in_flight,
-            recompute=self.recompute and self.recompute.within(frozenset(stage.nodes)),
-            # the plan within the whole memory is the fastest plan where that fits; a tighter
-            # budget is asked for only where it does not fit (`_kept_plan`)
-            relaxed_first=budget == FULL_BUDGET,
-        )
         try:
-            found = solve()
+            found = solve_mesh(
+                graph,
+                find_sharing(graph),
+                self.costs,
+                budget.bytes(self.memory_limit),
+                self.time_limit_s,
+                restrict,
+                once=1.0 / self.num_microbatches,
+                float32_grads=self.float32_grads,
+                in_flight=budget.in_flight,
+                recompute=self.recompute and self.recompute.within(frozenset(stage.nodes)),
+                # the plan within the whole memory is the fastest plan where that fits; a tighter
+                # budget is asked for only where it does not fit (`_kept_plan`)
+                relaxed_first=budget == FULL_BUDGET,
+            )
         except SolverTimeLimitError:
             # a layer's ILP stops at LAYER_TIME_LIMIT_S; one that found no plan at all by then
             # (choosing recomputation in a tight budget) leaves this budget to the others
@@ -388,7 +381,8 @@ class StageSolver:
         )
         if self.recompute is None:  # the ILP counts dropped activations at a share
             active = sum(costs.node_memory(n, assignment[n.name]) for n in graph if n.kind == OP)
-        else:  # the ILP counts what the plan's price does
+        else:  # as the price counts it: the activations held again whole, where the ILP
+            # counted a stage's share of them, so that a plan kept meets the tighter budget
             static += found.step.recompute_bytes
             active = sum(
                 costs.node_memory(n, assignment[n.name])

@@ -328,14 +328,14 @@ class Variant:
 
 def _variants(solver: StageSolver, num_stages: int, num_microbatches: int) -> list[Variant]:
     """The variants the DP chooses among (module docstring): the layers' plans within the
-    whole memory; then, while some range does not fit (`_uncovered`), within the whole
-    memory counting the activations as often as the first stage holds them, and that for
-    every layer (where the layers' ILPs choose recomputation, plans with the fewest
-    activations: a layer alone may fit its share of a stage without, and the first layer's
-    embedding leaves it no even share of the memory), and within
-    ``memory_limit / level`` for ``level`` = 2, 4, ..., counting the activations once (a
-    budget with no plans ends its line; one whose plans repeat the looser budget's adds
-    nothing)."""
+    whole memory; then, while some range does not fit (`_uncovered`), lines of budgets:
+    the whole memory with the activations counted as often as the first stage holds them,
+    and that for every layer (where the layers' ILPs choose recomputation, plans with the
+    fewest activations: a layer alone may fit its share of a stage without, and the first
+    layer's embedding leaves it no even share of the memory), each line going on within
+    ``memory_limit / level`` for ``level`` = 2, 4, ... (where the first stage holds one
+    microbatch, the one line counts the activations once). A budget within which no layer
+    has a plan ends its line; one whose plans repeat the looser budget's adds nothing."""
     if solver.infeasible(FULL_BUDGET):
         return []
     found = [Variant(solver, FULL_BUDGET)]
