@@ -4,7 +4,7 @@ from autoplan.api import plan
 from autoplan.baselines import baseline
 from autoplan.cluster import Cluster
 from autoplan.estimate import estimate
-from autoplan.options import PlanOptions
+from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
 from autoplan.version import __version__
@@ -15,6 +15,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "Step",
+    "TrainOptions",
     "Workload",
     "__version__",
     "baseline",

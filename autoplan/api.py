@@ -18,14 +18,15 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
-from autoplan.graph.ir import PARAM, Graph
-from autoplan.graph.recompute import FULL, NONE, SELECTIVE, chosen
+from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import chosen
+from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
-from autoplan.schedules import INTERLEAVED, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
 from autoplan.search.recompute_ilp import RecomputeChoice
@@ -185,7 +186,7 @@ def _plan_pipelined(
         v = options.virtual_stages or 2
         refusals = [
             schedule_refusal(s, num_stages * v, num_microbatches, v)
-            if s == INTERLEAVED
+            if s == Schedule.INTERLEAVED
             else schedule_refusal(s, num_stages, num_microbatches)
             for s in options.schedules
         ]
@@ -204,8 +205,12 @@ def _plan_pipelined(
     plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
     # (unless Interleaved1F1B is forced), and interleaved as found
-    schedules = [] if options.schedule == INTERLEAVED else [options.schedule or "1F1B"]
-    schedules += [INTERLEAVED] * (found.virtual_stages > 1)
+    schedules: list[Schedule] = (
+        []
+        if options.schedule == Schedule.INTERLEAVED
+        else [options.schedule or Schedule.ONE_F_ONE_B]
+    )
+    schedules += [Schedule.INTERLEAVED] * (found.virtual_stages > 1)
     degrees = [
         d
         for schedule in schedules
@@ -215,7 +220,7 @@ def _plan_pipelined(
             pp=found.num_groups,
             num_microbatches=found.num_microbatches,
             schedule=schedule,
-            virtual_stages=found.virtual_stages if schedule == INTERLEAVED else 1,
+            virtual_stages=found.virtual_stages if schedule == Schedule.INTERLEAVED else 1,
             meshes=None if options.mesh_shape is None else [options.mesh_shape],
         )
     ]
@@ -242,7 +247,7 @@ def _plan_one_stage(
     sharing = keep_sharing_consistent(sharing, pins)
 
     recompute = options.recompute
-    recomputed = chosen(graph, options.max_layers, recompute or NONE)
+    recomputed = chosen(graph, options.max_layers, recompute or RecomputeMode.NONE)
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
@@ -282,7 +287,7 @@ def _plan_one_stage(
             best = found
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
-        mode = FULL if recompute is None else recompute
+        mode = RecomputeMode.FULL if recompute is None else recompute
         return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
     plan = make_plan(
         graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
@@ -305,14 +310,14 @@ def _infeasible(
 ) -> InfeasiblePlanError:
     mesh, need = min(needs.items(), key=lambda kv: kv[1])
     recomputed = {
-        FULL: ", every layer recomputed in backward",
-        SELECTIVE: ", every layer's attention core recomputed in backward",
-    }.get(recompute, "")
+        RecomputeMode.FULL: ", every layer recomputed in backward",
+        RecomputeMode.SELECTIVE: ", every layer's attention core recomputed in backward",
+    }.get(RecomputeMode(recompute), "")
     hint = {
-        NONE: ', activation recomputation (recompute="full")',
-        SELECTIVE: ', full activation recomputation (recompute="full")',
-    }.get(recompute, "")
-    param_bytes = sum(n.output.nbytes for n in graph if n.kind == PARAM)
+        RecomputeMode.NONE: ', activation recomputation (recompute="full")',
+        RecomputeMode.SELECTIVE: ', full activation recomputation (recompute="full")',
+    }.get(RecomputeMode(recompute), "")
+    param_bytes = sum(n.output.nbytes for n in graph if n.kind == NodeKind.PARAM)
     # just over the limit: the ILP choosing recomputation found no plan (`solve_mesh`)
     amount = f"{need / GiB:.2f} GiB" if need > limit * 1.001 else "more than it has"
     return InfeasiblePlanError(

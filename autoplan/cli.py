@@ -23,9 +23,9 @@ from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.capture import capture_microbatches
-from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
-from autoplan.options import PlanOptions
-from autoplan.parallel import check_trainable, checked_plan
+from autoplan.modes import RecomputeMode, ReduceDtype
+from autoplan.options import PlanOptions, TrainOptions
+from autoplan.parallel import check_given_plan, check_trainable
 from autoplan.planfile.check import check_plan
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.schema import Plan
@@ -33,7 +33,6 @@ from autoplan.planfile.show import summary
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.profile import Settings, base_refusal, profile_cluster
 from autoplan.progress import Progress
-from autoplan.strategies.float32_grads import REDUCE_DTYPES
 from autoplan.training import Checkpointing, compare, one_process, train
 from autoplan.workload import load_workload
 
@@ -181,7 +180,7 @@ def _precision_argument(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reduce-dtype",
-        choices=REDUCE_DTYPES,
+        choices=tuple(ReduceDtype),
         help=(
             "with --mixed-precision: reduce every gradient in this dtype (fp32: as FSDP2's "
             "reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32); default: "
@@ -193,7 +192,7 @@ def _precision_argument(parser: argparse.ArgumentParser) -> None:
 def _recompute_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recompute",
-        choices=RECOMPUTE_MODES,
+        choices=tuple(RecomputeMode),
         help=(
             "activation recomputation: none, full (every layer's blocks run their forward "
             "again in backward) or selective (only their attention cores); default: the "
@@ -443,7 +442,7 @@ def _check_run(args: argparse.Namespace, cluster: Cluster) -> None:
             traced = capture_microbatches(
                 w.model, w.example_inputs, w.loss_fn, w.example_target, precision
             )
-            checked_plan(
+            check_given_plan(
                 args.plan, traced, cluster, _plan_options(args, ProgressLine(args.progress_after))
             )
     finally:
@@ -508,11 +507,10 @@ def _train(args: argparse.Namespace) -> int:
             workload,
             cluster,
             args.steps,
-            args.lr,
             plan=args.plan,
             options=_plan_options(args, progress),
+            train_options=TrainOptions(optimizer_options={"lr": args.lr}, timeout_s=args.timeout),
             checkpointing=_checkpointing(args),
-            timeout_s=args.timeout,
         )
     finally:
         progress.end()

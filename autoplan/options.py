@@ -1,5 +1,7 @@
-"""The planner's options: one frozen, validated dataclass that the API, the command line,
-`autoplan.parallelize` and `autoplan.baseline` all take, as torchtitan passes one job config.
+"""The options, one frozen, validated dataclass per concern, as torchtitan passes one job
+config: `PlanOptions` for planning (the API, the command line, `autoplan.parallelize` and
+`autoplan.baseline` take them) and `TrainOptions` for training at run time
+(`autoplan.parallelize`, `Workload.parallelize` and `autoplan run`).
 
 Options that need the model or the cluster to be checked (a mesh shape against the device
 count, pins against parameter names, microbatches against the batch) are checked where those
@@ -9,19 +11,24 @@ are at hand; everything else is checked here, when the options are made.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
 
 from autoplan.errors import AutoplanError
+from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import FULL, NONE, SELECTIVE, frees_activations
-from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
+from autoplan.graph.recompute import frees_activations
+from autoplan.modes import Precision, RecomputeMode, ReduceDtype, Schedule, parse_mode
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
-from autoplan.schedules import INTERLEAVED, SCHEDULES, check_schedule
-from autoplan.strategies.float32_grads import FP32, check_reduce_dtype
+from autoplan.schedules import check_schedule
+from autoplan.strategies.float32_grads import check_reduce_dtype
 from autoplan.strategies.pricing import OPTIMIZER_STATE
 
 
@@ -40,8 +47,9 @@ class PlanOptions:
     ZeRO-1/2; see `autoplan.pins`."""
 
     optimizer: str = "adamw"
-    """The optimizer whose state is counted in memory: "adamw", "adam", "sgd" or
-    "sgd_momentum"."""
+    """The optimizer: "adamw", "adam", "sgd" or "sgd_momentum". The plan counts its state in
+    memory and `autoplan.parallelize` builds it (with `TrainOptions.optimizer_options`); the
+    one place the optimizer is named."""
 
     memory_fraction: float = 0.9
     """The share of each device's memory a plan may use, in (0, 1]."""
@@ -62,7 +70,7 @@ class PlanOptions:
     """Microbatches per step (dividing the batch); None starts from twice the most stages
     tried and, on one node, halves while that is faster."""
 
-    schedule: str | None = None
+    schedule: Schedule | None = None
     """"1F1B", "GPipe" or "Interleaved1F1B" (any case); None takes the fastest that fits."""
 
     virtual_stages: int | None = None
@@ -73,20 +81,20 @@ class PlanOptions:
     """The step is cut into at most this many layers for the stage search
     (`autoplan.graph.cut`)."""
 
-    mixed_precision: str | None = None
+    mixed_precision: Precision | None = None
     """"bf16" or "fp16": forward and backward compute in that dtype under ``torch.autocast``
     while parameters, gradients and optimizer state stay float32 (`autoplan.precision`; a
     gradient is reduced in float32 at its parameter or in the compute dtype at its cast,
     whichever the plan prices cheaper, unless `reduce_dtype` says); "fp16" trains with dynamic
     loss scaling. None computes in the model's own dtypes."""
 
-    reduce_dtype: str | None = None
+    reduce_dtype: ReduceDtype | None = None
     """"fp32": under `mixed_precision`, every trained parameter's gradient is reduced in
     float32 (FSDP2's ``reduce_dtype=torch.float32``, Megatron's
     ``--accumulate-allreduce-grads-in-fp32``; `autoplan.strategies.float32_grads`), never in
     the compute dtype. None lets the planner choose where each is reduced."""
 
-    recompute: str | None = None
+    recompute: RecomputeMode | None = None
     """Activation recomputation (`autoplan.graph.recompute`): "none" keeps every activation
     from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
     full recomputation); "selective" recomputes only every layer's attention core, from the
@@ -106,46 +114,50 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         check_budget(self.optimizer, self.memory_fraction)
-        check_precision(self.mixed_precision)
-        check_reduce_dtype(self.reduce_dtype, self.mixed_precision)
+        object.__setattr__(self, "mixed_precision", check_precision(self.mixed_precision))
+        object.__setattr__(
+            self, "reduce_dtype", check_reduce_dtype(self.reduce_dtype, self.mixed_precision)
+        )
         if self.mesh_shape is not None:
             object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
         object.__setattr__(self, "pin", types.MappingProxyType(dict(self.pin)))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", check_schedule(self.schedule))
         if self.virtual_stages is not None:
-            if self.virtual_stages < 2 or self.schedule not in (None, INTERLEAVED):
+            if self.virtual_stages < 2 or self.schedule not in (None, Schedule.INTERLEAVED):
                 raise AutoplanError(
                     f"virtual_stages={self.virtual_stages} (with schedule={self.schedule!r}): "
-                    f"give 2 or more, which runs schedule {INTERLEAVED}"
+                    f"give 2 or more, which runs schedule {Schedule.INTERLEAVED}"
                 )
-            object.__setattr__(self, "schedule", INTERLEAVED)
+            object.__setattr__(self, "schedule", Schedule.INTERLEAVED)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
-        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
-            raise AutoplanError(
-                f"recompute must be one of {', '.join(RECOMPUTE_MODES)} (or None: the planner "
-                f"chooses, layer by layer), got {self.recompute!r}"
-            )
+        if self.recompute is not None:
+            recompute = parse_mode(RecomputeMode, self.recompute, "recompute")
+            object.__setattr__(self, "recompute", recompute)
         if self.max_layers < 1:
             raise AutoplanError(f"max_layers must be at least 1, got {self.max_layers}")
 
     @property
-    def schedules(self) -> tuple[str, ...]:
+    def schedules(self) -> tuple[Schedule, ...]:
         """The schedules a pipeline may run: `schedule`, or every one."""
-        return SCHEDULES if self.schedule is None else (self.schedule,)
+        return tuple(Schedule) if self.schedule is None else (self.schedule,)
 
-    def recompute_tries(self, graph: Graph) -> tuple[str, ...]:
+    def recompute_tries(self, graph: Graph) -> tuple[RecomputeMode, ...]:
         """The recomputation modes to try on ``graph``, in order, until a plan fits: by
         default none, selective where it frees activations (`frees_activations`), full."""
         if self.recompute is not None:
             return (self.recompute,)
-        return (NONE, *[SELECTIVE] * frees_activations(graph), FULL)
+        return (
+            RecomputeMode.NONE,
+            *[RecomputeMode.SELECTIVE] * frees_activations(graph),
+            RecomputeMode.FULL,
+        )
 
     @property
     def float32_grads(self) -> bool:
         """Whether every gradient is to be reduced in float32 (`reduce_dtype`)."""
-        return self.reduce_dtype == FP32
+        return self.reduce_dtype == ReduceDtype.FP32
 
     @property
     def wants_pipeline(self) -> bool | None:
@@ -164,3 +176,44 @@ def check_budget(optimizer: str, memory_fraction: float) -> None:
         )
     if not 0 < memory_fraction <= 1:
         raise AutoplanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How a parallel step trains. Every field has a default: ``TrainOptions()`` trains with
+    `PlanOptions.optimizer` at torch's settings but a learning rate of 1e-3."""
+
+    optimizer_options: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the optimizer `PlanOptions.optimizer` names, e.g. ``{"lr": 3e-4,
+    "weight_decay": 0.1}``. Adam and AdamW run torch's fused kernel unless ``foreach=True``,
+    SGD runs foreach."""
+
+    make_optimizer: OptimizerFactory | None = field(default=None, compare=False)
+    """Builds the optimizer from the step's (DTensor) parameters instead; the plan still
+    counts the state of `PlanOptions.optimizer`, so name the closest one there."""
+
+    max_grad_norm: float | None = None
+    """Clips the gradients to this global norm before each optimizer step (as
+    ``torch.nn.utils.clip_grad_norm_``); None does not clip."""
+
+    timeout_s: float | None = None
+    """The watchdog's limit for one step (`autoplan.execute.watchdog`): a step that runs
+    longer, a rank stopped or stuck in a collective, ends the whole job with a message naming
+    the ranks. None: ten times the plan's predicted step time, at least 60 s."""
+
+    init_scale: float = 2.0**16
+    """fp16 plans' dynamic loss scaling starts at this scale (torch's ``GradScaler``
+    semantics and its other defaults)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "optimizer_options", types.MappingProxyType(dict(self.optimizer_options))
+        )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise AutoplanError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        step_timeout(1.0, self.timeout_s)  # a bad value is refused now, not at the first step
+        if not self.init_scale > 0:
+            raise AutoplanError(f"init_scale must be > 0, got {self.init_scale}")

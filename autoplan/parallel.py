@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
@@ -21,21 +20,14 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.estimate import derive
 from autoplan.execute import checkpoint
-from autoplan.execute.checkpoint import Progress
-from autoplan.execute.gradients import GradientReducer
+from autoplan.execute.checkpoint import Restored
 from autoplan.execute.pipeline import PipelineRunner, batch_args
-from autoplan.execute.step import (
-    OptimizerFactory,
-    ParallelModule,
-    local_leaves,
-    make_optimizer,
-    materialize,
-)
-from autoplan.execute.watchdog import note, step_timeout, watched
-from autoplan.execute.zero import ShardedState
+from autoplan.execute.runtime import Runtime, build_runtime
+from autoplan.execute.step import ParallelModule
+from autoplan.execute.watchdog import note, watched
 from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
 from autoplan.graph.ir import Graph
-from autoplan.options import PlanOptions
+from autoplan.options import PlanOptions, TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.precision import LossScaler
 from autoplan.search.pipeline_search import GraphForMicrobatches
@@ -100,8 +92,10 @@ def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
 class Step:
     """``loss = step(inputs, target)``: forward, backward and optimizer step, as the plan says.
 
-    ``step.module`` is the parallel module (its forward returns the loss, and gradients are
-    synchronized as they arrive) for users who write their own loop; ``step.optimizer`` the
+    The step is built at `parallelize` when it is given example inputs, else at its first call
+    from that batch's shapes (as Alpa does). Built, ``step.module`` is the parallel module (its
+    forward returns the loss, and gradients are synchronized as they arrive) for users who
+    write their own loop, None for pipelined plans (``step.pipeline``); ``step.optimizer`` the
     optimizer over its DTensor parameters; ``step.plan`` the plan in use; ``step.steps_done``
     the steps taken (counted by calls, and restored by `load`).
     """
@@ -112,46 +106,77 @@ class Step:
         cluster: Cluster,
         *,
         loss_fn: Callable[..., torch.Tensor] | None,
-        optimizer: str | OptimizerFactory,
-        optimizer_options: Mapping[str, Any],
         plan: Plan | str | Path | None,
         init_fn: Callable[[nn.Module], None] | None,
         options: PlanOptions,
-        max_grad_norm: float | None = None,
-        timeout_s: float | None = None,
-        loss_scaler: LossScaler | None = None,
+        train: TrainOptions,
     ) -> None:
-        step_timeout(1.0, timeout_s)  # a bad value is refused now, not at the first step
         self._model = model
         self.cluster = cluster
         self._loss_fn = loss_fn
-        self._optimizer_spec = optimizer
-        self._optimizer_options = optimizer_options
-        self.max_grad_norm = max_grad_norm
         self._given_plan = plan
         self._init_fn = init_fn
-        self._options = options
-        self.module: ParallelModule | None = None  # None for pipelined plans
-        self.pipeline: PipelineRunner | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.plan: Plan | None = None
-        self.mesh: DeviceMesh | None = None
-        self.zero = ShardedState()  # ZeRO-1/2's parameters, once built
+        self.options = options
+        self.train = train
+        self._runtime: Runtime | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
-        # fp16's loss scaling (a default LossScaler() for fp16 plans); None: no scaling
-        self.loss_scaler = loss_scaler
-        self._timeout_s = timeout_s
-        self.step_limit_s = 0.0  # the watchdog's, set from the plan when built
+
+    @property
+    def runtime(self) -> Runtime:
+        """What the step runs with (`autoplan.execute.runtime`); an error before it is built."""
+        if self._runtime is None:
+            raise AutoplanError(
+                "the step is not built yet: pass example_inputs to parallelize, or call it once"
+            )
+        return self._runtime
+
+    @property
+    def built(self) -> bool:
+        return self._runtime is not None
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self._runtime is None else self._runtime.plan
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return None if self._runtime is None else self._runtime.mesh
+
+    @property
+    def module(self) -> ParallelModule | None:
+        return None if self._runtime is None else self._runtime.module
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        return None if self._runtime is None else self._runtime.pipeline
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self._runtime is None else self._runtime.optimizer
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16 plans' loss scaler (``skipped`` counts the steps skipped for overflow)."""
+        return None if self._runtime is None else self._runtime.loss_scaler
+
+    @property
+    def step_limit_s(self) -> float:
+        """The watchdog's limit for one step, set from the plan when built."""
+        return 0.0 if self._runtime is None else self._runtime.step_limit_s
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.train.max_grad_norm
 
     def build(self, example_inputs: Any, example_target: Any) -> None:
-        """Trace, plan (or check the given plan) and place the parameters."""
+        """Trace, plan (or check the given plan) and build what the step runs with."""
         init_distributed(self.cluster)
         self._keywords = keywords(example_inputs)
         given = self._given_plan
         if given is not None and not isinstance(given, Plan):
             given = Plan.from_json(str(given))
-        precision = given.mixed_precision if given is not None else self._options.mixed_precision
+        precision = given.mixed_precision if given is not None else self.options.mixed_precision
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
         graph = graph_from_export(ep, precision)
 
@@ -168,106 +193,70 @@ class Step:
         if given is not None:
             plan = _agree_on_plan(
                 "checking the plan",
-                lambda: checked_plan(given, graph_for, self.cluster, self._options),
+                lambda: check_given_plan(given, graph_for, self.cluster, self.options),
             )
         else:
             plan = _agree_on_plan(
-                "planning", lambda: plan_graph(graph, self.cluster, self._options, graph_for)
+                "planning", lambda: plan_graph(graph, self.cluster, self.options, graph_for)
             )
         if plan.pipeline is not None:
             # stages run one microbatch at a time: the step traced at that shape
             ep = export_microbatch(plan.pipeline.num_microbatches)
             graph = graph_from_export(ep, precision)
-        _check_plan(plan, graph.fingerprint, self.cluster)
+        _check_provenance(plan, graph.fingerprint, self.cluster)
         world = dist.get_world_size()
         if len(plan.mesh.ranks) != world:
             raise AutoplanError(
                 f"the plan is for {len(plan.mesh.ranks)} devices but this job has {world} ranks; "
                 f"launch with --nproc {len(plan.mesh.ranks)} or plan for {world} devices"
             )
-        self.mesh = init_device_mesh(
-            _device_type(self.cluster), plan.mesh.shape, mesh_dim_names=plan.mesh.axes
+        self._runtime = build_runtime(
+            self._model,
+            ep,
+            plan,
+            _device_type(self.cluster),
+            self.options.optimizer,
+            self.train,
+            self._init_fn,
         )
-        self.plan = plan
-        if plan.pipeline is not None:
-            pp = self.mesh["pp"]
-            # this rank's row of the "pp" axis holds stages row, row + p, ... (interleaved)
-            params = {
-                fqn
-                for fqn, s in plan.param_stages().items()
-                if s % pp.size() == pp.get_local_rank()
-            }
-            materialize(
-                self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
-            )
-            self.pipeline = PipelineRunner(self._model, ep, plan, self.mesh)
-            self.zero = self.pipeline.zero
-            self.placeholders = self.pipeline.module.placeholders
-            parameters = self.pipeline.parameters()
-        else:
-            materialize(self._model, plan, self.mesh, self._init_fn)
-            self.zero = ShardedState.split(self._model, plan, self.mesh)
-            self.module = ParallelModule(self._model, ep, plan, self.mesh)
-            self.module.placeholders.whole = self.zero.by_placeholder(
-                self.module.placeholders.params
-            )
-            reduced = {**dict(self.module.named_parameters()), **self.zero.whole}
-            reducer = GradientReducer(reduced, plan, 0, self.mesh, self.zero.take_gradients)
-            module = self.module
-            reducer.on_arrival(
-                local_leaves(
-                    module,
-                    module.placeholders,
-                    module.interpreter,
-                    reducer.accepts_local,
-                    self.zero.whole,
-                )
-            )
-            self.placeholders = self.module.placeholders
-            parameters = list(self.module.parameters())
-        self.optimizer = make_optimizer(self._optimizer_spec, parameters, self._optimizer_options)
-        if self.zero.whole:  # ZeRO-1/2: the updated shards gathered back after each step
-            self.optimizer.register_step_post_hook(lambda *_: self.zero.gather())
-        self.step_limit_s = step_timeout(plan.predicted.step_time_s, self._timeout_s)
-        if plan.mixed_precision == "fp16" and self.loss_scaler is None:
-            self.loss_scaler = LossScaler()
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:
-        if self.optimizer is None:
+        if self._runtime is None:
             self.build(inputs, target)  # plan from the first batch's shapes, as Alpa does
-        assert self.optimizer is not None
+        run = self.runtime
         if keywords(inputs) != self._keywords:
             raise AutoplanError(
                 f"the step was traced with inputs {self._keywords or 'by position'}, got "
                 f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
             )
-        scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-        with watched(self.steps_done + 1, "forward", self.step_limit_s):
-            if self.pipeline is not None:
+        scaler = run.loss_scaler
+        scale = 1.0 if scaler is None else scaler.scale
+        with watched(self.steps_done + 1, "forward", run.step_limit_s):
+            if run.pipeline is not None:
                 args = batch_args(inputs, target)
-                self.placeholders.check(args, batches=self.pipeline.num_microbatches)
-                self.pipeline.loss_scale = scale
-                loss = self.pipeline.run(args)
+                run.placeholders.check(args, batches=run.pipeline.num_microbatches)
+                run.pipeline.loss_scale = scale
+                loss = run.pipeline.run(args)
             else:
-                assert self.module is not None
-                loss = self.module(inputs, target)
+                assert run.module is not None
+                loss = run.module(inputs, target)
                 note("backward")
                 # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
                 # all-reduce, which is only read after the optimizer step; the loss scale
                 # seeds backward as GradScaler's scaled loss does
                 loss.backward(torch.full(loss.shape, scale, dtype=loss.dtype, device=loss.device))
             finite = True
-            if self.loss_scaler is not None:
+            if scaler is not None:
                 note("unscaling the gradients (and the all-reduce of their overflow)")
-                finite = self.loss_scaler.unscale(self._gradients())
-                self.loss_scaler.update(finite)
-            if self.max_grad_norm is not None and finite:
+                finite = scaler.unscale(self._gradients())
+                scaler.update(finite)
+            if self.train.max_grad_norm is not None and finite:
                 note("gradient clipping (the gradients' norm)")
-                self.clip_gradients(self.max_grad_norm)
+                self.clip_gradients(self.train.max_grad_norm)
             if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
                 note("the optimizer step (it waits for gradients still being reduced)")
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
             note("the loss's all-reduce")
             # long done by now; waited for here so that no step leaves a collective behind
             loss = wait_collective(loss.detach())
@@ -282,14 +271,14 @@ class Step:
         mesh); across pipeline stages, which hold different parameters, the squared norms are
         summed by hand on the "pp" axis: no DTensor spans stages.
         """
-        assert self.mesh is not None
+        run = self.runtime
         grads = self._gradients()
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        if self.pipeline is not None:
+        if run.pipeline is not None:
             squared = norm.detach() ** 2
-            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+            dist.all_reduce(squared, group=run.mesh["pp"].get_group())
             norm = squared.sqrt()
         scale = max_norm / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
         if scale < 1.0:
@@ -299,8 +288,7 @@ class Step:
 
     def _gradients(self) -> list[torch.Tensor]:
         """The gradients of this rank's parameters that have one."""
-        assert self.optimizer is not None
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = [p for group in self.runtime.optimizer.param_groups for p in group["params"]]
         return [p.grad for p in params if p.grad is not None]
 
     def save(self, directory: str | Path, *, keep: int | None = None, extra: Any = None) -> Path:
@@ -314,17 +302,17 @@ class Step:
             directory, self._model, optimizer, self.steps_done, keep=keep, extra=extra
         )
 
-    def load(self, directory: str | Path, *, missing_ok: bool = False) -> Progress | None:
+    def load(self, directory: str | Path, *, missing_ok: bool = False) -> Restored | None:
         """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) on
         every rank, saved under this plan or any other plan of the same model; returns its
         step count and ``extra``, and continues counting from there. With ``missing_ok``,
         a directory without a checkpoint loads nothing and returns None."""
         optimizer = self._built("load")
-        progress = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
-        if progress is not None:
-            self.steps_done = progress.step
-            self.zero.gather()  # ZeRO-1/2: the shards loaded, the whole parameters from them
-        return progress
+        restored = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
+        if restored is not None:
+            self.steps_done = restored.step
+            self.runtime.zero.gather()  # ZeRO-1/2: the shards loaded, the whole parameters
+        return restored
 
     def export(self, path: str | Path) -> None:
         """Write the whole parameters and buffers as one ``torch.save`` file (rank 0 writes
@@ -332,27 +320,27 @@ class Step:
         checkpoint.export(path, self.state_dict())
 
     def _built(self, action: str) -> torch.optim.Optimizer:
-        if self.optimizer is None:
+        if self._runtime is None:
             raise AutoplanError(
                 f"cannot {action} a step that is not built yet: pass example_inputs to "
                 f"parallelize, or {action} after the first step"
             )
-        return self.optimizer
+        return self._runtime.optimizer
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters and buffers (gathered on every rank)."""
-        if self.optimizer is None:
+        if self._runtime is None:
             return {k: v.detach().clone() for k, v in self._model.state_dict().items()}
-        if self.pipeline is not None:
-            return self.pipeline.state_dict()
-        assert self.module is not None
+        if self._runtime.pipeline is not None:
+            return self._runtime.pipeline.state_dict()
+        assert self._runtime.module is not None
         return {
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in self.module.state_dict().items()
+            for k, v in self._runtime.module.state_dict().items()
         }
 
 
-def checked_plan(
+def check_given_plan(
     plan: Plan | str | Path,
     graph_for: GraphForMicrobatches,
     cluster: Cluster,
@@ -384,7 +372,7 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
-def _check_plan(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
+def _check_provenance(plan: Plan, graph_fingerprint: str, cluster: Cluster) -> None:
     got = plan.provenance
     refusal = got.graph_refusal(graph_fingerprint, torch_release())
     if refusal is not None:
@@ -408,14 +396,10 @@ def parallelize(
     example_inputs: Any = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
-    optimizer: str | OptimizerFactory = "adamw",
-    optimizer_options: Mapping[str, Any] | None = None,
     plan: Plan | str | Path | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
-    max_grad_norm: float | None = None,
     options: PlanOptions | None = None,
-    timeout_s: float | None = None,
-    loss_scaler: LossScaler | None = None,
+    train: TrainOptions | None = None,
 ) -> Step:
     """Make ``model`` train on ``cluster`` as a plan says; call on every rank under torchrun.
 
@@ -426,23 +410,12 @@ def parallelize(
     batch's shapes. ``plan`` (a `Plan` or a JSON path) skips planning: rank 0 checks it
     against the model and cluster and derives its collectives and gradient buckets from its
     placements (`autoplan.estimate.derive`; what the plan lists of them is not used).
-    ``max_grad_norm`` clips gradients to that global norm before each optimizer step (its
-    norm reductions are not in the plan's list of collectives). ``options`` go to
-    `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline ...); an ``optimizer`` given by name
-    is the one whose state the plan counts. ``timeout_s`` bounds each step (default: ten
-    times the plan's predicted step time, at least 60 s): a step that runs over, a rank
-    stopped or stuck in a collective, ends the whole job with a message naming the ranks,
-    the step and what each was waiting in (`autoplan.execute.watchdog`). A plan in fp16
-    (``PlanOptions(mixed_precision="fp16")``) trains with dynamic loss scaling:
-    ``loss_scaler`` (`autoplan.precision.LossScaler`, torch's ``GradScaler`` semantics and
-    defaults unless given) scales the loss, unscales the gradients and skips a step whose
-    gradients overflowed on any rank; ``step.loss_scaler.skipped`` counts those steps.
-
-    ``optimizer``: "adamw", "adam" or "sgd" (torch's, over the DTensor parameters, with
-    ``optimizer_options`` such as ``lr``; Adam and AdamW run the fused kernel unless
-    ``foreach=True``, SGD runs foreach), or a callable that makes one from the parameters.
-    The gradients of bucketed parameters are views of their bucket's buffer, valid until the
-    next backward pass.
+    ``options`` go to `autoplan.plan` (`PlanOptions`: mesh, pins, pipeline, the optimizer
+    ...); ``train`` says how the step trains (`TrainOptions`: the optimizer's settings,
+    gradient clipping, the watchdog's limit, fp16's loss scaling). A plan in fp16 trains with
+    dynamic loss scaling (torch's ``GradScaler`` semantics): ``step.loss_scaler.skipped``
+    counts the steps skipped because their gradients overflowed on some rank. The gradients
+    of bucketed parameters are views of their bucket's buffer, valid until the next backward.
     """
     check_trainable(model)
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -452,21 +425,14 @@ def parallelize(
         )
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
-    options = options or PlanOptions()
-    if isinstance(optimizer, str) and optimizer != options.optimizer:
-        options = replace(options, optimizer=optimizer)
     step = Step(
         model,
         cluster,
         loss_fn=loss_fn,
-        optimizer=optimizer,
-        optimizer_options=optimizer_options or {},
         plan=plan,
         init_fn=init_fn,
-        options=options,
-        max_grad_norm=max_grad_norm,
-        timeout_s=timeout_s,
-        loss_scaler=loss_scaler,
+        options=options or PlanOptions(),
+        train=train or TrainOptions(),
     )
     if example_inputs is not None:
         step.build(example_inputs, example_target)

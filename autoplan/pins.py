@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import BlockSharing
-from autoplan.graph.ir import INPUT, PARAM, Graph
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind
 from autoplan.strategies.placement import Spec, is_placement, on_mesh
 from autoplan.strategies.space import NodeStrategies
 
@@ -50,8 +51,8 @@ def _spec(value: str | Sequence[str], param: str) -> Spec:
 
 def _pinnable(graph: Graph) -> dict[str, str]:
     """Pin key -> node name: parameters by FQN, inputs as input:<i>, the last one also as target."""
-    by_key = {n.target: n.name for n in graph if n.kind == PARAM}
-    inputs = [n.name for n in graph if n.kind == INPUT]
+    by_key = {n.target: n.name for n in graph if n.kind == NodeKind.PARAM}
+    inputs = [n.name for n in graph if n.kind == NodeKind.INPUT]
     by_key.update({f"input:{i}": name for i, name in enumerate(inputs)})
     if inputs:
         by_key["target"] = inputs[-1]

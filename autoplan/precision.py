@@ -25,20 +25,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import AutoplanError
+from autoplan.modes import Precision
 from autoplan.torch_private import non_finite_check_and_unscale, wait_collective
 
-# The precisions a plan may compute in, by the names the command line takes, and their dtypes.
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# the dtype each mixed precision computes in
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+}
 
 
-def check_precision(name: str | None) -> str | None:
-    """``name`` if it is a known precision (or None: the model's own dtypes)."""
-    if name is not None and name not in COMPUTE_DTYPES:
+def check_precision(name: str | None) -> Precision | None:
+    """``name`` as a known precision (or None: the model's own dtypes)."""
+    if name is None:
+        return None
+    if name not in tuple(Precision):
         raise AutoplanError(
-            f"mixed precision {name!r} is not known; use one of {sorted(COMPUTE_DTYPES)} "
+            f"mixed precision {name!r} is not known; use one of {sorted(Precision)} "
             "(or None to compute in the model's own dtypes)"
         )
-    return name
+    return Precision(name)
 
 
 def autocast_device(tensors: Iterable[torch.Tensor]) -> str:

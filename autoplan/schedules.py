@@ -33,18 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
-
-INTERLEAVED = "Interleaved1F1B"
-# torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-SCHEDULES = ("1F1B", "GPipe", INTERLEAVED)
+from autoplan.modes import Schedule, parse_mode
 
 
-def check_schedule(schedule: str) -> str:
-    """The schedule's name as plans write it ("gpipe" -> "GPipe"); an unknown one is an error."""
-    by_lower = {s.lower(): s for s in SCHEDULES}
-    if schedule.lower() not in by_lower:
-        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
-    return by_lower[schedule.lower()]
+def check_schedule(schedule: str) -> Schedule:
+    """The schedule named as plans write it ("gpipe" -> "GPipe"); an unknown one is an error."""
+    return parse_mode(Schedule, schedule, "schedule")
 
 
 def schedule_refusal(
@@ -54,13 +48,13 @@ def schedule_refusal(
     all: ``virtual_stages`` on each device group) and microbatches, or None: its Schedule1F1B
     needs at least one microbatch a stage; ScheduleInterleaved1F1B two or more stages on each
     group, and microbatches a multiple of its rounds, ``max(1, B // groups)``."""
-    if schedule != INTERLEAVED:
+    if schedule != Schedule.INTERLEAVED:
         if virtual_stages != 1:
             return (
                 f"schedule {schedule} runs one stage on each device group, but "
-                f"virtual_stages={virtual_stages}; use {INTERLEAVED} for more"
+                f"virtual_stages={virtual_stages}; use {Schedule.INTERLEAVED} for more"
             )
-        if schedule == "1F1B" and num_microbatches < num_stages:
+        if schedule == Schedule.ONE_F_ONE_B and num_microbatches < num_stages:
             return (
                 f"schedule 1F1B needs at least as many microbatches as stages, but "
                 f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
@@ -69,7 +63,7 @@ def schedule_refusal(
         return None
     if virtual_stages < 2 or num_stages % virtual_stages:
         return (
-            f"schedule {INTERLEAVED} needs 2 or more stages on each device group "
+            f"schedule {Schedule.INTERLEAVED} needs 2 or more stages on each device group "
             f"(virtual_stages >= 2, dividing the {num_stages} stages), but "
             f"virtual_stages={virtual_stages}; use 1F1B for one"
         )
@@ -77,7 +71,7 @@ def schedule_refusal(
     rounds = max(1, num_microbatches // groups)
     if num_microbatches % rounds:
         return (
-            f"schedule {INTERLEAVED} runs microbatches in rounds of about one per device "
+            f"schedule {Schedule.INTERLEAVED} runs microbatches in rounds of about one per device "
             f"group: num_microbatches={num_microbatches} on {groups} groups must be a multiple "
             f"of max(1, {num_microbatches} // {groups}) = {rounds}; use a multiple of {groups}"
         )
@@ -107,10 +101,10 @@ def stage_order(
     device group: GPipe or 1F1B)."""
     forwards = [(FORWARD, m) for m in range(num_microbatches)]
     backwards = [(BACKWARD, m) for m in range(num_microbatches)]
-    if schedule == "GPipe":
+    if schedule == Schedule.GPIPE:
         return (*forwards, *backwards)
-    if schedule != "1F1B":
-        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {SCHEDULES}")
+    if schedule != Schedule.ONE_F_ONE_B:
+        raise AutoplanError(f"schedule {schedule!r} is not known; use one of {tuple(Schedule)}")
     warmup = min(num_microbatches, num_stages - stage)
     order = forwards[:warmup]
     for b, f in zip(backwards, forwards[warmup:], strict=False):
@@ -124,7 +118,7 @@ def group_order(
     """The (kind, stage, microbatch) steps device group ``group`` runs, in order: its one
     stage's (`stage_order`), or under Interleaved1F1B its ``virtual_stages`` chunks' as torch's
     ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out)."""
-    if schedule != INTERLEAVED:
+    if schedule != Schedule.INTERLEAVED:
         one = stage_order(schedule, num_stages, num_microbatches, group)
         return tuple((kind, group, m) for kind, m in one)
     v, groups, count = virtual_stages, num_stages // virtual_stages, num_microbatches

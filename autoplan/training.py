@@ -16,7 +16,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.execute.watchdog import watched
 from autoplan.graph.capture import as_tuple
-from autoplan.options import PlanOptions
+from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step
 from autoplan.planfile.schema import Plan
 from autoplan.precision import autocast
@@ -74,21 +74,17 @@ def train(
     w: Workload,
     cluster: Cluster,
     steps: int,
-    lr: float,
     *,
     plan: Plan | str | None = None,
     options: PlanOptions | None = None,
+    train_options: TrainOptions | None = None,
     checkpointing: Checkpointing | None = None,
-    timeout_s: float | None = None,
 ) -> tuple[Step, Iterator[StepRecord]]:
     """Build the parallel step (planning on rank 0 with ``options`` unless ``plan`` is given),
     resume it from the newest checkpoint if asked, and return it with a generator that trains
-    it on the example batch up to ``steps`` steps in all, saving checkpoints as asked.
-    ``timeout_s``: the watchdog's limit per step (`autoplan.parallelize`)."""
+    it on the example batch up to ``steps`` steps in all, saving checkpoints as asked."""
     ckpt = checkpointing or Checkpointing()
-    step = w.parallelize(
-        cluster, optimizer_options={"lr": lr}, plan=plan, options=options, timeout_s=timeout_s
-    )
+    step = w.parallelize(cluster, plan=plan, options=options, train=train_options)
     if ckpt.resume:
         assert ckpt.directory is not None
         if step.load(ckpt.directory, missing_ok=True) is None:

@@ -6,7 +6,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,12 @@ from autoplan.baselines import baseline
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
-from autoplan.execute.step import OptimizerFactory
 from autoplan.graph.capture import TrainStep, capture, keywords, microbatch, step_args
 from autoplan.graph.ir import Graph
-from autoplan.options import PlanOptions
+from autoplan.modes import RecomputeMode
+from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
-from autoplan.precision import LossScaler
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class Workload:
         zero_stage: int = 0,
         sequence_parallel: bool = False,
         ep: int = 1,
-        recompute: str = "none",
+        recompute: str = RecomputeMode.NONE,
         options: PlanOptions | None = None,
     ) -> Plan:
         """`autoplan.baseline` of this workload."""
@@ -107,14 +106,10 @@ class Workload:
         self,
         cluster: Cluster | str | Path,
         *,
-        optimizer: str | OptimizerFactory = "adamw",
-        optimizer_options: Mapping[str, Any] | None = None,
         plan: Plan | str | Path | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
-        max_grad_norm: float | None = None,
         options: PlanOptions | None = None,
-        timeout_s: float | None = None,
-        loss_scaler: LossScaler | None = None,
+        train: TrainOptions | None = None,
     ) -> Step:
         """`autoplan.parallelize` of this workload: its model's parameters become DTensors."""
         return parallelize(
@@ -123,14 +118,10 @@ class Workload:
             example_inputs=self.example_inputs,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
-            optimizer=optimizer,
-            optimizer_options=optimizer_options,
             plan=plan,
             init_fn=init_fn,
-            max_grad_norm=max_grad_norm,
             options=options,
-            timeout_s=timeout_s,
-            loss_scaler=loss_scaler,
+            train=train,
         )
 
     def estimate(self, plan: Plan | str | Path, cluster: Cluster | str | Path) -> Plan:

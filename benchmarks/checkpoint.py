@@ -31,9 +31,9 @@ from autoplan.workload import Workload, load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 from benchmarks.steps import torchrun  # noqa: E402
 from tests.distributed.cases import cluster, data_parallel, pipeline  # noqa: E402
-from tests.distributed.training import parallel  # noqa: E402
+from tests.distributed.training import TRAIN, parallel  # noqa: E402
 
-REPEATS, LR = 3, 1e-4
+REPEATS = 3
 Layout = Callable[[Workload], autoplan.PlanOptions]
 # (example, its options): a GPT of many small tensors, an MLP of few large ones
 SETUPS: list[tuple[str, dict[str, Any]]] = [
@@ -68,7 +68,7 @@ def measure(
 ) -> dict[str, Any]:
     w = load_workload(ROOT / "examples" / f"{example}.py", **options)
     directory = tmp / example
-    first = parallel(w, c, optimizer_options={"lr": LR}, options=SAVED_UNDER[1](w))
+    first = parallel(w, c, options=SAVED_UNDER[1](w), train=TRAIN)
     for _ in range(2):
         first(w.example_inputs, w.example_target)
     save_s = _seconds(lambda: first.save(directory))  # each replaces the one before
@@ -79,7 +79,7 @@ def measure(
         "save_s": round(save_s, 3),
     }
     for name, layout in LOADED_UNDER:
-        step = parallel(w, c, optimizer_options={"lr": LR}, options=layout(w))
+        step = parallel(w, c, options=layout(w), train=TRAIN)
         row[f"load_s ({name})"] = round(_seconds(lambda step=step: step.load(directory)), 3)
     row["export_s"] = round(_seconds(lambda: first.export(tmp / f"{example}.pt")), 3)
     return row

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import autoplan
-from autoplan.graph.ir import INPUT
+from autoplan.modes import NodeKind
 from autoplan.workload import Workload
 from tests.distributed.cases import (
     data_parallel,
@@ -112,7 +112,7 @@ def axis_role(plan: autoplan.Plan, axis: str) -> str:
         return "zero"
     if used_split > total / 2:
         return "tp"
-    inputs = [n for n in plan.nodes.values() if n.op == INPUT]
+    inputs = [n for n in plan.nodes.values() if n.op == NodeKind.INPUT]
     boundaries = [s.boundary.get(axis) for s in plan.stages if s.boundary]
     if any(n.output[axis] == "S(0)" for n in inputs) or "S(0)" in boundaries:
         return "dp"

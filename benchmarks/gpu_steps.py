@@ -91,7 +91,9 @@ def _plain(w: Workload) -> float:
 
 def _executor(w: Workload, folder: Path, case: str) -> float:
     step = w.parallelize(
-        folder / ONE_GPU_CLUSTER, optimizer_options={"lr": LR}, plan=folder / f"{case}.json"
+        folder / ONE_GPU_CLUSTER,
+        train=autoplan.TrainOptions(optimizer_options={"lr": LR}),
+        plan=folder / f"{case}.json",
     )
     return median_seconds(
         lambda: step(w.example_inputs, w.example_target), WARMUP, STEPS, cuda=True

@@ -66,7 +66,12 @@ def autoplan_step(
     """autoplan's step (AdamW at `lr`) of a copy of `w`'s model, so that `w`'s own stays as it
     is for the next step built from it; on `w`'s example batch. Call on every rank."""
     copied = dataclasses.replace(w, model=copy.deepcopy(w.model))
-    step = copied.parallelize(cluster, optimizer_options={"lr": lr}, plan=plan, options=options)
+    step = copied.parallelize(
+        cluster,
+        plan=plan,
+        options=options,
+        train=autoplan.TrainOptions(optimizer_options={"lr": lr}),
+    )
     return lambda: step(w.example_inputs, w.example_target)
 
 

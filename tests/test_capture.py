@@ -13,7 +13,7 @@ from autoplan import PlanOptions
 from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture, export_step
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM
+from autoplan.modes import NodeKind
 from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 
@@ -31,9 +31,14 @@ def test_mlp_graph_has_shapes_flops_paths_and_params() -> None:
     assert first.params == ("layers.0.weight", "layers.0.bias")
     assert first.params == ("layers.0.weight", "layers.0.bias")
     weight = graph.node(first.refs[1].name)
-    assert weight.kind == PARAM and weight.target == "layers.0.weight" and weight.needs_grad
-    assert [n.kind for n in graph if n.kind == INPUT] == [INPUT, INPUT]  # input and target
-    assert graph.nodes[-1].kind == OUTPUT and graph.num_params == 3 * (16 * 16 + 16)
+    assert (
+        weight.kind == NodeKind.PARAM and weight.target == "layers.0.weight" and weight.needs_grad
+    )
+    assert [n.kind for n in graph if n.kind == NodeKind.INPUT] == [
+        NodeKind.INPUT,
+        NodeKind.INPUT,
+    ]  # input and target
+    assert graph.nodes[-1].kind == NodeKind.OUTPUT and graph.num_params == 3 * (16 * 16 + 16)
     assert all(n.is_view is False for n in linears)
 
 
@@ -121,7 +126,10 @@ def test_ops_without_rule_are_replicated_with_one_warning(
     assert len(warnings) == 1 and "aten.renorm.default" in warnings[0]
     renorm = next(n for n in plan.nodes.values() if n.op == "aten.renorm.default")
     assert renorm.rule == "replicated" and set(renorm.output.values()) == {"R"}
-    assert [n.kind for n in capture(Renorm(), torch.randn(16, 8))][-2:] == [OP, OUTPUT]
+    assert [n.kind for n in capture(Renorm(), torch.randn(16, 8))][-2:] == [
+        NodeKind.OP,
+        NodeKind.OUTPUT,
+    ]
 
 
 def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
@@ -133,8 +141,8 @@ def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
     assert "aten.to.dtype" in targets  # the casts stay: they change the values' dtype
     assert not [t for t in targets if "_assert" in t]  # their metadata checks do not
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
-    assert not [n for n in graph if n.kind == OP and "_assert" in n.op]
-    constants = [n for n in graph if n.kind == PARAM and "lifted_tensor" in n.target]
+    assert not [n for n in graph if n.kind == NodeKind.OP and "_assert" in n.op]
+    constants = [n for n in graph if n.kind == NodeKind.PARAM and "lifted_tensor" in n.target]
     assert len(constants) == 1 and not constants[0].needs_grad  # torch.tensor(0.01)
 
 
@@ -153,7 +161,7 @@ def test_a_tied_parameter_is_one_parameter() -> None:
     ep = export_step(Tied(), (ids,))
     assert list(ep.graph_signature.inputs_to_parameters.values()) == ["model.embed.weight"]
     graph = capture(Tied(), (ids,))
-    params = [n for n in graph if n.kind == PARAM]
+    params = [n for n in graph if n.kind == NodeKind.PARAM]
     # one node under the name named_parameters() gives, read by the embedding and the head
     assert [n.target for n in params] == ["embed.weight"]
     readers = [n.op for n in graph if any(r.name == params[0].name for r in n.refs)]

@@ -16,10 +16,10 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.modes import Schedule
 from autoplan.planfile.show import summary
 from autoplan.schedules import (
     FORWARD,
-    INTERLEAVED,
     group_order,
     peak_in_flight,
     schedule_refusal,
@@ -34,7 +34,7 @@ RUNNABLE = [
     for p in (2, 3, 4)
     for v in (2, 3)
     for count in range(1, 13)
-    if not schedule_refusal(INTERLEAVED, p * v, count, v)
+    if not schedule_refusal(Schedule.INTERLEAVED, p * v, count, v)
 ]
 
 
@@ -57,16 +57,18 @@ def _torch_order(groups: int, v: int, count: int, group: int) -> tuple[Any, ...]
 @pytest.mark.parametrize(("groups", "v", "count"), RUNNABLE)
 def test_each_group_runs_torchs_order(groups: int, v: int, count: int) -> None:
     for g in range(groups):
-        assert group_order(INTERLEAVED, groups * v, count, g, v) == _torch_order(
+        assert group_order(Schedule.INTERLEAVED, groups * v, count, g, v) == _torch_order(
             groups, v, count, g
         )
 
 
 def test_what_torch_refuses_is_refused() -> None:
-    assert schedule_refusal(INTERLEAVED, 4, 7, 2) is not None  # 3 rounds of 2 groups
-    assert schedule_refusal(INTERLEAVED, 4, 6, 2) is None
-    assert schedule_refusal(INTERLEAVED, 8, 3, 2) is None  # fewer microbatches than groups
-    assert "2 or more stages on each device group" in str(schedule_refusal(INTERLEAVED, 4, 4))
+    assert schedule_refusal(Schedule.INTERLEAVED, 4, 7, 2) is not None  # 3 rounds of 2 groups
+    assert schedule_refusal(Schedule.INTERLEAVED, 4, 6, 2) is None
+    assert schedule_refusal(Schedule.INTERLEAVED, 8, 3, 2) is None  # fewer microbatches than groups
+    assert "2 or more stages on each device group" in str(
+        schedule_refusal(Schedule.INTERLEAVED, 4, 4)
+    )
     assert "use Interleaved1F1B" in str(schedule_refusal("1F1B", 4, 4, 2))
 
 
@@ -76,7 +78,7 @@ def test_equal_stages_take_the_priced_time_with_a_smaller_bubble(
 ) -> None:
     chunk = 3.0  # forward 1, backward 2
     stages = groups * v
-    events = simulate(INTERLEAVED, stages, count, [(1.0, 2.0)] * stages, virtual_stages=v)
+    events = simulate(Schedule.INTERLEAVED, stages, count, [(1.0, 2.0)] * stages, virtual_stages=v)
     span = max(e.end for e in events)
     assert span == pytest.approx(interleaved_time([chunk] * stages, count, v))
     assert span == pytest.approx((count * v + groups - 1) * chunk)
@@ -101,7 +103,7 @@ def test_one_stage_a_group_is_1f1b() -> None:
 def test_interleaving_holds_more_activations() -> None:
     # group 0 of 2, 2 stages each, 4 microbatches: a round of 2 through stage 0, then
     # stage 2's and 2 more forwards before its first backward
-    order = group_order(INTERLEAVED, 4, 4, 0, 2)
+    order = group_order(Schedule.INTERLEAVED, 4, 4, 0, 2)
     assert peak_in_flight(order, lambda _: 1.0) == 5 > 2
     assert order[0] == (FORWARD, 0, 0)
 
@@ -122,7 +124,7 @@ def test_the_planner_interleaves_where_that_is_faster(
     one = w.plan(cluster, dataclasses.replace(options, schedule="1F1B"))
     plan = w.plan(cluster, options)
     assert one.pipeline is not None and plan.pipeline is not None
-    assert plan.pipeline.schedule == INTERLEAVED and plan.virtual_stages in (2, 4)
+    assert plan.pipeline.schedule == Schedule.INTERLEAVED and plan.virtual_stages in (2, 4)
     assert plan.pipeline.bubble_fraction < one.pipeline.bubble_fraction
     assert plan.predicted.step_time_s < one.predicted.step_time_s
     # stage s on node s mod 2, all of it
@@ -151,7 +153,7 @@ def test_the_baseline_interleaves_as_megatron(
     one = w.baseline(cluster, dp=1, tp=8, pp=2, options=options)
     plan = w.baseline(cluster, dp=1, tp=8, pp=2, virtual_stages=2, options=options)
     assert plan.pipeline is not None and one.pipeline is not None
-    assert plan.pipeline.schedule == INTERLEAVED and plan.virtual_stages == 2
+    assert plan.pipeline.schedule == Schedule.INTERLEAVED and plan.virtual_stages == 2
     assert [s.layers for s in plan.stages] == [
         (f"blocks.{2 * s}", f"blocks.{2 * s + 1}") for s in range(4)
     ]
@@ -216,8 +218,8 @@ def test_bad_virtual_stages_are_refused(fields: dict[str, Any], message: str) ->
 
 
 def test_virtual_stages_imply_the_schedule() -> None:
-    assert PlanOptions(virtual_stages=3).schedule == INTERLEAVED
-    assert PlanOptions(schedule="interleaved1f1b").schedules == (INTERLEAVED,)
+    assert PlanOptions(virtual_stages=3).schedule == Schedule.INTERLEAVED
+    assert PlanOptions(schedule="interleaved1f1b").schedules == (Schedule.INTERLEAVED,)
 
 
 def test_the_command_line_interleaves(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -228,7 +230,7 @@ def test_the_command_line_interleaves(tmp_path: Any, capsys: pytest.CaptureFixtu
     args += ["--set", "size=tiny", "--set", "num_layers=4", "--set", "batch_size=8"]
     assert main(args) == 0
     plan = autoplan.Plan.from_json(str(out))
-    assert plan.pipeline is not None and plan.pipeline.schedule == INTERLEAVED
+    assert plan.pipeline is not None and plan.pipeline.schedule == Schedule.INTERLEAVED
     assert plan.virtual_stages == 2
     capsys.readouterr()
     assert main(["show", str(out)]) == 0

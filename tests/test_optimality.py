@@ -22,7 +22,7 @@ from autoplan.baselines.grid import (
     every_degrees,
 )
 from autoplan.baselines.propagate import mesh_of
-from autoplan.graph.recompute import FULL, NONE
+from autoplan.modes import RecomputeMode
 from autoplan.workload import Workload
 from tests.conftest import example
 from tests.models.zoo import workload as zoo
@@ -60,8 +60,8 @@ def test_the_grid_is_every_layout_that_divides() -> None:
     assert interleaved and all(d.virtual_stages == 2 for d in interleaved)
     every = every_degrees(4, batch=4)
     assert len(every) == len(set(every)) == 2 * (len(degrees) + len(interleaved))
-    assert {replace(d, recompute=NONE) for d in every} == {*degrees, *interleaved}
-    assert {replace(d, recompute=FULL) for d in degrees} < set(every)
+    assert {replace(d, recompute=RecomputeMode.NONE) for d in every} == {*degrees, *interleaved}
+    assert {replace(d, recompute=RecomputeMode.FULL) for d in degrees} < set(every)
 
 
 def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
@@ -75,8 +75,8 @@ def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
     for d in [
         Degrees(2, 2, sequence_parallel=True),
         Degrees(1, 2, 2, num_microbatches=4),
-        Degrees(1, 2, 2, num_microbatches=4, recompute=FULL),
-        Degrees(4, 1, zero_stage=3, recompute=FULL),
+        Degrees(1, 2, 2, num_microbatches=4, recompute=RecomputeMode.FULL),
+        Degrees(4, 1, zero_stage=3, recompute=RecomputeMode.FULL),
     ]:
         options = PlanOptions(num_microbatches=d.num_microbatches) if d.pp > 1 else None
         written = w.baseline(
@@ -91,7 +91,7 @@ def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
             options=options,
         )
         assert plans[d].to_json() == written.to_json()
-        assert bool(written.recompute) == (d.recompute != NONE)
+        assert bool(written.recompute) == (d.recompute != RecomputeMode.NONE)
 
 
 def test_recomputation_is_a_dimension_of_its_own(cpu4: autoplan.Cluster) -> None:
@@ -99,7 +99,7 @@ def test_recomputation_is_a_dimension_of_its_own(cpu4: autoplan.Cluster) -> None
     # the recomputed one computes the forward twice and keeps fewer activations
     w = example("mlp", hidden=64, batch_size=256)
     d = Degrees(4, 1)
-    twin = replace(d, recompute=FULL)
+    twin = replace(d, recompute=RecomputeMode.FULL)
     plans = list(conventional_plans(w.trace, cpu4, [d, twin, d, twin]))
     assert [found for found, _ in plans] == [d, twin]
     (_, kept), (_, recomputed) = plans

@@ -3,6 +3,7 @@ update with strided gradients equal to torch's default loop."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -11,8 +12,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from autoplan import Cluster, PlanOptions, TrainOptions
 from autoplan.errors import AutoplanError
 from autoplan.execute.step import make_optimizer
+from tests.conftest import example
 
 
 def test_defaults_and_refusals() -> None:
@@ -69,3 +72,35 @@ def test_fused_update_with_strided_gradients() -> None:
     _trained([sharded], [dt])
     assert (plain.detach() - want.detach()).abs().max() < 1e-6
     assert (sharded.detach().full_tensor() - want.detach()).abs().max() < 1e-6
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_the_optimizer_named_in_plan_options_is_counted_and_built(cpu4: Cluster) -> None:
+    """`PlanOptions.optimizer` is the one place the optimizer is named: the plan counts its
+    state and the step builds it, with `TrainOptions.optimizer_options`."""
+    one = dataclasses.replace(cpu4, devices_per_node=1, name="cpu-gloo-1")
+    built = {}
+    for name in ("sgd", "adamw"):
+        w = example("mlp")
+        step = w.parallelize(
+            one,
+            options=PlanOptions(optimizer=name),
+            train=TrainOptions(optimizer_options={"lr": 0.1}),
+        )
+        step(w.example_inputs, w.example_target)
+        built[name] = step
+    sgd, adamw = built["sgd"], built["adamw"]
+    assert type(sgd.optimizer) is torch.optim.SGD and type(adamw.optimizer) is torch.optim.AdamW
+    assert sgd.optimizer.defaults["lr"] == 0.1
+    assert sgd.plan is not None and adamw.plan is not None
+    # AdamW keeps two float32 copies of every parameter that SGD does not
+    params = sum(p.numel() for p in example("mlp").model.parameters()) * 4
+    extra = adamw.plan.predicted.peak_memory_bytes - sgd.plan.predicted.peak_memory_bytes
+    assert extra == pytest.approx(2 * params)
+
+
+def test_sgd_with_momentum_is_named_so_the_plan_counts_it() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(AutoplanError, match="sgd_momentum"):
+        make_optimizer("sgd", params, {"momentum": 0.9})
+    assert make_optimizer("sgd_momentum", params, {}).defaults["momentum"] == 0.9

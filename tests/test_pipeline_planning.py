@@ -17,8 +17,9 @@ from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.crossing import crossing_points
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph
+from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, chosen
+from autoplan.modes import NodeKind
 from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import sent_bytes
 from autoplan.search.pipeline_search import _may_fit
@@ -41,13 +42,13 @@ def test_layers_are_the_blocks_and_cover_every_node_once() -> None:
     names = [n for layer in layers for n in layer.nodes]
     assert sorted(names) == sorted(n.name for n in graph)
     first, last = set(layers[0].nodes), set(layers[-1].nodes)
-    assert {n.name for n in graph if n.kind == INPUT} <= first  # the batch enters first
+    assert {n.name for n in graph if n.kind == NodeKind.INPUT} <= first  # the batch enters first
     assert any(graph.node(n).module_path == "tok_emb" for n in first)
     assert any(graph.node(n).module_path == "head" for n in last)
-    assert any(graph.node(n).kind == OUTPUT for n in last)
+    assert any(graph.node(n).kind == NodeKind.OUTPUT for n in last)
     for i, layer in enumerate(layers):  # a parameter sits with its readers
         for name in layer.nodes:
-            if graph.node(name).kind == PARAM:
+            if graph.node(name).kind == NodeKind.PARAM:
                 assert all(u in layer.nodes for u in graph.users(name)), name
         assert all(  # and every node reads only its own or earlier layers
             any(r.name in earlier.nodes for earlier in layers[: i + 1])
@@ -101,7 +102,7 @@ def _residual_graph() -> Graph:
 
 def _first_ops(graph: Graph, layers: tuple[Layer, ...]) -> list[int]:
     """Where each layer after the first starts, as a point of the graph's op order."""
-    ops = [n.name for n in graph if n.kind == OP]
+    ops = [n.name for n in graph if n.kind == NodeKind.OP]
     return [ops.index(next(n for n in layer.nodes if n in ops)) for layer in layers[1:]]
 
 
@@ -110,7 +111,7 @@ def test_a_model_without_blocks_is_cut_where_one_tensor_crosses(max_layers: int)
     graph = _residual_graph()
     layers = cut_layers(graph, max_layers=max_layers)
     assert len(layers) == max_layers
-    x, target = [n.name for n in graph if n.kind == INPUT]
+    x, target = [n.name for n in graph if n.kind == NodeKind.INPUT]
     loss = next(n for n in graph if n.op == "aten.mse_loss.default").name
     for i in range(len(layers) - 1):
         sent = stage_graph(graph, layers, i, i + 1).sent
@@ -129,7 +130,7 @@ def test_the_bytes_crossing_a_cut_are_what_the_stage_dp_charges(model: str) -> N
     graph = _residual_graph() if model == "residual" else _gpt_graph(4)
     points = crossing_points(graph)
     layers = cut_layers(graph, max_layers=4)
-    assert points.nbytes[0] == sum(n.output.nbytes for n in graph if n.kind == INPUT)
+    assert points.nbytes[0] == sum(n.output.nbytes for n in graph if n.kind == NodeKind.INPUT)
     for i, point in enumerate(_first_ops(graph, layers)):
         stage = stage_graph(graph, layers, i, i + 1)
         assert points.tensors[point] == len(stage.sent)
@@ -168,11 +169,11 @@ def test_a_model_without_blocks_is_not_cut_through_an_op_with_several_outputs(
 def test_a_stage_receives_what_it_reads_and_passes_the_target_on() -> None:
     graph = _gpt_graph(4)
     layers = cut_layers(graph)
-    target = [n.name for n in graph if n.kind == INPUT][-1]
+    target = [n.name for n in graph if n.kind == NodeKind.INPUT][-1]
     middle = stage_graph(graph, layers, 1, 3)
     assert target in middle.received and target in middle.sent  # on its way to the loss
     assert len(middle.received) == 2 and len(middle.sent) == 2  # and the residual stream
-    assert all(middle.graph.node(n).kind == INPUT for n in middle.received)
+    assert all(middle.graph.node(n).kind == NodeKind.INPUT for n in middle.received)
     last = stage_graph(graph, layers, 3, 4)
     assert last.sent == () and last.graph.nodes[-1].name == "output"
     whole = stage_graph(graph, layers, 0, 4)

@@ -35,7 +35,8 @@ from autoplan.cluster.timing import (
 )
 from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
-from autoplan.graph.ir import OP, PARAM, Node, TensorInfo
+from autoplan.graph.ir import Node, TensorInfo
+from autoplan.modes import NodeKind
 from autoplan.profile import ops, run
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
@@ -495,7 +496,9 @@ def test_a_gpu_step_computes_for_the_longer_of_its_kernels_and_its_host_work() -
     of the two sums, not the sum of each op's larger."""
     w = load_workload(ROOT / "examples" / "mlp.py", hidden=256, num_layers=4, batch_size=512)
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
-    issued = sum(1 for n in graph if n.kind == OP or (n.kind == PARAM and n.needs_grad))
+    issued = sum(
+        1 for n in graph if n.kind == NodeKind.OP or (n.kind == NodeKind.PARAM and n.needs_grad)
+    )
     one_gpu = dataclasses.replace(_toy({}), backend="nccl", num_nodes=1, devices_per_node=1)
 
     def compute_s(overhead: float) -> float:
@@ -530,7 +533,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     def op(name: str, **fields: Any) -> Node:
         base = dict(args=(), kwargs=(), outputs=(t,), flops=1000.0, bwd_flops=1000.0)
         base |= dict(bytes_moved=8000.0, module_path="", target="", params=(), needs_grad=True)
-        return Node(name, OP, "aten.gelu.default", **(base | {"is_view": False} | fields))
+        return Node(name, NodeKind.OP, "aten.gelu.default", **(base | {"is_view": False} | fields))
 
     replicated = Strategy(output=(R,), inputs=((R,),))
     view = op("v", is_view=True)
@@ -538,7 +541,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     gelu = op("g", transcendental=1000.0)  # 4000 bytes of elements: 0.008 s on the curve
     expected = plain.node_time(gelu, replicated) + 0.008 + 0.5
     assert costs.node_time(gelu, replicated) == pytest.approx(expected)
-    param = dataclasses.replace(op("w"), kind=PARAM)
+    param = dataclasses.replace(op("w"), kind=NodeKind.PARAM)
     assert costs.node_time(param, replicated) == plain.node_time(param, replicated) + 0.5
     # a redistribution pays DTensor's overhead; a gradient bucket's all-reduce does not
     all_reduce = Collective("all_reduce", (0,), 4000)

@@ -19,13 +19,8 @@ from autoplan import PlanOptions
 from autoplan.cli import main
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.execute.recompute import Region, gathered, with_regions
-from autoplan.graph.ir import OP
-from autoplan.graph.recompute import (
-    Recompute,
-    attention_core,
-    recompute_layers,
-    recomputed_ops,
-)
+from autoplan.graph.recompute import Recompute, attention_core, recompute_layers, recomputed_ops
+from autoplan.modes import NodeKind
 from autoplan.planfile.check import assignment_of
 from autoplan.planfile.show import summary
 from autoplan.search.recompute_choice import least
@@ -135,7 +130,7 @@ def test_ops_between_blocks_recompute(cpu4: autoplan.Cluster) -> None:
     with them, the loss after the last does not."""
     w = example("mlp")
     found = w.baseline(cpu4, dp=4, tp=1, recompute="full")
-    ops = [n for n in w.trace() if n.kind == OP]
+    ops = [n for n in w.trace() if n.kind == NodeKind.OP]
     recomputed = [n for layer in found.recompute for n in layer.nodes]
     assert len(found.recompute) == sum(1 for n in ops if n.op == "aten.linear.default") > 2
     assert [n for n in recomputed if "relu" in n] == [n.name for n in ops if "relu" in n.op]
@@ -147,7 +142,7 @@ def test_without_blocks_every_op_recomputes(cpu4: autoplan.Cluster) -> None:
     found = w.baseline(cpu4, dp=4, tp=1, recompute="full")
     recomputed = [n for layer in found.recompute for n in layer.nodes]
     assert len(found.recompute) > 1
-    assert recomputed == [n.name for n in w.trace() if n.kind == OP]
+    assert recomputed == [n.name for n in w.trace() if n.kind == NodeKind.OP]
 
 
 def test_each_layer_recomputed_costs_time_and_frees_memory(cpu4: autoplan.Cluster) -> None:

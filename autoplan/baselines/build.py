@@ -51,13 +51,13 @@ from autoplan.graph.cut import (
     shared_params,
     stage_graph,
 )
-from autoplan.graph.ir import OP, Graph
-from autoplan.graph.recompute import MODES as RECOMPUTE_MODES
-from autoplan.graph.recompute import NONE, chosen
+from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import chosen
+from autoplan.modes import NodeKind, RecomputeMode, Schedule, parse_mode
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import INTERLEAVED, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
 from autoplan.search.pipeline_price import PipelinePlan, price_pipeline
 from autoplan.search.step_price import price_step
@@ -143,7 +143,9 @@ def _check_stages(
 def _schedule(options: PlanOptions, virtual_stages: int) -> str:
     """The schedule a baseline runs: the options', else Interleaved1F1B for stages
     interleaved, else 1F1B."""
-    return options.schedule or (INTERLEAVED if virtual_stages > 1 else "1F1B")
+    return options.schedule or (
+        Schedule.INTERLEAVED if virtual_stages > 1 else Schedule.ONE_F_ONE_B
+    )
 
 
 def _check_batches(
@@ -171,7 +173,7 @@ def _split_layers(graph: Graph, pp: int, virtual_stages: int = 1) -> list[tuple[
     """Megatron's split: one layer per block (without repeated blocks, runs of ops of about
     equal FLOPs, see `autoplan.graph.cut`) in ``pp * virtual_stages`` contiguous runs of equal
     length, the first ones one layer longer when their count does not divide the layers'."""
-    blocks = {b for n in graph if n.kind == OP and (b := block_of(n)) is not None}
+    blocks = {b for n in graph if n.kind == NodeKind.OP and (b := block_of(n)) is not None}
     layers = cut_layers(graph, len(blocks) or DEFAULT_MAX_LAYERS)
     count = pp * virtual_stages
     if len(layers) < count:
@@ -291,7 +293,7 @@ def baseline(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     ep: int = 1,
-    recompute: str = "none",
+    recompute: RecomputeMode | str = RecomputeMode.NONE,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     options: PlanOptions | None = None,
@@ -343,11 +345,8 @@ def baseline(
             f"ep={ep}: experts are split along the whole dp axis (GShard), so ep must be 1 or "
             f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
         )
-    if recompute not in RECOMPUTE_MODES:
-        raise AutoplanError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
-        )
-    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, recompute)
+    mode = parse_mode(RecomputeMode, recompute, "recompute")
+    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, mode)
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches
@@ -384,7 +383,7 @@ def baseline_of_graph(
     ``num_microbatches`` microbatches when ``pp > 1``; ``options`` give the schedule, the
     optimizer and the memory budget. Raises `InfeasiblePlanError` if it does not fit."""
     options = options or PlanOptions()
-    if options.recompute not in (None, NONE):
+    if options.recompute not in (None, RecomputeMode.NONE):
         layout = replace(layout, recompute=options.recompute)
     if options.float32_grads:
         layout = replace(layout, float32_grads=True)
@@ -392,7 +391,9 @@ def baseline_of_graph(
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
-    degrees = f"dp={dp} tp={tp}" + f" recompute={layout.recompute}" * (layout.recompute != NONE)
+    degrees = f"dp={dp} tp={tp}" + f" recompute={layout.recompute}" * (
+        layout.recompute != RecomputeMode.NONE
+    )
 
     def refuse_unless_fits(need: float) -> None:
         if need > limit:

@@ -21,11 +21,11 @@ from autoplan.baselines.build import baseline_of_graph
 from autoplan.baselines.propagate import Layout, mesh_of
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.graph.ir import INPUT, Graph
-from autoplan.graph.recompute import FULL, NONE
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.planfile.schema import Plan
-from autoplan.schedules import INTERLEAVED, schedule_refusal
+from autoplan.schedules import schedule_refusal
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class Degrees:
     sequence_parallel: bool = False
     num_microbatches: int = 1  # of a pipeline; 1 without one
     virtual_stages: int = 1  # stages on each of the pp device groups (Interleaved1F1B: 2)
-    recompute: str = NONE  # every layer recomputed in backward in this mode (FULL, SELECTIVE)
+    # every layer recomputed in backward in this mode (none, full or selective)
+    recompute: RecomputeMode = RecomputeMode.NONE
 
     @property
     def layout(self) -> Layout:
@@ -53,7 +54,7 @@ class Degrees:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" zero{self.zero_stage}" * (self.zero_stage > 0) + " sp" * self.sequence_parallel
         text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
-        text += f" recompute={self.recompute}" * (self.recompute != NONE)
+        text += f" recompute={self.recompute}" * (self.recompute != RecomputeMode.NONE)
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
 
 
@@ -61,13 +62,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[Degrees]:
+def all_degrees(
+    num_devices: int, batch: int, schedule: Schedule = Schedule.ONE_F_ONE_B
+) -> list[Degrees]:
     """Every choice of degrees over ``num_devices`` devices for a step of ``batch`` samples:
     ``dp * tp * pp == num_devices``; ZeRO-1, 2 and 3 where ``dp > 1``, sequence parallelism where
     ``tp > 1``; a pipeline's microbatches divide the batch, ``dp`` divides each, and
     ``schedule`` runs them (Interleaved1F1B: with 2 stages on each device group, as Megatron
     interleaves). Whether the model splits so is left to `conventional_plans`."""
-    virtual = 2 if schedule == INTERLEAVED else 1
+    virtual = 2 if schedule == Schedule.INTERLEAVED else 1
     found = []
     for dp in _divisors(num_devices):
         for tp in _divisors(num_devices // dp):
@@ -88,11 +91,11 @@ def all_degrees(num_devices: int, batch: int, schedule: str = "1F1B") -> list[De
 def every_degrees(num_devices: int, batch: int) -> list[Degrees]:
     """The whole grid: `all_degrees` under 1F1B, the pipelines again under Interleaved1F1B,
     and each of them also with every layer recomputed (Megatron's full recomputation)."""
-    interleaved = [d for d in all_degrees(num_devices, batch, INTERLEAVED) if d.pp > 1]
+    interleaved = [d for d in all_degrees(num_devices, batch, Schedule.INTERLEAVED) if d.pp > 1]
     return [
         replace(d, recompute=recompute)
         for d in all_degrees(num_devices, batch) + interleaved
-        for recompute in (NONE, FULL)
+        for recompute in (RecomputeMode.NONE, RecomputeMode.FULL)
     ]
 
 
@@ -102,7 +105,7 @@ def shaped_degrees(
     *,
     pp: int = 1,
     num_microbatches: int = 1,
-    schedule: str = "1F1B",
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
     virtual_stages: int = 1,
     meshes: Collection[tuple[int, ...]] | None = None,
 ) -> list[Degrees]:
@@ -120,7 +123,9 @@ def shaped_degrees(
 
 def batch_of(graph: Graph) -> int:
     """The step's batch: dim 0 of its first input with dims (1 without one)."""
-    return next((n.output.shape[0] for n in graph if n.kind == INPUT and n.output.shape), 1)
+    return next(
+        (n.output.shape[0] for n in graph if n.kind == NodeKind.INPUT and n.output.shape), 1
+    )
 
 
 def conventional_plans(
@@ -144,7 +149,9 @@ def conventional_plans(
         if d.num_microbatches not in graphs:
             graphs[d.num_microbatches] = graph_for(d.num_microbatches)
         graph = graphs[d.num_microbatches]
-        tries = options.recompute_tries(graph) if d.recompute == NONE else (d.recompute,)
+        tries = (
+            options.recompute_tries(graph) if d.recompute == RecomputeMode.NONE else (d.recompute,)
+        )
         for recompute in tries:
             tried = replace(d, recompute=recompute)
             if tried in tried_already:

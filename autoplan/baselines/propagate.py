@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node
-from autoplan.graph.recompute import NONE
+from autoplan.graph.ir import Graph, Node
+from autoplan.modes import NodeKind, RecomputeMode
 from autoplan.strategies.float32_grads import (
     baseline_copy,
     check_copies_read_as_placed,
@@ -48,7 +48,8 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False  # Megatron's, on the tp axis
     ep: int = 1  # experts split along the dp axis (GShard): 1 or dp
-    recompute: str = NONE  # every layer recomputed in backward in this mode (FULL, SELECTIVE)
+    # every layer recomputed in backward in this mode (none, full or selective)
+    recompute: RecomputeMode = RecomputeMode.NONE
     # every gradient reduced in float32 (`autoplan.strategies.float32_grads`)
     float32_grads: bool = False
 
@@ -106,7 +107,7 @@ def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
 def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str, str]]:
     dp, tp, zero_stage = layout.dp, layout.tp, layout.zero_stage
     seeds = {}
-    for i, node in enumerate(n for n in graph if n.kind == INPUT):
+    for i, node in enumerate(n for n in graph if n.kind == NodeKind.INPUT):
         if not node.output.shape or node.output.shape[0] % dp:
             raise AutoplanError(
                 f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
@@ -157,13 +158,13 @@ def _propagated(
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
-        if node.kind in (PARAM, INPUT):
+        if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
             stored, read[node.name] = seeds.get(node.name, (R, R))
             placed[node.name] = (stored,)
             continue
         ins = tuple(read[r.name] for r in node.refs)
-        rule = rule_for(node, graph, ins) if node.kind == OP else None
-        if rule is None and move and node.kind == OP:
+        rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if rule is None and move and node.kind == NodeKind.OP:
             rule = rule_moving(node, graph, ins)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
@@ -198,11 +199,11 @@ def baseline_strategies(
             output=tuple(r[0] for r in rules) if node.outputs else (),
             inputs=tuple(tuple(r[i + 1] for r in rules) for i in range(len(node.refs))),
         )
-        if node.kind == PARAM and node.needs_grad and layout.zero_stage in (1, 2):
+        if node.kind == NodeKind.PARAM and node.needs_grad and layout.zero_stage in (1, 2):
             state = zero_state(node, strategy.output, layout)
             grad = state if layout.zero_stage == 2 else None
             strategy = replace(strategy, grad=grad, state=state) if state else strategy
-        if node.kind == OUTPUT:
+        if node.kind == NodeKind.OUTPUT:
             inputs = zip(node.refs, strategy.inputs, strict=True)
             strategy = Strategy(
                 (), tuple(boundary(dp, tp) if r.name in sent else spec for r, spec in inputs)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node
+from autoplan.graph.ir import Graph, Node
+from autoplan.modes import NodeKind
 from autoplan.strategies.placement import P, R, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import axis_rules
@@ -66,7 +67,7 @@ def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule |
     all-to-all), preferring an output without partial sums. None if every rule needs a
     parameter placed otherwise."""
     rules, _ = axis_rules(node, graph)
-    params = [graph.node(r.name).kind == PARAM for r in node.refs]
+    params = [graph.node(r.name).kind == NodeKind.PARAM for r in node.refs]
 
     def moves(rule: AxisRule) -> int | None:
         count = 0
@@ -97,12 +98,12 @@ def param_of(graph: Graph, name: str) -> Node | None:
     """The parameter node ``name`` is, or casts (autocast's copy of a float32 weight in
     mixed precision, `autoplan.precision`) when that cast is the parameter's only reader."""
     node = graph.node(name)
-    if node.kind == PARAM:
+    if node.kind == NodeKind.PARAM:
         return node
     if node.op != CAST or len(node.refs) != 1:
         return None
     source = graph.node(node.refs[0].name)
-    return source if source.kind == PARAM and graph.users(source.name) == (name,) else None
+    return source if source.kind == NodeKind.PARAM and graph.users(source.name) == (name,) else None
 
 
 def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
@@ -126,12 +127,17 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
     broken: set[str] = set()
 
     for node in graph:
-        if node.kind not in (OP, OUTPUT):
+        if node.kind not in (NodeKind.OP, NodeKind.OUTPUT):
             continue
         inside = [r.name for r in node.refs if r.name in split]
         if not inside:
             x = graph.node(node.refs[0].name) if node.refs else None
-            if node.op == LINEAR and x is not None and x.kind != PARAM and _own_params(graph, node):
+            if (
+                node.op == LINEAR
+                and x is not None
+                and x.kind != NodeKind.PARAM
+                and _own_params(graph, node)
+            ):
                 split[node.name] = len(node.output.shape) - 1
                 columns.add(node.name)
                 region_of[node.name] = node.name
@@ -143,7 +149,7 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
             region_of[node.name] = region
             continue
         ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
-        rule = rule_for(node, graph, ins) if node.kind == OP else None
+        rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
         dim = shard_dim(rule[0]) if rule is not None else None
         if dim is None:
             broken.add(region)

@@ -59,7 +59,7 @@ _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 
 
 @dataclass(frozen=True)
-class Progress:
+class Restored:
     """Where training stood when a checkpoint was saved."""
 
     step: int  # train steps taken
@@ -225,7 +225,7 @@ def load(
     optimizer: torch.optim.Optimizer,
     *,
     missing_ok: bool = False,
-) -> Progress | None:
+) -> Restored | None:
     """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) into
     ``model``'s parameters and buffers in place and into ``optimizer``, on every rank, and set
     every rank's random state to rank 0's at the save. Without a checkpoint: None if
@@ -263,7 +263,7 @@ def load(
     progress = json.loads((path / PROGRESS).read_text())
     _set_rng_state(progress["rng"])
     log.info("loaded checkpoint %s (step %d)", path, progress["step"])
-    return Progress(progress["step"], progress["extra"], path)
+    return Restored(progress["step"], progress["extra"], path)
 
 
 def _failures(e: dcp.CheckpointException) -> str:

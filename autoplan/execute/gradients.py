@@ -76,7 +76,7 @@ class GradientReducer:
         then: Callable[[], None] | None = None,
     ) -> None:
         """``params``: the tensors whose gradients to reduce, by FQN (a ZeRO-1/2 parameter's
-        whole one, `autoplan.execute.zero`); ``then``: called once they all are reduced."""
+        whole one, `autoplan.execute.sharded_state`); ``then``: called once they all are reduced."""
         self.params = dict(params)
         self.mesh = mesh
         self.axes = plan.stage_axes

@@ -37,16 +37,17 @@ from torch.export import ExportedProgram
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import boundary_placements
+from autoplan.execute.sharded_state import ShardedState
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.execute.watchdog import note
-from autoplan.execute.zero import ShardedState
 from autoplan.graph.capture import as_tuple
+from autoplan.modes import Schedule
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wire_dtype
 
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.GPIPE: ScheduleGPipe,
 }
 
 

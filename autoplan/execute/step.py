@@ -23,11 +23,11 @@ from autoplan.torch_private import functional_all_reduce
 log = logging.getLogger(__name__)
 
 _WRAPPED = "model."
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
+    "sgd_momentum": torch.optim.SGD,
 }
 
 
@@ -98,7 +98,7 @@ def local_leaves(
     """Give the step a plain local leaf (sharing its storage) for each parameter of ``model``
     that every op reading it runs locally on as stored, where ``accepts(fqn, gradient
     placement)`` (the gradient reducer's); returns them by FQN. ``whole``: the parameters
-    forward reads in place of the model's, by FQN (ZeRO-1/2's, `autoplan.execute.zero`)."""
+    forward reads in place of the model's, by FQN (ZeRO-1/2's, `autoplan.execute.sharded_state`)."""
     named = {**dict(model.named_parameters()), **(whole or {})}
     leaves: dict[str, torch.Tensor] = {}
     for placeholder, fqn in placeholders.params.items():
@@ -137,7 +137,7 @@ class Placeholders:
         self.plan = plan
         self.mesh = mesh
         self.leaves: dict[str, Local] = {}  # parameters' local leaves, by placeholder
-        # ZeRO-1/2 parameters as forward reads them, by placeholder (`execute.zero`)
+        # ZeRO-1/2 parameters as forward reads them, by placeholder (`execute.sharded_state`)
         self.whole: dict[str, torch.Tensor] = {}
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of a stage is on its mesh
@@ -288,14 +288,23 @@ def materialize(
 
 
 def make_optimizer(
-    optimizer: str | OptimizerFactory, params: list[nn.Parameter], options: Mapping[str, Any]
+    optimizer: str, params: list[nn.Parameter], options: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    if callable(optimizer):
-        return optimizer(params)
+    """The optimizer `PlanOptions.optimizer` names, over ``params``, with ``options`` (its
+    keyword arguments). SGD's momentum keeps state the plan counts only for "sgd_momentum"
+    (default momentum 0.9); "sgd" with momentum is refused rather than planned short."""
     if optimizer not in OPTIMIZERS:
         raise AutoplanError(
-            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZERS)} or a callable"
+            f"optimizer {optimizer!r} is not known; use one of {sorted(OPTIMIZERS)} (or "
+            "TrainOptions.make_optimizer)"
         )
+    if optimizer == "sgd" and options.get("momentum"):
+        raise AutoplanError(
+            f"optimizer 'sgd' with momentum={options['momentum']}: momentum keeps a buffer per "
+            "parameter that the plan did not count; name PlanOptions(optimizer='sgd_momentum')"
+        )
+    if optimizer == "sgd_momentum":
+        options = {"momentum": 0.9} | dict(options)
     # Adam(W): the fused kernel, one DTensor dispatch for the whole update (DTensor has rules
     # for the fused Adam kernels only); ~3x faster than foreach over GPT's DTensors on one
     # CPU core (benchmarks/executor_costs.py). SGD: foreach, one dispatch per update op rather

@@ -15,7 +15,8 @@ from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from autoplan.graph.ir import PARAM, Graph, Node, Ref
+from autoplan.graph.ir import Graph, Node, Ref
+from autoplan.modes import NodeKind
 
 _LIFTED = re.compile(r"lifted_tensor_\d+$")
 _INDEXED = re.compile(r"^(.*?\b[A-Za-z_]\w*)\.(\d+)(?:\.|$)")
@@ -23,7 +24,7 @@ _INDEXED = re.compile(r"^(.*?\b[A-Za-z_]\w*)\.(\d+)(?:\.|$)")
 
 def block_of(node: Node) -> str | None:
     """``"blocks.3"`` for a node inside the 4th block of a ModuleList, else None."""
-    return _block_of_path(node.target if node.kind == PARAM else node.module_path)
+    return _block_of_path(node.target if node.kind == NodeKind.PARAM else node.module_path)
 
 
 @functools.cache  # asked millions of times by the planner and the conventional plans
@@ -68,7 +69,7 @@ def signature(graph: Graph, names: tuple[str, ...], prefix: str | None) -> tuple
     sig = []
     for name in names:
         n = graph.node(name)
-        path = n.target if n.kind == PARAM else n.module_path
+        path = n.target if n.kind == NodeKind.PARAM else n.module_path
         # export numbers the tensors made in forward across the model (lifted_tensor_0 in one
         # block, lifted_tensor_2 in the next): the number says nothing of the structure
         path = _LIFTED.sub("lifted_tensor", path)

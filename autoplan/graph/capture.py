@@ -28,7 +28,8 @@ from torch.export.graph_signature import InputKind
 from autoplan.errors import TraceError
 from autoplan.graph.fake import on_fake_cpu
 from autoplan.graph.flops import op_flops, transcendental
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo
+from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
+from autoplan.modes import NodeKind
 from autoplan.precision import autocast, autocast_device
 
 log = logging.getLogger(__name__)
@@ -456,13 +457,13 @@ def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Grap
         if spec.kind == InputKind.PARAMETER:
             # a frozen parameter has no gradient: nothing to reduce, store or update
             trains = ep.state_dict[spec.target].requires_grad
-            kinds[name] = (PARAM, target, trains)
+            kinds[name] = (NodeKind.PARAM, target, trains)
             if not trains:
                 frozen.append(target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            kinds[name] = (PARAM, target, False)
+            kinds[name] = (NodeKind.PARAM, target, False)
         else:
-            kinds[name] = (INPUT, name, False)
+            kinds[name] = (NodeKind.INPUT, name, False)
 
     done: dict[str, Node] = {}
     for fx_node in ep.graph.nodes:
@@ -520,7 +521,7 @@ def _convert(
             flops=0.0,
             bwd_flops=0.0,
             bytes_moved=0.0,
-            module_path=target.rpartition(".")[0] if kind == PARAM else "",
+            module_path=target.rpartition(".")[0] if kind == NodeKind.PARAM else "",
             target=target,
             params=(),
             needs_grad=trainable and all(o.is_float for o in outputs),
@@ -530,12 +531,27 @@ def _convert(
     kwargs = tuple(sorted((k, _to_ir(v)) for k, v in fx_node.kwargs.items()))
     if fx_node.op == "output":
         return Node(
-            fx_node.name, OUTPUT, OUTPUT, args, kwargs, (), 0.0, 0.0, 0.0, "", "", (), False, True
+            fx_node.name,
+            NodeKind.OUTPUT,
+            NodeKind.OUTPUT,
+            args,
+            kwargs,
+            (),
+            0.0,
+            0.0,
+            0.0,
+            "",
+            "",
+            (),
+            False,
+            True,
         )
     if fx_node.op != "call_function":
         raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
 
-    refs = Node(fx_node.name, OP, "", args, kwargs, (), 0, 0, 0, "", "", (), False, False).refs
+    refs = Node(
+        fx_node.name, NodeKind.OP, "", args, kwargs, (), 0, 0, 0, "", "", (), False, False
+    ).refs
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
     op = str(fx_node.target)
@@ -547,7 +563,7 @@ def _convert(
     moved = 0.0 if is_view else float(sum(i.nbytes for i in ins) + sum(o.nbytes for o in outputs))
     return Node(
         name=fx_node.name,
-        kind=OP,
+        kind=NodeKind.OP,
         op=op,
         args=args,
         kwargs=kwargs,
@@ -558,7 +574,7 @@ def _convert(
         module_path=_module_path(fx_node),
         target="",
         params=tuple(
-            dict.fromkeys(done[r.name].target for r in refs if done[r.name].kind == PARAM)
+            dict.fromkeys(done[r.name].target for r in refs if done[r.name].kind == NodeKind.PARAM)
         ),
         needs_grad=needs_grad,
         is_view=is_view,

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoplan.graph.ir import INPUT, OP, Graph
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind
 
 # a layer's FLOPs may exceed the average by this share
 BALANCE_SLACK = 0.5
@@ -50,18 +51,18 @@ class Points:
 def crossing_points(graph: Graph) -> Points:
     """What crosses each point of ``graph``'s op order (module docstring): each tensor is added
     over the points from its producer to its last reader, with the readers from the DAG."""
-    ops = [n for n in graph if n.kind == OP]
+    ops = [n for n in graph if n.kind == NodeKind.OP]
     position = {n.name: i for i, n in enumerate(ops)}
     end = len(ops)
     nbytes, tensors, multi = (np.zeros(end + 2, dtype=np.int64) for _ in range(3))
     dag = graph.dataflow
     for n in graph:
-        if n.kind not in (OP, INPUT):
+        if n.kind not in (NodeKind.OP, NodeKind.INPUT):
             continue
         readers = [position.get(u, end) for u in dag.successors(n.name)]
         if not readers:
             continue
-        first = position[n.name] + 1 if n.kind == OP else 0
+        first = position[n.name] + 1 if n.kind == NodeKind.OP else 0
         last = max(readers)
         # difference arrays: +x at the first point crossed, -x past the last
         for total, x in (

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
 from autoplan.graph.crossing import balanced_cut, crossing_points
-from autoplan.graph.ir import INPUT, OP, OUTPUT, PARAM, Graph, Node, Ref
+from autoplan.graph.ir import Graph, Node, Ref
+from autoplan.modes import NodeKind
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def cut_layers(graph: Graph, max_layers: int = DEFAULT_MAX_LAYERS) -> tuple[Laye
     """The graph's layers in order; every node is in exactly one."""
     if max_layers < 1:
         raise AutoplanError(f"max_layers must be at least 1, got {max_layers}")
-    ops = [n for n in graph if n.kind == OP]
+    ops = [n for n in graph if n.kind == NodeKind.OP]
     blocks = list(dict.fromkeys(b for n in ops if (b := block_of(n)) is not None))
     if blocks:
         groups = _even_groups(blocks, max_layers)
@@ -100,14 +101,14 @@ def _assemble(graph: Graph, op_layer: dict[str, int], names: Sequence[str]) -> t
     last = len(names) - 1
     layer_of: dict[str, int] = {}
     for n in graph:
-        if n.kind == OP:
+        if n.kind == NodeKind.OP:
             layer_of[n.name] = op_layer[n.name]
-        elif n.kind == INPUT:
+        elif n.kind == NodeKind.INPUT:
             layer_of[n.name] = 0
-        elif n.kind == OUTPUT:
+        elif n.kind == NodeKind.OUTPUT:
             layer_of[n.name] = last
     for n in graph:
-        if n.kind == PARAM:
+        if n.kind == NodeKind.PARAM:
             readers = [layer_of[u] for u in graph.users(n.name)]
             layer_of[n.name] = min(readers, default=0)
     members: list[list[str]] = [[] for _ in names]
@@ -121,7 +122,7 @@ def shared_params(graph: Graph, layers: Sequence[Layer]) -> dict[str, tuple[int,
     layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
     shared = {}
     for n in graph:
-        if n.kind == PARAM:
+        if n.kind == NodeKind.PARAM:
             readers = tuple(sorted({layer_of[u] for u in graph.users(n.name)}))
             if len(readers) > 1:
                 shared[n.target] = readers
@@ -130,8 +131,8 @@ def shared_params(graph: Graph, layers: Sequence[Layer]) -> dict[str, tuple[int,
 
 @dataclass(frozen=True)
 class StageGraph:
-    """Layers ``[start, stop)`` as a graph of their own: ``graph`` has an INPUT node for each
-    tensor received (named as its producer) and an OUTPUT node reading the tensors sent on,
+    """Layers ``[start, stop)`` as a graph of their own: ``graph`` has an input node for each
+    tensor received (named as its producer) and an output node reading the tensors sent on,
     then the step's loss if the stage computes it."""
 
     graph: Graph
@@ -165,8 +166,8 @@ def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) ->
             nodes.append(
                 Node(
                     name=producer.name,
-                    kind=INPUT,
-                    op=INPUT,
+                    kind=NodeKind.INPUT,
+                    op=NodeKind.INPUT,
                     args=(),
                     kwargs=(),
                     outputs=producer.outputs,
@@ -180,9 +181,9 @@ def stage_graph(graph: Graph, layers: Sequence[Layer], start: int, stop: int) ->
                     is_view=False,
                 )
             )
-        elif n.name in inside and n.kind != OUTPUT:
+        elif n.name in inside and n.kind != NodeKind.OUTPUT:
             nodes.append(n)
-    final = next((n for n in graph if n.kind == OUTPUT and n.name in inside), None)
+    final = next((n for n in graph if n.kind == NodeKind.OUTPUT and n.name in inside), None)
     nodes.append(_output(graph, sent, final))
     sub_fingerprint = f"{graph.fingerprint}:{start}-{stop}"
     return StageGraph(
@@ -199,8 +200,8 @@ def _output(graph: Graph, sent: tuple[str, ...], final: Node | None) -> Node:
         refs += final.refs
     return Node(
         name=final.name if final is not None else SEND,
-        kind=OUTPUT,
-        op=OUTPUT,
+        kind=NodeKind.OUTPUT,
+        op=NodeKind.OUTPUT,
         args=(refs,),
         kwargs=(),
         outputs=(),

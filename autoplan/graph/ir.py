@@ -14,13 +14,10 @@ from typing import Any, TypeVar
 
 import networkx as nx
 
+from autoplan.modes import NodeKind
+
 T = TypeVar("T")
 
-# Node kinds.
-PARAM = "param"  # a trainable parameter (or a buffer: ``trainable`` False)
-INPUT = "input"  # a user input or target
-OP = "op"  # an ATen operator
-OUTPUT = "output"  # the graph's result (the loss for a train step)
 
 _ITEMSIZE = {
     "float64": 8,
@@ -77,12 +74,12 @@ class Node:
     op: str  # "aten.linear.default"; the kind for non-op nodes
     args: tuple[Any, ...]  # fx args with tensors replaced by Ref
     kwargs: tuple[tuple[str, Any], ...]
-    outputs: tuple[TensorInfo, ...]  # one per tensor output; empty for OUTPUT
+    outputs: tuple[TensorInfo, ...]  # one per tensor output; empty for an output
     flops: float  # forward FLOPs of the whole (unsharded) op
     bwd_flops: float  # backward FLOPs
     bytes_moved: float  # forward bytes read + written
     module_path: str  # "blocks.3.attn.qkv"; "" at the top level
-    target: str  # parameter/buffer FQN for PARAM, user input name for INPUT, else ""
+    target: str  # parameter/buffer FQN of a param, user input name of an input, else ""
     params: tuple[str, ...]  # FQNs of the parameters and buffers this op reads directly
     needs_grad: bool  # a gradient flows to this node's output in backward
     is_view: bool  # the output aliases an input (no new memory, no compute)
@@ -183,7 +180,7 @@ class Graph:
 
     @property
     def params(self) -> tuple[Node, ...]:
-        return tuple(n for n in self.nodes if n.kind == PARAM)
+        return tuple(n for n in self.nodes if n.kind == NodeKind.PARAM)
 
     @property
     def num_params(self) -> int:

@@ -26,14 +26,11 @@ from dataclasses import dataclass, field
 from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
-from autoplan.graph.ir import OP, Graph
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind, RecomputeMode
 
 # PlanOptions.recompute's choices (None: the planner's ILP chooses); a plan's recomputed
-# layer is FULL or SELECTIVE, one not recomputed has no entry
-NONE = "none"
-FULL = "full"
-SELECTIVE = "selective"
-MODES = (NONE, FULL, SELECTIVE)
+# layer is full or selective, one not recomputed has no entry
 
 SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax.default", "aten._safe_softmax.default"})
 # the products that start and end an eager attention core: scores = Q K^T, context = P V
@@ -46,17 +43,17 @@ FUSED_ATTENTION = ("aten.scaled_dot_product_", "aten._scaled_dot_product_")
 def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
     """The layers recomputation chooses among: one per block when the model has blocks,
     else the step's ``max_layers`` balanced runs of ops (`cut_layers`)."""
-    has_blocks = any(block_of(n) is not None for n in graph if n.kind == OP)
+    has_blocks = any(block_of(n) is not None for n in graph if n.kind == NodeKind.OP)
     return cut_layers(graph, len(graph) if has_blocks else max_layers)
 
 
-def recomputed_ops(graph: Graph, layer: Layer, mode: str = FULL) -> tuple[str, ...]:
+def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -> tuple[str, ...]:
     """The ops of ``layer`` that recompute their forward when it is recomputed in ``mode``.
-    FULL: those from the step's first op inside a block to its last (all when the model has
+    Full: those from the step's first op inside a block to its last (all when the model has
     no blocks), so that the embedding, the head and the loss stay out, and ops between blocks
-    (an activation applied outside them) stay in. SELECTIVE: its attention cores'
+    (an activation applied outside them) stay in. Selective: its attention cores'
     (`attention_core`); a model without any is refused."""
-    if mode == SELECTIVE:
+    if mode == RecomputeMode.SELECTIVE:
         core = _memo_core(graph)
         if not core:
             raise AutoplanError(
@@ -70,7 +67,7 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = FULL) -> tuple[str, .
 
 
 def _recomputed_span(graph: Graph) -> frozenset[str]:
-    ops = [n for n in graph if n.kind == OP]
+    ops = [n for n in graph if n.kind == NodeKind.OP]
     inside = [i for i, n in enumerate(ops) if block_of(n) is not None]
     first, last = (inside[0], inside[-1]) if inside else (0, len(ops) - 1)
     return frozenset(n.name for n in ops[first : last + 1])
@@ -88,7 +85,7 @@ def attention_core(graph: Graph) -> frozenset[str]:
         return graph.node(name).op in PRODUCTS
 
     for node in graph:
-        if node.kind != OP:
+        if node.kind != NodeKind.OP:
             continue
         if node.op.startswith(FUSED_ATTENTION):
             found.add(node.name)
@@ -128,7 +125,7 @@ def _walk(
         near = graph.users(name) if forward else tuple(dict.fromkeys(r.name for r in refs))
         for other in near:
             node = graph.node(other)
-            if other in seen or node.kind != OP or node.module_path != module:
+            if other in seen or node.kind != NodeKind.OP or node.module_path != module:
                 continue
             seen.add(other)
             if end(other):
@@ -154,7 +151,7 @@ class Recompute:
 
     @staticmethod
     def of(
-        graph: Graph, layers: Iterable[tuple[str, Sequence[str]]], mode: str = FULL
+        graph: Graph, layers: Iterable[tuple[str, Sequence[str]]], mode: str = RecomputeMode.FULL
     ) -> Recompute:
         """(layer name, its recomputed ops (`recomputed_ops` in ``mode``)) for each
         recomputed layer."""
@@ -173,7 +170,9 @@ class Recompute:
         return Recompute(chosen, layer_of, kept, 1.0 / max(len(chosen), 1))
 
     @staticmethod
-    def every_layer(graph: Graph, layers: Iterable[Layer], mode: str = FULL) -> Recompute:
+    def every_layer(
+        graph: Graph, layers: Iterable[Layer], mode: str = RecomputeMode.FULL
+    ) -> Recompute:
         """Every layer of ``layers`` recomputed in ``mode``."""
         ops = ((la.name, recomputed_ops(graph, la, mode)) for la in layers)
         return Recompute.of(graph, ops, mode)
@@ -198,8 +197,8 @@ NO_RECOMPUTE = Recompute()
 
 
 def chosen(graph: Graph, max_layers: int, mode: str) -> Recompute:
-    """Every layer of ``graph`` (`recompute_layers`) recomputed in ``mode``, or none (NONE)."""
-    if mode == NONE:
+    """Every layer of ``graph`` (`recompute_layers`) recomputed in ``mode``, or none (mode none)."""
+    if mode == RecomputeMode.NONE:
         return NO_RECOMPUTE
     return graph.memo(
         ("every layer recomputed", max_layers, mode),

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
-from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph
+from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
+from autoplan.modes import NodeKind
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import (
     CollectivePlan,
@@ -37,7 +38,7 @@ def axis_names(
 ) -> tuple[str, ...]:
     """Name each mesh axis by its role: "dp" if the most expensive op splits its batch (dim 0)
     on that axis, else "tp"; repeated names get their axis index ("dp0", "dp1")."""
-    ops = (n for n in graph if n.kind == OP and n.name in assignment)
+    ops = (n for n in graph if n.kind == NodeKind.OP and n.name in assignment)
     heaviest = max(ops, key=lambda n: n.flops, default=None)
     spec = assignment[heaviest.name].output if heaviest else ()
     names = [
@@ -134,7 +135,7 @@ def _params(
 ) -> dict[str, ParamPlan]:
     params: dict[str, ParamPlan] = {}
     for node in graph:
-        if node.kind != PARAM:
+        if node.kind != NodeKind.PARAM:
             continue
         storage = assignment[node.name].output
         users = graph.users(node.name)
@@ -164,13 +165,13 @@ def _nodes(
     return {
         node.name: NodePlan(
             op=node.op,
-            module=node.module_path if node.kind != PARAM else node.target,
+            module=node.module_path if node.kind != NodeKind.PARAM else node.target,
             output=_named(assignment[node.name].output, axes) if node.outputs else {},
             inputs=tuple(_named(s, axes) for s in assignment[node.name].inputs),
             rule=rules[node.name],
             # a parameter's gradient placement (ZeRO-2) is its params entry's
             grad=_named(grad, axes)
-            if (grad := assignment[node.name].grad) and node.kind != PARAM
+            if (grad := assignment[node.name].grad) and node.kind != NodeKind.PARAM
             else {},
         )
         for node in graph
@@ -188,7 +189,7 @@ def make_pipeline_plan(
     names."""
     graph = pipe.graph
     assignment, rules = own_decisions(pipe.stages)
-    final = next(n.name for n in graph if n.kind == OUTPUT)
+    final = next(n.name for n in graph if n.kind == NodeKind.OUTPUT)
     last = pipe.stages[-1]
     out = last.assignment[final]
     # the original output reads only the loss: drop the placements of tensors sent on

@@ -33,7 +33,8 @@ from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import PlanFormatError
-from autoplan.graph.ir import PARAM, Graph, Node
+from autoplan.graph.ir import Graph, Node
+from autoplan.modes import NodeKind
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
@@ -150,7 +151,7 @@ def _check_names(plan: Plan, graph: Graph) -> None:
 
 def _check_param_entries(plan: Plan) -> None:
     """Without the model: the parameters in ``params`` are those of the parameter nodes."""
-    in_nodes = [n.module for n in plan.nodes.values() if n.op == PARAM]
+    in_nodes = [n.module for n in plan.nodes.values() if n.op == NodeKind.PARAM]
     for name in plan.params:
         if name not in in_nodes:
             close = difflib.get_close_matches(name, in_nodes, n=1)
@@ -300,7 +301,7 @@ def _strategy(plan: Plan, node: Node) -> Strategy:
     entry, axes = plan.nodes[node.name], plan.stage_axes
     grad = _spec(entry.grad, axes) if entry.grad else None
     state = None
-    if node.kind == PARAM and node.target in plan.params:
+    if node.kind == NodeKind.PARAM and node.target in plan.params:
         param = plan.params[node.target]
         grad = _spec(param.grad, axes) if param.grad else None
         state = _spec(param.state, axes) if param.state else None
@@ -350,7 +351,11 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
         closest = sorted(candidates, key=lambda c: _distance(c, strategy))[:_SHOWN]
         shown = "; ".join(_shown(c, node, axes) for c in closest)
         where = f" in {node.module_path}" if node.module_path else ""
-        params = [graph.node(r.name).target for r in node.refs if graph.node(r.name).kind == PARAM]
+        params = [
+            graph.node(r.name).target
+            for r in node.refs
+            if graph.node(r.name).kind == NodeKind.PARAM
+        ]
         pin = f" or plan again with --pin {params[0]}=... to fix it" if params else ""
         raise PlanFormatError(
             f"{what} ({node.op}{where}) {_shown(strategy, node, axes)} on mesh "

@@ -20,9 +20,8 @@ from typing import Any
 
 from autoplan.errors import PlanFormatError
 from autoplan.graph.cut import SEND
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM
-from autoplan.graph.recompute import FULL, SELECTIVE
 from autoplan.jsonfields import JsonField
+from autoplan.modes import NodeKind, Phase, RecomputeMode, Schedule
 from autoplan.planfile.sections import (
     PLAN_VERSION,
     CollectivePlan,
@@ -39,7 +38,7 @@ from autoplan.planfile.sections import (
     StagePredicted,
 )
 from autoplan.precision import COMPUTE_DTYPES
-from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
 from autoplan.strategies.placement import is_placement
@@ -51,7 +50,7 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
 # a recomputed layer's mode (a layer not recomputed has no entry); a pipeline's stages may differ
-RECOMPUTE_MODES = (FULL, SELECTIVE)
+RECOMPUTE_MODES = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
 
 
 def plan_text(data: dict[str, Any]) -> str:
@@ -142,11 +141,11 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
     axes = mesh.axes[1:] if pipeline is not None else mesh.axes
     stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
     groups = mesh.shape[0] if pipeline is not None else 1
-    interleaved = pipeline is not None and pipeline.schedule == INTERLEAVED
+    interleaved = pipeline is not None and pipeline.schedule == Schedule.INTERLEAVED
     if len(stages) != groups and not (interleaved and len(stages) % groups == 0):
         raise doc["stages"].fail(
             "a list of one stage per index of the mesh's pp axis (or one; "
-            f"{INTERLEAVED}: several per index, stage s on index s mod {groups})"
+            f"{Schedule.INTERLEAVED}: several per index, stage s on index s mod {groups})"
         )
     if pipeline is not None:
         refusal = schedule_refusal(
@@ -174,7 +173,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
             kind=f["kind"].text(),
             bytes=f["bytes"].integer(),
             axes=tuple(a.text() for a in f["axes"].elements()),
-            phase=f["phase"].text(),
+            phase=Phase(f["phase"].one_of(tuple(Phase))),
             node=f["node"].text(),
             tensor=f["tensor"].text(),
             stage=f["stage"].integer(),
@@ -263,7 +262,11 @@ def _read_recompute(
             nodes=tuple(n.text() for n in e["nodes"].elements(min_count=1)),
         )
         for i, name in enumerate(layer.nodes):
-            if name not in nodes or nodes[name].op in (PARAM, INPUT, OUTPUT):
+            if name not in nodes or nodes[name].op in (
+                NodeKind.PARAM,
+                NodeKind.INPUT,
+                NodeKind.OUTPUT,
+            ):
                 raise e["nodes"].elements()[i].fail("the name of an op node in nodes")
         if len({stage_of.get(n) for n in layer.nodes}) != 1:
             raise e["nodes"].fail("ops of one stage")
@@ -292,10 +295,10 @@ def _check_bucket(f: JsonField, c: CollectivePlan, nodes: Mapping[str, NodePlan]
     """A gradient bucket: an all-reduce of parameters' gradients, issued by no op."""
     if c.node != GRADIENTS:
         raise f["node"].fail(f"{GRADIENTS!r} for a gradient bucket (one with params)")
-    if c.kind != "all_reduce" or c.phase != "grad_sync":
+    if c.kind != "all_reduce" or c.phase != Phase.GRAD_SYNC:
         raise f["kind"].fail("all_reduce, of phase grad_sync, for a gradient bucket")
     for i, name in enumerate(c.params):
-        if name not in nodes or nodes[name].op != PARAM:
+        if name not in nodes or nodes[name].op != NodeKind.PARAM:
             raise f["params"].elements()[i].fail("the name of a parameter node in nodes")
 
 
@@ -324,7 +327,7 @@ def _read_stage(f: JsonField, axes: tuple[str, ...]) -> Stage:
 def _read_pipeline(f: JsonField) -> Pipeline | None:
     if f.value is None:
         return None
-    schedule = f["schedule"].one_of(SCHEDULES)
+    schedule = f["schedule"].one_of(tuple(Schedule))
     count = f["num_microbatches"].integer(minimum=1)
     return Pipeline(schedule, count, f["bubble_fraction"].number())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from autoplan.graph.ir import PARAM
+from autoplan.modes import NodeKind
 from autoplan.planfile.io import OPTIONAL_PARAM_FIELDS, plan_text, read_plan
 from autoplan.planfile.sections import (
     PLAN_VERSION,
@@ -55,7 +55,7 @@ class Plan:
             self.nodes[name].module: s
             for s, stage in enumerate(self.stages)
             for name in stage.nodes
-            if self.nodes[name].op == PARAM
+            if self.nodes[name].op == NodeKind.PARAM
         }
 
     @property

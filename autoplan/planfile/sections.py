@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from autoplan.modes import Phase
+
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
 # 5: a collective's mesh axes (several for a bucket all-reduced over them together)
 # (ZeRO-1/2's params.<name>.grad and .state are optional fields of version 5)
 PLAN_VERSION = 5
-ONCE_PER_STEP = ("grad_sync", "update")  # the phases issued once per step, not per microbatch
+# the phases issued once per step, not per microbatch
+ONCE_PER_STEP = (Phase.GRAD_SYNC, Phase.UPDATE)
 
 Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
 
@@ -131,7 +134,7 @@ class CollectivePlan:
     # the mesh axes whose ranks form the group: one, or several for a gradient bucket
     # all-reduced over them together (their flattened group)
     axes: tuple[str, ...]
-    phase: str  # forward | backward | grad_sync | update (a ZeRO-1/2 gather after the optimizer)
+    phase: Phase  # update: a ZeRO-1/2 gather after the optimizer step
     node: str  # the op (or output) that needs the redistribution; "gradients" for a bucket
     tensor: str  # the node whose output is redistributed; a bucket's name ("bucket0")
     # issued on that stage's mesh, once per microbatch (grad_sync and update: once per step)

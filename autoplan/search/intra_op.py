@@ -28,18 +28,13 @@ from dataclasses import dataclass, replace
 from autoplan.cluster.model import Cluster
 from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
-from autoplan.graph.ir import OP, OUTPUT, PARAM, Graph, Node, Ref
+from autoplan.graph.ir import Graph, Node, Ref
+from autoplan.modes import NodeKind
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.step_price import PricedStep, price_step
 from autoplan.solve.evaluate import evaluate, min_memory
 from autoplan.solve.ilp import solve_intra_op
-from autoplan.solve.problem import (
-    BucketCost,
-    Edge,
-    IntraOpProblem,
-    IntraOpSolution,
-    SharedCost,
-)
+from autoplan.solve.problem import BucketCost, Edge, IntraOpProblem, IntraOpSolution, SharedCost
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
@@ -127,7 +122,7 @@ def _shared_costs(
     grads: dict[tuple[Spec, Spec], list[tuple[int, int]]] = defaultdict(list)
     for consumer, i in readers:
         group = grouping.group_of[consumer]
-        with_grad = producer.needs_grad and graph.node(consumer).kind != OUTPUT
+        with_grad = producer.needs_grad and graph.node(consumer).kind != NodeKind.OUTPUT
         for k, j in enumerate(grouping.pick[consumer]):
             dst = space[consumer].strategies[j]
             moves[dst.inputs[i]].append((group, k))
@@ -152,10 +147,10 @@ def _shared_costs(
 
 def _follower_producer(node: Node, graph: Graph) -> str | None:
     """The producer a follower merges into, or None if ``node`` is not a follower."""
-    if node.kind != OP or len({r.name for r in node.refs}) != 1 or len(node.refs) != 1:
+    if node.kind != NodeKind.OP or len({r.name for r in node.refs}) != 1 or len(node.refs) != 1:
         return None
     producer = graph.node(node.refs[0].name)
-    if producer.kind != OP or block_of(producer) != block_of(node):
+    if producer.kind != NodeKind.OP or block_of(producer) != block_of(node):
         return None
     return producer.name
 
@@ -250,11 +245,11 @@ def build_problem(
     for node in reps:
         strategies = space[node.name].strategies
         count = layers.count(node.name)
-        weight = count * (once if node.kind == PARAM else 1.0)
+        weight = count * (once if node.kind == NodeKind.PARAM else 1.0)
         own_time = [
             (costs.node_time(node, s) + costs.internal_time(node, s)) * weight for s in strategies
         ]
-        copies = count * (in_flight if node.kind == OP else 1.0)
+        copies = count * (in_flight if node.kind == NodeKind.OP else 1.0)
         own_mem = [costs.node_memory(node, s) * copies for s in strategies]
         producer = _follower_producer(node, graph)
         follow = (
@@ -300,9 +295,9 @@ def build_problem(
     for u, index, readers in shared_reads:
         param_reads[(u, index)].update(readers)
     trained = {
-        key: tuple(sorted(r for r in readers if graph.node(r[0]).kind != OUTPUT))
+        key: tuple(sorted(r for r in readers if graph.node(r[0]).kind != NodeKind.OUTPUT))
         for key, readers in param_reads.items()
-        if graph.node(key[0]).kind == PARAM and graph.node(key[0]).needs_grad
+        if graph.node(key[0]).kind == NodeKind.PARAM and graph.node(key[0]).needs_grad
     }
     problem = IntraOpProblem(
         names=tuple(roots),

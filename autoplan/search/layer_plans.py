@@ -33,8 +33,9 @@ from autoplan.cluster.model import Cluster
 from autoplan.errors import SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
-from autoplan.graph.ir import INPUT, OP, PARAM, Graph
+from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute
+from autoplan.modes import NodeKind
 from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.pipeline_price import (
@@ -377,17 +378,21 @@ class StageSolver:
         )
         assignment, costs = found.result.assignment, found.costs
         static = sum(
-            costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
+            costs.node_memory(n, assignment[n.name])
+            for n in graph
+            if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
         )
         if self.recompute is None:  # the ILP counts dropped activations at a share
-            active = sum(costs.node_memory(n, assignment[n.name]) for n in graph if n.kind == OP)
+            active = sum(
+                costs.node_memory(n, assignment[n.name]) for n in graph if n.kind == NodeKind.OP
+            )
         else:  # as the price counts it: the activations held again whole, where the ILP
             # counted a stage's share of them, so that a plan kept meets the tighter budget
             static += found.step.recompute_bytes
             active = sum(
                 costs.node_memory(n, assignment[n.name])
                 for n in graph
-                if n.kind == OP and not costs.recompute.drops(n.name)
+                if n.kind == NodeKind.OP and not costs.recompute.drops(n.name)
             )
         return priced_stage(
             i, i + 1, stage, assignment, found.step, found.rules, costs, self.send_s(i + 1),

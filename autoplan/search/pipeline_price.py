@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from autoplan.cluster.model import Cluster
 from autoplan.cluster.timing import collective_time, sync_overhead
 from autoplan.graph.cut import Layer, StageGraph
-from autoplan.graph.ir import INPUT, PARAM, Graph, itemsize
+from autoplan.graph.ir import Graph, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
+from autoplan.modes import NodeKind, Phase, Schedule
 from autoplan.schedules import group_order, peak_in_flight, simulate
 from autoplan.search.stage_layout import stage_cluster
 from autoplan.search.step_price import PricedStep, price_step
@@ -99,7 +100,9 @@ class PipelinePlan:
             )  # fmt: skip
             static = sum(st.memory_bytes for st in self.stages[s % groups :: groups])
             return static + peak_in_flight(order, lambda c: self.stages[c].activation_bytes)
-        in_flight = self.num_microbatches if self.schedule == "GPipe" else len(self.stages) - s
+        in_flight = (
+            self.num_microbatches if self.schedule == Schedule.GPIPE else len(self.stages) - s
+        )
         stage = self.stages[s]
         return stage.memory_bytes + min(in_flight, self.num_microbatches) * stage.activation_bytes
 
@@ -154,11 +157,15 @@ def priced_stage(
     once (with the activations of its largest recomputed layer, made again in backward one
     microbatch at a time), the rest one microbatch's activations."""
     graph = stage.graph
-    extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
-    extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == "grad_sync"])
-    extra += sum(costs.internal_time(n, assignment[n.name]) for n in graph if n.kind == PARAM)
+    extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM)
+    extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == Phase.GRAD_SYNC])
+    extra += sum(
+        costs.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
+    )
     static = step.recompute_bytes + sum(
-        costs.node_memory(n, assignment[n.name]) for n in graph if n.kind in (PARAM, INPUT)
+        costs.node_memory(n, assignment[n.name])
+        for n in graph
+        if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
     )
     flops = sum(n.flops for n in graph)
     total_flops = flops + sum(n.bwd_flops for n in graph)

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
-from autoplan.graph.ir import INPUT, OP, PARAM, Graph
-from autoplan.graph.recompute import FULL, NONE, chosen
+from autoplan.graph.ir import Graph
+from autoplan.graph.recompute import chosen
+from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
-from autoplan.schedules import INTERLEAVED, schedule_refusal
+from autoplan.schedules import schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
 from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.recompute_choice import fewest_in_stages
@@ -180,7 +181,7 @@ def _best_for_count(
 def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[int]:
     """The stages per device group to try under Interleaved1F1B: `PlanOptions.virtual_stages`,
     or 2 up to what the layers allow (none where the schedule is not allowed)."""
-    if INTERLEAVED not in options.schedules:
+    if Schedule.INTERLEAVED not in options.schedules:
         return []
     if options.virtual_stages is not None:
         return [options.virtual_stages] if groups * options.virtual_stages <= num_layers else []
@@ -189,18 +190,18 @@ def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[
 
 def _runnable(
     options: PlanOptions, groups: int, num_microbatches: int, num_layers: int
-) -> tuple[list[str], list[int]]:
+) -> tuple[list[Schedule], list[int]]:
     """The schedules of one stage a group, and the stages per group under Interleaved1F1B,
     that torch runs over ``groups`` device groups and ``num_microbatches``."""
-    single = [
+    single: list[Schedule] = [
         s
         for s in options.schedules
-        if s != INTERLEAVED and not schedule_refusal(s, groups, num_microbatches)
+        if s != Schedule.INTERLEAVED and not schedule_refusal(s, groups, num_microbatches)
     ]
     virtual = [
         v
         for v in _virtual_counts(options, groups, num_layers)
-        if not schedule_refusal(INTERLEAVED, groups * v, num_microbatches, v)
+        if not schedule_refusal(Schedule.INTERLEAVED, groups * v, num_microbatches, v)
     ]
     return single, virtual
 
@@ -247,8 +248,8 @@ def _best_for_size(
     # a balanced stage of k layers holds one recomputed layer's activations again at a time
     holds = 1 / -(-len(parts.layers) // num_stages)
     choice = RecomputeChoice.of(graph, options.max_layers, holds) if mode is None else None
-    recomputed = chosen(graph, options.max_layers, mode or NONE)
-    lightest = chosen(graph, options.max_layers, mode or FULL)
+    recomputed = chosen(graph, options.max_layers, mode or RecomputeMode.NONE)
+    lightest = chosen(graph, options.max_layers, mode or RecomputeMode.FULL)
     floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, lightest)
     if not _may_fit(parts, floor, counts, num_microbatches, memory_limit):
         log.info(
@@ -404,7 +405,7 @@ def _interleaved(
         if solved is None:
             continue
         priced = pipeline_plan(
-            solver.cluster, solver.graph, solver.layers, num_microbatches, INTERLEAVED,
+            solver.cluster, solver.graph, solver.layers, num_microbatches, Schedule.INTERLEAVED,
             solver.costs, solver.boundary, solved, solver.memory_limit, v,
         )  # fmt: skip
         _log(priced)
@@ -454,8 +455,12 @@ def _may_fit(
     activations in flight alone outgrow the devices, whatever the stages' meshes)."""
     floors = [
         (
-            sum(costs.memory_floor(n) for n in st.graph if n.kind in (PARAM, INPUT)),
-            sum(costs.memory_floor(n) for n in st.graph if n.kind == OP),
+            sum(
+                costs.memory_floor(n)
+                for n in st.graph
+                if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
+            ),
+            sum(costs.memory_floor(n) for n in st.graph if n.kind == NodeKind.OP),
         )
         for st in parts.stages
     ]

@@ -21,14 +21,8 @@ from typing import TYPE_CHECKING
 from autoplan.graph.blocks import BlockSharing
 from autoplan.graph.cut import Layer
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import (
-    FULL,
-    SELECTIVE,
-    Recompute,
-    frees_activations,
-    recompute_layers,
-    recomputed_ops,
-)
+from autoplan.graph.recompute import Recompute, frees_activations, recompute_layers, recomputed_ops
+from autoplan.modes import RecomputeMode
 from autoplan.solve.problem import IntraOpProblem, Recomputation
 from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies
@@ -42,7 +36,7 @@ class RecomputeChoice:
     """What the ILP may recompute: the step's layers (`recompute_layers`) in ``modes``."""
 
     layers: tuple[Layer, ...]
-    modes: tuple[str, ...]  # FULL and SELECTIVE, in the order `chosen` fills layers
+    modes: tuple[str, ...]  # full and selective, in the order `chosen` fills layers
     # the share of the activations a recomputed layer holds again during its backward that
     # the ILP counts: all of them in one stage; a pipeline stage of k layers holds one
     # layer's at a time (`RangeCost.of`), so each of its layers, planned alone, counts 1 / k
@@ -52,7 +46,7 @@ class RecomputeChoice:
     def of(graph: Graph, max_layers: int, holds: float = 1.0) -> RecomputeChoice:
         """Every layer of ``graph`` (`recompute_layers`), selective where that frees
         activations (`frees_activations`), and full."""
-        modes = (SELECTIVE,) * frees_activations(graph) + (FULL,)
+        modes = (RecomputeMode.SELECTIVE,) * frees_activations(graph) + (RecomputeMode.FULL,)
         return RecomputeChoice(recompute_layers(graph, max_layers), modes, holds)
 
     def within(self, nodes: frozenset[str]) -> RecomputeChoice | None:

@@ -13,7 +13,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autoplan.graph.ir import OUTPUT, PARAM, Graph
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
 from autoplan.strategies.placement import P, Spec, grad_spec
 from autoplan.strategies.pricing import Phased, Pricer
@@ -77,7 +78,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
         found += [(node.name, node.name, p) for p in costs.internal(node, s)]
         for i, ref in enumerate(node.refs):
             grad = None
-            if graph.node(ref.name).needs_grad and node.kind != OUTPUT:
+            if graph.node(ref.name).needs_grad and node.kind != NodeKind.OUTPUT:
                 grad = grad_spec(s.inputs[i], s.output, s.grad)
             key = (ref.name, ref.index, s.inputs[i])
             if key in needs:  # the users' gradients are summed, then reduced once
@@ -91,21 +92,21 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
         seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
-        found += [(user, name, Phased(c, "forward")) for c in fwd]
+        found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
         if fwd:
             waits.add(("forward", user))
             if recompute.recomputes(user):
                 comm += seconds
-                found += [(user, name, Phased(c, "recompute")) for c in fwd]
+                found += [(user, name, Phased(c, Phase.RECOMPUTE)) for c in fwd]
                 waits.add(("recompute", user))
         if grad is None:
             continue
         seconds, bwd = costs.gradient(tensor, grad, assignment[name])
-        if producer.kind == PARAM:
+        if producer.kind == NodeKind.PARAM:
             syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
             continue
         comm += seconds
-        found += [(user, name, Phased(c, "backward")) for c in bwd]
+        found += [(user, name, Phased(c, Phase.BACKWARD)) for c in bwd]
         if bwd:
             waits.add(("backward", name))
     # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
@@ -117,9 +118,9 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
             bucketed.append(entries[0][1])
             continue
         for user, sync in entries:
-            gradients += [(user, name, Phased(c, "grad_sync")) for c in sync.collectives]
+            gradients += [(user, name, Phased(c, Phase.GRAD_SYNC)) for c in sync.collectives]
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
-        phased = Phased(bucket.collective, "grad_sync", bucket.params)
+        phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
     comm += costs.gradients_s([p for _, _, p in gradients])
     found += gradients

@@ -22,25 +22,24 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import OP, PARAM, Graph, Node
+from autoplan.graph.ir import Graph, Node
+from autoplan.modes import NodeKind, ReduceDtype
 from autoplan.strategies.placement import P, R, replicated, without_partial
 from autoplan.strategies.space import NodeStrategies, Strategy
 
-# the name the options and the command line take for reducing gradients in float32
-FP32 = "fp32"
-REDUCE_DTYPES = (FP32,)
 # the weight copies that may keep their gradient partial while split on other axes: each
 # rank's cast of its shard is its shard of the cast
 SPLIT_COPIES = frozenset({"aten._to_copy.default"})
 
 
-def check_reduce_dtype(reduce_dtype: str | None, precision: str | None) -> None:
-    """``reduce_dtype`` is None (the planner's choice) or "fp32" under mixed precision."""
+def check_reduce_dtype(reduce_dtype: str | None, precision: str | None) -> ReduceDtype | None:
+    """``reduce_dtype`` as a `ReduceDtype`: None (the planner's choice) or "fp32" under mixed
+    precision."""
     if reduce_dtype is None:
-        return
-    if reduce_dtype not in REDUCE_DTYPES:
+        return None
+    if reduce_dtype not in tuple(ReduceDtype):
         raise AutoplanError(
-            f"reduce_dtype {reduce_dtype!r} is not known; use {FP32!r} (every gradient reduced "
+            f"reduce_dtype {reduce_dtype!r} is not known; use 'fp32' (every gradient reduced "
             "in float32) or None (the planner's choice)"
         )
     if precision is None:
@@ -48,6 +47,7 @@ def check_reduce_dtype(reduce_dtype: str | None, precision: str | None) -> None:
             f"reduce_dtype={reduce_dtype!r} needs mixed precision: without it every gradient "
             'is float32 already; add mixed_precision="bf16" (or "fp16"), or drop reduce_dtype'
         )
+    return ReduceDtype(reduce_dtype)
 
 
 def weight_copies(graph: Graph) -> frozenset[str]:
@@ -58,10 +58,12 @@ def weight_copies(graph: Graph) -> frozenset[str]:
         alone: set[str] = set()  # parameters and the ops of them alone
         found = set()
         for node in graph:
-            if node.kind == PARAM or (node.kind == OP and all(r.name in alone for r in node.refs)):
+            if node.kind == NodeKind.PARAM or (
+                node.kind == NodeKind.OP and all(r.name in alone for r in node.refs)
+            ):
                 alone.add(node.name)
                 dtypes = {o.dtype for o in node.outputs}
-                if node.kind == OP and node.needs_grad and dtypes != {"float32"}:
+                if node.kind == NodeKind.OP and node.needs_grad and dtypes != {"float32"}:
                     found.add(node.name)
         return frozenset(found)
 

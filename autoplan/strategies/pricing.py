@@ -39,8 +39,9 @@ from autoplan.cluster.timing import (
     sync_overhead,
     with_overhead,
 )
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Node, TensorInfo, itemsize
+from autoplan.graph.ir import Node, TensorInfo, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
+from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
@@ -62,8 +63,7 @@ class Phased:
     """A collective with the phase of the step that issues it."""
 
     collective: Collective
-    phase: str  # "forward" | "backward" | "grad_sync" | "update" (after the optimizer step) |
-    # "recompute" (forward's, again in backward)
+    phase: Phase
     params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
@@ -108,7 +108,7 @@ class Pricer:
         return factor
 
     def node_time(self, node: Node, strategy: Strategy) -> float:
-        if node.kind == PARAM:
+        if node.kind == NodeKind.PARAM:
             if not node.needs_grad:
                 return 0.0
             updated = strategy.state or strategy.output  # ZeRO-1/2: its shard alone
@@ -140,7 +140,7 @@ class Pricer:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
         `node_time` holds it): a step's compute takes at least its nodes' sum
         (`step_price.price_step`). The same for every strategy of the node."""
-        if node.kind == PARAM:
+        if node.kind == NodeKind.PARAM:
             return host_overhead(self.cluster) if node.needs_grad else 0.0
         if node.kind != "op":
             return 0.0
@@ -157,14 +157,14 @@ class Pricer:
         A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero`) is
         gathered back from its updated shards after the optimizer step (phase "update").
         """
-        if node.kind == PARAM:
+        if node.kind == NodeKind.PARAM:
             if strategy.state is None:
                 return ()
             info = node.output
             found, _ = self._redistribute(
                 strategy.state, strategy.output, info.shape, itemsize(info.dtype)
             )
-            return tuple(Phased(c, "update") for c in found)
+            return tuple(Phased(c, Phase.UPDATE) for c in found)
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
         reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
@@ -172,7 +172,7 @@ class Pricer:
             return ()
         size = itemsize(node.outputs[0].dtype)
         return tuple(
-            Phased(Collective("all_reduce", (axis,), size), "forward")
+            Phased(Collective("all_reduce", (axis,), size), Phase.FORWARD)
             for axis, p in enumerate(strategy.inputs[0])
             if shard_dim(p) is not None and self.mesh_shape[axis] > 1
         )
@@ -227,11 +227,11 @@ class Pricer:
         return sum(self.phased_s(p) for p in phased) + (self.sync_s if unbucketed else 0.0)
 
     def node_memory(self, node: Node, strategy: Strategy) -> float:
-        if node.kind in (PARAM, INPUT):
+        if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
             info = node.output
             elems = local_numel(strategy.output, info.shape, self.mesh_shape)
             size = itemsize(info.dtype)
-            if node.kind == INPUT or not node.needs_grad:
+            if node.kind == NodeKind.INPUT or not node.needs_grad:
                 return float(elems * size)
             if strategy.state is None:
                 return float(elems * size * (2 + self.state_per_elem))
@@ -248,9 +248,11 @@ class Pricer:
         over all the mesh's devices (ZeRO's copies are more), a dropped activation nothing.
         Searches rule out with it what cannot fit before planning it."""
         devices = math.prod(self.mesh_shape)
-        if node.kind in (PARAM, INPUT):
+        if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
             info = node.output
-            copies = 1 if node.kind == INPUT or not node.needs_grad else 2 + self.state_per_elem
+            copies = (
+                1 if node.kind == NodeKind.INPUT or not node.needs_grad else 2 + self.state_per_elem
+            )
             return info.nbytes * copies / devices
         if self.recompute.drops(node.name):
             return 0.0
@@ -316,7 +318,7 @@ class Pricer:
         prices those as shared costs)."""
         placement = dst.inputs[index]
         seconds = self.read_s(tensor, src, placement)
-        if producer.needs_grad and consumer.kind != OUTPUT:
+        if producer.needs_grad and consumer.kind != NodeKind.OUTPUT:
             grad = grad_spec(placement, dst.output, dst.grad)
             seconds += self.grad_s(producer, tensor, src, grad, once)
         return seconds
@@ -339,7 +341,7 @@ class Pricer:
         of each microbatch (1 / microbatches in a pipeline stage's ILP, as the stage DP
         amortizes it)."""
         seconds, found = self.gradient(tensor, grad, src)
-        if producer.kind == PARAM:
+        if producer.kind == NodeKind.PARAM:
             return once * self.grad_sync_s(GradientSync(producer.name, tensor.dtype, found))
         return seconds + self.sync_s if found else seconds
 
@@ -348,7 +350,7 @@ class Pricer:
     ) -> GradientSync | None:
         """A parameter's gradient synchronization from ``grad``, if it goes into a bucket
         (`autoplan.strategies.buckets`: all-reduces alone)."""
-        if producer.kind != PARAM:
+        if producer.kind != NodeKind.PARAM:
             return None
         _, found = self.gradient(tensor, grad, src)
         sync = GradientSync(producer.name, tensor.dtype, found)
@@ -372,5 +374,5 @@ class Pricer:
         latencies are priced apart), any other collective as issued."""
         axes = sync.bucket_axes
         if axes is None:
-            return sum(self.phased_s(Phased(c, "grad_sync")) for c in sync.collectives)
+            return sum(self.phased_s(Phased(c, Phase.GRAD_SYNC)) for c in sync.collectives)
         return sync.collectives[0].nbytes * self.bucket_line(axes)[1]

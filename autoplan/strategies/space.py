@@ -15,7 +15,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from autoplan.graph.ir import INPUT, OUTPUT, PARAM, Graph, Node, Ref, TensorInfo, itemsize
+from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, itemsize
+from autoplan.modes import NodeKind
 from autoplan.strategies import dtensor_rules
 from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
@@ -102,7 +103,7 @@ def searched(
     node left with none of its candidates by that (pinned so) keeps them."""
     out = {}
     for name, ns in space.items():
-        info = graph.node(name).output if graph.node(name).kind == PARAM else None
+        info = graph.node(name).output if graph.node(name).kind == NodeKind.PARAM else None
         small = info is not None and math.prod(info.shape) * itemsize(info.dtype) < ZERO_MIN_BYTES
         kept = tuple(
             s for s in ns.strategies if s.state is None or (not small and _searched(s, mesh_shape))
@@ -170,16 +171,16 @@ def _expand(
 
 def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> NodeStrategies:
     num_axes = len(mesh_shape)
-    if node.kind == PARAM:
+    if node.kind == NodeKind.PARAM:
         stored = _storage_strategies(node.output, mesh_shape)
         zero = _zero_strategies(node, stored, mesh_shape)
         return NodeStrategies(node.name, (*stored, *zero), "storage")
-    if node.kind == INPUT:
+    if node.kind == NodeKind.INPUT:
         # the data loader can hand each rank any even slice of the batch at no cost
         return NodeStrategies(
             node.name, tuple(_storage_strategies(node.output, mesh_shape)), "data"
         )
-    if node.kind == OUTPUT:
+    if node.kind == NodeKind.OUTPUT:
         inputs = tuple(replicated(num_axes) for _ in node.refs)
         return NodeStrategies(node.name, (Strategy((), inputs),), "output")
     ins = [graph.tensor(r) for r in node.refs]
@@ -194,7 +195,7 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
     (those keeping the output's gradient partial aside), told without listing them all as a
     baseline checks its own: each mesh axis takes one of the node's rules (replicated on an
     axis of one device), and every tensor splits evenly."""
-    if node.kind == PARAM and strategy.state is not None:
+    if node.kind == NodeKind.PARAM and strategy.state is not None:
         stored = Strategy(strategy.output, strategy.inputs)
         return strategy in _zero_strategies(node, [stored], mesh_shape) and is_candidate(
             node, graph, stored, mesh_shape
@@ -203,7 +204,7 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
         return False
     if len(strategy.output) != len(mesh_shape):
         return False
-    if node.kind in (PARAM, INPUT):
+    if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
         options = _all_shardings(node.output.shape)
         placed = zip(strategy.output, mesh_shape, strict=True)
         return (
@@ -227,7 +228,11 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
 def source_of(node: Node, graph: Graph) -> str:
     """Where a node's candidates come from: "storage" (a parameter), "data" (an input),
     "output", or an op's rules (`axis_rules`)."""
-    sources = {PARAM: "storage", INPUT: "data", OUTPUT: "output"}
+    sources: dict[str, str] = {
+        NodeKind.PARAM: "storage",
+        NodeKind.INPUT: "data",
+        NodeKind.OUTPUT: "output",
+    }
     return sources[node.kind] if node.kind in sources else axis_rules(node, graph)[1]
 
 

@@ -28,7 +28,7 @@ from tests.distributed.cases import (
     zero3,
     zero12,
 )
-from tests.distributed.training import LR, layout_keyword, parallel, reference
+from tests.distributed.training import TRAIN, layout_keyword, parallel, reference
 
 HALF = 3  # steps before the save, and after the load
 GPT_FILE = ROOT / "examples" / "gpt.py"
@@ -37,7 +37,7 @@ Layout = Callable[[Workload], autoplan.PlanOptions | autoplan.Plan]
 
 
 def _step(w: Workload, c: autoplan.Cluster, layout: Layout) -> autoplan.Step:
-    return parallel(w, c, optimizer_options={"lr": LR}, **layout_keyword(layout(w)))
+    return parallel(w, c, train=TRAIN, **layout_keyword(layout(w)))
 
 
 def _train(step: autoplan.Step, w: Workload, steps: int) -> list[float]:

@@ -20,6 +20,7 @@ STEPS = 3
 # lr=1e-4 the noise stays below 1e-5 while any real error (a wrong or missing reduction,
 # a misplaced shard) still moves parameters by ~lr per step, ten times the tolerance.
 LR = 1e-4
+TRAIN = autoplan.TrainOptions(optimizer_options={"lr": LR})  # as `reference` trains
 
 
 def reference(

@@ -28,7 +28,6 @@ from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: 
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
 from autoplan.execute.recompute import Region  # noqa: E402
-from autoplan.precision import LossScaler  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -69,13 +68,14 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     w = workload(case)
     initial = {n: v.detach().clone() for n, v in w.model.state_dict().items()}
     ref = reference(w, case.max_grad_norm, precision=case.precision, init_scale=case.init_scale)
-    fp16 = case.precision == "fp16"
     step = parallel(
         w,
         c,
-        optimizer_options={"lr": LR},
-        max_grad_norm=case.max_grad_norm,
-        loss_scaler=LossScaler(init_scale=case.init_scale) if fp16 else None,
+        train=autoplan.TrainOptions(
+            optimizer_options={"lr": LR},
+            max_grad_norm=case.max_grad_norm,
+            init_scale=case.init_scale,
+        ),
         **layout_keyword(case.plan_layout(w)),
     )
     assert step.optimizer is not None and step.plan is not None
@@ -395,7 +395,7 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
     w = load_workload(ROOT / "examples/mlp.py", **MLP_LARGE_BATCH)
     found = {}
     runs = {
-        "sgd": ("sgd", {"lr": 0.1, "momentum": 0.9}),
+        "sgd": ("sgd_momentum", {"lr": 0.1, "momentum": 0.9}),
         "adam": ("adam", {"lr": LR}),
         "adamw-foreach": ("adamw", {"lr": LR, "foreach": True}),
     }
@@ -408,7 +408,12 @@ def optimizers(c: autoplan.Cluster) -> dict[str, float]:
             "zero2": zero12(2, world_size())(w),  # the shards stepped
         }
         for layout, pins in layouts.items():
-            step = parallel(w, c, optimizer=name, optimizer_options=options, options=pins)
+            step = parallel(
+                w,
+                c,
+                options=dataclasses.replace(pins, optimizer=name),
+                train=autoplan.TrainOptions(optimizer_options=options),
+            )
             for _ in range(STEPS):
                 step(w.example_inputs, w.example_target)
             params = step.state_dict()

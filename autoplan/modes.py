@@ -1,0 +1,82 @@
+"""The package's modes, one `StrEnum` per family: the option fields' types and the words the
+plan file writes. A member is its string (``Schedule.GPIPE == "GPipe"``), so plans, cluster
+files and the command line read and write the same text as before these were types.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypeVar
+
+from autoplan.errors import AutoplanError
+
+
+
+class Mode(StrEnum):
+    """A mode: printed, in messages too (``{mode!r}``), as the string the plan file writes."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+M = TypeVar("M", bound=Mode)
+
+
+class Schedule(Mode):
+    """A pipeline schedule, by the name of torch.distributed.pipelining's class
+    (`autoplan.schedules`)."""
+
+    ONE_F_ONE_B = "1F1B"  # Schedule1F1B
+    GPIPE = "GPipe"  # ScheduleGPipe
+    INTERLEAVED = "Interleaved1F1B"  # ScheduleInterleaved1F1B
+
+
+class RecomputeMode(Mode):
+    """Activation recomputation of a layer (`autoplan.graph.recompute`)."""
+
+    NONE = "none"  # every activation kept from forward to backward
+    FULL = "full"  # the layer's blocks run their forward again in backward (Megatron's full)
+    SELECTIVE = "selective"  # only the attention core runs again (Megatron's selective)
+
+
+class Precision(Mode):
+    """The dtype a mixed-precision step computes in (`autoplan.precision`)."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"  # trains with dynamic loss scaling
+
+
+class ReduceDtype(Mode):
+    """The dtype every gradient is reduced in under mixed precision
+    (`autoplan.strategies.float32_grads`)."""
+
+    FP32 = "fp32"
+
+
+class Phase(Mode):
+    """The part of a train step that issues a collective."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"  # a forward collective issued again in backward
+    GRAD_SYNC = "grad_sync"  # once per step: the gradients' reduction
+    UPDATE = "update"  # once per step, after the optimizer step (ZeRO's gather)
+
+
+class NodeKind(Mode):
+    """What a node of the graph IR is (`autoplan.graph.ir`)."""
+
+    PARAM = "param"  # a trainable parameter (or a buffer: ``trainable`` False)
+    INPUT = "input"  # a user input or target
+    OP = "op"  # an ATen operator
+    OUTPUT = "output"  # the graph's result (the loss for a train step)
+
+
+def parse_mode(kind: type[M], value: str | M, what: str) -> M:
+    """``value`` as a member of ``kind``, matched without regard to case; an unknown value is
+    an `AutoplanError` naming ``what`` and the known values."""
+    for member in kind:
+        if str(value).lower() == member.value.lower():
+            return member
+    known = ", ".join(m.value for m in kind)
+    raise AutoplanError(f"{what} {value!r} is not known; use one of {known}")
