@@ -15,6 +15,7 @@ from torch import nn
 
 from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
@@ -23,14 +24,13 @@ from autoplan.graph.recompute import chosen
 from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
-from autoplan.planfile.assemble import make_pipeline_plan, make_plan
+from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
-from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
+from autoplan.search.pipeline_search import GraphForMicrobatches, search_pipelines
 from autoplan.search.recompute_ilp import RecomputeChoice
-from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def _plan_pipelined(
         ]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
-    found = plan_pipeline(
+    found = search_pipelines(
         microbatch_graph,
         cluster,
         options,
@@ -202,7 +202,7 @@ def _plan_pipelined(
     )
     if found is None:
         return None
-    plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
+    plan = assemble_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
     # (unless Interleaved1F1B is forced), and interleaved as found
     schedules: list[Schedule] = (
@@ -289,8 +289,8 @@ def _plan_one_stage(
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = RecomputeMode.FULL if recompute is None else recompute
         return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
-    plan = make_plan(
-        graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
+    plan = assemble_plan(
+        graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.pricer.recompute
     )
     solved = [m for m in meshes if m not in needs]
     # conventional plans do not take pins

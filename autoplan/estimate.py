@@ -15,24 +15,24 @@ import torch
 from torch import nn
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import price_pipeline
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import price_step
 from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute
 from autoplan.planfile.assemble import (
+    assemble_pipeline_plan,
     collective_plans,
-    make_pipeline_plan,
     predicted,
     provenance,
 )
 from autoplan.planfile.check import assignment_of, check_plan
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
-from autoplan.search.pipeline_price import price_pipeline
 from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.search.stage_layout import boundary_assignment
-from autoplan.search.step_price import price_step
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ def derive(
     if checked.pipeline is not None:
         derived = _derive_pipeline(checked, graph, cluster, optimizer, limit, recompute)
     else:
-        costs = Pricer(cluster, checked.mesh.shape, optimizer, recompute)
-        step = price_step(graph, assignment_of(checked, graph), costs)
+        pricer = Pricer(cluster, checked.mesh.shape, optimizer, recompute)
+        step = price_step(graph, assignment_of(checked, graph), pricer)
         derived = dataclasses.replace(
             checked,
             provenance=provenance(graph, cluster),
@@ -144,7 +144,7 @@ def _derive_pipeline(
         virtual_stages=plan.virtual_stages,
         recompute=recompute,
     )
-    priced = make_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
+    priced = assemble_pipeline_plan(pipe, cluster, plan.solver.meshes_tried, axes=axes)
     stages = tuple(
         dataclasses.replace(old, received=new.received, sent=new.sent, predicted=new.predicted)
         for old, new in zip(plan.stages, priced.stages, strict=True)

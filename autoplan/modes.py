@@ -11,7 +11,6 @@ from typing import TypeVar
 from autoplan.errors import AutoplanError
 
 
-
 class Mode(StrEnum):
     """A mode: printed, in messages too (``{mode!r}``), as the string the plan file writes."""
 

@@ -10,6 +10,9 @@ are at hand; everything else is checked here, when the options are made.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.costmodel.pricer import OPTIMIZER_STATE
 from autoplan.errors import AutoplanError
 from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
@@ -29,7 +33,6 @@ from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
 from autoplan.schedules import check_schedule
 from autoplan.strategies.float32_grads import check_reduce_dtype
-from autoplan.strategies.pricing import OPTIMIZER_STATE
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,13 @@ class PlanOptions:
     """The share of each device's memory a plan may use, in (0, 1]."""
 
     time_limit_s: float = 60.0
-    """Seconds each ILP solve may take (a pipeline layer's at most 10 s); the best solution
-    found by then is kept (with a warning)."""
+    """Seconds each ILP solve may take (a pipeline layer's at most
+    `autoplan.search.pipeline_search.LAYER_TIME_LIMIT_S`); the best solution found by then is
+    kept (with a warning)."""
 
     pipeline: bool | None = None
-    """None weighs pipeline stages against one stage when the cluster has several nodes, its
-    ranks share cores, or one stage does not fit; True requires stages, False rules them out.
+    """None weighs pipeline stages against one stage on every cluster of several devices
+    (never with pins); True requires stages, False rules them out.
     Setting ``num_stages`` or ``num_microbatches`` implies True unless this is False."""
 
     num_stages: int | None = None
@@ -217,3 +221,21 @@ class TrainOptions:
         step_timeout(1.0, self.timeout_s)  # a bad value is refused now, not at the first step
         if not self.init_scale > 0:
             raise AutoplanError(f"init_scale must be > 0, got {self.init_scale}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body) by field name: what the
+    command line's help and the docs show, read from the one place it is written."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for stmt, doc in zip(body.body, body.body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(doc.value.value)
+    return docs

@@ -7,7 +7,7 @@ step's inputs (``{"input:0": "S(0)", "target": "S(0)"}`` forces data parallelism
 * ``{"storage": ..., "use": ...}``: stored one way and gathered to another before use, e.g.
   ``{"storage": "S(0)", "use": "R"}`` for ZeRO-3 / FSDP. Either key may be left out.
   ``"state"`` places its optimizer state, split where it is stored whole (ZeRO-1/2,
-  `autoplan.strategies.zero`), and ``"grad"`` its synchronized gradient (the state's
+  `autoplan.strategies.zero_state`), and ``"grad"`` its synchronized gradient (the state's
   placement: ZeRO-2): ``{"storage": "R", "state": "S(0)", "grad": "S(0)"}``. A state placed
   as stored (or the storage alone given) keeps it whole; without ``"state"`` the planner
   chooses.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
+from autoplan.execute.step import make_optimizer
 from autoplan.execute.watchdog import watched
 from autoplan.graph.capture import as_tuple
 from autoplan.options import PlanOptions, TrainOptions
@@ -110,13 +111,18 @@ def train(
 
 
 def one_process(
-    make: Callable[[], Workload], steps: int, lr: float, precision: str | None = None
+    make: Callable[[], Workload],
+    steps: int,
+    optimizer: str,
+    train_options: TrainOptions,
+    precision: str | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train the same workload in this process alone, as the reference: under
-    ``torch.autocast`` for a mixed ``precision``, and fp16 with torch's ``GradScaler``."""
+    """Train the same workload in this process alone, as the reference: with the same
+    optimizer, under ``torch.autocast`` for a mixed ``precision``, and fp16 with torch's
+    ``GradScaler``."""
     w = make()
     model = copy.deepcopy(w.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, list(model.parameters()), train_options.optimizer_options)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     losses = []
     for _ in range(steps):

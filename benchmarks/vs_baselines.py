@@ -2,7 +2,7 @@
 and every baseline `autoplan.baseline` can write (`autoplan.baselines.grid.every_degrees`: dp x
 tp x pp x microbatches x ZeRO 0-3 x sequence parallelism x 1F1B or Interleaved1F1B x every
 layer recomputed or not, those that divide and fit), all priced by the same cost model
-(`autoplan.search.step_price.price_step` and the pipeline formula).
+(`autoplan.costmodel.step_price.price_step` and the pipeline formula).
 
 Each case plans twice: with the default options, against every conventional plan; and with
 the mesh pinned to each one-stage baseline's mesh (one stage only), against the baselines on

@@ -19,7 +19,7 @@ import pytest
 
 import autoplan
 from autoplan import cli
-from autoplan.cli import main
+from autoplan.cli.main import main
 from tests.conftest import ROOT, example
 
 GPT = str(ROOT / "examples/gpt.py")

@@ -15,12 +15,12 @@ from torch import nn
 import autoplan
 from autoplan import PlanOptions
 from autoplan.baselines.regions import find_regions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import CollectivePlan
 from autoplan.strategies.placement import Collective
-from autoplan.strategies.pricing import Pricer
 from autoplan.workload import Workload
 from tests.conftest import ROOT, example
 from tests.distributed.cases import (
@@ -340,9 +340,9 @@ def _one_microbatch(
 def _bucket_s(plan: Plan, cluster: autoplan.Cluster) -> float:
     """Seconds of the plan's gradient buckets (all on a stage's mesh)."""
     axes = plan.stage_axes
-    costs = Pricer(cluster, plan.mesh.shape[-len(axes) :], "adamw")
+    pricer = Pricer(cluster, plan.mesh.shape[-len(axes) :], "adamw")
     return sum(
-        costs.collective_s(Collective(c.kind, tuple(axes.index(a) for a in c.axes), c.bytes))
+        pricer.collective_s(Collective(c.kind, tuple(axes.index(a) for a in c.axes), c.bytes))
         for c in plan.collectives
         if c.params
     )

@@ -6,6 +6,7 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.strategies.buckets import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
@@ -14,7 +15,6 @@ from autoplan.strategies.buckets import (
     make_buckets,
 )
 from autoplan.strategies.placement import Collective
-from autoplan.strategies.pricing import Pricer
 from tests.conftest import example, plan_example
 
 
@@ -76,12 +76,12 @@ def test_a_bucket_over_several_axes_is_one_all_reduce_over_their_ranks_together(
 ) -> None:
     (bucket,) = make_buckets([_sync("a", 4096, axes=(0, 1)), _sync("b", 4096, axes=(0, 1))])
     assert bucket.collective == Collective("all_reduce", (0, 1), 8192)
-    costs = Pricer(cpu4, (2, 2), "adamw")
+    pricer = Pricer(cpu4, (2, 2), "adamw")
     flat = Pricer(cpu4, (4,), "adamw")
-    assert costs.collective_s(bucket.collective) == flat.collective_s(
+    assert pricer.collective_s(bucket.collective) == flat.collective_s(
         Collective("all_reduce", (0,), 8192)
     )
-    assert costs.grad_sync_s(_sync("a", 4096, axes=(0, 1))) == flat.grad_sync_s(_sync("a", 4096))
+    assert pricer.grad_sync_s(_sync("a", 4096, axes=(0, 1))) == flat.grad_sync_s(_sync("a", 4096))
 
 
 def test_a_data_parallel_plan_on_a_2d_mesh_buckets_over_both_axes(
@@ -95,18 +95,18 @@ def test_a_data_parallel_plan_on_a_2d_mesh_buckets_over_both_axes(
 def test_the_ilp_prices_a_bucketed_gradient_by_its_bytes_and_a_bucket_by_its_latency(
     cpu4: autoplan.Cluster,
 ) -> None:
-    costs = Pricer(cpu4, (4,), "adamw")
-    latency, per_byte = costs.bucket_line((0,))
+    pricer = Pricer(cpu4, (4,), "adamw")
+    latency, per_byte = pricer.bucket_line((0,))
     for nbytes in (FIRST_BUCKET_BYTES, BUCKET_BYTES, 4096):  # the alpha-beta line, exactly
-        issued = costs.collective_s(Collective("all_reduce", (0,), nbytes))
+        issued = pricer.collective_s(Collective("all_reduce", (0,), nbytes))
         assert latency + per_byte * nbytes == pytest.approx(issued, rel=1e-12)
     assert latency > 0 and per_byte > 0
     small = _sync("b", 1024)
-    assert costs.grad_sync_s(small) == 1024 * per_byte  # its buckets' latency priced apart
+    assert pricer.grad_sync_s(small) == 1024 * per_byte  # its buckets' latency priced apart
     big = _sync("w", 2 * BUCKET_BYTES)
-    assert costs.grad_sync_s(big) == 2 * BUCKET_BYTES * per_byte
+    assert pricer.grad_sync_s(big) == 2 * BUCKET_BYTES * per_byte
     zero = GradientSync("w", "float32", (Collective("reduce_scatter", (0,), 1024),))
-    assert costs.grad_sync_s(zero) == costs.collective_s(zero.collectives[0])
+    assert pricer.grad_sync_s(zero) == pricer.collective_s(zero.collectives[0])
 
 
 def test_a_data_parallel_mlp_reduces_all_its_gradients_in_one_bucket(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import AutoplanError
 from autoplan.execute.checkpoint import checkpoint_path, latest
 from autoplan.training import Checkpointing

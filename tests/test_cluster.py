@@ -14,7 +14,7 @@ import pytest
 from autoplan.cluster.hardware import Device, Link
 from autoplan.cluster.mesh import mesh_groups, mesh_shapes
 from autoplan.cluster.model import Cluster
-from autoplan.cluster.timing import COLLECTIVE_KINDS, collective_time, compute_time
+from autoplan.costmodel.timing import COLLECTIVE_KINDS, collective_time, compute_time
 from autoplan.errors import ClusterFormatError, MeshShapeError
 
 COSTMODELS = Path(__file__).resolve().parent.parent / "costmodels"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.solve.stage_problem import (
+from autoplan.solvers.stage_problem import (
     InfeasibleStagesError,
     SendTimeFn,
     StageCost,
@@ -23,7 +23,7 @@ from autoplan.solve.stage_problem import (
     pipeline_time,
     submesh_choices,
 )
-from autoplan.solve.stage_search import solve_stages, solve_stages_plain
+from autoplan.solvers.stages import solve_stages, solve_stages_plain
 
 ONE = Submesh(1, 1)
 TWO = Submesh(1, 2)

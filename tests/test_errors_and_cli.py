@@ -12,7 +12,7 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
 from tests.conftest import ROOT, example
 

@@ -9,7 +9,7 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import PlanFormatError
 from autoplan.planfile.sections import ParamPlan
 from tests.conftest import ROOT, example

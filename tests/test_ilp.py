@@ -14,9 +14,9 @@ import pulp
 import pytest
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
-from autoplan.solve import ilp
-from autoplan.solve.evaluate import evaluate, min_memory
-from autoplan.solve.ilp import (
+from autoplan.solvers import ilp
+from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.ilp import (
     build_model,
     drop_zero_edges,
     fold_self_edges,
@@ -26,7 +26,7 @@ from autoplan.solve.ilp import (
     simplify,
     solve_intra_op,
 )
-from autoplan.solve.problem import (
+from autoplan.solvers.problem import (
     BucketCost,
     Edge,
     IntraOpProblem,

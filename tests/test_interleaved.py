@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.errors import AutoplanError, PlanFormatError
 from autoplan.modes import Schedule
 from autoplan.planfile.show import summary
@@ -26,7 +26,7 @@ from autoplan.schedules import (
     simulate,
     stage_order,
 )
-from autoplan.solve.stage_problem import interleaved_time, pipeline_time
+from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from tests.conftest import example
 
 RUNNABLE = [

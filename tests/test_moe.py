@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.step_price import summed_gradient
 from autoplan.errors import AutoplanError
 from autoplan.graph.capture import capture
-from autoplan.search.step_price import summed_gradient
 from autoplan.strategies.rules import own_rule
 from examples.gpt import GPTConfig
 from examples.moe import MoE, MoEConfig

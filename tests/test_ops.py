@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autoplan.execute.ops import (
+from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     local_cross_entropy,
     local_shape,

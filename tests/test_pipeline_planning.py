@@ -13,6 +13,8 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pipeline_price import sent_bytes
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.crossing import crossing_points
@@ -21,10 +23,8 @@ from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, chosen
 from autoplan.modes import NodeKind
 from autoplan.search.layer_plans import LayerGraphs, StageSolver
-from autoplan.search.pipeline_price import sent_bytes
 from autoplan.search.pipeline_search import _may_fit
 from autoplan.search.stage_layout import boundary_specs, stage_cluster, stage_sizes
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import node_strategies
 from tests.conftest import ROOT, example
 from tests.distributed.cases import data_parallel
@@ -350,14 +350,14 @@ def test_memory_floor_is_under_every_strategy(mesh: tuple[int, ...], recomputed:
     # needs would skip plans that fit
     graph = _gpt_graph(num_layers=2)
     cluster = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
-    costs = Pricer(cluster, mesh, "adam", chosen(graph, DEFAULT_MAX_LAYERS, recomputed))
+    pricer = Pricer(cluster, mesh, "adam", chosen(graph, DEFAULT_MAX_LAYERS, recomputed))
     checked = 0
     for node in graph:
         for strategy in node_strategies(node, graph, mesh).strategies:
-            assert costs.memory_floor(node) <= costs.node_memory(node, strategy) + 1e-6, node.name
+            assert pricer.memory_floor(node) <= pricer.node_memory(node, strategy) + 1e-6, node.name
             checked += 1
     assert checked > len(graph)
-    assert sum(costs.memory_floor(n) for n in graph) > 0
+    assert sum(pricer.memory_floor(n) for n in graph) > 0
 
 
 def test_stage_sizes_that_cannot_fit_are_not_planned(
@@ -370,10 +370,10 @@ def test_stage_sizes_that_cannot_fit_are_not_planned(
     # the floors let the plan found through, and rule it out in a 1000th of its memory
     graph = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)(4)
     parts = LayerGraphs.of(graph, cut_layers(graph, DEFAULT_MAX_LAYERS))
-    costs = Pricer(stage_cluster(cpu4, 2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
+    pricer = Pricer(stage_cluster(cpu4, 2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
     need = plan.predicted.peak_memory_bytes
-    assert _may_fit(parts, costs, [2], 4, need)
-    assert not _may_fit(parts, costs, [2], 4, need / 1000)
+    assert _may_fit(parts, pricer, [2], 4, need)
+    assert not _may_fit(parts, pricer, [2], 4, need / 1000)
 
     def unplanned(*args: object) -> None:
         raise AssertionError("a layer was planned for stages that cannot fit")

@@ -9,12 +9,12 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import price_step
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture
 from autoplan.search.intra_op import build_problem, solve_problem
-from autoplan.search.step_price import price_step
-from autoplan.solve.evaluate import evaluate
-from autoplan.strategies.pricing import Pricer
+from autoplan.solvers.evaluate import evaluate
 from autoplan.strategies.space import strategy_space
 from tests.conftest import example, plan_example
 
@@ -92,11 +92,11 @@ def test_objective_equals_independent_recomputation(cpu4: autoplan.Cluster) -> N
     layers = find_sharing(graph)
     assert layers.canonical, "blocks 2 and 3 should share the decisions of blocks 0 and 1"
     for mesh in [(4,), (2, 2)]:
-        costs = Pricer(cpu4, mesh, "adamw")
+        pricer = Pricer(cpu4, mesh, "adamw")
         space = strategy_space(graph, mesh)
-        problem, grouping = build_problem(graph, layers, space, costs, cpu4.device.memory_bytes)
+        problem, grouping = build_problem(graph, layers, space, pricer, cpu4.device.memory_bytes)
         result = solve_problem(graph, layers, space, problem, grouping, mesh, 30.0)
-        step = price_step(graph, result.assignment, costs)
+        step = price_step(graph, result.assignment, pricer)
         assert step.compute_s + step.comm_s == pytest.approx(result.solution.objective, rel=1e-9)
         check = evaluate(problem, result.solution.choice)
         assert check.objective == pytest.approx(result.solution.objective, rel=1e-12)

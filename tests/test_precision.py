@@ -17,6 +17,7 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, PlanFormatError, TraceError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Graph
@@ -25,7 +26,6 @@ from autoplan.planfile.show import summary
 from autoplan.precision import LossScaler
 from autoplan.strategies.float32_grads import weight_copies
 from autoplan.strategies.placement import R
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 from autoplan.workload import Workload
 from tests.conftest import ROOT, example

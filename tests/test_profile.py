@@ -19,11 +19,13 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.cli import main
+from autoplan.cli.main import main
 from autoplan.cluster.hardware import REQUIRED_DTYPES, Device, Link
 from autoplan.cluster.measured import OP_OVERHEAD_KINDS, Curve, machine_fingerprint, monotone
 from autoplan.cluster.model import Cluster
-from autoplan.cluster.timing import (
+from autoplan.costmodel.pipeline_price import send_time
+from autoplan.costmodel.pricer import Phased, Pricer
+from autoplan.costmodel.timing import (
     COLLECTIVE_KINDS,
     activation_time,
     analytic_collective_time,
@@ -37,13 +39,11 @@ from autoplan.errors import ClusterFormatError
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Node, TensorInfo
 from autoplan.modes import NodeKind
-from autoplan.profile import ops, run
+from autoplan.profile import operations, run
 from autoplan.profile.fit import fitted_cluster
 from autoplan.profile.tasks import Settings, plan_tasks
 from autoplan.progress import Progress
-from autoplan.search.pipeline_price import send_time
 from autoplan.strategies.placement import Collective, P, R
-from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import Strategy
 from autoplan.workload import load_workload
 from tests.conftest import ROOT
@@ -504,8 +504,8 @@ def test_a_gpu_step_computes_for_the_longer_of_its_kernels_and_its_host_work() -
     def compute_s(overhead: float) -> float:
         measured = {"fingerprint": _fingerprint(), "op_overhead": overhead}
         cluster = dataclasses.replace(one_gpu, measured=measured)
-        costs = Pricer(cluster, (1,), "adamw")
-        assert sum(costs.host_time(n) for n in graph) == pytest.approx(issued * overhead)
+        pricer = Pricer(cluster, (1,), "adamw")
+        assert sum(pricer.host_time(n) for n in graph) == pytest.approx(issued * overhead)
         plan = autoplan.plan(
             w.model, w.example_inputs, cluster, loss_fn=w.loss_fn, example_target=w.example_target
         )
@@ -527,7 +527,7 @@ def test_step_costs_add_the_measured_overheads() -> None:
     }
     measured = {"fingerprint": _fingerprint(), "activation": {"float32": [[1.0, 0.0], [1e6, 2.0]]}}
     plain = Pricer(_toy({}), (4,), "adamw")
-    costs = Pricer(_toy({**measured, **overheads}), (4,), "adamw")
+    pricer = Pricer(_toy({**measured, **overheads}), (4,), "adamw")
     t = TensorInfo((1000,), "float32")
 
     def op(name: str, **fields: Any) -> Node:
@@ -537,35 +537,35 @@ def test_step_costs_add_the_measured_overheads() -> None:
 
     replicated = Strategy(output=(R,), inputs=((R,),))
     view = op("v", is_view=True)
-    assert (plain.node_time(view, replicated), costs.node_time(view, replicated)) == (0.0, 0.5)
+    assert (plain.node_time(view, replicated), pricer.node_time(view, replicated)) == (0.0, 0.5)
     gelu = op("g", transcendental=1000.0)  # 4000 bytes of elements: 0.008 s on the curve
     expected = plain.node_time(gelu, replicated) + 0.008 + 0.5
-    assert costs.node_time(gelu, replicated) == pytest.approx(expected)
+    assert pricer.node_time(gelu, replicated) == pytest.approx(expected)
     param = dataclasses.replace(op("w"), kind=NodeKind.PARAM)
-    assert costs.node_time(param, replicated) == plain.node_time(param, replicated) + 0.5
+    assert pricer.node_time(param, replicated) == plain.node_time(param, replicated) + 0.5
     # a redistribution pays DTensor's overhead; a gradient bucket's all-reduce does not
     all_reduce = Collective("all_reduce", (0,), 4000)
-    raw = costs.collective_s(all_reduce)
+    raw = pricer.collective_s(all_reduce)
     assert raw == plain.collective_s(all_reduce) > 0
-    assert costs.redistribution_s(all_reduce) == raw + 3.0
+    assert pricer.redistribution_s(all_reduce) == raw + 3.0
     partial = Strategy(output=(P,), inputs=())
-    seconds, found = costs.forward(t, partial, replicated, 0)
+    seconds, found = pricer.forward(t, partial, replicated, 0)
     assert found == (all_reduce,) and seconds == raw + 3.0
     # the step waits for the ranks' skew at it: sync_s, once per op (step_price.price_step)
-    assert (costs.sync_s, plain.sync_s) == (1.0, 0.0)
+    assert (pricer.sync_s, plain.sync_s) == (1.0, 0.0)
     user = dataclasses.replace(op("u"), needs_grad=False)
-    assert costs.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0
-    assert costs.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw  # a bucket's
+    assert pricer.edge(op("p", needs_grad=False), t, partial, user, replicated, 0, 1) == raw + 4.0
+    assert pricer.phased_s(Phased(all_reduce, "grad_sync", ("w",))) == raw  # a bucket's
     zero = Phased(all_reduce, "grad_sync")  # outside the buckets: ZeRO's, say
-    assert costs.phased_s(zero) == raw + 3.0
+    assert pricer.phased_s(zero) == raw + 3.0
     # those are issued asynchronously and waited for once, at the optimizer
     bucket = Phased(all_reduce, "grad_sync", ("w",))
-    assert costs.gradients_s([bucket, bucket]) == 2 * raw
-    assert costs.gradients_s([zero, zero, bucket]) == 3 * raw + 2 * 3.0 + 1.0
+    assert pricer.gradients_s([bucket, bucket]) == 2 * raw
+    assert pricer.gradients_s([zero, zero, bucket]) == 3 * raw + 2 * 3.0 + 1.0
     # a pipeline's activation and its gradient: two messages, each waited for
-    message = collective_time(costs.cluster, "send_recv", 4000, 2, costs.cluster.inter_node)
-    assert send_time(costs.cluster, 4000) == 2 * (message + 1.0)
-    assert send_time(plain.cluster, 4000) == 2 * message and send_time(costs.cluster, 0) == 0
+    message = collective_time(pricer.cluster, "send_recv", 4000, 2, pricer.cluster.inter_node)
+    assert send_time(pricer.cluster, 4000) == 2 * (message + 1.0)
+    assert send_time(plain.cluster, 4000) == 2 * message and send_time(pricer.cluster, 0) == 0
 
 
 # ------------------------------------------------------------------ what is measured, and the fit
@@ -595,13 +595,13 @@ def test_local_curves_keep_each_points_median_over_passes_spread_through_the_pro
 def test_local_ops_are_timed_on_operands_cycled_through_the_caches() -> None:
     cpu = torch.device("cpu")
     seen: list[int] = []
-    small = ops.cold((64, 64), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
-    for _ in range(2 * ops.COLD_POOL_SETS):
+    small = operations.cold((64, 64), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    for _ in range(2 * operations.COLD_POOL_SETS):
         small.call()
-    assert small.local and len(set(seen)) == ops.COLD_POOL_SETS  # 48 KiB a set: capped
-    assert seen[: ops.COLD_POOL_SETS] == seen[ops.COLD_POOL_SETS :]  # in turn, again
+    assert small.local and len(set(seen)) == operations.COLD_POOL_SETS  # 48 KiB a set: capped
+    assert seen[: operations.COLD_POOL_SETS] == seen[operations.COLD_POOL_SETS :]  # in turn, again
     seen.clear()
-    large = ops.cold((2**23,), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
+    large = operations.cold((2**23,), torch.float32, cpu, lambda a, b, out: seen.append(id(a)))
     for _ in range(4):
         large.call()
     assert len(set(seen)) == 2  # 96 MiB a set: two pass 128 MiB

@@ -16,16 +16,16 @@ import torch
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import main
+from autoplan.cli.main import main
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
-from autoplan.execute.recompute import Region, gathered, with_regions
+from autoplan.execute.checkpointed import RecomputedRegion, gathered, with_regions
 from autoplan.graph.recompute import Recompute, attention_core, recompute_layers, recomputed_ops
 from autoplan.modes import NodeKind
 from autoplan.planfile.check import assignment_of
 from autoplan.planfile.show import summary
 from autoplan.search.recompute_choice import least
-from autoplan.search.step_price import PricedStep, price_step
-from autoplan.strategies.pricing import Pricer
 from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 
@@ -417,14 +417,17 @@ def test_a_core_with_its_mask_between_runs_as_one_region() -> None:
     names = [n.name for n in nodes]
     core = ["matmul", "mul", "masked_fill", "softmax", "matmul_1"]
     assert names.index("tril") < names.index("masked_fill")  # made between: two runs
-    assert sum(isinstance(s, Region) for s in with_regions(nodes, dict.fromkeys(core, 0))) == 2
+    assert (
+        sum(isinstance(s, RecomputedRegion) for s in with_regions(nodes, dict.fromkeys(core, 0)))
+        == 2
+    )
     order = gathered(nodes, dict.fromkeys(core, 0))
     assert sorted(n.name for n in order) == sorted(names)
     steps = with_regions(order, dict.fromkeys(core, 0))
-    (region,) = [s for s in steps if isinstance(s, Region)]
+    (region,) = [s for s in steps if isinstance(s, RecomputedRegion)]
     assert [n.name for n in region.nodes] == core
     assert "eq" in region.reads  # the mask, made before it
-    ran = [s.name for s in steps if not isinstance(s, Region)]
+    ran = [s.name for s in steps if not isinstance(s, RecomputedRegion)]
     assert ran.index("new_ones") < ran.index("tril") < ran.index("eq")  # in their order
     placed: set[str] = set()
     for node in order:  # still in an order that computes each input before its readers

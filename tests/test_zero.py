@@ -1,4 +1,4 @@
-"""ZeRO-1/2 (`autoplan.strategies.zero`): the optimizer state, and ZeRO-2's gradients, split
+"""ZeRO-1/2 (`autoplan.strategies.zero_state`): the optimizer state, and ZeRO-2's gradients, split
 while the parameters stay whole; planned where memory (or time) asks for it, written in the
 plan only when chosen, checked, priced and shown. The parity cases (tests/distributed/cases.py:
 *-zero1, *-zero2) train such plans on 4 gloo ranks."""
@@ -12,9 +12,9 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.planfile.show import summary
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 from autoplan.workload import Workload
 from tests.conftest import example
@@ -81,19 +81,19 @@ def test_memory_and_update_are_priced_on_the_shard(a100: autoplan.Cluster) -> No
     w = example("mlp", hidden=64, batch_size=64, device="meta")
     graph = w.trace()
     weight = next(n for n in graph if n.kind == "param" and n.target == "layers.0.weight")
-    costs = Pricer(a100, (8,), "adamw")
+    pricer = Pricer(a100, (8,), "adamw")
     whole, split = ("R",), ("S(0)",)
     dp = Strategy(whole, ())
     zero1, zero2 = Strategy(whole, (), None, split), Strategy(whole, (), split, split)
     elems, size = 64 * 64, 4
-    assert costs.node_memory(weight, dp) == elems * size * 4  # param, grad, two moments
+    assert pricer.node_memory(weight, dp) == elems * size * 4  # param, grad, two moments
     # the parameter, its gradient (whole, or its shard), the shard's moments and master copy
-    assert costs.node_memory(weight, zero1) == (elems + elems + elems / 8 * 3) * size
-    assert costs.node_memory(weight, zero2) == (elems + elems / 8 + elems / 8 * 3) * size
-    assert costs.node_time(weight, zero2) < costs.node_time(weight, dp)
-    gathers = costs.internal(weight, zero2)
+    assert pricer.node_memory(weight, zero1) == (elems + elems + elems / 8 * 3) * size
+    assert pricer.node_memory(weight, zero2) == (elems + elems / 8 + elems / 8 * 3) * size
+    assert pricer.node_time(weight, zero2) < pricer.node_time(weight, dp)
+    gathers = pricer.internal(weight, zero2)
     assert [(p.collective.kind, p.phase) for p in gathers] == [("all_gather", "update")]
-    assert costs.internal(weight, dp) == ()
+    assert pricer.internal(weight, dp) == ()
 
 
 def test_a_plan_writes_the_state_only_where_split(cpu4: autoplan.Cluster) -> None:

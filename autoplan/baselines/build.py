@@ -2,7 +2,7 @@
 
 A one-stage baseline is placed by `autoplan.baselines.propagate` (which splits on ``tp`` what
 `autoplan.baselines.regions` finds) and priced as the planner prices its own choice of one
-strategy per node (`autoplan.search.step_price.price_step`).
+strategy per node (`autoplan.costmodel.step_price.price_step`).
 
 Pipelines (``pp > 1``) split the step as Megatron does: traced at the shape of one
 microbatch, it is cut into one layer per repeated block (`autoplan.graph.cut`: the embedding
@@ -13,7 +13,7 @@ Each stage runs on ``dp * tp`` devices and is placed as one stage is, on its own
 batch, whole on tp. The tensors it sends leave laid out the same way (read so by its output),
 so a tensor-parallel region cut by a stage boundary is not split (it reaches an output).
 Stages are priced as the planner prices its own
-(`autoplan.search.pipeline_price.price_pipeline`). Interleaved 1F1B (``virtual_stages=v``, as
+(`autoplan.costmodel.pipeline_price.price_pipeline`). Interleaved 1F1B (``virtual_stages=v``, as
 Megatron's ``--num-layers-per-virtual-pipeline-stage``) splits the layers so into ``pp v``
 stages, stage ``s`` on device group ``s mod pp``.
 """
@@ -40,6 +40,9 @@ from autoplan.baselines.propagate import (
     zero_replicated,
 )
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import PipelinePlan, price_pipeline
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
@@ -55,15 +58,12 @@ from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
 from autoplan.modes import NodeKind, RecomputeMode, Schedule, parse_mode
 from autoplan.options import PlanOptions
-from autoplan.planfile.assemble import make_pipeline_plan, make_plan
+from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
-from autoplan.search.pipeline_price import PipelinePlan, price_pipeline
-from autoplan.search.step_price import price_step
-from autoplan.solve.evaluate import evaluate
-from autoplan.solve.problem import IntraOpSolution
-from autoplan.strategies.pricing import Pricer
+from autoplan.solvers.evaluate import evaluate
+from autoplan.solvers.problem import IntraOpSolution
 
 GiB = 2**30
 
@@ -194,15 +194,15 @@ def _one_stage(
     space = baseline_strategies(graph, layout)
     mesh_shape = mesh_of(layout.dp, layout.tp)
     recompute = chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute)
-    costs = Pricer(cluster, mesh_shape, optimizer, recompute)
-    problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, costs, limit)
+    pricer = Pricer(cluster, mesh_shape, optimizer, recompute)
+    problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, pricer, limit)
     choice = (0,) * problem.num_groups
     solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
     assignment = assignment_of(space)
     result = IntraOpResult(mesh_shape, assignment, solution, problem)
     rules = {name: ns.source for name, ns in space.items()}
-    step = price_step(graph, assignment, costs)
-    return make_plan(graph, cluster, result, step, rules, (mesh_shape,), recompute)
+    step = price_step(graph, assignment, pricer)
+    return assemble_plan(graph, cluster, result, step, rules, (mesh_shape,), recompute)
 
 
 # the stages of a step depend on pp (and virtual_stages) alone: all conventional plans of so
@@ -269,11 +269,11 @@ def _pipelined(
     return pipe, groups
 
 
-def _pipeline_plan(
+def _conventional_pipeline(
     pipe: PipelinePlan, groups: tuple[tuple[Layer, ...], ...], cluster: Cluster
 ) -> Plan:
     """The plan of a conventional pipeline, each stage named by its layers."""
-    plan = make_pipeline_plan(pipe, cluster, (pipe.mesh_shape,))
+    plan = assemble_pipeline_plan(pipe, cluster, (pipe.mesh_shape,))
     named = (
         replace(st, layers=tuple(layer.name for layer in group))
         for st, group in zip(plan.stages, groups, strict=True)
@@ -415,4 +415,4 @@ def baseline_of_graph(
         graph, cluster, layout, pp, num_microbatches, schedule, optimizer, limit, virtual_stages
     )
     refuse_unless_fits(max(pipe.stage_memory(s) for s in range(len(pipe.stages))))
-    return _pipeline_plan(pipe, groups, cluster)  # written only once it fits
+    return _conventional_pipeline(pipe, groups, cluster)  # written only once it fits

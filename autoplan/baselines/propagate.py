@@ -31,7 +31,7 @@ from autoplan.strategies.float32_grads import (
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
-from autoplan.strategies.zero import state_specs
+from autoplan.strategies.zero_state import state_specs
 
 EINSUM = "aten.einsum.default"
 
@@ -81,7 +81,7 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
 
 def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
     """ZeRO-1/2's optimizer state of a parameter stored ``stored`` on mesh `mesh_of`: split
-    further along the dp axis (the first) alone, as `autoplan.strategies.zero` splits it; None
+    further along the dp axis (the first) alone, as `autoplan.strategies.zero_state` splits it; None
     where no dim divides."""
     mesh_shape = mesh_of(layout.dp, layout.tp)
     found = state_specs(stored, node.output.shape, mesh_shape)

@@ -44,7 +44,7 @@ CAST = "aten._to_copy.default"
 
 
 @dataclass(frozen=True)
-class Region:
+class TpRegion:
     """One tensor-parallel region: linears split by output features, then by input features."""
 
     columns: tuple[str, ...]  # linear node names, in graph order
@@ -117,7 +117,7 @@ def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
     )
 
 
-def find_regions(graph: Graph) -> tuple[Region, ...]:
+def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
     split: dict[str, int] = {}  # activation inside a region -> its split dim
     columns: set[str] = set()
@@ -165,7 +165,7 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
     for root, names in members.items():
         if root not in broken and any(n in rows for n in names):
             regions.append(
-                Region(
+                TpRegion(
                     columns=tuple(n for n in names if n in columns),
                     rows=tuple(n for n in names if n in rows),
                     split=tuple((n, split[n]) for n in names if n in split),
@@ -174,7 +174,7 @@ def find_regions(graph: Graph) -> tuple[Region, ...]:
     return tuple(regions)
 
 
-def _check_tp_divides(graph: Graph, regions: Sequence[Region], tp: int) -> None:
+def _check_tp_divides(graph: Graph, regions: Sequence[TpRegion], tp: int) -> None:
     for region in regions:
         for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
             weight = param_of(graph, graph.node(linear).refs[1].name)

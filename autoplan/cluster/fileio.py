@@ -24,7 +24,7 @@ The `measured` field holds profiled curves (`autoplan profile`) beside the analy
     }
 
 with <kind> one of autoplan.cluster.measured.COLLECTIVE_KINDS and bytes as
-`autoplan.cluster.timing` defines them for that kind; send_recv curves have group size 2. Every
+`autoplan.costmodel.timing` defines them for that kind; send_recv curves have group size 2. Every
 section is optional and `{}` means nothing is measured. Each curve is a non-empty list of
 points with sizes > 0 strictly increasing and seconds >= 0 non-decreasing
 (`autoplan.cluster.measured` says why and how they are interpolated). `read_measured` gives the

@@ -3,7 +3,7 @@
 `autoplan profile` times real operations and stores, per operation class, a curve of points
 `[x, seconds]` sorted by x; `Cluster.from_dict` validates them (field by field, see
 `autoplan/cluster/fileio.py` and costmodels/README.md) into a `Measured`;
-`autoplan.cluster.timing` reads `Cluster.curves` and uses a curve wherever it has one and the
+`autoplan.costmodel.timing` reads `Cluster.curves` and uses a curve wherever it has one and the
 analytic constants elsewhere.
 No torch here: plain numbers, so the cost model stays apart from torch.
 
@@ -63,7 +63,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 OVERHEADS = ("op_overhead", "sync_overhead")
 # the ops whose overhead a profile measures apart (`Measured.op_overheads`): the common ones of
 # transformers and MLPs, whose forward and backward launch more than an element-wise op's
-# (by hand, one CPU thread: a Linear 18-24 us, a layer norm 18, a view 5, `x * 1.5` 6); "view"
+# (a Linear's and a layer norm's several times a view's); "view"
 # stands for every view op (transpose, view, reshape ...)
 OP_OVERHEAD_KINDS = (
     "aten.linear.default",

@@ -4,22 +4,20 @@ storage placement, the plan's gradient buckets as one all-reduce each.
 A bucket's gradients (local shards) are copied into one flat buffer, which is all-reduced
 along the bucket's axes, and each gradient becomes a view of its slice. The buffer is the
 bucket's for the whole run, as DDP's are: a fresh one each step is new pages for the kernel to
-map and zero (in a profile of data-parallel GPT on 4 CPU ranks sharing 2 cores, packing its
-14 MB took ~20 ms a step into a fresh buffer, ~1 ms into the kept one). A gradient therefore
+map and zero, every step. A gradient therefore
 stays valid only until the next backward pass writes over it. DTensor has no bucketed
 reduction of its own (DDP and FSDP each write theirs over plain tensors), so the bucketing is
 ours. The collective is torch's: c10d's in-place all-reduce, as DDP's reducer issues it
 (DTensor's redistribute is a functional, out-of-place all-reduce: one more copy of the whole
-bucket, ~5% of a data-parallel GPT step on 4 CPU ranks), on the group of the bucket's axis, or
+bucket), on the group of the bucket's axis, or
 on a group of the ranks along all its axes together (`_group`: one all-reduce rather than one
 per axis, as strategies/buckets.py explains).
 
 A parameter whose every use runs locally on its stored shard has a plain local leaf in the
 step (`autoplan.execute.step.local_leaves`): autograd accumulates its gradient as a plain tensor,
 which goes into its bucket as it is (or, where it needs no synchronization, becomes the
-parameter's gradient). A DTensor on that path would cost ~0.08 ms a parameter and step on
-one CPU core (its to_local's backward and a DTensor AccumulateGrad; see
-benchmarks/executor_costs.py).
+parameter's gradient). A DTensor on that path would cost its to_local's backward and a DTensor
+AccumulateGrad a parameter and step (benchmarks/results/executor_costs.md).
 """
 
 from __future__ import annotations
@@ -263,8 +261,8 @@ class GradientReducer:
         assert bucket.work is not None and bucket.flat is not None
         note(f"the all-reduce of gradient bucket {bucket.name} on {'+'.join(bucket.axes)}")
         bucket.work.wait()
-        # the same views of the same buffer every step (wrapping 57 gradients as DTensors
-        # afresh costs ~1 ms of CPU a step on GPT)
+        # the same views of the same buffer every step (not every gradient wrapped as a
+        # DTensor afresh, which costs CPU time per gradient and step)
         if not bucket.views:
             bucket.views = self._views(bucket, bucket.flat)
         for fqn, grad in bucket.views.items():

@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
-from autoplan.execute.ops import (
+from autoplan.execute.checkpointed import RecomputedRegion, checkpointed, gathered, with_regions
+from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
     SIZED,
@@ -50,7 +51,6 @@ from autoplan.execute.placements import (
     to_dtensor,
 )
 from autoplan.execute.randomness import Draws, is_random
-from autoplan.execute.recompute import Region, checkpointed, gathered, with_regions
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -100,8 +100,8 @@ def last_uses(nodes: Sequence[torch.fx.Node], keep: Sequence[str] = ()) -> dict[
     once it has run;
     ``keep``: values needed after the last node (a stage's sent tensors). A value kept to the
     end of the step would hold its memory through the whole forward, and every op would write
-    into fresh pages (the module's own forward frees as it goes; in a profile of GPT's forward
-    on 4 CPU ranks, the 1 MB bias copies of its MLPs took 3-14 ms instead of 0.1)."""
+    into fresh pages, which the kernel maps and zeroes (the module's own forward frees as it
+    goes)."""
     freed: dict[str, list[str]] = {}
     seen: set[str] = set(keep)
     for node in reversed(nodes):
@@ -275,7 +275,7 @@ class PlanInterpreter:
         for name in values:
             weigh(name)
         for item in self.steps:
-            if isinstance(item, Region):
+            if isinstance(item, RecomputedRegion):
                 self._recompute(item, env, placed, totals, weigh)
                 continue
             if item.op == "placeholder" or item.name in env:
@@ -315,7 +315,7 @@ class PlanInterpreter:
 
     def _recompute(
         self,
-        region: Region,
+        region: RecomputedRegion,
         env: dict[str, Any],
         placed: Placed,
         totals: dict[str, _Summed],

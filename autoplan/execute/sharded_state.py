@@ -1,4 +1,4 @@
-"""ZeRO-1/2 as the plan places it (`autoplan.strategies.zero`): the parameters whose optimizer
+"""ZeRO-1/2 as the plan places it (`autoplan.strategies.zero_state`): the parameters whose optimizer
 state the plan splits are updated shard by shard, and gathered back whole after the step.
 
 For each such parameter the model's ``nn.Parameter`` becomes its *shard*: a DTensor placed as

@@ -5,7 +5,7 @@ dataflow DAG, `Graph.dataflow`) are cut at point ``p``, between op ``p - 1`` and
 tensor crosses point ``p`` when its producer comes before it (an input comes before every op)
 and one of its readers after it (the graph's output reads after every op): a stage ending at
 ``p`` sends it to the next, and the stage DP charges its bytes for the send
-(`autoplan.search.pipeline_price.sent_bytes`, per rank: split as the boundary placement
+(`autoplan.costmodel.pipeline_price.sent_bytes`, per rank: split as the boundary placement
 says). Parameters never cross: each sits with its first reader (`autoplan.graph.cut`). A point
 where one tensor crosses (besides the target, on its way to the loss across every point) is an
 articulation of the DAG: every path from the inputs to the loss runs through that tensor, the

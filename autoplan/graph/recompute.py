@@ -138,7 +138,7 @@ def _walk(
 @dataclass(frozen=True)
 class Recompute:
     """The recomputed layers of a step, each in its mode (a pipeline's stages may differ),
-    for pricing (`autoplan.strategies.pricing.Pricer`) and for the plan
+    for pricing (`autoplan.costmodel.pricer.Pricer`) and for the plan
     (`autoplan.planfile.sections.RecomputedLayer`)."""
 
     # (layer name, its mode, its recomputed ops (`recomputed_ops` in that mode))
@@ -146,7 +146,7 @@ class Recompute:
     layer_of: Mapping[str, int] = field(default_factory=dict)  # recomputed op -> its layer
     kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their layer
     # the ILP counts a dropped output at this share of its bytes: it sees the layers' mean,
-    # the step's price the largest layer (`autoplan.search.step_price.price_step`)
+    # the step's price the largest layer (`autoplan.costmodel.step_price.price_step`)
     share: float = 1.0
 
     @staticmethod

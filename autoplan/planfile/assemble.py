@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import PipelinePlan, SolverStats, own_decisions
+from autoplan.costmodel.step_price import PricedStep
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind
@@ -26,8 +28,6 @@ from autoplan.planfile.sections import (
     StagePredicted,
 )
 from autoplan.search.intra_op import IntraOpResult
-from autoplan.search.pipeline_price import PipelinePlan, SolverStats, own_decisions
-from autoplan.search.step_price import PricedStep
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
 from autoplan.version import __version__, torch_release
@@ -92,7 +92,7 @@ def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
     return tuple(RecomputedLayer(name, mode, ops) for name, mode, ops in recompute.layers)
 
 
-def make_plan(
+def assemble_plan(
     graph: Graph,
     cluster: Cluster,
     result: IntraOpResult,
@@ -178,7 +178,7 @@ def _nodes(
     }
 
 
-def make_pipeline_plan(
+def assemble_pipeline_plan(
     pipe: PipelinePlan,
     cluster: Cluster,
     meshes_tried: tuple[tuple[int, ...], ...],

@@ -46,7 +46,7 @@ from autoplan.version import torch_release
 
 __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 
-# a parameter's fields that a plan writes only when set (`autoplan.strategies.zero`)
+# a parameter's fields that a plan writes only when set (`autoplan.strategies.zero_state`)
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
 # a recomputed layer's mode (a layer not recomputed has no entry); a pipeline's stages may differ

@@ -97,7 +97,7 @@ class ParamPlan:
     storage: Placements  # as it is kept between steps (with its gradient and optimizer state)
     shape: tuple[int, ...]
     dtype: str
-    # ZeRO-1/2 (`autoplan.strategies.zero`): where the optimizer state is kept, split further
+    # ZeRO-1/2 (`autoplan.strategies.zero_state`): where the optimizer state is kept, split further
     # than the storage, and where the synchronized gradient is kept (the storage, ZeRO-1, or
     # the state's placement, ZeRO-2); empty: as stored (written only when not empty)
     grad: Placements = field(default_factory=dict)

@@ -8,7 +8,7 @@
 - `fit`: the analytic constants fitted to the curves (plain data).
 
 The curves land in the cluster file's `measured` section (schema in `autoplan/cluster/fileio.py`,
-interpolation in `autoplan/cluster/measured.py`), where `autoplan.cluster.timing` uses them.
+interpolation in `autoplan/cluster/measured.py`), where `autoplan.costmodel.timing` uses them.
 """
 
 from autoplan.profile.run import base_refusal, profile_cluster

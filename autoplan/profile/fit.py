@@ -31,7 +31,7 @@ from typing import Any
 
 from autoplan.cluster.hardware import Device, Link
 from autoplan.cluster.model import Cluster
-from autoplan.cluster.timing import analytic_collective_time
+from autoplan.costmodel.timing import analytic_collective_time
 
 __all__ = ["device_on_base", "fitted_cluster"]
 

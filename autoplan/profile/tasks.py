@@ -35,15 +35,15 @@ MATMUL_ALIGN = 8
 SMALLEST_ELEMENTWISE = 64  # elements per tensor
 # sync_overhead: what a tiny redistribution over all ranks costs right after a few ms of
 # compute, beyond the same redistribution called back to back: the ranks reach it at different
-# times (by hand, 4 ranks on 2 cores: 1-3 ms)
-SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (~5 ms a rank here)
+# times
+SYNC_WORK_DIM = 384  # the compute: SYNC_WORK_CALLS n x n matmuls (a few ms a rank on a CPU)
 SYNC_WORK_CALLS = 2
 # redistribute_overhead: what DTensor's redistribution, Partial to Replicate, costs beyond the
 # all-reduce it issues, by tensor size (every collective of a plan goes through one, the
-# gradient buckets' all-reduces do not). Its result is a fresh tensor: by hand, on 4 CPU ranks
-# sharing 2 cores, 0.5 ms at 4 B but 2.4 ms at 2 MB and 7.8 ms at 8 MB, where the all-reduce
-# itself takes 7 and 12 ms. Its backward (here, to Partial: local) is a redistribution of its
-# own, priced as such where it moves anything. Sizes from 4 B, by this factor, up to:
+# gradient buckets' all-reduces do not). Its result is a fresh tensor, so the cost grows with
+# the size, to a good part of the all-reduce's own time on CPU ranks. Its backward (here, to
+# Partial: local) is a redistribution of its own, priced as such where it moves anything.
+# Sizes from 4 B, by this factor, up to:
 REDISTRIBUTE_STEP = 16
 REDISTRIBUTE_MAX_BYTES = 64 * 2**20
 # op_overhead: chains of this many ops on a tiny tensor, forward and backward; the overhead of

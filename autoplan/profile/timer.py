@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.cluster.measured import monotone
-from autoplan.profile.ops import Op, Operations, cold_matmul, redistribution
+from autoplan.profile.operations import Op, Operations, cold_matmul, redistribution
 from autoplan.profile.tasks import Settings, Task
 
 __all__ = ["Timer", "matmul_seconds"]
@@ -125,8 +125,8 @@ class Timer:
     def _runs(self, ops: tuple[Op, ...], repeats: int) -> list[list[float]]:
         """Per op, the slowest rank's seconds per call in each of `repeats` rounds, each round
         one run of every op, one right after the other. Differences taken within a round
-        cancel the host's drift, which the difference of two medians kept
-        (redistribute_overhead: 0.04 to 2.1 ms in 3 profiles)."""
+        cancel the host's drift, which the difference of two medians kept (it varied 50-fold
+        between profiles of one host)."""
         calls = [self._calls(op) for op in ops]
         runs: list[list[float]] = [[] for _ in ops]
         for _ in range(repeats):

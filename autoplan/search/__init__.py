@@ -3,18 +3,16 @@ pipelines of stages on submeshes (inter-operator), each priced as the executor w
 
 One logical mesh
     `intra_op`: a graph, its candidate strategies and their costs made into the ILP of
-    `autoplan.solve.ilp` (decision groups), solved and decoded (`solve_mesh`), and the
-    logical meshes tried (`candidate_meshes`). `step_price`: a step's time, memory and
-    collectives recomputed from a strategy assignment (`price_step`), whoever chose it.
+    `autoplan.solvers.ilp` (decision groups), solved and decoded (`solve_mesh`), and the
+    logical meshes tried (`candidate_meshes`), each priced by `autoplan.costmodel`.
 
 Pipelines
     `stage_layout`: the devices of a uniform stage, its logical meshes and the boundary
     placement of the tensors passed between stages. `layer_plans`: each layer's intra-op plan
     on one stage layout, memoized by structure, and a layer range priced as the sum of its
-    layers. `pipeline_search`: Alpa's stage DP (`autoplan.solve.stage_search`) over those
+    layers. `pipeline_search`: Alpa's stage DP (`autoplan.solvers.stages`) over those
     ranges for each stage size, logical mesh, boundary placement and microbatch count
-    (`plan_pipeline`). `pipeline_price`: a stage's and a pipeline's time and memory under a
-    schedule, for stages searched or given (`price_pipeline`).
+    (`search_pipelines`), priced by `autoplan.costmodel.pipeline_price`.
 
 Import the submodules directly; this package re-exports nothing.
 """

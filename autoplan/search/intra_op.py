@@ -6,7 +6,7 @@ Variables are *groups* of nodes that share one decision:
 * a *follower* (an op with one tensor input from an op of the same layer: views,
   element-wise ops) is merged into its producer: for each producer strategy it takes its own
   cheapest strategy given that producer strategy, as Alpa does.
-Its costs are those `search.step_price` charges the plan: a tensor read once is an edge
+Its costs are those `costmodel.step_price` charges the plan: a tensor read once is an edge
 (moving it, and its gradient back); a tensor read by several ops is moved once per placement
 they read it in and its gradients reduced once per such placement (a shared cost each); a
 parameter's bucketed gradient costs its bytes, and the buckets of each mesh axes their latency
@@ -14,7 +14,7 @@ each, counted as DDP fills them (a bucket cost). What the ILP cannot see exactly
 gradients share a bucket, ops waiting once for several moved inputs) is why the planner also
 prices the conventional plans of the shape it found (`autoplan.api`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
-The plan found is priced again from its assignment, node by node (`search.step_price`).
+The plan found is priced again from its assignment, node by node (`costmodel.step_price`).
 """
 
 from __future__ import annotations
@@ -26,30 +26,29 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
 from autoplan.search.recompute_ilp import RecomputeChoice
-from autoplan.search.step_price import PricedStep, price_step
-from autoplan.solve.evaluate import evaluate, min_memory
-from autoplan.solve.ilp import solve_intra_op
-from autoplan.solve.problem import BucketCost, Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.ilp import solve_intra_op
+from autoplan.solvers.problem import (
+    BucketCost,
+    Edge,
+    Grouping,
+    IntraOpProblem,
+    IntraOpSolution,
+    SharedCost,
+)
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies, Strategy, searched, strategy_space
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Grouping:
-    """Which group decides each (canonical) node, and how: node strategy = pick[node][k]."""
-
-    group_of: dict[str, int]
-    pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def _reads(
 def _edge_matrix(
     graph: Graph,
     space: Mapping[str, NodeStrategies],
-    costs: Pricer,
+    pricer: Pricer,
     key: tuple[str, str, int],
     once: float,
 ) -> list[list[float]]:
@@ -95,7 +94,7 @@ def _edge_matrix(
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
     return [
-        [costs.edge(producer, tensor, su, consumer, sv, i, once) for sv in space[v].strategies]
+        [pricer.edge(producer, tensor, su, consumer, sv, i, once) for sv in space[v].strategies]
         for su in space[u].strategies
     ]
 
@@ -103,7 +102,7 @@ def _edge_matrix(
 def _shared_costs(
     graph: Graph,
     space: Mapping[str, NodeStrategies],
-    costs: Pricer,
+    pricer: Pricer,
     grouping: Grouping,
     read: Read,
     count: int,
@@ -131,13 +130,13 @@ def _shared_costs(
                 grads[(dst.inputs[i], grad)].append((group, k))
     src = grouping.group_of[name]
     found = [
-        SharedCost(src, tuple(count * costs.read_s(tensor, s, p) for s in sources), tuple(when))
+        SharedCost(src, tuple(count * pricer.read_s(tensor, s, p) for s in sources), tuple(when))
         for p, when in moves.items()
     ]
     found += [
         SharedCost(
             src,
-            tuple(count * costs.grad_s(producer, tensor, s, g, once) for s in sources),
+            tuple(count * pricer.grad_s(producer, tensor, s, g, once) for s in sources),
             tuple(when),
         )
         for (_, g), when in grads.items()
@@ -178,7 +177,7 @@ def _bucket_costs(
     graph: Graph,
     layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
-    costs: Pricer,
+    pricer: Pricer,
     grouping: Grouping,
     reads: Mapping[Reader, tuple[Reader, ...]],
     once: float,
@@ -198,7 +197,7 @@ def _bucket_costs(
                 for kc, jc in enumerate(grouping.pick[consumer]):
                     dst = space[consumer].strategies[jc]
                     grad = grad_spec(dst.inputs[i], dst.output, dst.grad)
-                    sync = costs.bucketed(producer, tensor, src, grad)
+                    sync = pricer.bucketed(producer, tensor, src, grad)
                     if sync is None:
                         continue
                     assert sync.bucket_axes is not None
@@ -207,7 +206,7 @@ def _bucket_costs(
                     found[(sync.bucket_axes, sync.dtype)][pair] += nbytes
     return [
         BucketCost(
-            once * costs.bucket_line(axes)[0],
+            once * pricer.bucket_line(axes)[0],
             FIRST_BUCKET_BYTES,
             BUCKET_BYTES,
             tuple((*pair, nbytes) for pair, nbytes in sorted(pairs.items())),
@@ -221,7 +220,7 @@ def build_problem(
     graph: Graph,
     layers: BlockSharing,
     space: Mapping[str, NodeStrategies],
-    costs: Pricer,
+    pricer: Pricer,
     memory_limit: float,
     once: float = 1.0,
     in_flight: float = 1.0,
@@ -234,7 +233,7 @@ def build_problem(
     pipeline stage keeps one set per microbatch in flight."""
     reps = [n for n in graph if n.name not in layers.canonical]
     edge_counts, shared_reads = _reads(graph, layers)
-    matrices = {key: _edge_matrix(graph, space, costs, key, once) for key in edge_counts}
+    matrices = {key: _edge_matrix(graph, space, pricer, key, once) for key in edge_counts}
 
     group_of: dict[str, int] = {}
     pick: dict[str, tuple[int, ...]] = {}
@@ -247,10 +246,10 @@ def build_problem(
         count = layers.count(node.name)
         weight = count * (once if node.kind == NodeKind.PARAM else 1.0)
         own_time = [
-            (costs.node_time(node, s) + costs.internal_time(node, s)) * weight for s in strategies
+            (pricer.node_time(node, s) + pricer.internal_time(node, s)) * weight for s in strategies
         ]
         copies = count * (in_flight if node.kind == NodeKind.OP else 1.0)
-        own_mem = [costs.node_memory(node, s) * copies for s in strategies]
+        own_mem = [pricer.node_memory(node, s) * copies for s in strategies]
         producer = _follower_producer(node, graph)
         follow = (
             _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
@@ -287,7 +286,7 @@ def build_problem(
     shared = [
         c
         for read, count in shared_reads.items()
-        for c in _shared_costs(graph, space, costs, grouping, read, count, once)
+        for c in _shared_costs(graph, space, pricer, grouping, read, count, once)
     ]
     param_reads: dict[Reader, set[Reader]] = defaultdict(set)
     for u, v, i in edge_counts:
@@ -308,7 +307,7 @@ def build_problem(
         ),
         memory_limit=memory_limit,
         shared=tuple(shared),
-        buckets=tuple(_bucket_costs(graph, layers, space, costs, grouping, trained, once)),
+        buckets=tuple(_bucket_costs(graph, layers, space, pricer, grouping, trained, once)),
     )
     return problem, grouping
 
@@ -364,7 +363,7 @@ class MeshPlan:
     """The solved plan of a graph on one logical mesh."""
 
     result: IntraOpResult
-    costs: Pricer
+    pricer: Pricer
     step: PricedStep
     rules: dict[str, str]  # node -> where its strategy came from
 
@@ -372,7 +371,7 @@ class MeshPlan:
 def solve_mesh(
     graph: Graph,
     layers: BlockSharing,
-    costs: Pricer,
+    pricer: Pricer,
     memory_limit: float,
     time_limit_s: float,
     restrict: SpaceFilter | None = None,
@@ -382,11 +381,11 @@ def solve_mesh(
     recompute: RecomputeChoice | None = None,
     relaxed_first: bool = True,
 ) -> MeshPlan | float:
-    """Plan ``graph`` on ``costs.mesh_shape``; ``restrict`` narrows the candidates (pins),
+    """Plan ``graph`` on ``pricer.mesh_shape``; ``restrict`` narrows the candidates (pins),
     ``once`` weighs the once-per-step work and ``in_flight`` the activations' memory
     (`build_problem`), ``float32_grads`` has every gradient reduced in float32
     (`searched_in_float32`), ``recompute`` lets the ILP choose which layers recompute (the
-    plan's `MeshPlan.costs` then recompute those). Returns the least memory any plan would
+    plan's `MeshPlan.pricer` then recompute those). Returns the least memory any plan would
     need per device when none fits (where recomputation is chosen, at least that: just over
     ``memory_limit`` when only the activations a recomputed layer holds again during its
     backward keep it from fitting).
@@ -396,14 +395,14 @@ def solve_mesh(
     that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
     limit and recomputation, several times slower, is then not needed."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
-    space = strategy_space(graph, costs.mesh_shape, reps)
+    space = strategy_space(graph, pricer.mesh_shape, reps)
     if float32_grads:
-        space = searched_in_float32(space, graph, costs.mesh_shape)
+        space = searched_in_float32(space, graph, pricer.mesh_shape)
     if restrict is not None:
         space = restrict(space)
-    space = searched(space, graph, costs.mesh_shape)
-    problem, grouping = build_problem(graph, layers, space, costs, memory_limit, once, in_flight)
-    mesh = costs.mesh_shape
+    space = searched(space, graph, pricer.mesh_shape)
+    problem, grouping = build_problem(graph, layers, space, pricer, memory_limit, once, in_flight)
+    mesh = pricer.mesh_shape
     result = None
     if recompute is not None and relaxed_first and min_memory(problem) <= memory_limit:
         relaxed = replace(problem, memory_limit=math.inf)
@@ -411,7 +410,7 @@ def solve_mesh(
         if evaluate(problem, found.solution.choice).memory <= memory_limit:
             result = replace(found, problem=problem)
     if recompute is not None and result is None:
-        ways = recompute.recomputations(problem, graph, layers, space, grouping, costs, in_flight)
+        ways = recompute.recomputations(problem, graph, layers, space, grouping, pricer, in_flight)
         problem = replace(problem, recompute=ways)
     need = min_memory(problem)
     if need > memory_limit:
@@ -425,6 +424,6 @@ def solve_mesh(
     if problem.recompute:
         assert recompute is not None
         counts = result.solution.recomputed
-        costs = costs.recomputing(recompute.chosen(graph, layers, problem.recompute, counts))
+        pricer = pricer.recomputing(recompute.chosen(graph, layers, problem.recompute, counts))
     rules = {n.name: space[layers.rep(n.name)].source for n in graph}
-    return MeshPlan(result, costs, price_step(graph, result.assignment, costs), rules)
+    return MeshPlan(result, pricer, price_step(graph, result.assignment, pricer), rules)

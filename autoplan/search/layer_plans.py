@@ -30,6 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import (
+    SolvedStage,
+    SolverStats,
+    own_decisions,
+    priced_stage,
+    send_time,
+    sent_bytes,
+)
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import price_step
 from autoplan.errors import SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
@@ -38,19 +48,9 @@ from autoplan.graph.recompute import Recompute
 from autoplan.modes import NodeKind
 from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
-from autoplan.search.pipeline_price import (
-    SolvedStage,
-    SolverStats,
-    own_decisions,
-    priced_stage,
-    send_time,
-    sent_bytes,
-)
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
-from autoplan.search.step_price import price_step
 from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import NodeStrategies
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class StageSolver:
         self,
         parts: LayerGraphs,
         cluster: Cluster,
-        costs: Pricer,
+        pricer: Pricer,
         boundary: Spec,
         num_microbatches: int,
         memory_limit: float,
@@ -156,17 +156,17 @@ class StageSolver:
         self.num_microbatches = num_microbatches  # the layers' ILPs amortize work over them
         self.cluster = cluster
         self.layers = parts.layers
-        self.costs = costs
+        self.pricer = pricer
         self.boundary = boundary
         self.memory_limit = memory_limit
         self.time_limit_s = time_limit_s
         self.tally = tally  # one ILP per structure at the full budget is expected of us
         self.label = label  # what the tally reports the layers' ILPs as part of
         self.float32_grads = float32_grads  # every gradient reduced in float32
-        # what each layer's ILP may recompute (else ``costs`` say what every layer does)
+        # what each layer's ILP may recompute (else ``pricer`` say what every layer does)
         self.recompute = recompute
         layers = [(la.name, la.nodes) for la in recompute.layers] if recompute else []
-        layers += [(name, ops) for name, _, ops in costs.recompute.layers]
+        layers += [(name, ops) for name, _, ops in pricer.recompute.layers]
         self._recompute_layer = {n: name for name, nodes in layers for n in nodes}
         # (structure, budget) -> its plan
         self._memo: dict[tuple[int, Budget], SolvedStage | None] = {}
@@ -188,7 +188,7 @@ class StageSolver:
     def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
         if stop not in self._sends:
-            sent = sent_bytes(self._stages[stop - 1], self.costs.mesh_shape, self.boundary)
+            sent = sent_bytes(self._stages[stop - 1], self.pricer.mesh_shape, self.boundary)
             self._sends[stop] = send_time(self.cluster, sent)
         return self._sends[stop]
 
@@ -223,17 +223,17 @@ class StageSolver:
         parts = [self._renamed(i, budget) for i in range(start, stop)]
         assignment, rules = own_decisions(parts)
         output = stage.graph.nodes[-1]
-        whole = replicated(len(self.costs.mesh_shape))
+        whole = replicated(len(self.pricer.mesh_shape))
         loss = tuple(whole for _ in output.refs[len(stage.sent) :])
         assignment.update(boundary_assignment(stage, self.boundary, loss))
         rules.update(dict.fromkeys(stage.received, "boundary"))
         rules[output.name] = "output"
         recomputed = Recompute.mixed(self.graph, (r for p in parts for r in p.recomputed))
-        costs = self.costs.recomputing(recomputed)
-        step = price_step(stage.graph, assignment, costs)
+        pricer = self.pricer.recomputing(recomputed)
+        step = price_step(stage.graph, assignment, pricer)
         solver = SolverStats.total(p.solver for p in parts)
         return priced_stage(
-            start, stop, stage, assignment, step, rules, costs, self.send_s(stop), solver
+            start, stop, stage, assignment, step, rules, pricer, self.send_s(stop), solver
         )
 
     def _layer(self, i: int, budget: Budget) -> SolvedStage | None:
@@ -326,7 +326,7 @@ class StageSolver:
         counts for it."""
         stage = self._stages[i]
         graph = stage.graph
-        mesh, boundary = self.costs.mesh_shape, self.boundary
+        mesh, boundary = self.pricer.mesh_shape, self.boundary
         crossing = (*stage.received, *stage.sent)
         shapes = [graph.node(n).output.shape for n in crossing]
         if not all(is_valid(fitted(boundary, shape), shape, mesh) for shape in shapes):
@@ -339,7 +339,7 @@ class StageSolver:
             found = solve_mesh(
                 graph,
                 find_sharing(graph),
-                self.costs,
+                self.pricer,
                 budget.bytes(self.memory_limit),
                 self.time_limit_s,
                 restrict,
@@ -376,25 +376,25 @@ class StageSolver:
             solution.num_constraints,
             found.result.problem.num_groups,
         )
-        assignment, costs = found.result.assignment, found.costs
+        assignment, pricer = found.result.assignment, found.pricer
         static = sum(
-            costs.node_memory(n, assignment[n.name])
+            pricer.node_memory(n, assignment[n.name])
             for n in graph
             if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
         )
         if self.recompute is None:  # the ILP counts dropped activations at a share
             active = sum(
-                costs.node_memory(n, assignment[n.name]) for n in graph if n.kind == NodeKind.OP
+                pricer.node_memory(n, assignment[n.name]) for n in graph if n.kind == NodeKind.OP
             )
         else:  # as the price counts it: the activations held again whole, where the ILP
             # counted a stage's share of them, so that a plan kept meets the tighter budget
             static += found.step.recompute_bytes
             active = sum(
-                costs.node_memory(n, assignment[n.name])
+                pricer.node_memory(n, assignment[n.name])
                 for n in graph
-                if n.kind == NodeKind.OP and not costs.recompute.drops(n.name)
+                if n.kind == NodeKind.OP and not pricer.recompute.drops(n.name)
             )
         return priced_stage(
-            i, i + 1, stage, assignment, found.step, found.rules, costs, self.send_s(i + 1),
+            i, i + 1, stage, assignment, found.step, found.rules, pricer, self.send_s(i + 1),
             solver,
         ), (static, active)  # fmt: skip

@@ -1,13 +1,13 @@
 """The pipeline search: Alpa's stage DP over the layers' intra-op plans, for each stage size,
 logical mesh, boundary placement and microbatch count, and the fastest pipeline that fits.
 
-For each microbatch count ``B`` tried (`plan_pipeline`), the step is traced at the shape of one
+For each microbatch count ``B`` tried (`search_pipelines`), the step is traced at the shape of one
 microbatch and cut into layers (`autoplan.graph.cut`). For each stage size (a submesh of
 ``|m|`` devices: part of a node or whole nodes), each logical mesh of it and each boundary
-placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solve.stage_search`)
+placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solvers.stages`)
 chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plans
 (`autoplan.search.layer_plans`), each layer solved once per structure. The stages found are
-then priced under each schedule allowed (1F1B, GPipe; `autoplan.search.pipeline_price`) and
+then priced under each schedule allowed (1F1B, GPipe; `autoplan.costmodel.pipeline_price`) and
 the fastest that fits kept.
 
 Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a memory
@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import PipelinePlan, SolvedStage, price_stages
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import Graph
@@ -51,7 +53,6 @@ from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
-from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan
 from autoplan.search.recompute_choice import fewest_in_stages
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import (
@@ -61,7 +62,7 @@ from autoplan.search.stage_layout import (
     stage_sizes,
     stage_submesh,
 )
-from autoplan.solve.stage_problem import (
+from autoplan.solvers.stage_problem import (
     InfeasibleStagesError,
     SendTimeFn,
     StageCost,
@@ -69,21 +70,16 @@ from autoplan.solve.stage_problem import (
     StageSolution,
     Submesh,
 )
-from autoplan.solve.stage_search import solve_stages
+from autoplan.solvers.stages import solve_stages
 from autoplan.strategies.placement import Spec
-from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
 
 GraphForMicrobatches = Callable[[int], Graph]
 
 # a layer's ILP stops here (or at PlanOptions.time_limit_s if sooner), keeping the best plan
-# found: a search solves dozens, and the hardest (a 1T-parameter GPT's blocks on 256 devices
-# in a tenth of the memory) ran into minutes proving what they had found in seconds, within
-# 0.1% of the optimum. Stopped at 3 s, the four hardest of those (without recomputation
-# chosen) found plans within 0.03% of those found at 10 s, at 2 s within 0.25%; with the
-# ILPs choosing recomputation, the 1T GPT on 3072 A100s plans in 55 s at 2 s, 66 s at 3 s,
-# and to the same step time (benchmarks/plan_gpt.py)
+# found: a search solves dozens, and the hardest spend most of their time proving plans they
+# found early (planning times: benchmarks/results/plan_gpt.md)
 LAYER_TIME_LIMIT_S = 2.0
 
 
@@ -94,7 +90,7 @@ def default_microbatches(batch: int, max_stages: int) -> int:
     return next((b for b in range(2 * max_stages, batch + 1) if batch % b == 0), batch)
 
 
-def plan_pipeline(
+def search_pipelines(
     graph_for: GraphForMicrobatches,
     cluster: Cluster,
     options: PlanOptions,
@@ -113,8 +109,7 @@ def plan_pipeline(
     against a longer bubble (where ranks share cores, a bubble leaves them to the others).
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
-    planning time (GPT-175B on 1024 simulated A100s: 30 s to 250 s), so there
-    the one count serves, as in Alpa."""
+    planning time several-fold, so there the one count serves, as in Alpa."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     sizes = [
         size
@@ -287,8 +282,8 @@ def _best_for_size(
         for schedule in runnable:
             if solved is None:
                 break
-            found = pipeline_plan(
-                cluster, graph, parts.layers, num_microbatches, schedule, solver.costs,
+            found = price_stages(
+                cluster, graph, parts.layers, num_microbatches, schedule, solver.pricer,
                 boundary, solved, memory_limit,
             )  # fmt: skip
             _log(found)
@@ -365,10 +360,10 @@ def _uncovered(variants: Sequence[Variant], num_stages: int, num_microbatches: i
     for start in range(num_layers):
         in_flight = min(num_microbatches, max(1, num_stages - start))
         for stop in range(start + 1, min(start + longest, num_layers) + 1):
-            costs = [v.cost(start, stop) for v in variants]
+            range_costs = [v.cost(start, stop) for v in variants]
             if not any(
                 c is not None and c.memory_bytes + in_flight * c.activation_bytes <= limit
-                for c in costs
+                for c in range_costs
             ):
                 return True
     return False
@@ -404,9 +399,9 @@ def _interleaved(
         solved = _solve_dp(variants, sub, num_microbatches, v)
         if solved is None:
             continue
-        priced = pipeline_plan(
+        priced = price_stages(
             solver.cluster, solver.graph, solver.layers, num_microbatches, Schedule.INTERLEAVED,
-            solver.costs, solver.boundary, solved, solver.memory_limit, v,
+            solver.pricer, solver.boundary, solved, solver.memory_limit, v,
         )  # fmt: skip
         _log(priced)
         slower = slower + 1 if priced.step_time_s > fastest else 0
@@ -443,24 +438,24 @@ def _solve_dp(
 
 def _may_fit(
     parts: LayerGraphs,
-    costs: Pricer,
+    pricer: Pricer,
     stage_counts: Sequence[int],
     num_microbatches: int,
     memory_limit: float,
 ) -> bool:
     """Whether the layers might fit in one of ``stage_counts`` stages on meshes of
-    ``costs``'s size: the stage DP run on each layer's memory floor (`Pricer.memory_floor`,
+    ``pricer``'s size: the stage DP run on each layer's memory floor (`Pricer.memory_floor`,
     every tensor split over all the stage's devices), which no plan of the layers' undercuts.
     When it says no, no layer needs planning (a 1T-parameter GPT without recomputation: its
     activations in flight alone outgrow the devices, whatever the stages' meshes)."""
     floors = [
         (
             sum(
-                costs.memory_floor(n)
+                pricer.memory_floor(n)
                 for n in st.graph
                 if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
             ),
-            sum(costs.memory_floor(n) for n in st.graph if n.kind == NodeKind.OP),
+            sum(pricer.memory_floor(n) for n in st.graph if n.kind == NodeKind.OP),
         )
         for st in parts.stages
     ]

@@ -1,7 +1,8 @@
 """How many layers a pipeline stage recomputes: the fewest that fit.
 
-Each stage's layers are planned recomputed in the mode the stage DP chose for it
-(`autoplan.search.pipeline_search`). The strategies found are then priced again
+Each stage's layers choose their recomputation in their own ILPs, within the memory budget of
+the variant the stage DP chose for the stage (`autoplan.search.layer_plans`,
+`autoplan.search.pipeline_search`). The strategies found are then priced again
 (`price_step`) with only the first ``k`` of those layers recomputed, for the least ``k`` at
 which the stage, with the microbatches it holds in flight, still fits. Memory only falls as
 ``k`` grows (a layer recomputed gives up its activations but the largest recomputed layer's,
@@ -16,9 +17,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.pipeline_price import PipelinePlan, SolvedStage, price_stages, priced_stage
+from autoplan.costmodel.step_price import price_step
 from autoplan.graph.recompute import Recompute
-from autoplan.search.pipeline_price import PipelinePlan, SolvedStage, pipeline_plan, priced_stage
-from autoplan.search.step_price import price_step
 
 
 def fewest_in_stages(pipe: PipelinePlan, cluster: Cluster) -> PipelinePlan:
@@ -31,8 +32,8 @@ def fewest_in_stages(pipe: PipelinePlan, cluster: Cluster) -> PipelinePlan:
     stages = list(pipe.stages)
     for s in range(len(stages)):
         stages[s] = _fewest_in_stage(pipe, stages, s)
-    return pipeline_plan(
-        cluster, pipe.graph, pipe.layers, pipe.num_microbatches, pipe.schedule, pipe.costs,
+    return price_stages(
+        cluster, pipe.graph, pipe.layers, pipe.num_microbatches, pipe.schedule, pipe.pricer,
         pipe.boundary, tuple(stages), pipe.memory_limit, pipe.virtual_stages,
     )  # fmt: skip
 
@@ -55,10 +56,10 @@ def _fewest_in_stage(pipe: PipelinePlan, stages: Sequence[SolvedStage], s: int) 
 def _recomputing(stage: SolvedStage, pipe: PipelinePlan, k: int) -> SolvedStage:
     """``stage`` priced again recomputing only the first ``k`` of its recomputed layers."""
     recompute = Recompute.mixed(pipe.graph, stage.recomputed[:k])
-    costs = pipe.costs.recomputing(recompute)
-    step = price_step(stage.stage.graph, stage.assignment, costs)
+    pricer = pipe.pricer.recomputing(recompute)
+    step = price_step(stage.stage.graph, stage.assignment, pricer)
     return priced_stage(
-        stage.start, stage.stop, stage.stage, stage.assignment, step, stage.rules, costs,
+        stage.start, stage.stop, stage.stage, stage.assignment, step, stage.rules, pricer,
         stage.send_s, stage.solver,
     )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Recomputation chosen by the intra-op ILP, with the strategies (`autoplan.solve.problem.
+"""Recomputation chosen by the intra-op ILP, with the strategies (`autoplan.solvers.problem.
 Recomputation`): how many of each set of identical layers recompute, and in which mode.
 
 Identical layers (`units`: the same canonical ops, as `autoplan.graph.blocks` shares their
@@ -16,19 +16,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.blocks import BlockSharing
 from autoplan.graph.cut import Layer
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute, frees_activations, recompute_layers, recomputed_ops
 from autoplan.modes import RecomputeMode
-from autoplan.solve.problem import IntraOpProblem, Recomputation
-from autoplan.strategies.pricing import Pricer
+from autoplan.solvers.problem import Grouping, IntraOpProblem, Recomputation
 from autoplan.strategies.space import NodeStrategies
-
-if TYPE_CHECKING:  # intra_op builds the problem with these
-    from autoplan.search.intra_op import Grouping
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class RecomputeChoice:
         sharing: BlockSharing,
         space: Mapping[str, NodeStrategies],
         grouping: Grouping,
-        costs: Pricer,
+        pricer: Pricer,
         in_flight: float = 1.0,
     ) -> tuple[Recomputation, ...]:
         """One `Recomputation` (named by its mode) per unit and mode that recomputes
@@ -84,16 +80,18 @@ class RecomputeChoice:
                 ops = recomputed_ops(graph, first, mode)
                 if not ops:
                     continue
-                again = costs.recomputing(Recompute.of(graph, [(first.name, ops)], mode))
+                again = pricer.recomputing(Recompute.of(graph, [(first.name, ops)], mode))
                 time, freed, held = ([[0.0] * k for k in sizes] for _ in range(3))
                 for name in ops:
                     node, rep = graph.node(name), sharing.rep(name)
                     g = grouping.group_of[rep]
                     for k, j in enumerate(grouping.pick[rep]):
                         s = space[rep].strategies[j]
-                        time[g][k] += (again.node_time(node, s) - costs.node_time(node, s)) * copies
+                        time[g][k] += (
+                            again.node_time(node, s) - pricer.node_time(node, s)
+                        ) * copies
                         if again.recompute.drops(name):
-                            saved = costs.activation_memory(node, s)
+                            saved = pricer.activation_memory(node, s)
                             freed[g][k] += saved * copies * in_flight
                             held[g][k] += saved * self.holds
                 frozen = (tuple(map(tuple, rows)) for rows in (time, freed, held))

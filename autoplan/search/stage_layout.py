@@ -6,7 +6,7 @@ Stages are uniform: every stage gets the same submesh and logical mesh, because
 torch.distributed.pipelining pairs rank ``i`` of one stage with rank ``i`` of the next, and a
 stage's tensors go from each rank to its peer as they are laid out (the boundary placement).
 A stage's size is a power of two inside a node or whole nodes (`stage_sizes`), as Alpa's
-submeshes are (`autoplan.solve.stage_problem.submesh_choices`).
+submeshes are (`autoplan.solvers.stage_problem.submesh_choices`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.graph.cut import StageGraph
-from autoplan.solve.stage_problem import Submesh
+from autoplan.solvers.stage_problem import Submesh
 from autoplan.strategies.placement import R, Spec, fitted, on_mesh
 from autoplan.strategies.space import NodeStrategies, Strategy
 

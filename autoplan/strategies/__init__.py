@@ -1,1 +1,2 @@
-"""Placements, sharding rules and the cost of each strategy."""
+"""Placements, sharding rules and every node's candidate strategies (priced by
+`autoplan.costmodel`)."""

@@ -11,9 +11,7 @@ communication starts early in backward, overlapping the rest of it.
 
 A bucket partial along several mesh axes is all-reduced once over the ranks of all of them
 together (their flattened group), as torchtitan reduces data parallelism over a flattened
-"dp" mesh, not once per axis: the sum is the same, and one collective waits once. On 4 CPU
-ranks sharing 2 cores, the MLP's data-parallel plan on a (2, 2) mesh went from 120 to 95 ms
-a step (80 ms on the flat mesh), by hand.
+"dp" mesh, not once per axis: the sum is the same, and one collective waits once.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from autoplan.strategies.placement import (
     without_partial,
 )
 from autoplan.strategies.rules import AxisRule, own_rule
-from autoplan.strategies.zero import state_specs
+from autoplan.strategies.zero_state import state_specs
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Strategy:
     # reduced; else P on the axes where a replicated op keeps it partial (see `kept_partial`)
     grad: Spec | None = None
     # a parameter's optimizer state where split further than it is stored (ZeRO-1/2,
-    # `autoplan.strategies.zero`; its gradient then kept as stored, or, with ``grad`` the
+    # `autoplan.strategies.zero_state`; its gradient then kept as stored, or, with ``grad`` the
     # state's placement, split as the state); None: kept as the parameter is stored
     state: Spec | None = None
 
@@ -127,7 +127,7 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
 
 
 # a node's rules depend on it and its inputs alone; baselines and the planner ask for them
-# once per mesh, stage and layout (GPT-175B's conventional plans took 30 s more without)
+# once per mesh, stage and layout, for the same node and input shapes
 @functools.lru_cache(maxsize=2**16)
 def _axis_rules(node: Node, ins: tuple[TensorInfo, ...]) -> tuple[tuple[AxisRule, ...], str]:
     out_ndim = len(node.outputs[0].shape) if node.outputs else 0

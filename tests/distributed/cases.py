@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan import Cluster, Plan, PlanOptions, Workload
-from autoplan.strategies.zero import state_specs
+from autoplan.strategies.zero_state import state_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +29,11 @@ class Case:
     precision: str | None = None
     init_scale: float = 2.0**16
     reduce_dtype: str | None = None  # "fp32": every gradient reduced in float32
+    # What the run must show besides training like one process, each asserted by the test:
+    pipelined: bool = False  # the plan has 2 or more stages, and they send to each other
+    recompute: tuple[str, ...] = ()  # the modes of its recomputed layers; () recomputes none
+    recomputed: tuple[str, ...] | None = None  # exactly these layers recompute (the planner's)
+    recompute_collectives: bool = False  # forward collectives issued again in backward
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
         """The layout, in the case's precision (and gradient reductions')."""
@@ -225,20 +230,44 @@ CASES = [
     Case("gpt-baseline-sp", "gpt", GPT, baseline_plan(dp=1, tp=4, sequence_parallel=True)),
     Case("gpt-baseline-sp-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, sequence_parallel=True)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
-    Case("gpt-pipeline-2x2", "gpt", GPT, pipeline(stages=2, microbatches=2, mesh=(2,))),
-    Case("mlp-pipeline-2x2", "mlp", MLP_LARGE_BATCH, pipeline(stages=2, microbatches=4, mesh=(2,))),
+    Case(
+        "gpt-pipeline-2x2",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        pipelined=True,
+    ),
+    Case(
+        "mlp-pipeline-2x2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        pipeline(stages=2, microbatches=4, mesh=(2,)),
+        pipelined=True,
+    ),
     # middle stages: they receive and send, and pass the target through untouched
-    Case("mlp-pipeline-4", "mlp", MLP_LARGE_BATCH, pipeline(stages=4, microbatches=4)),
-    Case("gpt-gpipe-2", "gpt", GPT, pipeline(stages=2, microbatches=2, schedule="GPipe"), 2),
+    Case(
+        "mlp-pipeline-4", "mlp", MLP_LARGE_BATCH, pipeline(stages=4, microbatches=4), pipelined=True
+    ),
+    Case(
+        "gpt-gpipe-2",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, schedule="GPipe"),
+        2,
+        pipelined=True,
+    ),
     # one microbatch: the stages take turns (what the planner picks on ranks sharing cores)
     Case(
         "mlp-gpipe-1-2x2",
         "mlp",
         MLP_LARGE_BATCH,
         pipeline(stages=2, microbatches=1, schedule="GPipe", mesh=(2,)),
+        pipelined=True,
     ),
-    Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2),
-    Case("gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05),
+    Case("gpt-1f1b-2", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, pipelined=True),
+    Case(
+        "gpt-1f1b-2-clip", "gpt", GPT, pipeline(stages=2, microbatches=4), 2, 0.05, pipelined=True
+    ),
     # dtype casts, a lifted constant and an op without a sharding rule (tests/models/casts.py)
     Case("casts-dp", "casts", {}, lambda w: data_parallel(w, (4,))),
     # mixtures of experts (examples/moe.py): top-1 and top-2 routing, einsums, cumsum
@@ -247,11 +276,17 @@ CASES = [
     Case("moe-baseline-ep", "moe", {"batch_size": 16}, baseline_plan(dp=4, tp=1, ep=4)),
     # 2 stages of (2,): the first sends on its layer's load-balancing loss, a scalar, whole
     Case(
-        "moe-pipeline-2x2", "moe", {"batch_size": 16}, pipeline(stages=2, microbatches=2, mesh=(2,))
+        "moe-pipeline-2x2",
+        "moe",
+        {"batch_size": 16},
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        pipelined=True,
     ),
     # 4 stages: the layers' load-balancing losses cross every boundary after their own, and
     # the stages of one structure share their ILP (received scalars copies of each other)
-    Case("moe-pipeline-4", "moe", {"batch_size": 8, "num_layers": 4}, pipeline(4, 4)),
+    Case(
+        "moe-pipeline-4", "moe", {"batch_size": 8, "num_layers": 4}, pipeline(4, 4), pipelined=True
+    ),
     Case("moe-top2-2x2", "moe", {"size": "tiny-top2", "batch_size": 64}, own((2, 2))),
     # a mean-square loss by hand (aten.mean over the split batch: a partial sum)
     Case("mean-dp", "dropout", {"p": 0.0}, lambda w: data_parallel(w, (4,))),
@@ -279,6 +314,7 @@ CASES = [
         "gpt",
         {"size": "tiny", "num_layers": 4, "batch_size": 16},
         pipeline(2, 2, "Interleaved1F1B", (2,), virtual_stages=2),
+        pipelined=True,
     ),
     # one microbatch: the planner prices and may choose such interleaved pipelines
     Case(
@@ -286,6 +322,7 @@ CASES = [
         "gpt",
         {"size": "tiny", "num_layers": 4, "batch_size": 4},
         pipeline(2, 1, "Interleaved1F1B", (2,), virtual_stages=2),
+        pipelined=True,
     ),
     # Llama of 4 layers: 2 device groups of (2,), 2 stages each, 4 microbatches
     Case(
@@ -293,6 +330,7 @@ CASES = [
         "zoo",
         {"model": "llama", "num_layers": 4, "batch_size": 64, "seq_len": 32},
         pipeline(2, 4, "Interleaved1F1B", (2,), virtual_stages=2),
+        pipelined=True,
     ),
     # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
     Case(
@@ -300,6 +338,7 @@ CASES = [
         "gpt",
         {"size": "tiny", "num_layers": 4, "batch_size": 4},
         baseline_plan(dp=1, tp=2, pp=2, virtual_stages=2),
+        pipelined=True,
     ),
     # ZeRO-1 and ZeRO-2: the optimizer state (and gradient) split, the parameters whole
     Case("mlp-zero1", "mlp", MLP_LARGE_BATCH, zero12(1)),
@@ -317,6 +356,7 @@ CASES = [
         "mlp",
         MLP_LARGE_BATCH,
         baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
+        pipelined=True,
     ),
     *[
         Case(
@@ -329,17 +369,52 @@ CASES = [
     ],
     # every layer recomputed in backward (torch.utils.checkpoint): its forward collectives
     # issued again, as the plan lists them
-    Case("gpt-dp-recompute", "gpt", GPT, recomputed(lambda w: data_parallel(w, (4,)))),
-    Case("gpt-tp-recompute", "gpt", GPT, recomputed(lambda w: gpt_megatron(w, (4,)))),
-    Case("gpt-2x2-recompute", "gpt", {**GPT, "batch_size": 8}, recomputed(own((2, 2)))),
-    Case("mlp-tp-recompute", "mlp", MLP_SMALL_BATCH, recomputed(lambda w: mlp_megatron(w, (4,)))),
+    Case(
+        "gpt-dp-recompute",
+        "gpt",
+        GPT,
+        recomputed(lambda w: data_parallel(w, (4,))),
+        recompute=("full",),
+    ),
+    Case(
+        "gpt-tp-recompute",
+        "gpt",
+        GPT,
+        recomputed(lambda w: gpt_megatron(w, (4,))),
+        recompute=("full",),
+        recompute_collectives=True,
+    ),
+    Case(
+        "gpt-2x2-recompute",
+        "gpt",
+        {**GPT, "batch_size": 8},
+        recomputed(own((2, 2))),
+        recompute=("full",),
+    ),
+    Case(
+        "mlp-tp-recompute",
+        "mlp",
+        MLP_SMALL_BATCH,
+        recomputed(lambda w: mlp_megatron(w, (4,))),
+        recompute=("full",),
+        recompute_collectives=True,
+    ),
     Case(
         "gpt-baseline-2x2-recompute",
         "gpt",
         {**GPT, "batch_size": 8},
         baseline_plan(dp=2, tp=2, recompute="full"),
+        recompute=("full",),
     ),
-    Case("gpt-1f1b-2-recompute", "gpt", GPT, recomputed(pipeline(stages=2, microbatches=4)), 2),
+    Case(
+        "gpt-1f1b-2-recompute",
+        "gpt",
+        GPT,
+        recomputed(pipeline(stages=2, microbatches=4)),
+        2,
+        recompute=("full",),
+        pipelined=True,
+    ),
     # recomputation chosen stage by stage: in 0.22% of a device's memory the first stage (2
     # microbatches in flight) recomputes its block, the last (1) does not
     Case(
@@ -347,6 +422,9 @@ CASES = [
         "gpt",
         GPT,
         lambda w: PlanOptions(num_stages=2, num_microbatches=4, memory_fraction=0.0022),
+        recomputed=("blocks.0",),
+        recompute=("full",),
+        pipelined=True,
     ),
     # chosen by the one-stage ILP, layer by layer: in 0.7% of a device's memory neither
     # every attention core recomputed nor every layer fits (as the ILPs of those modes count
@@ -356,6 +434,8 @@ CASES = [
         "gpt",
         {"size": "small", "num_layers": 3, "batch_size": 8, "seq_len": 128, "attention": "eager"},
         lambda w: PlanOptions(mesh_shape=(4,), memory_fraction=0.007, pipeline=False),
+        recomputed=("blocks.0", "blocks.1", "blocks.2"),
+        recompute=("full", "selective"),
     ),
     *[
         Case(
@@ -363,6 +443,7 @@ CASES = [
             "zoo",
             {"model": model, "batch_size": 64, "seq_len": 32},
             recomputed(own()),
+            recompute=("full",),
         )
         for model in ("llama", "bert")
     ],
@@ -374,18 +455,21 @@ CASES = [
         "zoo",
         {"model": "gpt2-eager", "batch_size": 64, "seq_len": 32},
         recomputed(own(), "selective"),
+        recompute=("selective",),
     ),
     Case(
         "gpt-eager-tp-selective-recompute",
         "gpt",
         {**GPT, "attention": "eager"},
         recomputed(lambda w: gpt_megatron(w, (4,)), "selective"),
+        recompute=("selective",),
     ),
     Case(
         "gpt-tp-selective-recompute",
         "gpt",
         GPT,
         recomputed(lambda w: gpt_megatron(w, (4,)), "selective"),
+        recompute=("selective",),
     ),
     # two blocks per stage
     Case(
@@ -393,6 +477,7 @@ CASES = [
         "gpt",
         {"size": "tiny", "num_layers": 4, "batch_size": 4},
         baseline_plan(dp=1, tp=2, pp=2),
+        pipelined=True,
     ),
     # mixed precision (autoplan/precision.py), against one process under autocast: bf16
     # compute, float32 parameters and gradient reductions
@@ -414,6 +499,7 @@ CASES = [
         GPT,
         pipeline(stages=2, microbatches=2, mesh=(2,)),
         precision="bf16",
+        pipelined=True,
     ),
     *[
         Case(
@@ -458,6 +544,7 @@ CASES = [
         pipeline(stages=2, microbatches=2, mesh=(2,)),
         precision="bf16",
         reduce_dtype="fp32",
+        pipelined=True,
     ),
     # fp16 with loss scaling; from 2**22 the first step's gradients overflow: it is skipped
     # (no optimizer step) and the scale halved, as GradScaler does in one process
@@ -477,5 +564,6 @@ CASES = [
         pipeline(stages=2, microbatches=2, mesh=(2,)),
         precision="fp16",
         init_scale=2.0**22,
+        pipelined=True,
     ),
 ]

@@ -10,6 +10,7 @@ import json
 import operator
 import os
 import sys
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.execute.checkpointed import RecomputedRegion  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
-from autoplan.execute.recompute import Region  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -153,7 +154,7 @@ def _regions(step: autoplan.Step) -> int:
     """How many regions of this rank's stage run under torch.utils.checkpoint."""
     module = step.pipeline.module if step.pipeline is not None else step.module
     assert module is not None
-    return sum(isinstance(item, Region) for item in module.interpreter.steps)
+    return sum(isinstance(item, RecomputedRegion) for item in module.interpreter.steps)
 
 
 def _local_leaves(step: autoplan.Step) -> list[int]:
@@ -498,6 +499,24 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
+def isolated(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
+    """`run_case`, or the error it raised on the first rank that raised one: a case that
+    fails on every rank (as planning and plan checks do) fails alone and by its name, and
+    the cases after it still run. A case that fails on some ranks only, inside a collective,
+    can still stop the whole run."""
+    try:
+        found: dict[str, Any] = run_case(case, c)
+        error = None
+    except Exception:
+        found, error = {}, traceback.format_exc()
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    raised = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if raised:
+        return {"rank": raised[0][0], "error": raised[0][1]}
+    return found
+
+
 def main() -> None:
     out, world = Path(sys.argv[1]), int(sys.argv[2])
     faulthandler.enable()  # a crash in C++ (gloo) then shows every thread's Python stack
@@ -508,7 +527,7 @@ def main() -> None:
     for case in CASES:
         if case.world == world:
             torch.manual_seed(0)
-            results[case.name] = run_case(case, c)
+            results[case.name] = isolated(case, c)
     results["accumulation"] = accumulation(c)
     results["optimizers"] = optimizers(c)
     results["randomness"] = randomness(c)

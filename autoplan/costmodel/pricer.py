@@ -4,7 +4,7 @@
   transcendental work, divided by the number of devices that split the work (the product of
   the mesh axes on which any of its tensors is split or partial; a replicated axis repeats the
   work), plus the framework's work per op (views and parameters included; see
-  `autoplan.cluster.timing`).
+  `autoplan.costmodel.timing`).
 * A parameter's time is its optimizer update on the locally stored shard; its memory is the
   stored shard with its gradient and optimizer state. Under ZeRO-1/2 (`strategies.zero`) the
   update runs on the state's shard and is gathered back (`internal`); its memory is the
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.cluster.model import Cluster
-from autoplan.cluster.timing import (
+from autoplan.costmodel.timing import (
     activation_time,
     collective_time,
     compute_time,
@@ -154,7 +154,7 @@ class Pricer:
         over the whole batch: the executor sums that scalar along the split axes in forward,
         one all-reduce per axis, as soon as the targets are there (execute/ops.py).
 
-        A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero`) is
+        A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero_state`) is
         gathered back from its updated shards after the optimizer step (phase "update").
         """
         if node.kind == NodeKind.PARAM:
@@ -361,7 +361,7 @@ class Pricer:
         seconds per byte: the line through a first bucket's time (`FIRST_BUCKET_BYTES`) and
         a full one's (`BUCKET_BYTES`), exact under the alpha-beta model. The ILP prices each
         bucketed gradient's bytes (`grad_sync_s`) and each bucket's latency apart
-        (`autoplan.solve.problem.BucketCost`)."""
+        (`autoplan.solvers.problem.BucketCost`)."""
         first = self._all_reduce_s(axes, FIRST_BUCKET_BYTES)
         per_byte = (self._all_reduce_s(axes, BUCKET_BYTES) - first) / (
             BUCKET_BYTES - FIRST_BUCKET_BYTES

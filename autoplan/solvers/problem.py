@@ -141,3 +141,11 @@ class IntraOpSolution:
     num_variables: int
     num_constraints: int
     recomputed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Which group decides each (canonical) node, and how: node strategy = pick[node][k]."""
+
+    group_of: dict[str, int]
+    pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy

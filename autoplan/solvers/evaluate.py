@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autoplan.solve.problem import IntraOpProblem
+from autoplan.solvers.problem import IntraOpProblem
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The stage DP's search over the cap ``t_max``: the optimal stage plan of a `StageProblem`
-(notation of `autoplan.solve.stage_problem`), running the dynamic program for one cap
-(`autoplan.solve.stage_dp`) for as few caps as the bound below allows.
+(notation of `autoplan.solvers.stage_problem`), running the dynamic program for one cap
+(`autoplan.solvers.stage_dp`) for as few caps as the bound below allows.
 
 Search over t_max (:class:`_CapSearch`)
     A cap's answer is ``F(t_max) + (B - 1) * t_max``; Alpa takes the least over every distinct
@@ -13,8 +13,8 @@ Search over t_max (:class:`_CapSearch`)
     pushes back the unsettled ``[lo, t_act)`` in two halves; it stops when the smallest bound
     exceeds the best total. It returns the same plan as the plain search.
 
-Cost: ``O(L^2 K)`` calls of ``cost`` (each once, `autoplan.solve.stage_tables.build_tables`),
-and per cap the dynamic program's (`autoplan.solve.stage_dp`). Costs are seconds; memory is
+Cost: ``O(L^2 K)`` calls of ``cost`` (each once, `autoplan.solvers.stage_tables.build_tables`),
+and per cap the dynamic program's (`autoplan.solvers.stage_dp`). Costs are seconds; memory is
 bytes per device.
 """
 
@@ -26,15 +26,15 @@ import math
 
 import numpy as np
 
-from autoplan.solve.stage_dp import CappedDP, CappedPlan, device_windows
-from autoplan.solve.stage_problem import (
+from autoplan.solvers.stage_dp import CappedDP, CappedPlan, device_windows
+from autoplan.solvers.stage_problem import (
     InfeasibleStagesError,
     StagePlan,
     StageProblem,
     StageSolution,
     pipeline_time,
 )
-from autoplan.solve.stage_tables import StageTables, build_tables
+from autoplan.solvers.stage_tables import StageTables, build_tables
 
 logger = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ profile has one (`op_overheads`: linear, layer norm, GELU, attention, any view o
 measured `op_overhead` (an element-wise op's), 0 where not measured. CPU ranks (gloo) do that
 work on the core that computes, so it adds (`with_overhead`). A GPU runs kernels while the host
 queues the next ones, so the host's work is summed apart (`host_overhead`) and a step's compute
-takes the longer of the two sums (`autoplan.search.step_price.price_step`). On one H100
+takes the longer of the two sums (`autoplan.costmodel.step_price.price_step`). On one H100
 (benchmarks/gpu_steps.py), pricing each op at the longer of its own two predicted a GPT-350M
 step at 1.22x its measured time, the longer of the sums at 1.09x. A collective that goes through
 DTensor adds the measured `redistribute_overhead` at its bytes (`redistribute_overhead` here);
 where the step waits on one, and for a message between pipeline stages, it adds `sync_overhead`
-(`autoplan.strategies.pricing`, `autoplan.search.pipeline_price`).
+(`autoplan.costmodel.pricer`, `autoplan.costmodel.pipeline_price`).
 
 Collectives (alpha-beta, ring algorithms). For a group of n ranks on a link with latency
 alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` as noted:

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 
 @dataclass(frozen=True)
-class Region:
+class RecomputedRegion:
     """A contiguous run of one recomputed layer's ops (with their ``getitem`` nodes)."""
 
     nodes: tuple[torch.fx.Node, ...]
@@ -57,10 +57,10 @@ def gathered(nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, int]) -> lis
 
 def with_regions(
     nodes: Sequence[torch.fx.Node], layer_of: Mapping[str, int]
-) -> list[torch.fx.Node | Region]:
+) -> list[torch.fx.Node | RecomputedRegion]:
     """``nodes`` in order, each contiguous run of one recomputed layer's ops (their names ->
-    the layer, ``layer_of``) replaced by its `Region`."""
-    steps: list[torch.fx.Node | Region] = []
+    the layer, ``layer_of``) replaced by its `RecomputedRegion`."""
+    steps: list[torch.fx.Node | RecomputedRegion] = []
     run: list[torch.fx.Node] = []
     current: int | None = None
 
@@ -68,7 +68,7 @@ def with_regions(
         if run:
             inside = {n.name for n in run}
             reads = [r.name for n in run for r in n.all_input_nodes if r.name not in inside]
-            steps.append(Region(tuple(run), tuple(dict.fromkeys(reads))))
+            steps.append(RecomputedRegion(tuple(run), tuple(dict.fromkeys(reads))))
             run.clear()
 
     for node in nodes:

@@ -1,6 +1,6 @@
 """Alpa's stage DP for one cap ``t_max``: the least sum of stage times over plans whose every
-stage time is within the cap (notation of `autoplan.solve.stage_problem`; ``R``, the most
-stages that may follow a stage in memory, of `autoplan.solve.stage_tables`).
+stage time is within the cap (notation of `autoplan.solvers.stage_problem`; ``R``, the most
+stages that may follow a stage in memory, of `autoplan.solvers.stage_tables`).
 
 Dynamic program for one cap ``t_max`` (:class:`CappedDP`)
     ``H(r, k, d)``: the least ``sum t_s`` over plans for layers ``k..L-1`` on exactly ``d``
@@ -29,7 +29,7 @@ Dynamic program for one cap ``t_max`` (:class:`CappedDP`)
     (:meth:`CappedDP._relax`), so a problem always gives the same plan.
 
 Cost: per cap ``O(L^2 K W)`` element operations per level, ``W <= D + 1`` the window width;
-with sends ``K`` times more. The search over caps is `autoplan.solve.stage_search`.
+with sends ``K`` times more. The search over caps is `autoplan.solvers.stages`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoplan.solve.stage_tables import StageTables
+from autoplan.solvers.stage_tables import StageTables
 
 # Larger than any device count, small enough that sums of two never overflow int64.
 _NO_DEVICES = 2**40

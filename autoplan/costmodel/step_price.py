@@ -2,7 +2,7 @@
 edge by edge (no decision groups, no ILP).
 
 It is what a plan reports, whichever way its strategies were found: the intra-op ILP
-(`autoplan.search.intra_op`), a pipeline stage's layers (`autoplan.search.pipeline_price`), a
+(`autoplan.search.intra_op`), a pipeline stage's layers (`autoplan.costmodel.pipeline_price`), a
 baseline's fixed strategies, or a plan read back to re-price (`autoplan.estimate`). Times are
 seconds per step (per microbatch for a pipeline stage); memory is bytes per device.
 """
@@ -13,11 +13,11 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autoplan.costmodel.pricer import Phased, Pricer
 from autoplan.graph.ir import Graph
 from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
 from autoplan.strategies.placement import P, Spec, grad_spec
-from autoplan.strategies.pricing import Phased, Pricer
 from autoplan.strategies.space import Strategy
 
 
@@ -48,7 +48,7 @@ def summed_gradient(a: Spec | None, b: Spec | None) -> Spec | None:
     return tuple(P if P in (x, y) else x for x, y in zip(a, b, strict=True))
 
 
-def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) -> PricedStep:
+def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer) -> PricedStep:
     """The step as the executor runs it: each tensor redistributed once per placement its
     users need; in backward, the gradients of those users summed and reduced once per such
     placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
@@ -61,21 +61,21 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     largest recomputed layer. The forward redistributions of a recomputed op that is the first
     to need them are issued again in backward (phase "recompute")."""
     compute = memory = comm = host = 0.0
-    recompute = costs.recompute
+    recompute = pricer.recompute
     dropped: dict[int, float] = defaultdict(float)  # by recomputed layer
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
     needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
     for node in graph:
         s = assignment[node.name]
-        compute += costs.node_time(node, s)
-        host += costs.host_time(node)
+        compute += pricer.node_time(node, s)
+        host += pricer.host_time(node)
         if recompute.drops(node.name):
-            dropped[recompute.layer_of[node.name]] += costs.activation_memory(node, s)
+            dropped[recompute.layer_of[node.name]] += pricer.activation_memory(node, s)
         else:
-            memory += costs.node_memory(node, s)
-        comm += costs.internal_time(node, s)
-        found += [(node.name, node.name, p) for p in costs.internal(node, s)]
+            memory += pricer.node_memory(node, s)
+        comm += pricer.internal_time(node, s)
+        found += [(node.name, node.name, p) for p in pricer.internal(node, s)]
         for i, ref in enumerate(node.refs):
             grad = None
             if graph.node(ref.name).needs_grad and node.kind != NodeKind.OUTPUT:
@@ -90,7 +90,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
     for (name, index, _), (user, i, grad) in needs.items():
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
-        seconds, fwd = costs.forward(tensor, assignment[name], assignment[user], i)
+        seconds, fwd = pricer.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
         found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
         if fwd:
@@ -101,7 +101,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
                 waits.add(("recompute", user))
         if grad is None:
             continue
-        seconds, bwd = costs.gradient(tensor, grad, assignment[name])
+        seconds, bwd = pricer.gradient(tensor, grad, assignment[name])
         if producer.kind == NodeKind.PARAM:
             syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
             continue
@@ -122,8 +122,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], costs: Pricer) 
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
         phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
-    comm += costs.gradients_s([p for _, _, p in gradients])
+    comm += pricer.gradients_s([p for _, _, p in gradients])
     found += gradients
-    comm += len(waits) * costs.sync_s
+    comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
     return PricedStep(max(compute, host), comm, memory + transient, tuple(found), transient)

@@ -5,7 +5,7 @@ memory ``m[v][k]`` (bytes per device); edge ``(u, v)`` has resharding costs ``R[
 ``M`` is the memory limit.
 
 Preprocessing (:func:`simplify`) shrinks the problem first. Each step keeps the cost of every
-assignment unchanged, so :func:`~autoplan.solve.evaluate.evaluate` gives the same objective on
+assignment unchanged, so :func:`~autoplan.solvers.evaluate.evaluate` gives the same objective on
 the original and on the simplified problem:
 
 - :func:`fold_self_edges`: an edge with ``u == v`` only ever costs ``R[v,v][k][k]``; that
@@ -105,8 +105,8 @@ from typing import Any
 import pulp
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
-from autoplan.solve.evaluate import evaluate, min_memory
-from autoplan.solve.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ Plan and objective (:func:`pipeline_time`)
     ``t_s = T[s] + send(stop_s, m_s, m_(s+1))`` (the send is the sender's; none after the last
     stage) and a 1F1B step takes ``sum_s t_s + (B - 1) * max_s t_s``.
 
-The solver: `autoplan.solve.stage_search.solve_stages`, a search over the cap ``t_max`` on
-every stage time, running the dynamic program of `autoplan.solve.stage_dp` for each cap on
-the cost tables of `autoplan.solve.stage_tables` (where the memory constraint is). Costs are
+The solver: `autoplan.solvers.stages.solve_stages`, a search over the cap ``t_max`` on
+every stage time, running the dynamic program of `autoplan.solvers.stage_dp` for each cap on
+the cost tables of `autoplan.solvers.stage_tables` (where the memory constraint is). Costs are
 seconds; memory is bytes per device.
 """
 

@@ -5,10 +5,10 @@ Times. A stage's time per microbatch covers its forward and backward, the collec
 them, and the send of its boundary tensors (and their gradients) to the next stage
 (`send_time`). The gradient synchronization and optimizer update run once per step: the
 predicted step time adds them once, after the last microbatch: ``sum(t) + (B - 1) * max(t) +
-max(extra)`` (`pipeline_plan`; the stage DP amortizes them as ``extra / B`` per microbatch,
+max(extra)`` (`price_stages`; the stage DP amortizes them as ``extra / B`` per microbatch,
 `autoplan.search.pipeline_search`). Interleaved 1F1B, ``v`` stages on each of ``p`` device
 groups, takes ``B W + (sum(t) - W) / v`` with ``W`` the busiest group's ``sum(t)``
-(`autoplan.solve.stage_problem.interleaved_time`): a bubble ``v`` times smaller, for ``v``
+(`autoplan.solvers.stage_problem.interleaved_time`): a bubble ``v`` times smaller, for ``v``
 times the sends, each stage paying its own. Memory: a stage's parameters, gradients and
 optimizer state once, plus the activations of each microbatch in flight (1F1B: ``S - s`` for
 stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages' and the
@@ -26,17 +26,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
-from autoplan.cluster.timing import collective_time, sync_overhead
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import PricedStep, price_step
+from autoplan.costmodel.timing import collective_time, sync_overhead
 from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import Graph, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase, Schedule
 from autoplan.schedules import group_order, peak_in_flight, simulate
 from autoplan.search.stage_layout import stage_cluster
-from autoplan.search.step_price import PricedStep, price_step
-from autoplan.solve.stage_problem import interleaved_time, pipeline_time
+from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
-from autoplan.strategies.pricing import Pricer
 from autoplan.strategies.space import Strategy
 
 
@@ -72,7 +72,7 @@ class PipelinePlan:
     num_microbatches: int
     schedule: str
     mesh_shape: tuple[int, ...]  # each stage's logical mesh
-    costs: Pricer  # of a stage's mesh (what each stage recomputes: `recompute`)
+    pricer: Pricer  # of a stage's mesh (what each stage recomputes: `recompute`)
     boundary: Spec
     stages: tuple[SolvedStage, ...]
     step_time_s: float
@@ -147,7 +147,7 @@ def priced_stage(
     assignment: dict[str, Strategy],
     step: PricedStep,
     rules: dict[str, str],
-    costs: Pricer,
+    pricer: Pricer,
     send_s: float,
     solver: SolverStats,
 ) -> SolvedStage:
@@ -157,13 +157,13 @@ def priced_stage(
     once (with the activations of its largest recomputed layer, made again in backward one
     microbatch at a time), the rest one microbatch's activations."""
     graph = stage.graph
-    extra = sum(costs.node_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM)
-    extra += costs.gradients_s([p for _, _, p in step.collectives if p.phase == Phase.GRAD_SYNC])
+    extra = sum(pricer.node_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM)
+    extra += pricer.gradients_s([p for _, _, p in step.collectives if p.phase == Phase.GRAD_SYNC])
     extra += sum(
-        costs.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
+        pricer.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
     )
     static = step.recompute_bytes + sum(
-        costs.node_memory(n, assignment[n.name])
+        pricer.node_memory(n, assignment[n.name])
         for n in graph
         if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
     )
@@ -185,7 +185,7 @@ def priced_stage(
         activation_bytes=step.memory_bytes - static,
         solver=solver,
         recompute_bytes=step.recompute_bytes,
-        recomputed=costs.recompute.within(frozenset(stage.nodes)),
+        recomputed=pricer.recompute.within(frozenset(stage.nodes)),
     )
 
 
@@ -207,13 +207,13 @@ def send_time(cluster: Cluster, nbytes: float) -> float:
     return 2 * (message + sync_overhead(cluster)) if message else 0.0
 
 
-def pipeline_plan(
+def price_stages(
     cluster: Cluster,
     graph: Graph,
     layers: tuple[Layer, ...],
     num_microbatches: int,
     schedule: str,
-    costs: Pricer,
+    pricer: Pricer,
     boundary: Spec,
     stages: tuple[SolvedStage, ...],
     memory_limit: float,
@@ -231,7 +231,7 @@ def pipeline_plan(
         else:
             scheduled = pipeline_time(times, num_microbatches)
     else:
-        stage_size = math.prod(costs.mesh_shape)
+        stage_size = math.prod(pricer.mesh_shape)
         # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
         # Its sends are its CPU work too (gloo), half with each forward, half with each backward
         steps = [
@@ -256,8 +256,8 @@ def pipeline_plan(
         layers=layers,
         num_microbatches=num_microbatches,
         schedule=schedule,
-        mesh_shape=costs.mesh_shape,
-        costs=costs,
+        mesh_shape=pricer.mesh_shape,
+        pricer=pricer,
         boundary=boundary,
         stages=stages,
         step_time_s=step,
@@ -288,17 +288,17 @@ def price_pipeline(
     (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``,
     recomputing ``recompute``."""
     sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
-    costs = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
+    pricer = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
     stages = []
     for s, (stage, assignment) in enumerate(zip(stage_graphs, assignments, strict=True)):
-        step = price_step(stage.graph, assignment, costs)
+        step = price_step(stage.graph, assignment, pricer)
         send = send_time(cluster, sent_bytes(stage, mesh_shape, boundary))
         rules = dict.fromkeys(assignment, "given")
         no_solver = SolverStats(0.0, 0, 0, 0)
         stages.append(
-            priced_stage(s, s + 1, stage, assignment, step, rules, costs, send, no_solver)
+            priced_stage(s, s + 1, stage, assignment, step, rules, pricer, send, no_solver)
         )
-    return pipeline_plan(
-        cluster, graph, layers, num_microbatches, schedule, costs, boundary, tuple(stages),
+    return price_stages(
+        cluster, graph, layers, num_microbatches, schedule, pricer, boundary, tuple(stages),
         memory_limit, virtual_stages,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """The stage DP's cost tables: a `StageProblem`'s ``cost`` and ``send_time`` called once per
 stage and boundary, into arrays indexed ``[k, j, m]`` (notation of
-`autoplan.solve.stage_problem`). A stage that ``cost`` reports infeasible, or that never fits
+`autoplan.solvers.stage_problem`). A stage that ``cost`` reports infeasible, or that never fits
 in memory, is unusable: ``R = 0`` and ``T = inf`` (:func:`build_tables`). A problem's stage
 variants are submesh choices of their own: index ``m`` is submesh ``m // V`` in variant
 ``m % V``.
@@ -9,7 +9,7 @@ Memory (:func:`_max_stages_left`)
     Under 1F1B stage ``s`` keeps ``S - s`` microbatches in flight: ``mem + (S - s) * act <=
     mem_max``. With ``R[k, j, m]`` the largest ``r`` such that ``mem + r * act <= mem_max``
     this reads ``S - s <= R``; ``R = 0`` marks a stage that never fits or that ``cost``
-    reports infeasible. The dynamic program (`autoplan.solve.stage_dp`) keeps the constraint
+    reports infeasible. The dynamic program (`autoplan.solvers.stage_dp`) keeps the constraint
     exact by counting the stages left.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoplan.errors import AutoplanError
-from autoplan.solve.stage_problem import StageCost, StageProblem, Submesh, submesh_choices
+from autoplan.solvers.stage_problem import StageCost, StageProblem, Submesh, submesh_choices
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,54 @@
+"""`autoplan profile|plan|show|estimate|run`: the command line, one module per subcommand.
+The only module that configures logging: warnings only by default (``-v`` adds the planner's
+account of what it tried, ``-vv`` the solvers' own logs), and long work shows progress on
+stderr instead (`autoplan.cli.progress_line`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from autoplan.cli import estimate, plan, profile, run, show
+from autoplan.errors import AutoplanError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autoplan", description=__doc__)
+    p.add_argument("-q", "--quiet", action="store_true", help="print only results (and warnings)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log what the planner tries (-vv: and the ILP solver's own log)",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in (plan, show, estimate, run, profile):
+        command.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    levels = [logging.WARNING, logging.INFO, logging.DEBUG]
+    logging.basicConfig(
+        level=levels[0 if args.quiet or rank != 0 else min(args.verbose, 2)],
+        format="%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        if args.command == "run":
+            return run.run(args, argv)
+        if args.command == "profile":
+            return profile.run(args, argv)
+        commands = {"plan": plan.run, "show": show.run, "estimate": estimate.run}
+        return commands[args.command](args)
+    except AutoplanError as e:
+        where = f" on rank {rank}" if "RANK" in os.environ else ""
+        print(f"autoplan: error{where}: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,34 @@
+"""The progress line the command line draws on stderr from the library's `Progress` reports."""
+
+from __future__ import annotations
+
+import sys
+
+from autoplan.progress import Progress
+
+PROGRESS_AFTER_S = 3.0  # planning quicker than this shows no progress
+
+
+class ProgressLine:
+    """Progress on stderr once the work has run ``after_s`` seconds: on a terminal one line
+    redrawn in place, in a log one line per milestone (a curve measured, a mesh planned)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.redraw = sys.stderr.isatty()
+        self.drawn = False
+
+    def __call__(self, p: Progress) -> None:
+        if p.elapsed < self.after_s:
+            return
+        if self.redraw:
+            print(f"\r{p.line()}\x1b[K", end="", file=sys.stderr, flush=True)
+            self.drawn = True
+        elif p.milestone:
+            print(p.line(), file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        """Ends the line redrawn in place, before other output."""
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
+            self.drawn = False

@@ -1,0 +1,205 @@
+"""`autoplan run`: plan and train a workload on local processes (torchrun), and optionally
+check it against training in one process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+
+from autoplan.cli.arguments import (
+    add_plan_options,
+    add_progress,
+    add_workload,
+    at_least_one,
+    plan_options,
+    positive,
+    workload_options,
+)
+from autoplan.cli.launch import torchrun
+from autoplan.cli.progress_line import ProgressLine
+from autoplan.cluster.model import Cluster
+from autoplan.errors import AutoplanError
+from autoplan.graph.capture import capture_microbatches
+from autoplan.options import TrainOptions
+from autoplan.parallel import check_given_plan, check_trainable
+from autoplan.planfile.schema import Plan
+from autoplan.planfile.show import summary
+from autoplan.training import Checkpointing, compare, one_process, train
+from autoplan.workload import load_workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="plan and train a workload on local processes (torchrun)")
+    add_workload(r)
+    r.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
+    r.add_argument(
+        "--nproc", type=at_least_one, help="processes to start (default: the cluster's devices)"
+    )
+    r.add_argument("--plan", help="train with this plan instead of planning")
+    r.add_argument("--steps", type=at_least_one, default=5, help="train steps (default 5)")
+    r.add_argument(
+        "--lr",
+        type=positive,
+        default=1e-4,
+        help="learning rate (default 1e-4: Adam scales gradients near zero up to full steps, "
+        "so at larger rates float32 rounding alone moves some weights past --check's 1e-5)",
+    )
+    r.add_argument(
+        "--check",
+        action="store_true",
+        help=(
+            "train the same steps in one process and compare losses and parameters (1e-5; "
+            "in mixed precision against autocast, within bf16's reach: see the README)"
+        ),
+    )
+    r.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints here (DIR/step-NNNNNNNN)"
+    )
+    r.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="save every N steps and after the last (default: after the last only)",
+    )
+    r.add_argument(
+        "--checkpoint-keep", type=int, metavar="K", help="keep the newest K checkpoints (all)"
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, under this run's plan "
+        "whatever plan saved it (--steps counts from the beginning)",
+    )
+    r.add_argument(
+        "--export-to", metavar="FILE", help="after training, save the whole state dict to FILE"
+    )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="end the job if a step takes longer than S seconds, e.g. a rank stopped or stuck "
+        "(default: 10x the plan's predicted step time, at least 60)",
+    )
+    add_progress(r)
+    add_plan_options(r)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster file; a one-node file is fitted to --nproc local processes."""
+    cluster = Cluster.load(args.cluster)
+    nproc = args.nproc or int(os.environ.get("WORLD_SIZE", cluster.num_devices))
+    if nproc != cluster.num_devices:
+        if cluster.num_nodes != 1:
+            raise AutoplanError(
+                f"--nproc {nproc} does not match cluster {cluster.name!r} "
+                f"({cluster.num_devices} devices on {cluster.num_nodes} nodes)"
+            )
+        cluster = dataclasses.replace(
+            cluster, devices_per_node=nproc, name=f"{cluster.name}-{nproc}"
+        )
+    return cluster
+
+
+def _train_options(args: argparse.Namespace) -> TrainOptions:
+    return TrainOptions(optimizer_options={"lr": args.lr}, timeout_s=args.timeout)
+
+
+def _checkpointing(args: argparse.Namespace) -> Checkpointing:
+    return Checkpointing(
+        directory=args.checkpoint_dir,
+        every=args.checkpoint_every,
+        keep=args.checkpoint_keep,
+        resume=args.resume,
+        export_to=args.export_to,
+    )
+
+
+def _check(args: argparse.Namespace, cluster: Cluster) -> None:
+    """What `autoplan run` can check before it starts any process: its options, the workload
+    loads and has something to train, and a plan it is given fits the model and the
+    processes. Its errors come once, before torchrun; its warnings not at all: rank 0 repeats
+    every check."""
+    _train_options(args)
+    _checkpointing(args)
+    logging.disable(logging.WARNING)
+    try:
+        w = load_workload(args.workload, **workload_options(args.set))
+        check_trainable(w.model)
+        if args.plan is not None:
+            precision = Plan.from_json(args.plan).mixed_precision
+            traced = capture_microbatches(
+                w.model, w.example_inputs, w.loss_fn, w.example_target, precision
+            )
+            options = plan_options(args, ProgressLine(args.progress_after))
+            check_given_plan(args.plan, traced, cluster, options)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Outside torchrun: check what can be checked and start the ranks; on a rank: train."""
+    if "RANK" not in os.environ:
+        cluster = _cluster(args)
+        _check(args, cluster)
+        return torchrun(argv, cluster.num_devices)
+    import torch.distributed as dist
+
+    cluster = _cluster(args)
+    options = workload_options(args.set)
+    workload = load_workload(args.workload, **options)
+    progress = ProgressLine(args.progress_after)
+    planning = plan_options(args, progress)
+    training = _train_options(args)
+    try:
+        step, records = train(
+            workload,
+            cluster,
+            args.steps,
+            plan=args.plan,
+            options=planning,
+            train_options=training,
+            checkpointing=_checkpointing(args),
+        )
+    finally:
+        progress.end()
+    start = step.steps_done  # resumed from a checkpoint: the steps already taken
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        assert step.plan is not None
+        print(summary(step.plan), flush=True)
+        world = dist.get_world_size()
+        steps = f"steps {start + 1}-{args.steps}" if start else f"{args.steps} steps"
+        print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
+    losses = []
+    for r in records:
+        losses.append(r.loss)
+        if rank0:
+            print(
+                f"step {r.step:>3}  loss {r.loss:.6f}  {r.seconds * 1e3:8.1f} ms  "
+                f"{r.throughput:,.0f} {r.unit}",
+                flush=True,
+            )
+    code = 0
+    if args.check:
+        state = step.state_dict()  # gathers on every rank
+        if rank0:
+            assert step.plan is not None
+            precision = step.plan.mixed_precision
+            ref_losses, ref_state = one_process(
+                lambda: load_workload(args.workload, **options),
+                args.steps,
+                planning.optimizer,
+                training,
+                precision,
+            )
+            initial = load_workload(args.workload, **options).model.state_dict()
+            found = compare(
+                losses, state, (ref_losses[start:], ref_state), initial, precision is not None
+            )
+            code = 0 if found.ok else 1
+            print(found)
+    dist.destroy_process_group()
+    return code
