@@ -141,3 +141,15 @@ class IntraOpSolution:
     num_variables: int
     num_constraints: int
     recomputed: tuple[int, ...] = ()
+    # "time_limit": the solver's relative gap when it stopped, a fraction (the optimum is at
+    # least ``(1 - gap) * objective``); None where it did not say (CBC) and when optimal
+    gap: float | None = None
+
+
+def gap_text(gap: float | None) -> str:
+    """A stopped solve's gap (`IntraOpSolution.gap`) for people: "gap <= 3.15%", rounded up
+    to a hundredth of a percent so that it stays a bound, or that the solver did not say."""
+    if gap is None:
+        return "gap unknown"
+    hundredths = max(math.ceil(round(gap * 10_000, 6)), 1)  # round: 0.0315 is 315.00000000000006
+    return f"gap <= {hundredths / 100:.2f}%"
