@@ -24,7 +24,10 @@ from autoplan.graph.ir import INPUT, OUTPUT, PARAM
 from autoplan.graph.recompute import FULL, SELECTIVE
 from autoplan.jsonfields import JsonField
 from autoplan.planfile.sections import (
+    OUTCOMES,
     PLAN_VERSION,
+    SKIPPED,
+    STOPPED,
     CollectivePlan,
     Mesh,
     NodePlan,
@@ -37,6 +40,7 @@ from autoplan.planfile.sections import (
     SolverInfo,
     Stage,
     StagePredicted,
+    Unproven,
 )
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
@@ -207,6 +211,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         meshes_tried=tuple(
             tuple(d.integer() for d in m.elements()) for m in s["meshes_tried"].elements()
         ),
+        unproven=_read_unproven(s.get("unproven")),
     )
     return dict(
         provenance=provenance,
@@ -227,6 +232,27 @@ def _read_precision(f: JsonField | None) -> str | None:
     if f is None:
         return None
     return f.one_of(tuple(COMPUTE_DTYPES))
+
+
+def _read_unproven(f: JsonField | None) -> tuple[Unproven, ...]:
+    """The parts of the search not proven optimal (absent: none)."""
+    if f is None:
+        return ()
+    found = []
+    for e in f.elements():
+        outcome = SKIPPED if e["outcome"].one_of(OUTCOMES) == SKIPPED else STOPPED
+        gap = e.get("gap")
+        if gap is not None and (outcome == SKIPPED or not gap.number() >= 0):
+            raise gap.fail("a number >= 0 for a part stopped, or null")
+        found.append(
+            Unproven(
+                part=e["part"].text(non_empty=True),
+                outcome=outcome,
+                time_limit_s=e["time_limit_s"].number(),
+                gap=None if gap is None else gap.number(),
+            )
+        )
+    return tuple(found)
 
 
 def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:
