@@ -15,7 +15,7 @@ from torch import nn
 
 from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.ir import PARAM, Graph
@@ -24,6 +24,7 @@ from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import SKIPPED, STOPPED, Unproven
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
@@ -90,9 +91,10 @@ def plan_graph(
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
-    single: Searched | InfeasiblePlanError | None = None
+    single: Searched | Unplanned | None = None
+    unproven: tuple[Unproven, ...] = ()
     if not pipeline:
-        single = _plan_one_stage(graph, cluster, options, memory_limit, tally)
+        single, unproven = _plan_one_stage(graph, cluster, options, memory_limit, tally)
     piped, weighed = None, False
     # by default pipelines are weighed on every cluster of several devices, inside a node too:
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
@@ -111,15 +113,30 @@ def plan_graph(
                 f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
                 "lighter optimizer"
             )
-        assert isinstance(single, InfeasiblePlanError)
-        raise InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
+        assert not isinstance(single, Searched)
+        raise type(single)(f"{single} No pipeline fits either.") if weighed else single
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
         for s in found
         if s.plan.predicted.step_time_s <= fastest * CHECKED_WITHIN
     ]
-    return min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
+    best = min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
+    return _noting_unproven(best, unproven)
+
+
+# why the search found no plan: none fits, or the ILPs that might have found one ran out of time
+Unplanned = InfeasiblePlanError | SolverTimeLimitError
+
+
+def _noting_unproven(plan: Plan, unproven: tuple[Unproven, ...]) -> Plan:
+    """``plan``, its solver section listing the parts of the search not proven optimal (also
+    where a conventional plan or a pipeline won: each part cut short might have beaten it)."""
+    if not unproven:
+        return plan
+    for part in unproven:
+        log.info("not proven optimal: %s", part.describe())
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, unproven=unproven))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +245,12 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-) -> Searched | InfeasiblePlanError:
+) -> tuple[Searched | Unplanned, tuple[Unproven, ...]]:
     """The plan of ``graph`` as one stage: one ILP per candidate mesh, choosing the layers
-    that recompute with the strategies unless ``options.recompute`` fixes them."""
+    that recompute with the strategies unless ``options.recompute`` fixes them; and the
+    meshes whose ILPs ran into the time limit. A mesh whose ILP found no plan by then is
+    skipped, the others still searched: only where no mesh has a plan, and some was cut
+    short, is the answer `SolverTimeLimitError`."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -246,21 +266,35 @@ def _plan_one_stage(
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
+    unproven: list[Unproven] = []
+    limit_s = options.time_limit_s
     tally.expect(len(meshes))
     for m in meshes:
         log.info("mesh %s: solving ...", m)
         tally.report(f"one stage on mesh {m}")
-        found = solve_mesh(
-            graph,
-            sharing,
-            Pricer(cluster, m, options.optimizer, recomputed),
-            memory_limit,
-            options.time_limit_s,
-            functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
-            float32_grads=options.float32_grads,
-            recompute=choice,
-        )
+        try:
+            found: MeshPlan | float | None = solve_mesh(
+                graph,
+                sharing,
+                Pricer(cluster, m, options.optimizer, recomputed),
+                memory_limit,
+                limit_s,
+                functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
+                float32_grads=options.float32_grads,
+                recompute=choice,
+            )
+        except SolverTimeLimitError:
+            found = None
         tally.did(f"one stage on mesh {m}", milestone=True)
+        if found is None:
+            log.warning(
+                "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "
+                "time_limit_s, --time-limit, to plan it)",
+                m,
+                limit_s,
+            )
+            unproven.append(Unproven(f"mesh {m}", SKIPPED, limit_s))
+            continue
         if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:
             # the ILP counts recomputed activations at the layers' mean (a mode given), or
             # prices a unit's layers on its first (chosen); the step's price is exact
@@ -270,6 +304,8 @@ def _plan_one_stage(
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
             continue
         solution = found.result.solution
+        if solution.status != "optimal":
+            unproven.append(Unproven(f"mesh {m}", STOPPED, limit_s, solution.gap))
         log.info(
             "mesh %s: predicted %.4g s per step (%s, %.2f s)",
             m,
@@ -280,10 +316,13 @@ def _plan_one_stage(
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
+    if best is None and unproven:
+        return _timed_out(unproven, needs, limit_s), tuple(unproven)
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = FULL if recompute is None else recompute
-        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
+        infeasible = _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
+        return infeasible, ()
     plan = make_plan(
         graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
     )
@@ -292,7 +331,19 @@ def _plan_one_stage(
     degrees = (
         [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     )
-    return Searched(plan, graph, degrees)
+    return Searched(plan, graph, degrees), tuple(unproven)
+
+
+def _timed_out(
+    cut: list[Unproven], needs: Mapping[tuple[int, ...], float], limit_s: float
+) -> SolverTimeLimitError:
+    """No mesh has a plan, and the ILPs of ``cut`` found none within the time limit."""
+    parts = ", ".join(part.part for part in cut)
+    rest = f" (and no plan fits in memory on {', '.join(map(str, needs))})" if needs else ""
+    return SolverTimeLimitError(
+        f"the ILP solver found no plan within time_limit_s={limit_s:g} on {parts}{rest}: raise "
+        "the time limit (PlanOptions.time_limit_s, --time-limit)"
+    )
 
 
 def _infeasible(
