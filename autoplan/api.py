@@ -24,12 +24,16 @@ from autoplan.options import PlanOptions
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import make_pipeline_plan, make_plan
 from autoplan.planfile.schema import Plan
-from autoplan.planfile.sections import SKIPPED, STOPPED, Unproven
 from autoplan.progress import Tally
 from autoplan.schedules import INTERLEAVED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
-from autoplan.search.pipeline_search import GraphForMicrobatches, plan_pipeline
+from autoplan.search.pipeline_search import (
+    LAYER_TIME_LIMIT_S,
+    GraphForMicrobatches,
+    plan_pipeline,
+)
 from autoplan.search.recompute_ilp import RecomputeChoice
+from autoplan.solve.problem import SKIPPED, STOPPED, Unproven
 from autoplan.strategies.pricing import Pricer
 
 log = logging.getLogger(__name__)
@@ -91,11 +95,13 @@ def plan_graph(
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
-    single: Searched | Unplanned | None = None
-    unproven: tuple[Unproven, ...] = ()
+    single: Searched | InfeasiblePlanError | None = None
+    unproven: list[Unproven] = []  # the parts of the search that ran into the time limit
     if not pipeline:
-        single, unproven = _plan_one_stage(graph, cluster, options, memory_limit, tally)
-    piped, weighed = None, False
+        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally)
+        unproven += cut_short
+    piped: Searched | None = None
+    weighed = False
     # by default pipelines are weighed on every cluster of several devices, inside a node too:
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
     # the planner is to be no slower than any conventional plan (tests/test_optimality.py);
@@ -104,17 +110,14 @@ def plan_graph(
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
-        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit, tally)
+        piped, cut_short = _plan_pipelined(
+            graph, microbatch_graph, cluster, options, memory_limit, tally
+        )
+        unproven += cut_short
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
-        if single is None:
-            raise InfeasiblePlanError(
-                f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
-                f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
-                "lighter optimizer"
-            )
         assert not isinstance(single, Searched)
-        raise type(single)(f"{single} No pipeline fits either.") if weighed else single
+        raise _no_plan(single, weighed, unproven, cluster, memory_limit)
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
@@ -122,11 +125,38 @@ def plan_graph(
         if s.plan.predicted.step_time_s <= fastest * CHECKED_WITHIN
     ]
     best = min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
-    return _noting_unproven(best, unproven)
+    return _noting_unproven(best, tuple(unproven))
 
 
-# why the search found no plan: none fits, or the ILPs that might have found one ran out of time
-Unplanned = InfeasiblePlanError | SolverTimeLimitError
+def _no_plan(
+    single: InfeasiblePlanError | None,
+    weighed: bool,
+    unproven: list[Unproven],
+    cluster: Cluster,
+    memory_limit: float,
+) -> AutoplanError:
+    """Why the search found no plan: where some ILPs found none within the time limit, that
+    (a longer limit may find one); else what does not fit (``single``: the one-stage plans',
+    None where no mesh was found too large; pipelines were searched if ``weighed``)."""
+    if single is None:
+        infeasible = InfeasiblePlanError(
+            f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
+            f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
+            "lighter optimizer"
+        )
+    else:
+        infeasible = (
+            InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
+        )
+    cut = [part.describe() for part in unproven if part.outcome == SKIPPED]
+    if not cut:
+        return infeasible
+    layers = f"; a pipeline layer's ILP stops at {LAYER_TIME_LIMIT_S:g} s at most" * weighed
+    too_large = f" Where it did not: {single}" if single is not None else ""
+    return SolverTimeLimitError(
+        f"the ILP solver found no plan within the time limit ({'; '.join(cut)}): raise the time "
+        f"limit (PlanOptions.time_limit_s, --time-limit{layers}).{too_large}"
+    )
 
 
 def _noting_unproven(plan: Plan, unproven: tuple[Unproven, ...]) -> Plan:
@@ -183,7 +213,9 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-) -> Searched | None:
+) -> tuple[Searched | None, tuple[Unproven, ...]]:
+    """The fastest pipeline (`plan_pipeline`) as a plan, and the parts of its search that
+    ran into the time limit."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
     if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
@@ -208,7 +240,7 @@ def _plan_pipelined(
         ]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
-    found = plan_pipeline(
+    search = plan_pipeline(
         microbatch_graph,
         cluster,
         options,
@@ -216,8 +248,9 @@ def _plan_pipelined(
         memory_limit=memory_limit,
         tally=tally,
     )
+    found = search.plan
     if found is None:
-        return None
+        return None, search.unproven
     plan = make_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
     # (unless Interleaved1F1B is forced), and interleaved as found
@@ -236,7 +269,7 @@ def _plan_pipelined(
             meshes=None if options.mesh_shape is None else [options.mesh_shape],
         )
     ]
-    return Searched(plan, found.graph, degrees)
+    return Searched(plan, found.graph, degrees), search.unproven
 
 
 def _plan_one_stage(
@@ -245,12 +278,12 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-) -> tuple[Searched | Unplanned, tuple[Unproven, ...]]:
+) -> tuple[Searched | InfeasiblePlanError | None, tuple[Unproven, ...]]:
     """The plan of ``graph`` as one stage: one ILP per candidate mesh, choosing the layers
     that recompute with the strategies unless ``options.recompute`` fixes them; and the
     meshes whose ILPs ran into the time limit. A mesh whose ILP found no plan by then is
-    skipped, the others still searched: only where no mesh has a plan, and some was cut
-    short, is the answer `SolverTimeLimitError`."""
+    skipped, the others still searched. Without a plan: why none fits, or None where every
+    mesh was cut short (`_no_plan` says so)."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -316,13 +349,13 @@ def _plan_one_stage(
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
-    if best is None and unproven:
-        return _timed_out(unproven, needs, limit_s), tuple(unproven)
+    if best is None and not needs:
+        return None, tuple(unproven)
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = FULL if recompute is None else recompute
         infeasible = _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
-        return infeasible, ()
+        return infeasible, tuple(unproven)
     plan = make_plan(
         graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.costs.recompute
     )
@@ -332,18 +365,6 @@ def _plan_one_stage(
         [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     )
     return Searched(plan, graph, degrees), tuple(unproven)
-
-
-def _timed_out(
-    cut: list[Unproven], needs: Mapping[tuple[int, ...], float], limit_s: float
-) -> SolverTimeLimitError:
-    """No mesh has a plan, and the ILPs of ``cut`` found none within the time limit."""
-    parts = ", ".join(part.part for part in cut)
-    rest = f" (and no plan fits in memory on {', '.join(map(str, needs))})" if needs else ""
-    return SolverTimeLimitError(
-        f"the ILP solver found no plan within time_limit_s={limit_s:g} on {parts}{rest}: raise "
-        "the time limit (PlanOptions.time_limit_s, --time-limit)"
-    )
 
 
 def _infeasible(

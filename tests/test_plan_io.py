@@ -11,7 +11,8 @@ import pytest
 
 import autoplan
 from autoplan.errors import PlanFormatError
-from autoplan.planfile.sections import PLAN_VERSION, SKIPPED, STOPPED, Unproven
+from autoplan.planfile.sections import PLAN_VERSION
+from autoplan.solve.problem import SKIPPED, STOPPED, Unproven
 from autoplan.version import torch_release
 from tests.conftest import ROOT, plan_example
 

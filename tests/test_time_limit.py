@@ -4,8 +4,11 @@ proven optimal (issue 34)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
+import re
 from typing import Any
 
 import pulp
@@ -14,9 +17,9 @@ import pytest
 import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import SolverTimeLimitError
-from autoplan.planfile.sections import SKIPPED, STOPPED, Unproven
 from autoplan.planfile.show import summary
 from autoplan.search import intra_op
+from autoplan.solve.problem import SKIPPED, STOPPED, Unproven
 from autoplan.workload import Workload
 from tests.conftest import example
 from tests.test_ilp import _stopped_at_first_plan
@@ -96,9 +99,22 @@ def test_every_mesh_cut_short_asks_for_a_longer_time_limit(
     options = PlanOptions(pipeline=False, time_limit_s=1e-9)
     with pytest.raises(SolverTimeLimitError) as raised:
         mlp.plan(cpu4, options)
+    assert str(raised.value) == (
+        "the ILP solver found no plan within the time limit (mesh (4,): skipped, no plan "
+        "found within the 1e-09 s time limit; mesh (2, 2): skipped, no plan found within the "
+        "1e-09 s time limit): raise the time limit (PlanOptions.time_limit_s, --time-limit)."
+    )
+
+
+def test_every_pipeline_cut_short_asks_for_a_longer_time_limit(
+    mlp: Workload, cpu4: autoplan.Cluster
+) -> None:
+    # two stages of two devices: every layer's ILP has choices, and a nanosecond for them
+    with pytest.raises(SolverTimeLimitError) as raised:
+        mlp.plan(cpu4, PlanOptions(num_stages=2, time_limit_s=1e-9))
     message = str(raised.value)
-    assert "no plan within time_limit_s=1e-09 on mesh (4,), mesh (2, 2)" in message
-    assert "PlanOptions.time_limit_s, --time-limit" in message
+    assert "2 stages of mesh (2,), boundary R, 4 microbatches, 3 layer ILPs: skipped" in message
+    assert "a pipeline layer's ILP stops at 2 s at most" in message
 
 
 def test_pipelines_are_searched_after_every_mesh_is_cut_short(
@@ -106,8 +122,32 @@ def test_pipelines_are_searched_after_every_mesh_is_cut_short(
 ) -> None:
     # stages of one device each need no ILP: the pipeline search finds a plan regardless
     plan = mlp.plan(cpu4, PlanOptions(time_limit_s=1e-9))
+    assert plan.pipeline is not None and math.prod(plan.mesh.shape[1:]) == 1
+    unproven = plan.solver.unproven
+    assert [u.part for u in unproven[:2]] == ["mesh (4,)", "mesh (2, 2)"]
+    # and the layers of the stages of two devices, each configuration once
+    assert unproven[2].part == "2 stages of mesh (2,), boundary R, 8 microbatches, 3 layer ILPs"
+    assert len(unproven) > 2 and all(u.outcome == SKIPPED for u in unproven)
+
+
+def test_pipeline_layers_stopped_with_a_plan_are_listed_with_their_gap(
+    mlp: Workload, cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the layers' ILPs are small enough for HiGHS's presolve: said to stop, with gaps of 1-2%
+    solve = intra_op.solve_problem
+    gaps = iter([0.01, 0.02] * 100)
+
+    def stopped(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
+        found = solve(*args, **kwargs)
+        solution = dataclasses.replace(found.solution, status="time_limit", gap=next(gaps))
+        return dataclasses.replace(found, solution=solution)
+
+    monkeypatch.setattr(intra_op, "solve_problem", stopped)
+    plan = mlp.plan(cpu4, PlanOptions(num_stages=2))
     assert plan.pipeline is not None
-    assert [(u.part, u.outcome) for u in plan.solver.unproven] == [
-        ("mesh (4,)", SKIPPED),
-        ("mesh (2, 2)", SKIPPED),
-    ]
+    unproven = plan.solver.unproven
+    assert unproven and all(u.outcome == STOPPED for u in unproven)
+    assert all(u.part.startswith("2 stages of mesh (2,), boundary ") for u in unproven)
+    # one line a configuration, its layers counted, the largest gap of their ILPs
+    assert all(re.search(r", \d+ layer ILPs$", u.part) and u.gap == 0.02 for u in unproven)
+    assert len({u.part for u in unproven}) == len(unproven)

@@ -24,10 +24,7 @@ from autoplan.graph.ir import INPUT, OUTPUT, PARAM
 from autoplan.graph.recompute import FULL, SELECTIVE
 from autoplan.jsonfields import JsonField
 from autoplan.planfile.sections import (
-    OUTCOMES,
     PLAN_VERSION,
-    SKIPPED,
-    STOPPED,
     CollectivePlan,
     Mesh,
     NodePlan,
@@ -40,10 +37,10 @@ from autoplan.planfile.sections import (
     SolverInfo,
     Stage,
     StagePredicted,
-    Unproven,
 )
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.schedules import INTERLEAVED, SCHEDULES, schedule_refusal
+from autoplan.solve.problem import OUTCOMES, SKIPPED, STOPPED, Unproven
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
 from autoplan.strategies.placement import is_placement

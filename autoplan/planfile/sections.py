@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
-from autoplan.solve.problem import gap_text
+from autoplan.solve.problem import Unproven
 
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
 # 5: a collective's mesh axes (several for a bucket all-reduced over them together)
@@ -163,35 +162,6 @@ class Predicted:
     comm_s: float
     peak_memory_bytes: float
     memory_limit_bytes: float
-
-
-# what became of a part of the search whose ILP ran into its time limit (`Unproven`)
-Outcome = Literal["stopped", "skipped"]
-STOPPED: Outcome = "stopped"  # its best plan found was kept, not proven optimal
-SKIPPED: Outcome = "skipped"  # it found no plan, and the search went on without that part
-OUTCOMES: tuple[Outcome, ...] = (STOPPED, SKIPPED)
-
-
-@dataclass(frozen=True)
-class Unproven:
-    """A part of the search (a mesh of a one-stage plan) whose ILP ran into its time limit:
-    the plan found may not be the fastest by as much as ``gap`` there, or a part skipped
-    may have had a faster plan. Raising the time limit (``PlanOptions.time_limit_s``,
-    ``--time-limit``) gives the solver longer."""
-
-    part: str  # "mesh (32, 2)"
-    outcome: Outcome
-    time_limit_s: float
-    # stopped: the solver's relative gap, a fraction (the part's optimum is at least
-    # ``1 - gap`` times its plan's ILP objective); None where it did not say, or skipped
-    gap: float | None = None
-
-    def describe(self) -> str:
-        """One line for people: "mesh (32, 2): stopped at the 60 s time limit, gap <= 3.10%"."""
-        limit = f"the {self.time_limit_s:g} s time limit"
-        if self.outcome == SKIPPED:
-            return f"{self.part}: skipped, no plan found within {limit}"
-        return f"{self.part}: stopped at {limit}, {gap_text(self.gap)}"
 
 
 @dataclass(frozen=True)
