@@ -301,12 +301,11 @@ def _plan_one_stage(
     needs: dict[tuple[int, ...], float] = {}
     unproven: list[Unproven] = []
     limit_s = options.time_limit_s
-    tally.expect(len(meshes))
-    for m in meshes:
-        log.info("mesh %s: solving ...", m)
-        tally.report(f"one stage on mesh {m}")
+
+    def solve(m: tuple[int, ...]) -> MeshPlan | float | None:
+        """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time."""
         try:
-            found: MeshPlan | float | None = solve_mesh(
+            return solve_mesh(
                 graph,
                 sharing,
                 Pricer(cluster, m, options.optimizer, recomputed),
@@ -317,15 +316,19 @@ def _plan_one_stage(
                 recompute=choice,
             )
         except SolverTimeLimitError:
-            found = None
+            return None
+
+    tally.expect(len(meshes))
+    for m in meshes:
+        log.info("mesh %s: solving ...", m)
+        tally.report(f"one stage on mesh {m}")
+        found = solve(m)
         tally.did(f"one stage on mesh {m}", milestone=True)
         if found is None:
             log.warning(
                 "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "
-                "time_limit_s, --time-limit, to plan it)",
-                m,
-                limit_s,
-            )
+                "time_limit_s, --time-limit, to plan it)", m, limit_s,
+            )  # fmt: skip
             unproven.append(Unproven(f"mesh {m}", SKIPPED, limit_s))
             continue
         if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:

@@ -82,8 +82,11 @@ Constraints
     by `MEMORY_MARGIN`.
 
 The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
-the solver. The solver's own log goes to this module's logger at debug level and nowhere else
-(`_solve`): a plan's output carries no solver text.
+the solver. A solve stopped at its time limit with a plan returns it, status "time_limit", with
+the solver's relative gap (`_gap`; HiGHS says it, CBC does not); one stopped with none raises
+`SolverTimeLimitError`, which a caller searching several meshes or layers skips past. The
+solver's own log goes to this module's logger at debug level and nowhere else (`_solve`): a
+plan's output carries no solver text.
 """
 
 from __future__ import annotations
