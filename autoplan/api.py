@@ -16,7 +16,7 @@ from torch import nn
 from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pricer import Pricer
-from autoplan.errors import AutoplanError, InfeasiblePlanError
+from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.ir import Graph
@@ -29,8 +29,13 @@ from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
-from autoplan.search.pipeline_search import GraphForMicrobatches, search_pipelines
+from autoplan.search.pipeline_search import (
+    LAYER_TIME_LIMIT_S,
+    GraphForMicrobatches,
+    search_pipelines,
+)
 from autoplan.search.recompute_ilp import RecomputeChoice
+from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +97,12 @@ def plan_graph(
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
     single: Searched | InfeasiblePlanError | None = None
+    unproven: list[Unproven] = []  # the parts of the search that ran into the time limit
     if not pipeline:
-        single = _plan_one_stage(graph, cluster, options, memory_limit, tally)
-    piped, weighed = None, False
+        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally)
+        unproven += cut_short
+    piped: Searched | None = None
+    weighed = False
     # by default pipelines are weighed on every cluster of several devices, inside a node too:
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
     # the planner is to be no slower than any conventional plan (tests/test_optimality.py);
@@ -103,24 +111,63 @@ def plan_graph(
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
-        piped = _plan_pipelined(graph, microbatch_graph, cluster, options, memory_limit, tally)
+        piped, cut_short = _plan_pipelined(
+            graph, microbatch_graph, cluster, options, memory_limit, tally
+        )
+        unproven += cut_short
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
-        if single is None:
-            raise InfeasiblePlanError(
-                f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
-                f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
-                "lighter optimizer"
-            )
-        assert isinstance(single, InfeasiblePlanError)
-        raise InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
+        assert not isinstance(single, Searched)
+        raise _no_plan(single, weighed, unproven, cluster, memory_limit)
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
         for s in found
         if s.plan.predicted.step_time_s <= fastest * CHECKED_WITHIN
     ]
-    return min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
+    best = min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
+    return _noting_unproven(best, tuple(unproven))
+
+
+def _no_plan(
+    single: InfeasiblePlanError | None,
+    weighed: bool,
+    unproven: list[Unproven],
+    cluster: Cluster,
+    memory_limit: float,
+) -> AutoplanError:
+    """Why the search found no plan: where some ILPs found none within the time limit, that
+    (a longer limit may find one); else what does not fit (``single``: the one-stage plans',
+    None where no mesh was found too large; pipelines were searched if ``weighed``)."""
+    if single is None:
+        infeasible = InfeasiblePlanError(
+            f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
+            f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
+            "lighter optimizer"
+        )
+    else:
+        infeasible = (
+            InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
+        )
+    cut = [part.describe() for part in unproven if part.outcome == SKIPPED]
+    if not cut:
+        return infeasible
+    layers = f"; a pipeline layer's ILP stops at {LAYER_TIME_LIMIT_S:g} s at most" * weighed
+    too_large = f" Where it did not: {single}" if single is not None else ""
+    return SolverTimeLimitError(
+        f"the ILP solver found no plan within the time limit ({'; '.join(cut)}): raise the time "
+        f"limit (PlanOptions.time_limit_s, --time-limit{layers}).{too_large}"
+    )
+
+
+def _noting_unproven(plan: Plan, unproven: tuple[Unproven, ...]) -> Plan:
+    """``plan``, its solver section listing the parts of the search not proven optimal (also
+    where a conventional plan or a pipeline won: each part cut short might have beaten it)."""
+    if not unproven:
+        return plan
+    for part in unproven:
+        log.info("not proven optimal: %s", part.describe())
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, unproven=unproven))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +214,9 @@ def _plan_pipelined(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-) -> Searched | None:
+) -> tuple[Searched | None, tuple[Unproven, ...]]:
+    """The fastest pipeline (`search_pipelines`) as a plan, and the parts of its search that
+    ran into the time limit."""
     num_stages, num_microbatches = options.num_stages, options.num_microbatches
     batch = batch_of(graph)
     if num_microbatches and (num_microbatches < 1 or batch % num_microbatches):
@@ -192,7 +241,7 @@ def _plan_pipelined(
         ]
         if all(refusals):
             raise AutoplanError(str(refusals[0]))
-    found = search_pipelines(
+    search = search_pipelines(
         microbatch_graph,
         cluster,
         options,
@@ -200,8 +249,9 @@ def _plan_pipelined(
         memory_limit=memory_limit,
         tally=tally,
     )
+    found = search.plan
     if found is None:
-        return None
+        return None, search.unproven
     plan = assemble_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
     # (unless Interleaved1F1B is forced), and interleaved as found
@@ -224,7 +274,7 @@ def _plan_pipelined(
             meshes=None if options.mesh_shape is None else [options.mesh_shape],
         )
     ]
-    return Searched(plan, found.graph, degrees)
+    return Searched(plan, found.graph, degrees), search.unproven
 
 
 def _plan_one_stage(
@@ -233,9 +283,12 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
-) -> Searched | InfeasiblePlanError:
+) -> tuple[Searched | InfeasiblePlanError | None, tuple[Unproven, ...]]:
     """The plan of ``graph`` as one stage: one ILP per candidate mesh, choosing the layers
-    that recompute with the strategies unless ``options.recompute`` fixes them."""
+    that recompute with the strategies unless ``options.recompute`` fixes them; and the
+    meshes whose ILPs ran into the time limit. A mesh whose ILP found no plan by then is
+    skipped, the others still searched. Without a plan: why none fits, or None where every
+    mesh was cut short (`_no_plan` says so)."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -251,21 +304,38 @@ def _plan_one_stage(
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     best: MeshPlan | None = None
     needs: dict[tuple[int, ...], float] = {}
+    unproven: list[Unproven] = []
+    limit_s = options.time_limit_s
+
+    def solve(m: tuple[int, ...]) -> MeshPlan | float | None:
+        """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time."""
+        try:
+            return solve_mesh(
+                graph,
+                sharing,
+                Pricer(cluster, m, options.optimizer, recomputed),
+                memory_limit,
+                limit_s,
+                functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
+                float32_grads=options.float32_grads,
+                recompute=choice,
+            )
+        except SolverTimeLimitError:
+            return None
+
     tally.expect(len(meshes))
     for m in meshes:
         log.info("mesh %s: solving ...", m)
         tally.report(f"one stage on mesh {m}")
-        found = solve_mesh(
-            graph,
-            sharing,
-            Pricer(cluster, m, options.optimizer, recomputed),
-            memory_limit,
-            options.time_limit_s,
-            functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
-            float32_grads=options.float32_grads,
-            recompute=choice,
-        )
+        found = solve(m)
         tally.did(f"one stage on mesh {m}", milestone=True)
+        if found is None:
+            log.warning(
+                "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "
+                "time_limit_s, --time-limit, to plan it)", m, limit_s,
+            )  # fmt: skip
+            unproven.append(Unproven(f"mesh {m}", SKIPPED, limit_s))
+            continue
         if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:
             # the ILP counts recomputed activations at the layers' mean (a mode given), or
             # prices a unit's layers on its first (chosen); the step's price is exact
@@ -275,6 +345,8 @@ def _plan_one_stage(
             log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
             continue
         solution = found.result.solution
+        if solution.status != "optimal":
+            unproven.append(Unproven(f"mesh {m}", STOPPED, limit_s, solution.gap))
         log.info(
             "mesh %s: predicted %.4g s per step (%s, %.2f s)",
             m,
@@ -285,10 +357,13 @@ def _plan_one_stage(
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
+    if best is None and not needs:
+        return None, tuple(unproven)
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = RecomputeMode.FULL if recompute is None else recompute
-        return _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
+        infeasible = _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
+        return infeasible, tuple(unproven)
     plan = assemble_plan(
         graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.pricer.recompute
     )
@@ -297,7 +372,7 @@ def _plan_one_stage(
     degrees = (
         [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
     )
-    return Searched(plan, graph, degrees)
+    return Searched(plan, graph, degrees), tuple(unproven)
 
 
 def _infeasible(

@@ -59,8 +59,9 @@ class PlanOptions:
 
     time_limit_s: float = 60.0
     """Seconds each ILP solve may take (a pipeline layer's at most
-    `autoplan.search.pipeline_search.LAYER_TIME_LIMIT_S`); the best solution found by then is
-    kept (with a warning)."""
+    `autoplan.search.pipeline_search.LAYER_TIME_LIMIT_S`): one stopped there keeps the best
+    plan it found, and a mesh or layer whose ILP found none is skipped with a warning, the
+    search going on without it; the plan's ``solver.unproven`` lists both."""
 
     pipeline: bool | None = None
     """None weighs pipeline stages against one stage on every cluster of several devices

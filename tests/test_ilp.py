@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pulp
@@ -234,13 +235,75 @@ def test_solution_is_deterministic() -> None:
 
 def test_status_time_limit_and_no_solution(caplog: pytest.LogCaptureFixture) -> None:
     problem = chain_problem()
+    # CBC (pulp keeps no solver object for it) does not say how far from optimal it stopped
     incumbent = SimpleNamespace(sol_status=pulp.LpSolutionIntegerFeasible, status=1)
     with caplog.at_level(logging.WARNING, logger=ilp.__name__):
-        assert ilp._status(incumbent, problem, 5.0) == "time_limit"
-    assert "time limit" in caplog.text
+        assert ilp._status(incumbent, problem, 5.0) == ("time_limit", None)
+    assert "time limit" in caplog.text and "gap unknown" in caplog.text
+    # HiGHS does, as its info's mip_gap (a fraction)
+    info = SimpleNamespace(mip_gap=0.031)
+    highs = SimpleNamespace(getInfo=lambda: info)
+    incumbent = SimpleNamespace(sol_status=pulp.LpSolutionIntegerFeasible, solverModel=highs)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=ilp.__name__):
+        assert ilp._status(incumbent, problem, 5.0) == ("time_limit", 0.031)
+    assert "gap <= 3.10%" in caplog.text
+    optimal = SimpleNamespace(sol_status=pulp.LpSolutionOptimal, solverModel=highs)
+    assert ilp._status(optimal, problem, 5.0) == ("optimal", None)
     nothing = SimpleNamespace(sol_status=pulp.LpSolutionNoSolutionFound, status=0)
     with pytest.raises(SolverTimeLimitError, match="time_limit_s=5"):
         ilp._status(nothing, problem, 5.0)
+
+
+def long_chain(seed: int, num_groups: int) -> IntraOpProblem:
+    """A chain of ``num_groups`` groups of 4 strategies with random extra edges, within 30% of
+    the way from its least memory to its most: HiGHS's first plan of it is not its best."""
+    rng = np.random.default_rng(seed)
+    pairs = [(v, v + 1) for v in range(num_groups - 1)]
+    pairs += [(int(u), int(v)) for u, v in rng.integers(0, num_groups, size=(num_groups, 2))]
+    memory = rng.uniform(1, 4, size=(num_groups, 4)).round(2)
+    least, most = memory.min(axis=1).sum(), memory.max(axis=1).sum()
+    return make_problem(
+        rng.uniform(0, 10, size=(num_groups, 4)).round(2).tolist(),
+        [(u, v, rng.uniform(0, 10, size=(4, 4)).round(2).tolist()) for u, v in pairs if u < v],
+        memory_gib=memory.tolist(),
+        limit_gib=float(least + 0.3 * (most - least)),
+    )
+
+
+def _stopped_at_first_plan(self: pulp.HiGHS, lp: pulp.LpProblem) -> None:
+    """pulp.HiGHS.callSolver, HiGHS stopped as soon as it has a plan: as a time limit stops
+    it, but at the same point every run."""
+    import highspy
+
+    def stop(kind: object, message: str, out: Any, into: Any, user: object) -> None:
+        if out.mip_primal_bound < math.inf:
+            into.user_interrupt = True
+
+    lp.solverModel.setCallback(stop, None)
+    lp.solverModel.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    lp.solverModel.run()
+
+
+def test_a_solve_stopped_with_a_plan_keeps_it_and_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = long_chain(0, 20)
+    best = solve_intra_op(problem)
+    monkeypatch.setattr(pulp.HiGHS, "callSolver", _stopped_at_first_plan)
+    stopped = solve_intra_op(problem)
+    assert stopped.status == "time_limit"
+    assert evaluate(problem, stopped.choice).feasible
+    assert stopped.gap is not None and stopped.gap > 0
+    # the plan kept is at most its gap above the optimum, and no better than it
+    assert best.objective < stopped.objective
+    assert stopped.objective * (1 - stopped.gap) <= best.objective * (1 + 1e-9)
+    assert best.status == "optimal" and best.gap is None
+
+
+def test_a_solve_stopped_without_a_plan_raises() -> None:
+    # HiGHS looks at the clock before it looks for a plan: at a limit of a nanosecond it
+    # stops with none, every run
+    with pytest.raises(SolverTimeLimitError, match=r"time_limit_s=1e-09 .*raise the time limit"):
+        solve_intra_op(long_chain(0, 20), time_limit_s=1e-9)
 
 
 def test_highs_unavailable_falls_back_to_cbc(

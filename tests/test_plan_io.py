@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import autoplan
 from autoplan.errors import PlanFormatError
 from autoplan.planfile.sections import PLAN_VERSION
+from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 from autoplan.version import torch_release
 from tests.conftest import ROOT, plan_example
 
@@ -68,6 +70,32 @@ _COLLECTIVE = {
     "stage": 0,
     "params": [],
 }
+
+
+def test_parts_not_proven_optimal_round_trip(plan: autoplan.Plan) -> None:
+    unproven = (
+        Unproven("mesh (4,)", SKIPPED, 60.0),
+        Unproven("mesh (2, 2)", STOPPED, 60.0, 0.031),
+        Unproven("mesh (1, 4)", STOPPED, 60.0),  # CBC: gap unknown
+    )
+    noted = dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, unproven=unproven))
+    text = noted.to_json()
+    assert json.loads(text)["solver"]["unproven"][1] == {
+        "part": "mesh (2, 2)",
+        "outcome": "stopped",
+        "time_limit_s": 60.0,
+        "gap": 0.031,
+    }
+    again = autoplan.Plan.from_json(text)
+    assert again == noted and again.to_json() == text
+    assert [u.describe() for u in unproven] == [
+        "mesh (4,): skipped, no plan found within the 60 s time limit",
+        "mesh (2, 2): stopped at the 60 s time limit, gap <= 3.10%",
+        "mesh (1, 4): stopped at the 60 s time limit, gap unknown",
+    ]
+
+
+_UNPROVEN = {"part": "mesh (4,)", "outcome": "stopped", "time_limit_s": 60.0, "gap": 0.5}
 
 
 def _corrupt(plan: autoplan.Plan, edit: object) -> str:
@@ -128,6 +156,18 @@ def _corrupt(plan: autoplan.Plan, edit: object) -> str:
                 tp=d["params"]["head.weight"]["storage"].pop("dp0", "R")
             ),
             "'tp' is not a mesh axis",
+        ),
+        (
+            lambda d: d["solver"].update(unproven=[dict(_UNPROVEN, outcome="lost")]),
+            "solver.unproven[].outcome",
+        ),
+        (
+            lambda d: d["solver"].update(unproven=[dict(_UNPROVEN, outcome="skipped")]),
+            "solver.unproven[].gap",
+        ),
+        (
+            lambda d: d["solver"].update(unproven=[dict(_UNPROVEN, gap=-0.1)]),
+            "solver.unproven[].gap",
         ),
     ],
 )

@@ -39,6 +39,7 @@ from autoplan.planfile.sections import (
 )
 from autoplan.precision import COMPUTE_DTYPES
 from autoplan.schedules import schedule_refusal
+from autoplan.solvers.problem import OUTCOMES, SKIPPED, STOPPED, Unproven
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
 from autoplan.strategies.placement import is_placement
@@ -206,6 +207,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         meshes_tried=tuple(
             tuple(d.integer() for d in m.elements()) for m in s["meshes_tried"].elements()
         ),
+        unproven=_read_unproven(s.get("unproven")),
     )
     return dict(
         provenance=provenance,
@@ -226,6 +228,27 @@ def _read_precision(f: JsonField | None) -> str | None:
     if f is None:
         return None
     return f.one_of(tuple(COMPUTE_DTYPES))
+
+
+def _read_unproven(f: JsonField | None) -> tuple[Unproven, ...]:
+    """The parts of the search not proven optimal (absent: none)."""
+    if f is None:
+        return ()
+    found = []
+    for e in f.elements():
+        outcome = SKIPPED if e["outcome"].one_of(OUTCOMES) == SKIPPED else STOPPED
+        gap = e.get("gap")
+        if gap is not None and (outcome == SKIPPED or not gap.number() >= 0):
+            raise gap.fail("a number >= 0 for a part stopped, or null")
+        found.append(
+            Unproven(
+                part=e["part"].text(non_empty=True),
+                outcome=outcome,
+                time_limit_s=e["time_limit_s"].number(),
+                gap=None if gap is None else gap.number(),
+            )
+        )
+    return tuple(found)
 
 
 def _read_param(f: JsonField, axes: tuple[str, ...]) -> ParamPlan:

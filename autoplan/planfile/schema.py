@@ -73,12 +73,15 @@ class Plan:
         """Canonical JSON: the same plan always gives the same bytes. Optional fields are
         written only when set, so plans without them have the bytes they had before: a plan
         in the model's own dtypes has no mixed_precision key, one without recomputation no
-        recompute key, and a parameter no ZeRO-1/2 ``grad`` or ``state``."""
+        recompute key, one proven optimal no ``solver.unproven``, and a parameter no ZeRO-1/2
+        ``grad`` or ``state``."""
         data = asdict(self)
         if data["mixed_precision"] is None:
             del data["mixed_precision"]
         if not self.recompute:
             del data["recompute"]
+        if not self.solver.unproven:
+            del data["solver"]["unproven"]
         for param in data["params"].values():
             for key in OPTIONAL_PARAM_FIELDS:
                 if not param[key]:

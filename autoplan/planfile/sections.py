@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from autoplan.modes import Phase
+from autoplan.solvers.problem import Unproven
 
 # 2: pipeline stages (Stage, Plan.pipeline); 3: gradient buckets; 4: gradients kept partial;
 # 5: a collective's mesh axes (several for a bucket all-reduced over them together)
-# (ZeRO-1/2's params.<name>.grad and .state are optional fields of version 5)
+# (ZeRO-1/2's params.<name>.grad and .state, and solver.unproven, are optional fields of
+# version 5)
 PLAN_VERSION = 5
 # the phases issued once per step, not per microbatch
 ONCE_PER_STEP = (Phase.GRAD_SYNC, Phase.UPDATE)
@@ -173,3 +175,6 @@ class SolverInfo:
     num_constraints: int
     num_groups: int
     meshes_tried: tuple[tuple[int, ...], ...]
+    # the parts of the search not proven optimal (their ILPs ran into the time limit); written
+    # only when some are, so that plans proven optimal read and write as before
+    unproven: tuple[Unproven, ...] = ()

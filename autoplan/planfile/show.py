@@ -330,5 +330,6 @@ def summary(plan: Plan) -> str:
         f"{fmt_bytes(pr.memory_limit_bytes)} allowed",
         f"solver: {so.status}, {so.num_groups} decision groups, {so.num_variables} variables, "
         f"{so.solve_time_s:.2f} s",
+        *(f"  not proven optimal: {part.describe()}" for part in so.unproven),
     ]
     return "\n".join(out)

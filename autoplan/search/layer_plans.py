@@ -50,6 +50,7 @@ from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
+from autoplan.solvers.problem import SKIPPED, STOPPED, Outcome, Unproven
 from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
 from autoplan.strategies.space import NodeStrategies
 
@@ -178,12 +179,30 @@ class StageSolver:
         self._structures = sorted(set(parts.keys))  # the first layer of each structure
         self._sends: dict[int, float] = {}  # stop -> send_s(stop); the stage DP asks often
         self._ranges: dict[tuple[int, int, Budget], RangeCost | None] = {}
+        # the layers' ILPs that ran into the time limit: what became of each, and its gap
+        # (appended from the threads of `_plan_together`; only counted, so in any order)
+        self._cut_short: list[tuple[Outcome, float | None]] = []
 
     def unplanned(self) -> int:
         """How many structures were never planned at the full budget (the DP never needed
         them, or an earlier layer ruled its ranges out)."""
         planned = [key for key in self._memo if key[1] == FULL_BUDGET]
         return len(self._structures) - len(planned)
+
+    def unproven(self) -> tuple[Unproven, ...]:
+        """The layers' ILPs that ran into the time limit, counted by what became of them:
+        those stopped with a plan (at most the largest gap from their optimum; unknown if
+        one's is), those skipped without one."""
+        found = []
+        for outcome in (STOPPED, SKIPPED):
+            gaps = [gap for kind, gap in self._cut_short if kind == outcome]
+            if not gaps:
+                continue
+            known = [g for g in gaps if g is not None]
+            gap = max(known) if outcome == STOPPED and len(known) == len(gaps) else None
+            part = f"{self.label}, {len(gaps)} layer ILP{'s' * (len(gaps) > 1)}"
+            found.append(Unproven(part, outcome, self.time_limit_s, gap))
+        return tuple(found)
 
     def send_s(self, stop: int) -> float:
         """Sending what crosses the boundary after layer ``stop - 1`` (and gradients back)."""
@@ -358,6 +377,7 @@ class StageSolver:
                 "layer %d on %s%s: the ILP found no plan in %g s; not planned within it",
                 i, mesh, budget.describe(), self.time_limit_s,
             )  # fmt: skip
+            self._cut_short.append((SKIPPED, None))
             return None, (math.inf, math.inf)
         log.debug(
             "layer %d on %s, boundary %s%s: %s",
@@ -370,6 +390,8 @@ class StageSolver:
         if not isinstance(found, MeshPlan):
             return None, (math.inf, math.inf)
         solution = found.result.solution
+        if solution.status != "optimal":
+            self._cut_short.append((STOPPED, solution.gap))
         solver = SolverStats(
             solution.solve_time_s,
             solution.num_variables,

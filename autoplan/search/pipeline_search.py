@@ -62,6 +62,7 @@ from autoplan.search.stage_layout import (
     stage_sizes,
     stage_submesh,
 )
+from autoplan.solvers.problem import Unproven
 from autoplan.solvers.stage_problem import (
     InfeasibleStagesError,
     SendTimeFn,
@@ -90,6 +91,15 @@ def default_microbatches(batch: int, max_stages: int) -> int:
     return next((b for b in range(2 * max_stages, batch + 1) if batch % b == 0), batch)
 
 
+@dataclass(frozen=True)
+class PipelineSearch:
+    """What the pipeline search found: the fastest pipeline (None if none fits), and the
+    layers' ILPs that ran into their time limit on the way (`StageSolver.unproven`)."""
+
+    plan: PipelinePlan | None
+    unproven: tuple[Unproven, ...] = ()
+
+
 def search_pipelines(
     graph_for: GraphForMicrobatches,
     cluster: Cluster,
@@ -98,10 +108,11 @@ def search_pipelines(
     batch: int,
     memory_limit: float,
     tally: Tally,
-) -> PipelinePlan | None:
+) -> PipelineSearch:
     """The fastest pipeline of two or more uniform stages (``options.num_stages`` if given)
     under one of ``options.schedules``, each stage on ``options.mesh_shape`` if given, within
-    ``memory_limit`` bytes per device, or None if none fits.
+    ``memory_limit`` bytes per device, or None if none fits; and the layers' ILPs that ran
+    into the time limit.
 
     The microbatch count is ``options.num_microbatches`` if given, else `default_microbatches`; on
     one node the search then halves it while the best pipeline gets faster: fewer, larger
@@ -117,19 +128,21 @@ def search_pipelines(
         if num_stages is None or cluster.num_devices // size == num_stages
     ]
     if not sizes or batch < 2:
-        return None
+        return PipelineSearch(None)
     deepest = cluster.num_devices // min(sizes)
     count = num_microbatches or default_microbatches(batch, min(deepest, options.max_layers))
     best: PipelinePlan | None = None
+    unproven: list[Unproven] = []
     while True:
-        found = _best_for_count(
+        found, cut_short = _best_for_count(
             cluster, options, memory_limit, graph_for(count), sizes, count, tally
         )
+        unproven += cut_short
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
-            return best or found
+            return PipelineSearch(best or found, tuple(unproven))
         best = found
         if num_microbatches or count % 2 or cluster.num_nodes > 1:
-            return best
+            return PipelineSearch(best, tuple(unproven))
         count //= 2
 
 
@@ -141,16 +154,16 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
-) -> PipelinePlan | None:
+) -> tuple[PipelinePlan | None, list[Unproven]]:
     """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
-    sizes ``sizes``."""
+    sizes ``sizes``, and the layers' ILPs that ran into the time limit."""
     num_stages = options.num_stages
     layers = cut_layers(graph, options.max_layers)
     shared = shared_params(graph, layers)
     if shared:
         name, readers = next(iter(shared.items()))
         log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
-        return None
+        return None, []
     if num_stages is not None and num_stages > len(layers):
         raise AutoplanError(
             f"num_stages={num_stages}, but the step has only {len(layers)} layer(s) to divide "
@@ -164,13 +177,15 @@ def _best_for_count(
     }
     tally.expect(parts.num_structures * sum(len(c) for c in tried.values()))
     best: PipelinePlan | None = None
+    unproven: list[Unproven] = []
     for size, configurations in tried.items():
-        found = _best_for_size(
+        found, cut_short = _best_for_size(
             cluster, options, memory_limit, parts, size, num_microbatches, configurations, tally
         )
+        unproven += cut_short
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
             best = found
-    return best
+    return best, unproven
 
 
 def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[int]:
@@ -228,11 +243,12 @@ def _best_for_size(
     num_microbatches: int,
     configurations: Sequence[tuple[tuple[int, ...], Spec]],
     tally: Tally,
-) -> PipelinePlan | None:
+) -> tuple[PipelinePlan | None, list[Unproven]]:
     """The fastest pipeline with stages of ``size`` devices, over their ``configurations``
-    (logical mesh, boundary placement), schedules and the stages' variants."""
+    (logical mesh, boundary placement), schedules and the stages' variants, and the layers'
+    ILPs that ran into the time limit."""
     if not configurations:
-        return None
+        return None, []
     sub_cluster = stage_cluster(cluster, size)
     num_stages = cluster.num_devices // size
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
@@ -255,8 +271,9 @@ def _best_for_size(
             num_microbatches,
         )
         tally.withdraw(parts.num_structures * len(configurations))
-        return None
+        return None, []
     best: PipelinePlan | None = None
+    unproven: list[Unproven] = []
     for mesh, boundary in configurations:
         label = (
             f"{num_stages} stages of mesh {mesh}, boundary {'/'.join(boundary)}, "
@@ -294,12 +311,13 @@ def _best_for_size(
         if options.recompute is None:  # the planner's choice: each stage as few layers as fit
             fitting = [fewest_in_stages(found, cluster) for found in fitting]
         tally.withdraw(solver.unplanned())
+        unproven += solver.unproven()
         fastest = min(fitting, key=lambda found: found.step_time_s, default=None)
         outcome = "none fits" if fastest is None else f"{fastest.step_time_s:.4g} s per step"
         tally.report(f"{label}: {outcome}", milestone=True)
         if fastest is not None and (best is None or fastest.step_time_s < best.step_time_s):
             best = fastest
-    return best
+    return best, unproven
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,11 @@ Constraints
     by `MEMORY_MARGIN`.
 
 The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
-the solver. The solver's own log goes to this module's logger at debug level and nowhere else
-(`_solve`): a plan's output carries no solver text.
+the solver. A solve stopped at its time limit with a plan returns it, status "time_limit", with
+the solver's relative gap (`_gap`; HiGHS says it, CBC does not); one stopped with none raises
+`SolverTimeLimitError`, which a caller searching several meshes or layers skips past. The
+solver's own log goes to this module's logger at debug level and nowhere else (`_solve`): a
+plan's output carries no solver text.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ import pulp
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.solvers.evaluate import evaluate, min_memory
-from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost
+from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost, gap_text
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ def solve_intra_op(
             num_constraints,
         )
         _solve(model, solver, time_limit_s)
-        status = _status(model, problem, time_limit_s)
+        status, gap = _status(model, problem, time_limit_s)
         choice = _extract_choice(reduced, variables)
         recomputed = tuple(round(n.varValue or 0.0) for n in variables.n)
         if evaluate(problem, choice, recomputed).memory <= problem.memory_limit:
@@ -161,7 +164,9 @@ def solve_intra_op(
         # the solver took a plan over the limit by no more than its feasibility tolerance
         # (HiGHS: 1e-6 of the row's largest coefficient): once more, the row's bound lowered
         logger.debug("ILP: the plan found is over the memory limit; solving again with a margin")
-    return _solution(problem, choice, recomputed, status, start, num_variables, num_constraints)
+    return _solution(
+        problem, choice, recomputed, status, start, num_variables, num_constraints, gap
+    )
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -608,23 +613,42 @@ def _log_lines(solver: str, text: str) -> None:
             logger.debug("%s: %s", solver, line.rstrip())
 
 
-def _status(model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float) -> str:
-    """The solution status: "optimal", or "time_limit" with an incumbent; else raises."""
+def _status(
+    model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float
+) -> tuple[str, float | None]:
+    """The solution status and, stopped, the solver's gap: ("optimal", None), or
+    ("time_limit", `_gap`) with an incumbent; else raises (`SolverTimeLimitError` where the
+    solver stopped with no plan, which a caller planning several meshes skips)."""
     if model.sol_status == pulp.LpSolutionOptimal:
-        return "optimal"
+        return "optimal", None
     if model.sol_status == pulp.LpSolutionIntegerFeasible:
+        gap = _gap(model)
         logger.warning(
             "ILP stopped at the %.1f s time limit before proving optimality; "
-            "using the best plan found",
+            "using the best plan found (%s)",
             time_limit_s,
+            gap_text(gap),
         )
-        return "time_limit"
+        return "time_limit", gap
     if model.sol_status == pulp.LpSolutionInfeasible:
         raise _infeasible_error(problem)
     raise SolverTimeLimitError(
         f"the ILP solver found no plan within time_limit_s={time_limit_s:g} "
         f"(status {pulp.LpStatus[model.status]!r}); raise the time limit"
     )
+
+
+def _gap(model: pulp.LpProblem) -> float | None:
+    """The relative gap the solver stopped at, ``(objective - bound) / objective`` of its
+    objective (a fraction): the optimum is at least ``(1 - gap)`` times the plan found. The
+    costs of the groups fixed before the solve are >= 0 and outside that objective, so the
+    gap of the whole objective is no larger. None where the solver does not say: HiGHS
+    does (pulp keeps its ``Highs`` object as ``model.solverModel``), pulp's CBC does not."""
+    highs = getattr(model, "solverModel", None)
+    if highs is None or not hasattr(highs, "getInfo"):
+        return None
+    gap = float(highs.getInfo().mip_gap)
+    return gap if math.isfinite(gap) and gap >= 0 else None
 
 
 def _extract_choice(problem: IntraOpProblem, variables: Variables) -> tuple[int, ...]:
@@ -647,6 +671,7 @@ def _solution(
     start: float,
     num_variables: int,
     num_constraints: int,
+    gap: float | None = None,
 ) -> IntraOpSolution:
     evaluation = evaluate(problem, choice, recomputed)
     if not evaluation.feasible:
@@ -662,6 +687,7 @@ def _solution(
         num_variables=num_variables,
         num_constraints=num_constraints,
         recomputed=recomputed or (0,) * len(problem.recompute),
+        gap=gap,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,48 @@ class IntraOpSolution:
     num_variables: int
     num_constraints: int
     recomputed: tuple[int, ...] = ()
+    # "time_limit": the solver's relative gap when it stopped, a fraction (the optimum is at
+    # least ``(1 - gap) * objective``); None where it did not say (CBC) and when optimal
+    gap: float | None = None
+
+
+def gap_text(gap: float | None) -> str:
+    """A stopped solve's gap (`IntraOpSolution.gap`) for people: "gap <= 3.15%", rounded up
+    to a hundredth of a percent so that it stays a bound, or that the solver did not say."""
+    if gap is None:
+        return "gap unknown"
+    hundredths = max(math.ceil(round(gap * 10_000, 6)), 1)  # round: 0.0315 is 315.00000000000006
+    return f"gap <= {hundredths / 100:.2f}%"
+
+
+# what became of a part of the search whose ILP ran into its time limit (`Unproven`)
+Outcome = Literal["stopped", "skipped"]
+STOPPED: Outcome = "stopped"  # its best plan found was kept, not proven optimal
+SKIPPED: Outcome = "skipped"  # it found no plan, and the search went on without that part
+OUTCOMES: tuple[Outcome, ...] = (STOPPED, SKIPPED)
+
+
+@dataclass(frozen=True)
+class Unproven:
+    """A part of the search whose ILP ran into its time limit (a mesh of a one-stage plan;
+    the layers of a pipeline's configuration): the plan found may not be the fastest by as
+    much as ``gap`` there, or a part skipped may have had a faster plan. Raising the time
+    limit (``PlanOptions.time_limit_s``, ``--time-limit``) gives the solver longer. The plan
+    lists them (`autoplan.planfile.sections.SolverInfo.unproven`)."""
+
+    part: str  # "mesh (32, 2)"
+    outcome: Outcome
+    time_limit_s: float
+    # stopped: the solver's relative gap, a fraction (the part's optimum is at least
+    # ``1 - gap`` times its plan's ILP objective); None where it did not say, or skipped
+    gap: float | None = None
+
+    def describe(self) -> str:
+        """One line for people: "mesh (32, 2): stopped at the 60 s time limit, gap <= 3.10%"."""
+        limit = f"the {self.time_limit_s:g} s time limit"
+        if self.outcome == SKIPPED:
+            return f"{self.part}: skipped, no plan found within {limit}"
+        return f"{self.part}: stopped at {limit}, {gap_text(self.gap)}"
 
 
 @dataclass(frozen=True)
