@@ -25,7 +25,8 @@ from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.runtime import Runtime, build_runtime
 from autoplan.execute.step import ParallelModule
 from autoplan.execute.watchdog import note, watched
-from autoplan.graph.capture import export_step, graph_from_export, keywords, microbatch
+from autoplan.graph.capture import export_step, keywords, microbatch
+from autoplan.graph.convert import graph_from_export
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions, TrainOptions
 from autoplan.planfile.schema import Plan

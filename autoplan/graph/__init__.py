@@ -1,1 +1,2 @@
-"""Capture: models into the graph IR, and repeated layers."""
+"""The graph: models traced into the graph IR (`capture`, `passes`, `diagnose`, `convert`,
+`ir`), their FLOPs, repeated layers (`blocks`), and the cuts into layers and stages."""

@@ -35,7 +35,6 @@ out (`_solve_dp`).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -48,11 +47,12 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.cut import cut_layers, shared_params
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
-from autoplan.modes import NodeKind, RecomputeMode, Schedule
+from autoplan.modes import RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
+from autoplan.search.partition import may_fit, partition
 from autoplan.search.recompute_choice import fewest_in_stages
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import (
@@ -64,14 +64,9 @@ from autoplan.search.stage_layout import (
 )
 from autoplan.solvers.problem import Unproven
 from autoplan.solvers.stage_problem import (
-    InfeasibleStagesError,
-    SendTimeFn,
     StageCost,
-    StageProblem,
-    StageSolution,
     Submesh,
 )
-from autoplan.solvers.stages import solve_stages
 from autoplan.strategies.placement import Spec
 
 log = logging.getLogger(__name__)
@@ -262,7 +257,7 @@ def _best_for_size(
     recomputed = chosen(graph, options.max_layers, mode or RecomputeMode.NONE)
     lightest = chosen(graph, options.max_layers, mode or RecomputeMode.FULL)
     floor = Pricer(sub_cluster, configurations[0][0], options.optimizer, lightest)
-    if not _may_fit(parts, floor, counts, num_microbatches, memory_limit):
+    if not may_fit(parts, floor, counts, num_microbatches, memory_limit):
         log.info(
             "%d stages of %d devices, %d microbatches: cannot fit, even with every tensor "
             "split over a stage's devices",
@@ -442,7 +437,7 @@ def _solve_dp(
     def range_cost(i: int, j: int) -> list[StageCost | None]:
         return [v.cost(i, j) for v in variants]
 
-    solution = _partition(
+    solution = partition(
         len(solver.layers), num_stages, num_microbatches, solver.memory_limit, range_cost,
         lambda j, a, b: solver.send_s(j), len(variants),
     )  # fmt: skip
@@ -452,78 +447,3 @@ def _solve_dp(
         variants[p.variant].solver.stage(p.start, p.stop, variants[p.variant].budget)
         for p in solution.stages
     )
-
-
-def _may_fit(
-    parts: LayerGraphs,
-    pricer: Pricer,
-    stage_counts: Sequence[int],
-    num_microbatches: int,
-    memory_limit: float,
-) -> bool:
-    """Whether the layers might fit in one of ``stage_counts`` stages on meshes of
-    ``pricer``'s size: the stage DP run on each layer's memory floor (`Pricer.memory_floor`,
-    every tensor split over all the stage's devices), which no plan of the layers' undercuts.
-    When it says no, no layer needs planning (a 1T-parameter GPT without recomputation: its
-    activations in flight alone outgrow the devices, whatever the stages' meshes)."""
-    floors = [
-        (
-            sum(
-                pricer.memory_floor(n)
-                for n in st.graph
-                if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
-            ),
-            sum(pricer.memory_floor(n) for n in st.graph if n.kind == NodeKind.OP),
-        )
-        for st in parts.stages
-    ]
-    static = [0.0, *itertools.accumulate(f[0] for f in floors)]
-    active = [0.0, *itertools.accumulate(f[1] for f in floors)]
-
-    def range_cost(i: int, j: int) -> list[StageCost | None]:
-        return [StageCost(j - i, static[j] - static[i], activation_bytes=active[j] - active[i])]
-
-    return any(
-        _partition(len(parts.layers), count, num_microbatches, memory_limit, range_cost) is not None
-        for count in stage_counts
-    )
-
-
-def _partition(
-    num_layers: int,
-    num_stages: int,
-    num_microbatches: int,
-    memory_limit: float,
-    range_cost: Callable[[int, int], Sequence[StageCost | None]],
-    send_time: SendTimeFn | None = None,
-    variants: int = 1,
-) -> StageSolution | None:
-    """The stage DP into ``num_stages`` stages of uniform submeshes, ``range_cost(i, j)``
-    pricing layers ``[i, j)`` as one stage in each of ``variants`` (None: it cannot be one),
-    or None if none fits. The DP runs on as many one-device nodes as there are stages: its
-    tables and states grow with the stages, not with the devices (Alpa's submesh choices of
-    3072 devices made a 1T-parameter GPT's send table 20 million entries, all but the
-    uniform ones unusable)."""
-    unit = Submesh(1, 1)
-    longest = num_layers - num_stages + 1  # every other stage needs a layer
-    unusable = StageCost(math.inf, math.inf, feasible=False)
-
-    def cost(i: int, j: int, submesh: Submesh) -> list[StageCost]:
-        if submesh != unit or j - i > longest:
-            return [unusable] * variants
-        return [unusable if c is None else c for c in range_cost(i, j)]
-
-    problem = StageProblem(
-        num_layers=num_layers,
-        num_nodes=num_stages,
-        devices_per_node=1,
-        num_microbatches=num_microbatches,
-        memory_limit=memory_limit,
-        cost=cost,
-        send_time=send_time,
-        variants=variants,
-    )
-    try:
-        return solve_stages(problem)
-    except InfeasibleStagesError:
-        return None

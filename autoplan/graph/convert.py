@@ -1,0 +1,170 @@
+"""An exported step as the graph IR: one frozen `Node` per ATen op, parameter and input,
+with shapes, FLOPs, bytes and module paths, and the graph's fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autoplan.errors import TraceError
+from autoplan.graph.flops import op_flops, transcendental
+from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
+from autoplan.modes import NodeKind
+
+_GRAD_STOPS = {"aten.detach.default"}  # ops whose output needs no gradient
+WRAPPED = "model."  # prefix of parameter and module paths inside TrainStep
+
+
+def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Graph:
+    """The IR of an exported step, traced under mixed ``precision`` (or None)."""
+    kinds: dict[str, tuple[str, str, bool]] = {}
+    frozen: list[str] = []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        target = (spec.target or name).removeprefix(WRAPPED)
+        if spec.kind == InputKind.PARAMETER:
+            # a frozen parameter has no gradient: nothing to reduce, store or update
+            trains = ep.state_dict[spec.target].requires_grad
+            kinds[name] = (NodeKind.PARAM, target, trains)
+            if not trains:
+                frozen.append(target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kinds[name] = (NodeKind.PARAM, target, False)
+        else:
+            kinds[name] = (NodeKind.INPUT, name, False)
+
+    done: dict[str, Node] = {}
+    for fx_node in ep.graph.nodes:
+        if fx_node.op == "call_function" and fx_node.target is operator.getitem:
+            continue  # its users refer to the multi-output op directly (see _to_ir)
+        node = _convert(fx_node, kinds, done)
+        done[node.name] = node
+    nodes = tuple(done.values())
+    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen), precision=precision)
+
+
+def _infos(val: Any) -> tuple[TensorInfo, ...]:
+    if isinstance(val, torch.Tensor):
+        return (
+            TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")),
+        )
+    if isinstance(val, list | tuple):
+        return tuple(i for v in val for i in _infos(v))
+    return ()
+
+
+def _to_ir(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        if value.op == "call_function" and value.target is operator.getitem:
+            # getitem of a multi-output op refers to that op's output directly
+            return Ref(value.args[0].name, int(value.args[1]))  # type: ignore[union-attr, arg-type]
+        return Ref(value.name)
+    if isinstance(value, list | tuple):
+        return tuple(_to_ir(v) for v in value)
+    return value
+
+
+def module_path(fx_node: torch.fx.Node) -> str:
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = path.removeprefix("L['self'].").removeprefix(WRAPPED)
+    return "" if path in ("model", "L['self']") else path
+
+
+def _convert(
+    fx_node: torch.fx.Node, kinds: dict[str, tuple[str, str, bool]], done: dict[str, Node]
+) -> Node:
+    outputs = _infos(fx_node.meta.get("val"))
+    if fx_node.op == "placeholder":
+        kind, target, trainable = kinds[fx_node.name]
+        return Node(
+            name=fx_node.name,
+            kind=kind,
+            op=kind,
+            args=(),
+            kwargs=(),
+            outputs=outputs,
+            flops=0.0,
+            bwd_flops=0.0,
+            bytes_moved=0.0,
+            module_path=target.rpartition(".")[0] if kind == NodeKind.PARAM else "",
+            target=target,
+            params=(),
+            needs_grad=trainable and all(o.is_float for o in outputs),
+            is_view=False,
+        )
+    args = tuple(_to_ir(a) for a in fx_node.args)
+    kwargs = tuple(sorted((k, _to_ir(v)) for k, v in fx_node.kwargs.items()))
+    if fx_node.op == "output":
+        return Node(
+            fx_node.name,
+            NodeKind.OUTPUT,
+            NodeKind.OUTPUT,
+            args,
+            kwargs,
+            (),
+            0.0,
+            0.0,
+            0.0,
+            "",
+            "",
+            (),
+            False,
+            True,
+        )
+    if fx_node.op != "call_function":
+        raise TraceError(f"unexpected graph node {fx_node.format_node()}; please report this")
+
+    refs = Node(
+        fx_node.name, NodeKind.OP, "", args, kwargs, (), 0, 0, 0, "", "", (), False, False
+    ).refs
+    ins = [done[r.name].outputs[r.index] for r in refs]
+    grads = [done[r.name].needs_grad for r in refs]
+    op = str(fx_node.target)
+    # detach hands out the same values without a gradient
+    needs_grad = any(grads) and any(o.is_float for o in outputs) and op not in _GRAD_STOPS
+    schema = getattr(fx_node.target, "_schema", None)
+    is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+    flops, bwd = (0.0, 0.0) if is_view else op_flops(op, ins, outputs, grads)
+    moved = 0.0 if is_view else float(sum(i.nbytes for i in ins) + sum(o.nbytes for o in outputs))
+    return Node(
+        name=fx_node.name,
+        kind=NodeKind.OP,
+        op=op,
+        args=args,
+        kwargs=kwargs,
+        outputs=outputs,
+        flops=flops,
+        bwd_flops=bwd,
+        bytes_moved=moved,
+        module_path=module_path(fx_node),
+        target="",
+        params=tuple(
+            dict.fromkeys(done[r.name].target for r in refs if done[r.name].kind == NodeKind.PARAM)
+        ),
+        needs_grad=needs_grad,
+        is_view=is_view,
+        transcendental=0.0 if is_view else transcendental(op, ins, outputs),
+    )
+
+
+def _fingerprint(nodes: Sequence[Node], frozen: Sequence[str]) -> str:
+    """A hash of the graph, and of which parameters are frozen, if any (a plan for other
+    trainable parameters reduces other gradients)."""
+    doc: list[Any] = [
+        [n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target]
+        for n in nodes
+    ]
+    if frozen:
+        doc.append(["frozen", sorted(frozen)])
+    text = json.dumps(doc, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
