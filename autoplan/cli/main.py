@@ -11,7 +11,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from autoplan.cli import estimate, plan, profile, run, show
+from autoplan.cli import (
+    estimate_command,
+    plan_command,
+    profile_command,
+    run_command,
+    show_command,
+)
 from autoplan.errors import AutoplanError
 
 
@@ -26,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         help="log what the planner tries (-vv: and the ILP solver's own log)",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (plan, show, estimate, run, profile):
+    for command in (plan_command, show_command, estimate_command, run_command, profile_command):
         command.add_parser(sub)
     return p
 
@@ -43,10 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "run":
-            return run.run(args, argv)
+            return run_command.run(args, argv)
         if args.command == "profile":
-            return profile.run(args, argv)
-        commands = {"plan": plan.run, "show": show.run, "estimate": estimate.run}
+            return profile_command.run(args, argv)
+        commands = {
+            "plan": plan_command.run,
+            "show": show_command.run,
+            "estimate": estimate_command.run,
+        }
         return commands[args.command](args)
     except AutoplanError as e:
         where = f" on rank {rank}" if "RANK" in os.environ else ""
