@@ -23,7 +23,6 @@ from torch import nn
 
 from autoplan.costmodel.pricer import OPTIMIZER_STATE
 from autoplan.errors import AutoplanError
-from autoplan.execute.watchdog import step_timeout
 from autoplan.graph.cut import DEFAULT_MAX_LAYERS
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import frees_activations
@@ -219,7 +218,8 @@ class TrainOptions:
         )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise AutoplanError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        step_timeout(1.0, self.timeout_s)  # a bad value is refused now, not at the first step
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise AutoplanError(f"timeout {self.timeout_s:g} s: give a positive number of seconds")
         if not self.init_scale > 0:
             raise AutoplanError(f"init_scale must be > 0, got {self.init_scale}")
 

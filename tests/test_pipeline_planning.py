@@ -24,7 +24,7 @@ from autoplan.graph.recompute import NO_RECOMPUTE, chosen
 from autoplan.modes import NodeKind
 from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.pipeline_search import _may_fit
-from autoplan.search.stage_layout import boundary_specs, stage_cluster, stage_sizes
+from autoplan.search.stage_layout import boundary_specs, stage_sizes
 from autoplan.strategies.space import node_strategies
 from tests.conftest import ROOT, example
 from tests.distributed.cases import data_parallel
@@ -370,7 +370,7 @@ def test_stage_sizes_that_cannot_fit_are_not_planned(
     # the floors let the plan found through, and rule it out in a 1000th of its memory
     graph = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)(4)
     parts = LayerGraphs.of(graph, cut_layers(graph, DEFAULT_MAX_LAYERS))
-    pricer = Pricer(stage_cluster(cpu4, 2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
+    pricer = Pricer(cpu4.stage(2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
     need = plan.predicted.peak_memory_bytes
     assert _may_fit(parts, pricer, [2], 4, need)
     assert not _may_fit(parts, pricer, [2], 4, need / 1000)

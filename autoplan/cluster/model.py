@@ -133,6 +133,14 @@ class Cluster:
         check_num_nodes(num_nodes, "Cluster.with_nodes")
         return replace(self, num_nodes=num_nodes)
 
+    def stage(self, size: int) -> Cluster:
+        """The cluster a pipeline stage of ``size`` devices sees: its submesh, starting on a
+        node boundary (part of one node, or whole nodes)."""
+        m = self.devices_per_node
+        if size <= m:
+            return replace(self, num_nodes=1, devices_per_node=size, name=f"{self.name}[:{size}]")
+        return self.with_nodes(size // m)
+
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device for `dtype` (a torch dtype name such as "bfloat16").
 

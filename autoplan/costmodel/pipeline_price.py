@@ -34,7 +34,6 @@ from autoplan.graph.ir import Graph, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase, Schedule
 from autoplan.schedules import group_order, peak_in_flight, simulate
-from autoplan.search.stage_layout import stage_cluster
 from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.space import Strategy
@@ -287,7 +286,7 @@ def price_pipeline(
     ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
     (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``,
     recomputing ``recompute``."""
-    sub_cluster = stage_cluster(cluster, math.prod(mesh_shape))
+    sub_cluster = cluster.stage(math.prod(mesh_shape))
     pricer = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
     stages = []
     for s, (stage, assignment) in enumerate(zip(stage_graphs, assignments, strict=True)):

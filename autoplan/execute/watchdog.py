@@ -161,7 +161,7 @@ class _Monitor:
     def _expired(self, a: _Activity) -> None:
         lines = [
             f"autoplan: rank {self.rank}: step {a.step} did not end within {a.limit_s:g} s "
-            "(the watchdog's limit: --timeout, or timeout_s of autoplan.parallelize)",
+            "(the watchdog's limit: --timeout, or TrainOptions.timeout_s)",
             f"  rank {self.rank} was waiting in {a.doing or 'the step'}",
             f"    {_main_thread_position()}",
         ]

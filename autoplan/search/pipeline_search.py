@@ -57,7 +57,6 @@ from autoplan.search.recompute_choice import fewest_in_stages
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import (
     boundary_specs,
-    stage_cluster,
     stage_meshes,
     stage_sizes,
     stage_submesh,
@@ -219,7 +218,7 @@ def _configurations(
     num_stages = cluster.num_devices // size
     if _runnable(options, num_stages, num_microbatches, num_layers) == ([], []):
         return []
-    sub_cluster = stage_cluster(cluster, size)
+    sub_cluster = cluster.stage(size)
     meshes = [options.mesh_shape] if options.mesh_shape is not None else None
     return [
         (tuple(mesh), boundary)
@@ -244,7 +243,7 @@ def _best_for_size(
     ILPs that ran into the time limit."""
     if not configurations:
         return None, []
-    sub_cluster = stage_cluster(cluster, size)
+    sub_cluster = cluster.stage(size)
     num_stages = cluster.num_devices // size
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
     counts = [num_stages] * bool(runnable) + [v * num_stages for v in virtual]

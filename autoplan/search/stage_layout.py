@@ -35,14 +35,6 @@ def stage_submesh(cluster: Cluster, size: int) -> Submesh:
     return Submesh(1, size) if size <= m else Submesh(size // m, m)
 
 
-def stage_cluster(cluster: Cluster, size: int) -> Cluster:
-    """The cluster one stage sees: its submesh, starting on a node boundary."""
-    m = cluster.devices_per_node
-    if size <= m:
-        return replace(cluster, num_nodes=1, devices_per_node=size, name=f"{cluster.name}[:{size}]")
-    return cluster.with_nodes(size // m)
-
-
 def stage_meshes(stage_cluster: Cluster) -> list[tuple[int, ...]]:
     """Alpa's logical views of a stage's submesh: flat, and nodes x devices when it spans
     nodes."""
