@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import autoplan
-from autoplan import cli
+from autoplan.cli import profile_command, run_command
 from autoplan.cli.main import main
 from tests.conftest import ROOT, example
 
@@ -331,7 +331,8 @@ def test_refused_in_one_line(
     def no_torchrun(*_: Any) -> int:
         raise AssertionError("autoplan run started processes for bad input")
 
-    monkeypatch.setattr(cli, "_torchrun", no_torchrun)
+    monkeypatch.setattr(run_command, "torchrun", no_torchrun)
+    monkeypatch.setattr(profile_command, "torchrun", no_torchrun)
     argv = case.argv(d)
     try:
         code = main(["-q", *argv])

@@ -135,7 +135,7 @@ def test_linear_rule_has_data_column_and_row_splits() -> None:
 def test_dtensor_adapter_translates_single_dim_rules() -> None:
     """Pins the private API this adapter relies on, in every torch autoplan supports."""
     assert dtensor_rules.has_rule("aten.add.Tensor")
-    assert not dtensor_rules.has_rule("aten._scaled_dot_product_flash_attention_for_cpu.default")
+    assert not dtensor_rules.has_rule("aten.renorm.default")
     tensors = {Ref("a"): TensorInfo((8, 4), "float32"), Ref("b"): TensorInfo((4,), "float32")}
     rules = dtensor_rules.axis_rules(
         "aten.add.Tensor", (Ref("a"), Ref("b")), (), tensors, 1, 2, [2, 1]
