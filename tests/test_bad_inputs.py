@@ -391,6 +391,7 @@ def test_the_files_collectives_are_not_used(d: Path, capsys: pytest.CaptureFixtu
     assert wrong.predicted == original.predicted
 
 
+@pytest.mark.slow
 def test_a_legal_edit_trains_exactly(d: Path) -> None:
     """`autoplan run --plan edited.json --check`: the edit as a person makes it, in params
     alone, the file's collectives and nodes left as they were (one torchrun of 4 ranks)."""

@@ -60,6 +60,7 @@ def test_run_options_are_checked_before_anything_starts(
         assert said in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_run_saves_then_resumes_under_another_plan(tmp_path: Path) -> None:
     """2 steps tensor parallel with a save every step (keeping 1), then steps 3-4 resumed in
     2 pipeline stages: as 4 steps in one process (--check), and the export loads into a fresh

@@ -17,6 +17,9 @@ import pytest
 from autoplan.version import torch_release
 from tests.distributed.cases import CASES
 
+# every test here reads one torchrun per world size: minutes on 2 cores
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
 # Mixed precision against one process under autocast. bf16 keeps 8 significant bits (fp16

@@ -336,6 +336,7 @@ def test_cost_called_at_most_once_per_stage() -> None:
     assert max(sends.values()) == 1
 
 
+@pytest.mark.slow
 def test_96_layers_on_1024_devices() -> None:
     """Guard, not a benchmark: the biggest problem the planner is meant for stays fast."""
     num_layers, num_nodes, devices_per_node = 96, 128, 8

@@ -129,12 +129,14 @@ PROGRESS = re.compile(
 )
 
 
+@pytest.mark.slow
 def test_short_planning_is_quiet_and_has_no_solver_banner(tmp_path: Path) -> None:
     proc = _plan_in_a_process(tmp_path, *MLP)
     assert proc.stderr == ""  # well under the few seconds after which progress shows
     assert "HiGHS" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_long_planning_shows_progress_on_stderr(tmp_path: Path) -> None:
     # every plan is long past a threshold of 0 s: one line per pipeline tried (in a log), from
     # 4 microbatches (twice the stages) halved while faster
@@ -160,6 +162,7 @@ def test_long_planning_shows_progress_on_stderr(tmp_path: Path) -> None:
     assert proc.stdout.startswith("plan v")
 
 
+@pytest.mark.slow
 def test_the_solvers_log_is_debug_output_on_stderr(tmp_path: Path) -> None:
     proc = _plan_in_a_process(tmp_path, "-vv", *MLP)
     assert "HiGHS: " in proc.stderr  # the solver's own log, at debug level

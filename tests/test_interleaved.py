@@ -114,6 +114,7 @@ def gpt_across_nodes() -> tuple[autoplan.Workload, autoplan.Cluster]:
     return example("gpt", size="1.3b", num_layers=8, batch_size=16, device="meta"), cluster
 
 
+@pytest.mark.slow
 def test_the_planner_interleaves_where_that_is_faster(
     gpt_across_nodes: tuple[autoplan.Workload, autoplan.Cluster],
 ) -> None:

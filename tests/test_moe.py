@@ -62,6 +62,7 @@ def _storage(plan: autoplan.Plan) -> dict[str, str]:
     return {name: p.storage["dp"] for name, p in plan.params.items()}
 
 
+@pytest.mark.slow
 def test_experts_are_split_across_the_gpus(expert_plan: autoplan.Plan) -> None:
     storage = _storage(expert_plan)
     assert {storage[n] for n in EXPERTS} == {"S(0)"}

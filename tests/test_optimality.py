@@ -64,6 +64,7 @@ def test_the_grid_is_every_layout_that_divides() -> None:
     assert {replace(d, recompute=RecomputeMode.FULL) for d in degrees} < set(every)
 
 
+@pytest.mark.slow
 def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="tiny", batch_size=8)
     plans = dict(_conventional(w, cpu4))
@@ -158,6 +159,7 @@ def test_the_reported_mlp_plans_data_parallel_on_a_flat_mesh(a100: autoplan.Clus
         ),
     ],
 )
+@pytest.mark.slow
 def test_the_planner_is_no_slower_than_any_conventional_plan(
     name: str,
     make: object,

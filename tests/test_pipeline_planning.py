@@ -23,7 +23,7 @@ from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, chosen
 from autoplan.modes import NodeKind
 from autoplan.search.layer_plans import LayerGraphs, StageSolver
-from autoplan.search.pipeline_search import _may_fit
+from autoplan.search.partition import may_fit
 from autoplan.search.stage_layout import boundary_specs, stage_sizes
 from autoplan.strategies.space import node_strategies
 from tests.conftest import ROOT, example
@@ -198,6 +198,7 @@ def _intra_node_axes(plan: autoplan.Plan, cluster: autoplan.Cluster) -> set[str]
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
     cluster = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json", num_nodes=nodes)
@@ -212,6 +213,7 @@ def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
     assert any(n.inputs[1][a] != "R" for n in linears for a in inside)  # some tensor parallelism
 
 
+@pytest.mark.slow
 def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     # A100-like nodes of 2 devices of 40 MiB: the activations of this small GPT need more
     # than one node has however it is sharded, unless recomputed
@@ -288,6 +290,7 @@ def test_stages_sharing_cores_fill_each_others_bubbles(cpu4: autoplan.Cluster) -
     assert every_core.predicted.step_time_s == pytest.approx(alone.predicted.step_time_s)
 
 
+@pytest.mark.slow
 def test_microbatches_and_schedule_are_searched(cpu4: autoplan.Cluster) -> None:
     # from twice the stages (8), the count halves while that is faster; each count is priced
     # under both schedules (1F1B only with a microbatch a stage at least, as torch requires)
@@ -372,8 +375,8 @@ def test_stage_sizes_that_cannot_fit_are_not_planned(
     parts = LayerGraphs.of(graph, cut_layers(graph, DEFAULT_MAX_LAYERS))
     pricer = Pricer(cpu4.stage(2), plan.mesh.shape[1:], "adam", NO_RECOMPUTE)
     need = plan.predicted.peak_memory_bytes
-    assert _may_fit(parts, pricer, [2], 4, need)
-    assert not _may_fit(parts, pricer, [2], 4, need / 1000)
+    assert may_fit(parts, pricer, [2], 4, need)
+    assert not may_fit(parts, pricer, [2], 4, need / 1000)
 
     def unplanned(*args: object) -> None:
         raise AssertionError("a layer was planned for stages that cannot fit")

@@ -175,6 +175,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_7b_meta_model_plans_on_this_machine(a100: autoplan.Cluster) -> None:
     """GPT 7B, built on the meta device (no parameter memory), plans for 8 A100s."""
     w = example("gpt", size="7b", batch_size=8, device="meta", dtype="bfloat16")

@@ -57,6 +57,7 @@ def test_the_step_is_traced_with_autocasts_casts() -> None:
     assert plain.fingerprint != graph.fingerprint and not any(n.op == CAST for n in plain)
 
 
+@pytest.mark.slow
 def test_a_meta_model_traces_as_the_real_one() -> None:
     """Autocast has no meta kernels: a meta model is traced on fake CPU tensors, to the same
     graph as the same model with weights (tied embedding and head included)."""
@@ -84,6 +85,7 @@ def test_memory_counts_bf16_copies_over_float32_master_weights(cpu4: autoplan.Cl
     assert pricer.node_memory(linear, Strategy((R,), ((R,), (R,), (R,)))) == 8 * 16 * 2
 
 
+@pytest.mark.slow
 def test_bf16_matmuls_are_priced_at_the_bf16_rate(a100: autoplan.Cluster) -> None:
     """On an A100 (bf16 tensor cores: 16x float32's peak) the same plan's compute in bf16 is
     priced far below float32's; at a batch whose activations outweigh the weights it needs
@@ -147,6 +149,7 @@ def test_loss_scaler_backs_off_and_grows_as_grad_scaler() -> None:
     assert scales == [4.0, 4.0, 8.0, 8.0, 4.0, 4.0] and scaler.skipped == 2
 
 
+@pytest.mark.slow
 def test_cli_plans_in_mixed_precision(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", str(ROOT / "examples/mlp.py"), "--cluster"]
@@ -183,6 +186,7 @@ def _reductions_at_copies(plan: autoplan.Plan, graph: Graph) -> list[CollectiveP
     ]
 
 
+@pytest.mark.slow
 def test_float32_reduction_prices_4_bytes_a_gradient(a100: autoplan.Cluster) -> None:
     """A 1.3B GPT block on 8 A100s in bf16: the planner gathers each weight after its cast and
     reduce-scatters its gradient in bf16 there; under reduce_dtype="fp32" no gradient is
@@ -221,6 +225,7 @@ def test_baselines_reduce_in_float32_under_the_option(cpu4: autoplan.Cluster) ->
         autoplan.Plan.from_json(json.dumps(edited))
 
 
+@pytest.mark.slow
 def test_cli_takes_reduce_dtype(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     args = ["plan", str(ROOT / "examples/mlp.py"), "--cluster"]

@@ -101,6 +101,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, proc.stderr
 
 
+@pytest.mark.slow
 def test_profile_two_cpu_ranks_writes_a_loadable_file(
     profiled: tuple[Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -176,6 +177,7 @@ def test_profiled_file_drives_the_cost_model(profiled: tuple[Path, str]) -> None
 # ------------------------------------------------------------------ one rank, on a base
 
 
+@pytest.mark.slow
 def test_profile_one_rank_keeps_the_base_clusters_links(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -173,6 +173,7 @@ def test_each_layer_recomputed_costs_time_and_frees_memory(cpu4: autoplan.Cluste
     assert least(len(ops), fits(steps[-1].memory_bytes - 1)) is None
 
 
+@pytest.mark.slow
 def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     """Megatron-LM's 1.7B GPT as Megatron trains it: data parallel over 32 A100s, 16
     sequences of 2048 each, bf16. Without recomputation it needs 77.5 GiB a device, so
@@ -197,6 +198,7 @@ def test_megatron_gpt_1_7b_fits_only_with_recomputation() -> None:
     assert found.predicted.step_time_s < megatron.predicted.step_time_s
 
 
+@pytest.mark.slow
 def test_the_ilp_mixes_modes_where_no_single_mode_fits(cpu4: autoplan.Cluster) -> None:
     """Eager-attention GPT of 3 blocks on 4 ranks in 0.7% of a device's memory: every
     attention core recomputed does not fit, and the ILP, choosing each block's recomputation
@@ -252,6 +254,7 @@ def test_pipelines_recompute_each_stage_and_reprice_alike(cpu4: autoplan.Cluster
     assert w.estimate(found, cpu4) == found
 
 
+@pytest.mark.slow
 def test_each_pipeline_stage_recomputes_only_what_its_microbatches_in_flight_need() -> None:
     # 4 stages of 2 blocks, 8 microbatches: under 1F1B stage s holds 4 - s of them in flight.
     # In 40 MiB a device the first stage recomputes both its blocks, the second one of its
@@ -393,6 +396,7 @@ def test_selective_plans_read_back_and_show_it(
     assert "activation recomputation (full/selective): 2 layer(s)" in summary(mixed)
 
 
+@pytest.mark.slow
 def test_planner_recomputes_selectively_when_asked(cpu4: autoplan.Cluster) -> None:
     w = example("gpt", size="tiny", num_layers=2, batch_size=8)
     found = w.plan(cpu4, PlanOptions(mesh_shape=(4,), recompute="selective"))
@@ -435,6 +439,7 @@ def test_a_core_with_its_mask_between_runs_as_one_region() -> None:
         placed.add(node.name)
 
 
+@pytest.mark.slow
 def test_by_default_attention_cores_recompute_before_whole_layers(cpu4: autoplan.Cluster) -> None:
     """Eager-attention GPT-2 on 256-token sequences, held to data parallelism: with every
     attention core recomputed it needs 26.7 MiB a device, with every layer 19.9 MiB, and

@@ -47,6 +47,7 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job(tmp_path: Path) -> None:
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     cmd = [

@@ -18,6 +18,7 @@ from tests.models.zoo import MODELS
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_zoo_model_plans_on_eight_a100s(model: str) -> None:
     cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
