@@ -23,6 +23,7 @@ from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
 from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
+from autoplan.phases import counted, split, timed
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
 from autoplan.planfile.schema import Plan
@@ -59,23 +60,31 @@ def plan(
     search.
     """
     start = time.perf_counter()
-    log.info("tracing %s ...", type(model).__name__)
-    precision = (options or PlanOptions()).mixed_precision
-    graph = capture(model, example_inputs, loss_fn, example_target, precision)
-    log.info(
-        "traced %d nodes, %.3g M parameters (%.1f s)",
-        len(graph),
-        graph.num_params / 1e6,
-        time.perf_counter() - start,
-    )
+    with counted() as seconds:
+        log.info("tracing %s ...", type(model).__name__)
+        precision = (options or PlanOptions()).mixed_precision
+        with timed("trace"):
+            graph = capture(model, example_inputs, loss_fn, example_target, precision)
+        log.info(
+            "traced %d nodes, %.3g M parameters (%.1f s)",
+            len(graph),
+            graph.num_params / 1e6,
+            time.perf_counter() - start,
+        )
 
-    traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
+        traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
 
-    @functools.cache  # the search with and without recomputation asks for the same counts
-    def microbatch_graph(count: int) -> Graph:
-        return graph if count == 1 else traced(count)  # the whole batch: the step just traced
+        @functools.cache  # the search with and without recomputation asks for the same counts
+        def microbatch_graph(count: int) -> Graph:
+            if count == 1:  # the whole batch: the step just traced
+                return graph
+            with timed("trace"):
+                return traced(count)
 
-    return plan_graph(graph, cluster, options, microbatch_graph)
+        found = plan_graph(graph, cluster, options, microbatch_graph)
+    elapsed = time.perf_counter() - start
+    log.info("planned in %.1f s: %s", elapsed, split(seconds, elapsed))
+    return found
 
 
 def plan_graph(
@@ -180,9 +189,9 @@ class Searched:
     degrees: list[Degrees]
 
 
-# the conventional plans of a searched plan's shape are written and priced (for GPT-3 175B on
-# 1024 A100s, 128 of them: a third of the planning time) only where the searched plan is
-# within this factor of the fastest found: the search misprices by a few percent, not more
+# the conventional plans of a searched plan's shape are written and priced (on large
+# clusters, over a hundred of them) only where the searched plan is within this factor of the
+# fastest found: the search misprices by a few percent, not more
 CHECKED_WITHIN = 1.1
 
 

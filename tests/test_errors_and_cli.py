@@ -167,3 +167,14 @@ def test_the_solvers_log_is_debug_output_on_stderr(tmp_path: Path) -> None:
     proc = _plan_in_a_process(tmp_path, "-vv", *MLP)
     assert "HiGHS: " in proc.stderr  # the solver's own log, at debug level
     assert "HiGHS" not in proc.stdout and proc.stdout.startswith("plan v")
+
+
+def test_verbose_planning_says_where_the_seconds_go(tmp_path: Path) -> None:
+    """-v ends planning with its time split into phases, which add up to it."""
+    err = _plan_in_a_process(tmp_path, "-v", *MLP).stderr
+    line = next(x for x in err.splitlines() if "planned in" in x)
+    total = float(re.search(r"planned in ([\d.]+) s", line).group(1))  # type: ignore[union-attr]
+    phases = dict(re.findall(r" ?([A-Za-z][A-Za-z ]*?) ([\d.]+) s", line.split(": ", 1)[1]))
+    assert set(phases) == {"trace", "strategies", "ILP build", "solve", "pricing", "other"}
+    assert float(phases["trace"]) > 0 and float(phases["solve"]) > 0
+    assert sum(float(v) for v in phases.values()) == pytest.approx(total, abs=0.35)

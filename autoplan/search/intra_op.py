@@ -32,6 +32,7 @@ from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
+from autoplan.phases import timed
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.solvers.evaluate import evaluate, min_memory
 from autoplan.solvers.ilp import solve_intra_op
@@ -337,7 +338,8 @@ def solve_problem(
     time_limit_s: float,
 ) -> IntraOpResult:
     log.info("mesh %s: %d decision groups for %d nodes", mesh_shape, problem.num_groups, len(graph))
-    solution = solve_intra_op(problem, time_limit_s=time_limit_s)
+    with timed("solve"):
+        solution = solve_intra_op(problem, time_limit_s=time_limit_s)
     check = evaluate(problem, solution.choice, solution.recomputed)
     assert check.feasible, check.violations
     assignment = decode(graph, layers, space, grouping, solution.choice)
@@ -396,13 +398,17 @@ def solve_mesh(
     that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
     limit and recomputation, several times slower, is then not needed."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
-    space = strategy_space(graph, pricer.mesh_shape, reps)
+    with timed("strategies"):
+        space = strategy_space(graph, pricer.mesh_shape, reps)
     if float32_grads:
         space = searched_in_float32(space, graph, pricer.mesh_shape)
     if restrict is not None:
         space = restrict(space)
     space = searched(space, graph, pricer.mesh_shape)
-    problem, grouping = build_problem(graph, layers, space, pricer, memory_limit, once, in_flight)
+    with timed("ILP build"):
+        problem, grouping = build_problem(
+            graph, layers, space, pricer, memory_limit, once, in_flight
+        )
     mesh = pricer.mesh_shape
     result = None
     if recompute is not None and relaxed_first and min_memory(problem) <= memory_limit:
@@ -427,4 +433,6 @@ def solve_mesh(
         counts = result.solution.recomputed
         pricer = pricer.recomputing(recompute.chosen(graph, layers, problem.recompute, counts))
     rules = {n.name: space[layers.rep(n.name)].source for n in graph}
-    return MeshPlan(result, pricer, price_step(graph, result.assignment, pricer), rules)
+    with timed("pricing"):
+        step = price_step(graph, result.assignment, pricer)
+    return MeshPlan(result, pricer, step, rules)

@@ -46,6 +46,7 @@ from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute
 from autoplan.modes import NodeKind
+from autoplan.phases import timed
 from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
@@ -249,7 +250,8 @@ class StageSolver:
         rules[output.name] = "output"
         recomputed = Recompute.mixed(self.graph, (r for p in parts for r in p.recomputed))
         pricer = self.pricer.recomputing(recomputed)
-        step = price_step(stage.graph, assignment, pricer)
+        with timed("pricing"):
+            step = price_step(stage.graph, assignment, pricer)
         solver = SolverStats.total(p.solver for p in parts)
         return priced_stage(
             start, stop, stage, assignment, step, rules, pricer, self.send_s(stop), solver

@@ -20,6 +20,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import PipelinePlan, SolvedStage, price_stages, priced_stage
 from autoplan.costmodel.step_price import price_step
 from autoplan.graph.recompute import Recompute
+from autoplan.phases import timed
 
 
 def fewest_in_stages(pipe: PipelinePlan, cluster: Cluster) -> PipelinePlan:
@@ -57,7 +58,8 @@ def _recomputing(stage: SolvedStage, pipe: PipelinePlan, k: int) -> SolvedStage:
     """``stage`` priced again recomputing only the first ``k`` of its recomputed layers."""
     recompute = Recompute.mixed(pipe.graph, stage.recomputed[:k])
     pricer = pipe.pricer.recomputing(recompute)
-    step = price_step(stage.stage.graph, stage.assignment, pricer)
+    with timed("pricing"):
+        step = price_step(stage.stage.graph, stage.assignment, pricer)
     return priced_stage(
         stage.start, stage.stop, stage.stage, stage.assignment, step, stage.rules, pricer,
         stage.send_s, stage.solver,
