@@ -200,7 +200,8 @@ class Step:
             materialize(
                 self._model, plan, self.mesh[plan.stage_axes], self._init_fn, stage_params=params
             )
-            self.pipeline = PipelineRunner(self._model, ep, plan, self.mesh)
+            gradless = frozenset(n.name for n in graph if not n.needs_grad)
+            self.pipeline = PipelineRunner(self._model, ep, plan, self.mesh, gradless)
             self.zero = self.pipeline.zero
             self.placeholders = self.pipeline.module.placeholders
             parameters = self.pipeline.parameters()

@@ -168,7 +168,14 @@ def _decomposed(ep: ExportedProgram) -> ExportedProgram:
 
 
 _DETACH_ = torch.ops.aten.detach_.default
-_GRAD_STOPS = {"aten.detach.default"}
+# ops no gradient flows through: detach, and factories that read their input for its dtype
+# and shape alone (``x.new_empty(...)``, ``torch.zeros_like(x)``), whose output needs none
+_GRAD_STOPS = {
+    "aten.detach.default",
+    *(f"aten.new_{kind}.default" for kind in ("empty", "zeros", "ones", "full")),
+    *(f"aten.{kind}_like.default" for kind in ("empty", "zeros", "ones", "full")),
+    *(f"aten.{kind}_like.default" for kind in ("rand", "randn", "randint")),
+}
 _DETACH = torch.ops.aten.detach.default
 # export's wrappers of a region of forward run under a context manager: (the index of the
 # submodule among the wrapper's arguments, what the region's outputs need)
@@ -539,7 +546,6 @@ def _convert(
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
     op = str(fx_node.target)
-    # detach hands out the same values without a gradient
     needs_grad = any(grads) and any(o.is_float for o in outputs) and op not in _GRAD_STOPS
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
