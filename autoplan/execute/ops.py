@@ -199,6 +199,29 @@ LOCAL_OPS = {
     _aten.to.dtype,
     _aten.to.dtype_layout,
     _aten._to_copy.default,
+    _aten.type_as.default,
+    # element by element, a broadcast operand whole; copy's src broadcast to dst's shape
+    _aten.where.ScalarOther,
+    _aten.where.ScalarSelf,
+    _aten.where.Scalar,
+    _aten.floor_divide.default,
+    _aten.floor_divide.Scalar,
+    _aten.fill.Scalar,
+    _aten.fill.Tensor,
+    _aten.copy.default,
+    # along one dim, split along the others (rules._other_dims); sort and topk in MULTI_OUTPUT
+    _aten.slice_scatter.default,
+    _aten.diff.default,
+    _aten.argsort.default,
+    _aten.argsort.stable,
+    # gathers and scatters along one dim, every tensor split alike along another
+    _aten.gather.default,
+    _aten.scatter.value,
+    _aten.scatter.src,
+    _aten.scatter_add.default,
+    _aten.index_add.default,
+    # counts over a fixed range: over a split input, partial sums (`PARTIAL_SUMS`)
+    _aten.histc.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
@@ -209,8 +232,16 @@ PARTIAL_SUMS = MEANS | {
     _aten.sum.default,
     _aten.einsum.default,
     _aten.matmul.default,
+    _aten.histc.default,
 }
-MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
+# a list of tensors, placed alike: sort's and topk's values and indices split along a dim they
+# do not sort
+MULTI_OUTPUT = {
+    _aten.broadcast_tensors.default,
+    _aten.sort.default,
+    _aten.sort.stable,
+    _aten.topk.default,
+}
 # views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
 # global shape: made local from the planned output. A factory's input is read for its dtype
 # alone, so it runs locally however that is placed: DTensor would place the output as it likes
