@@ -144,6 +144,8 @@ def test_ops_dtensor_cannot_run_run_locally_as_planned() -> None:
     lift = nodes[torch.ops.aten.lift_fresh_copy.default]
     copy = nodes[torch.ops.aten.copy.default]
     assert not dtensor_runs(lift.target) and not dtensor_runs(copy.target)  # type: ignore[arg-type]
+    aten = torch.ops.aten
+    assert dtensor_runs(aten.mul.Tensor) and dtensor_runs(aten.diff.default)  # rule; decomposed
     # placed as our rule (a copy, partial sums too) or the planner (replicated) places them:
     # as DTensor ops they would raise NotImplementedError
     assert runs_locally(lift, [P], P) and runs_locally(lift, [S0], S0)
