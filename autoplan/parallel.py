@@ -219,6 +219,7 @@ class Step:
             self.options.optimizer,
             self.train,
             self._init_fn,
+            gradless=frozenset(n.name for n in graph if not n.needs_grad),
         )
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:

@@ -9,6 +9,8 @@ the torch at hand has rather than comparing version numbers.
   DTensor's own rules instead of copying them (strategies/dtensor_rules.py). torch 2.13 and
   later state most rules per mesh axis ("single-dim strategies"); torch 2.11 states them over
   the whole mesh, and they are asked on a one-axis mesh instead (`dtensor_axis_rules`).
+- `dtensor_runs`: whether DTensor can run an op at all (a rule, a handler of its own, or a
+  decomposition into ops it has rules for); the executor runs the others on local tensors.
 - `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
   op, which torch 2.13 has no rule for.
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
@@ -94,6 +96,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_single",
     "dtensor_axis_rules",
+    "dtensor_runs",
     "from_local",
     "functional_all_reduce",
     "non_finite_check_and_unscale",
@@ -127,6 +130,29 @@ def dtensor_axis_rules(op: torch._ops.OpOverload) -> AxisRuleFunc | None:
     if _rules_are_whole_mesh() and op in propagator.op_strategy_funcs:
         return _one_axis_rules
     return None
+
+
+def dtensor_runs(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor can run ``op`` on DTensors: a rule (per mesh axis or over the whole
+    mesh), a handler of its own, or a decomposition (explicit, or composite ops that
+    decompose before DTensor sees them); the others raise NotImplementedError at run time."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return (
+        op in propagator.op_single_dim_strategy_funcs
+        or op in propagator.op_strategy_funcs
+        or op in DTensor._op_dispatcher._custom_op_handlers
+        or _decomposes(op)
+    )
+
+
+def _decomposes(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor runs ``op`` by its decomposition (torch 2.13 on; 2.11 runs composite
+    ops so, which decompose before DTensor's dispatch)."""
+    try:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    except ImportError:
+        return op._can_decompose()
+    return bool(DecompShardingStrategy.has_decomp(op))
 
 
 @functools.cache

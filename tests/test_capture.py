@@ -263,3 +263,26 @@ def test_float_indices_are_refused_at_the_user_line_under_any_torch(how: str) ->
     assert "Long" in message, message
     if how == "index_select":
         assert "aten.index_select.default takes integer index (Long, Int), got float32" in message
+
+
+def test_factories_of_a_trained_tensor_carry_no_gradient() -> None:
+    """``h.new_empty(...)`` and ``torch.zeros_like(h)`` read ``h`` for its dtype and shape:
+    no gradient flows to them, so the planner prices none to reduce (DeepSeek-V3's attention
+    joins its query parts in such a tensor)."""
+
+    class Joined(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            joined = h.new_empty(8, 6)
+            joined[:, :4] = h
+            joined[:, 4:] = 0.0
+            return joined.sum() + torch.zeros_like(h).sum()
+
+    graph = capture(Joined(), torch.randn(8, 4))
+    needs = {n.op: n.needs_grad for n in graph if n.kind == NodeKind.OP}
+    assert needs["aten.linear.default"] and needs["aten.slice_scatter.default"]
+    assert not needs["aten.new_empty.default"] and not needs["aten.zeros_like.default"]

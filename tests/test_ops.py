@@ -1,4 +1,4 @@
-"""Which ops the executor runs on local shards (execute/ops.py), on a small exported graph."""
+"""Which ops the executor runs on local shards (execute/op_calls.py), on a small exported graph."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
+    call_op,
     local_cross_entropy,
     local_shape,
     local_total_weight,
     runs_locally,
 )
 from autoplan.execute.step import local_shard
+from autoplan.torch_private import dtensor_runs
 
 R, P, S0, S1 = (Replicate(),), (Partial(),), (Shard(0),), (Shard(1),)
 
@@ -114,3 +116,50 @@ def test_cross_entropy_per_element_runs_locally_as_the_local_shard() -> None:
         for x, t in zip(logits.chunk(4), target.chunk(4), strict=True)
     ]
     torch.testing.assert_close(torch.cat(shards), F.cross_entropy(logits, target, reduction="none"))
+
+
+class _Cache(nn.Module):
+    """A constant made in forward (``lift_fresh_copy``, as transformers' caches make their
+    counters) and a slice assignment into a new tensor (the functional ``copy``, as
+    DeepSeek-V3's attention joins its query parts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(2.0)
+        joined = x.new_empty(x.shape[0], 8)
+        joined[:, :6] = x
+        joined[:, 6:] = x[:, :1]
+        return joined * scale
+
+
+def _cache_nodes(functional: bool = False) -> list[torch.fx.Node]:
+    """The exported graph's ops; ``functional``: with its mutations made functional, as the
+    capture does for a graph that has some (``lift_fresh_copy`` then a ``clone``)."""
+    ep = torch.export.export(_Cache(), (torch.randn(8, 6),))
+    graph = (ep.run_decompositions({}) if functional else ep).graph
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def test_ops_dtensor_cannot_run_run_locally_as_planned() -> None:
+    nodes = {n.target: n for n in [*_cache_nodes(), *_cache_nodes(functional=True)]}
+    lift = nodes[torch.ops.aten.lift_fresh_copy.default]
+    copy = nodes[torch.ops.aten.copy.default]
+    assert not dtensor_runs(lift.target) and not dtensor_runs(copy.target)  # type: ignore[arg-type]
+    aten = torch.ops.aten
+    assert dtensor_runs(aten.mul.Tensor) and dtensor_runs(aten.diff.default)  # rule; decomposed
+    # placed as our rule (a copy, partial sums too) or the planner (replicated) places them:
+    # as DTensor ops they would raise NotImplementedError
+    assert runs_locally(lift, [P], P) and runs_locally(lift, [S0], S0)
+    assert runs_locally(copy, [R, R], R)
+    assert not runs_locally(nodes[torch.ops.aten.mul.Tensor], [P, R], P)  # DTensor's
+
+
+def test_the_functional_copy_runs_with_a_derivative() -> None:
+    """``dst[:, 6:] = x[:, :1]``: the gradient of the broadcast source is summed over the
+    columns it fills; the destination's replaced values get none."""
+    copies = [n for n in _cache_nodes(True) if n.target is torch.ops.aten.copy.default]
+    dst = torch.full((8, 2), float("nan"), requires_grad=True)
+    src = torch.randn(8, 1, requires_grad=True)
+    out = call_op(copies[-1], (dst, src), {})
+    assert torch.equal(out, src.expand(8, 2)) and out.dtype == dst.dtype
+    out.sum().backward()
+    assert torch.equal(src.grad, torch.full((8, 1), 2.0)) and dst.grad is None  # type: ignore[arg-type]

@@ -152,7 +152,7 @@ class Pricer:
 
         A batch-split cross-entropy with mean reduction divides by its targets' total weight
         over the whole batch: the executor sums that scalar along the split axes in forward,
-        one all-reduce per axis, as soon as the targets are there (execute/ops.py).
+        one all-reduce per axis, as soon as the targets are there (execute/op_calls.py).
 
         A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero_state`) is
         gathered back from its updated shards after the optimizer step (phase "update").

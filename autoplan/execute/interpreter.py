@@ -7,7 +7,7 @@ mirror of these redistributions and of DTensor's op rules). Ops that create tens
 the plan, the output is moved to the plan's placement and the difference is logged: the
 plan's collectives list then misses that move, which the fidelity tests catch.
 
-The ops `execute/ops.py` finds local (no partial sums, the local result the local shard of
+The ops `execute/op_calls.py` finds local (no partial sums, the local result the local shard of
 the result) run on this rank's shards as plain torch: DTensor would only add its dispatch to
 them; so do the replicated ops that keep their output's gradient partial (the plan's
 ``grad``), and cross-entropy, whose targets' total weight is all-reduced as soon as they are

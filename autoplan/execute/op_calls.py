@@ -7,7 +7,9 @@ attention, embedding lookups and transposes (DTensor's rules for them change no 
 views and factories like ``new_zeros`` (their size argument made local), and losses over a
 split batch: an element-wise loss's local sum over the global element count, and
 cross-entropy's over the global total weight of its targets, are partial sums along the axes
-their inputs are split on.
+their inputs are split on. An op DTensor cannot run at all (``lift_fresh_copy``, the
+functional ``copy`` of a slice assignment) runs locally too, placed as the plan says: only
+that way does it run, not raise on the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.torch_private import dtensor_runs
 
 NONE, MEAN, SUM = 0, 1, 2  # torch's Reduction
 # DTensor runs these by decomposition, and on a split batch the backward of the mean divides
@@ -83,12 +87,23 @@ def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return summed / node.args[0].meta["val"].numel()  # type: ignore[union-attr]
     if target in MEANS:
         return _mean_as_sum(node, args[0], kwargs.get("dtype"))
+    if target is _aten.copy.default:
+        return _copy(*args, **kwargs)
     if target is _aten.view.default and type(args[0]) is torch.Tensor:
         # a view of strides that the trace's fake kernel gave and the real one need not
         # (CPU's float16 attention returns its heads transposed in memory): a copy then,
         # as the model's own .contiguous(), which the trace dropped, makes in one process
         return torch.reshape(args[0], args[1])
     return target(*args, **kwargs)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """The functional ``copy`` (what tracing makes of ``dst[...] = src``) as the differentiable
+    op it means: ``src`` in ``dst``'s dtype, broadcast to ``dst``'s shape. ATen's own has no
+    derivative; this one sends the gradient to ``src`` (summed over what it was broadcast
+    along) and none to ``dst``, all of whose values it replaces."""
+    del non_blocking
+    return src.to(dst.dtype).expand(dst.shape).clone()
 
 
 def _mean_as_sum(node: torch.fx.Node, x: torch.Tensor, dtype: torch.dtype | None) -> Any:
@@ -184,6 +199,29 @@ LOCAL_OPS = {
     _aten.to.dtype,
     _aten.to.dtype_layout,
     _aten._to_copy.default,
+    _aten.type_as.default,
+    # element by element, a broadcast operand whole; copy's src broadcast to dst's shape
+    _aten.where.ScalarOther,
+    _aten.where.ScalarSelf,
+    _aten.where.Scalar,
+    _aten.floor_divide.default,
+    _aten.floor_divide.Scalar,
+    _aten.fill.Scalar,
+    _aten.fill.Tensor,
+    _aten.copy.default,
+    # along one dim, split along the others (rules._other_dims); sort and topk in MULTI_OUTPUT
+    _aten.slice_scatter.default,
+    _aten.diff.default,
+    _aten.argsort.default,
+    _aten.argsort.stable,
+    # gathers and scatters along one dim, every tensor split alike along another
+    _aten.gather.default,
+    _aten.scatter.value,
+    _aten.scatter.src,
+    _aten.scatter_add.default,
+    _aten.index_add.default,
+    # counts over a fixed range: over a split input, partial sums (`PARTIAL_SUMS`)
+    _aten.histc.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
@@ -194,8 +232,16 @@ PARTIAL_SUMS = MEANS | {
     _aten.sum.default,
     _aten.einsum.default,
     _aten.matmul.default,
+    _aten.histc.default,
 }
-MULTI_OUTPUT = {_aten.broadcast_tensors.default}  # a list of tensors, placed alike
+# a list of tensors, placed alike: sort's and topk's values and indices split along a dim they
+# do not sort
+MULTI_OUTPUT = {
+    _aten.broadcast_tensors.default,
+    _aten.sort.default,
+    _aten.sort.stable,
+    _aten.topk.default,
+}
 # views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
 # global shape: made local from the planned output. A factory's input is read for its dtype
 # alone, so it runs locally however that is placed: DTensor would place the output as it likes
@@ -219,7 +265,7 @@ def runs_locally(
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
     if node.target not in LOCAL_OPS | SIZED | LOSSES | MULTI_OUTPUT:
-        return _replicated(node, inputs, output)
+        return _replicated(node, inputs, output) or _without_dtensor(node)
     val = node.meta.get("val")
     values = val if node.target in MULTI_OUTPUT else [val]
     if not isinstance(values, list | tuple) or not all(isinstance(v, torch.Tensor) for v in values):
@@ -247,6 +293,15 @@ def _replicated(
         return False
     placed = [*inputs, output]
     return all(isinstance(p, Replicate) for ps in placed for p in ps)
+
+
+def _without_dtensor(node: torch.fx.Node) -> bool:
+    """An op DTensor cannot run (no rule, no decomposition: `dtensor_runs`) runs on local
+    tensors, placed as the plan says: replicated where the planner has no rule for it either,
+    else as our rule places it, whose local result on local shards is the local shard of the
+    result (strategies/rules.py). As a DTensor op it would raise NotImplementedError."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and not dtensor_runs(target)
 
 
 def local_shape(

@@ -56,8 +56,15 @@ class StageModule(nn.Module):
     forward runs this stage's part of the traced step on local shards in and out."""
 
     def __init__(
-        self, model: nn.Module, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh, index: int
+        self,
+        model: nn.Module,
+        ep: ExportedProgram,
+        plan: Plan,
+        mesh: DeviceMesh,
+        index: int,
+        gradless: frozenset[str] = frozenset(),
     ) -> None:
+        """``gradless``: the graph's tensors no gradient flows to (`Node.needs_grad`)."""
         super().__init__()
         self.model = model
         stage = plan.stages[index]
@@ -70,6 +77,10 @@ class StageModule(nn.Module):
         self._axes = plan.stage_axes
         metas = {n.name: n.meta["val"] for n in ep.graph.nodes if "val" in n.meta}
         self._received = [(name, metas[name]) for name in stage.received]
+        # received tensors that need no gradient (rotary tables made from buffers): the library
+        # makes every float one it receives require one, and a local op would then hand such a
+        # tensor a partial gradient to reduce, which the plan neither lists nor needs
+        self._gradless = gradless & set(stage.received)
         self._sent = [metas[name] for name in stage.sent]
         self._loss = metas[next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name]
 
@@ -107,7 +118,10 @@ class StageModule(nn.Module):
             # local shards placed as the boundary: the interpreter wraps one in a DTensor
             # only where a DTensor op or a redistribution reads it
             for (name, meta), local in zip(self._received, args, strict=True):
-                values[name] = Local(pipeline_received(local, meta.dtype), self._placements(meta))
+                received = pipeline_received(local, meta.dtype)
+                if name in self._gradless:
+                    received = received.detach()  # the library sends back zeros for it
+                values[name] = Local(received, self._placements(meta))
         out = self.interpreter.run(values)
         if self.is_last:
             (loss,) = out
@@ -126,7 +140,9 @@ class PipelineRunner:
         ep: ExportedProgram,
         plan: Plan,
         world: DeviceMesh,
+        gradless: frozenset[str] = frozenset(),
     ) -> None:
+        """``gradless``: the graph's tensors no gradient flows to (`Node.needs_grad`)."""
         assert plan.pipeline is not None
         self.plan = plan
         pp = world["pp"]
@@ -134,7 +150,7 @@ class PipelineRunner:
         self.indices = tuple(range(pp.get_local_rank(), len(plan.stages), pp.size()))
         self.mesh = world[plan.stage_axes]
         self.zero = ShardedState.split(model, plan, self.mesh)  # ZeRO-1/2's shards and wholes
-        self.modules = [StageModule(model, ep, plan, self.mesh, s) for s in self.indices]
+        self.modules = [StageModule(model, ep, plan, self.mesh, s, gradless) for s in self.indices]
         for module in self.modules:
             module.placeholders.whole = self.zero.by_placeholder(module.placeholders.params)
         self.module = self.modules[0]

@@ -55,10 +55,13 @@ def build_runtime(
     optimizer: str,
     train: TrainOptions,
     init_fn: Callable[[nn.Module], None] | None,
+    gradless: frozenset[str] = frozenset(),
 ) -> Runtime:
     """Place ``model``'s parameters as ``plan`` says (in place, as DTensors) and build what
     its step runs with; ``ep`` is the step traced at the shape a stage runs (one microbatch
-    for pipelined plans), ``optimizer`` the name `PlanOptions.optimizer` gives."""
+    for pipelined plans), ``optimizer`` the name `PlanOptions.optimizer` gives; ``gradless``
+    names the traced step's nodes that need no gradient (a stage detaches what it receives
+    of them)."""
     mesh = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
     module: ParallelModule | None = None
     pipeline: PipelineRunner | None = None
@@ -69,7 +72,7 @@ def build_runtime(
             fqn for fqn, s in plan.param_stages().items() if s % pp.size() == pp.get_local_rank()
         }
         materialize(model, plan, mesh[plan.stage_axes], init_fn, stage_params=params)
-        pipeline = PipelineRunner(model, ep, plan, mesh)
+        pipeline = PipelineRunner(model, ep, plan, mesh, gradless)
         zero, placeholders = pipeline.zero, pipeline.module.placeholders
         parameters = pipeline.parameters()
     else:

@@ -18,7 +18,14 @@ from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
 from autoplan.modes import NodeKind
 
-_GRAD_STOPS = {"aten.detach.default"}  # ops whose output needs no gradient
+# ops no gradient flows through: detach, and factories that read their input for its dtype
+# and shape alone (``x.new_empty(...)``, ``torch.zeros_like(x)``), whose output needs none
+_GRAD_STOPS = {
+    "aten.detach.default",
+    *(f"aten.new_{kind}.default" for kind in ("empty", "zeros", "ones", "full")),
+    *(f"aten.{kind}_like.default" for kind in ("empty", "zeros", "ones", "full")),
+    *(f"aten.{kind}_like.default" for kind in ("rand", "randn", "randint")),
+}
 WRAPPED = "model."  # prefix of parameter and module paths inside TrainStep
 
 
@@ -130,7 +137,6 @@ def _convert(
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
     op = str(fx_node.target)
-    # detach hands out the same values without a gradient
     needs_grad = any(grads) and any(o.is_float for o in outputs) and op not in _GRAD_STOPS
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)

@@ -162,17 +162,84 @@ def _pad(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [(shard(d), shard(d)) for d in range(len(x.shape)) if d not in padded]
 
 
-def _other_dims(node: Node, ins: Sequence[TensorInfo], index: int) -> list[AxisRule]:
-    # slice and cat work along one dim (argument ``index``, default 0); any other dim may be
-    # split, every tensor input alike
+def _other_dims(
+    node: Node, ins: Sequence[TensorInfo], index: int, default: int = 0
+) -> list[AxisRule]:
+    """Ops along one dim (argument ``index``): slice, cat, sort, diff. Any other dim may be
+    split, every tensor input alike (and every output: sort's values and indices). A 1-dim
+    empty input stays whole: cat skips it (transformers' caches start from one, and a key
+    or value joined to it may still split by batch or heads)."""
     ndim = len(node.outputs[0].shape)
-    dim = int(_arg(node, index, "dim", 0)) % ndim  # type: ignore[call-overload]
-    same = all(len(t.shape) == ndim for t in ins)
-    return [(shard(d), *[shard(d)] * len(ins)) for d in range(ndim) if d != dim and same]
+    dim = int(_arg(node, index, "dim", default)) % ndim  # type: ignore[call-overload]
+    skipped = [t.shape == (0,) and ndim > 1 for t in ins]
+    same = all(len(t.shape) == ndim or skip for t, skip in zip(ins, skipped, strict=True))
+    return [
+        (shard(d), *[R if skip else shard(d) for skip in skipped])
+        for d in range(ndim)
+        if d != dim and same
+    ]
 
 
 def _along(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return _other_dims(node, ins, 1)  # softmax / log_softmax / cumsum (input, dim)
+
+
+def _along_last(index: int) -> Rule:
+    """sort / argsort (input, dim=-1), topk (input, k, dim=-1), diff (input, n, dim=-1, ...),
+    their ``dim`` argument at ``index``; the stable overloads take it by keyword."""
+
+    def rule(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+        return _other_dims(node, ins, index, default=-1)
+
+    return rule
+
+
+def _indexed(dim_index: int, whole: Sequence[int] = ()) -> Rule:
+    """gather (input, dim, index), scatter (input, dim, index, src), scatter_add, index_add
+    (input, dim, index, source): a dim other than ``dim`` (argument ``dim_index``) may be split
+    where every tensor has it at one size, each element then reading and writing within its
+    own shard. Inputs numbered in ``whole`` (index_add's 1-dim index) stay whole."""
+
+    def rule(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+        ndim = len(ins[0].shape)
+        dim = int(_arg(node, dim_index, "dim", 0)) % ndim  # type: ignore[call-overload]
+        split = [i for i in range(len(ins)) if i not in whole]
+        rules: list[AxisRule] = []
+        for d in range(ndim):
+            sizes = {ins[i].shape[d] if len(ins[i].shape) == ndim else -1 for i in split}
+            if d != dim and len(sizes) == 1:
+                rules.append((shard(d), *[R if i in whole else shard(d) for i in range(len(ins))]))
+        return rules
+
+    return rule
+
+
+def _histogram(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    # histc(input, bins, min, max): over a fixed range, the counts of a split input are the
+    # sums of its shards' counts; min == max takes the range from the data: whole only
+    low, high = _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
+    if low == high:
+        return []
+    return [(P, shard(d)) for d in range(len(ins[0].shape))]
+
+
+def _factory_like(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """new_ones / new_zeros / new_empty / new_full (input, size): the input is read for its
+    dtype alone, so each dim of the output may be split whatever the input's placement; the
+    input split alike, or whole, or split and the output whole (never gathered to be read)."""
+    out, x = node.outputs[0].shape, ins[0].shape
+    rules: list[AxisRule] = [(shard(d), R) for d in range(len(out))]
+    rules += [(shard(d), shard(d)) for d in range(len(out)) if out == x]
+    return rules + [(R, shard(d)) for d in range(len(x))]
+
+
+def _like_other(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """type_as (input, other) and fill (input, value tensor): the output is the input's
+    shape, any dim split with it; ``other`` is read for its dtype (or its one value), whole or
+    split alike."""
+    x = ins[0].shape
+    rules: list[AxisRule] = [(shard(d), shard(d), R) for d in range(len(x))]
+    return rules + [(shard(d), shard(d), shard(d)) for d in range(len(x)) if ins[1].shape == x]
 
 
 def _arg_reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -345,6 +412,29 @@ _RULES: dict[str, Rule] = {
     "_softmax": _along,
     "_log_softmax": _along,
     "cumsum": _along,
+    "sort": _along_last(1),
+    "argsort": _along_last(1),
+    "topk": _along_last(2),
+    "diff": _along_last(2),
+    "gather": _indexed(1),
+    "scatter": _indexed(1),
+    "scatter_add": _indexed(1),
+    "index_add": _indexed(1, whole=(1,)),
+    "histc": _histogram,
+    "new_ones": _factory_like,
+    "new_zeros": _factory_like,
+    "new_empty": _factory_like,
+    "new_full": _factory_like,
+    "type_as": _like_other,
+    "fill.Tensor": _like_other,
+    "fill.Scalar": _elementwise,
+    # copy (dst, src): src broadcast to dst's shape; where / floor_divide element by element
+    "copy": _broadcast,
+    "where.ScalarOther": _broadcast,
+    "where.ScalarSelf": _broadcast,
+    "where.Scalar": _broadcast,
+    "floor_divide": _broadcast,
+    "slice_scatter": lambda node, ins: _other_dims(node, ins, 2),  # (input, src, dim, ...)
     "argmax": _arg_reduce,
     "argmin": _arg_reduce,
     "one_hot": _one_hot,

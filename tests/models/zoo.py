@@ -9,6 +9,15 @@ so that training can be compared with one process exactly.
   attention probabilities, to compare two parallel runs that draw alike (recomputation's),
   not one process.
 - llama: grouped-query attention, rotary embeddings, RMSNorm, SwiGLU.
+- mistral: llama's blocks with sliding-window attention (window 8, shorter than the
+  sequences).
+- gemma2: sliding-window and global layers alternating, attention logits soft-capped, norms
+  before and after each sublayer, embeddings scaled.
+- gemma3: gemma2's layout with query and key norms and a local rotary base of its own.
+- deepseek-v3: multi-head latent attention (low-rank queries and keys, rotary dims apart) and a
+  mixture of experts (grouped top-k routing, one shared expert) after one dense layer.
+  These four build a ``DynamicCache`` in forward (``use_cache`` left at its default, as users
+  train them).
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
@@ -54,6 +63,60 @@ def _llama(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...
     )  # fmt: skip
     ids = torch.randint(0, VOCAB, (batch, seq))
     return transformers.LlamaForCausalLM(config), ("input_ids", "labels"), (ids, ids)
+
+
+def _causal(
+    config: transformers.PretrainedConfig, model: type[nn.Module], batch: int, seq: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    return model(config), ("input_ids", "labels"), (ids, ids)
+
+
+def _mistral(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.MistralConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq, sliding_window=8,
+        bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.MistralForCausalLM, batch, seq)
+
+
+def _gemma2(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.Gemma2Config(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=seq,
+        sliding_window=8, bos_token_id=0, eos_token_id=0, pad_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.Gemma2ForCausalLM, batch, seq)
+
+
+def _gemma3(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.Gemma3TextConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=seq,
+        sliding_window=8, bos_token_id=0, eos_token_id=0, pad_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.Gemma3ForCausalLM, batch, seq)
+
+
+def _deepseek_v3(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.DeepseekV3Config(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        vocab_size=VOCAB, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+        **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.DeepseekV3ForCausalLM, batch, seq)
 
 
 def _bert(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
@@ -127,6 +190,10 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "gpt2-eager": functools.partial(_gpt2, attention="eager"),
     "gpt2-dropout": functools.partial(_gpt2, dropout=0.1, attention="eager"),
     "llama": _llama,
+    "mistral": _mistral,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "deepseek-v3": _deepseek_v3,
     "bert": _bert,
     "bart": _bart,
     "vit": _vit,

@@ -1,0 +1,146 @@
+"""Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
+mixtures of experts' routing (sort, topk, gathers and scatters, histograms), attention masks
+(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter) and a
+cache's concatenation onto an empty tensor. Each rule, run by the executor's local path on two
+ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.execute.interpreter import Arguments
+from autoplan.execute.op_calls import SIZED, call_op, local_shape, runs_locally
+from autoplan.graph.capture import graph_from_export
+from autoplan.strategies.placement import is_valid
+from autoplan.strategies.rules import own_rule
+
+
+class _Routing(nn.Module):
+    """x (4, 6, 8) scores, ids (4, 6) token ids, mask (4, 6), slots (6,) indices below 3."""
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        values, order = x.sort(dim=-1)
+        top, chosen = x.topk(4)
+        ranks = x.argsort(dim=1, stable=True)
+        picked = x.gather(2, chosen)
+        spread = torch.zeros_like(x).scatter(2, chosen, 1.0)
+        added = torch.zeros_like(x).scatter_add(2, chosen, top)
+        pooled = x.new_zeros(4, 3, 8).index_add(1, slots, x)
+        counts = torch.histc(x, bins=6, min=-2.0, max=2.0)
+        halves = ids // 2
+        steps = ids.diff(dim=1)
+        ones = x.new_ones(4, 6)
+        typed = ids.type_as(x)
+        masked = torch.where(mask, x.sum(-1), 0.0)
+        joined = torch.cat([x.new_empty(0), x], dim=-2)  # a cache's first keys
+        buffer = x.new_empty(4, 6, 10)
+        buffer[..., :8] = x  # copy + slice_scatter, once made functional
+        buffer[..., 8:] = x[..., :1]
+        return (
+            *(values, order, top, picked, spread, added, pooled, counts, halves, steps),
+            *(ones, typed, masked, joined, buffer, ranks),
+        )
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8, dtype=torch.float64)
+    ids = torch.randint(0, 16, (4, 6))
+    return x, ids, ids % 3 == 0, torch.tensor([0, 2, 1, 1, 0, 2])
+
+
+def _placement(spec: str) -> Placement:
+    return Replicate() if spec == "R" else Partial() if spec == "P" else Shard(int(spec[2:-1]))
+
+
+def _shard(value: Any, spec: str, rank: int) -> Any:
+    assert spec != "P", "these rules take no partial sums in"
+    if spec == "R" or not isinstance(value, torch.Tensor):
+        return value
+    return value.chunk(2, int(spec[2:-1]))[rank]
+
+
+def _whole(parts: list[torch.Tensor], spec: str) -> torch.Tensor:
+    if spec == "P":
+        return parts[0] + parts[1]
+    if spec == "R":
+        assert torch.equal(parts[0], parts[1])
+        return parts[0]
+    return torch.cat(parts, int(spec[2:-1]))
+
+
+TESTED = {
+    "aten.sort.default",
+    "aten.topk.default",
+    "aten.argsort.stable",
+    "aten.gather.default",
+    "aten.scatter.value",
+    "aten.scatter_add.default",
+    "aten.index_add.default",
+    "aten.histc.default",
+    "aten.floor_divide.default",
+    "aten.diff.default",
+    "aten.new_ones.default",
+    "aten.new_zeros.default",
+    "aten.type_as.default",
+    "aten.where.ScalarOther",
+    "aten.cat.default",
+    "aten.copy.default",
+    "aten.slice_scatter.default",
+}
+
+
+def test_rules_are_exact_on_two_shards() -> None:
+    inputs = _inputs()
+    ep = torch.export.export(_Routing(), inputs).run_decompositions({})
+    graph = graph_from_export(ep)
+    env: dict[str, Any] = {}
+    supply = iter(inputs)
+    seen: dict[str, int] = {}
+    for fx_node in ep.graph.nodes:
+        if fx_node.op == "placeholder":
+            env[fx_node.name] = next(supply)
+            continue
+        if fx_node.op != "call_function":
+            continue
+        args, kwargs = torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: env[n.name])
+        env[fx_node.name] = whole = fx_node.target(*args, **kwargs)
+        if fx_node.target is operator.getitem or graph.node(fx_node.name).op not in TESTED:
+            continue
+        node = graph.node(fx_node.name)
+        rule = own_rule(node.op)
+        assert rule is not None, node.op
+        ins = [graph.tensor(r) for r in node.refs]
+        rules = [  # those the planner keeps: every tensor split evenly (space._expand)
+            (out, *specs)
+            for out, *specs in rule(node, ins)
+            if all(is_valid((out,), o.shape, (2,)) for o in node.outputs)
+            and all(is_valid((s,), t.shape, (2,)) for s, t in zip(specs, ins, strict=True))
+        ]
+        seen[node.op] = seen.get(node.op, 0) + len(rules)
+        reads = fx_node.all_input_nodes
+        for out, *specs in rules:
+            placed = [(_placement(s),) for s in specs]
+            assert runs_locally(fx_node, placed, (_placement(out),)), (node.op, out, specs)
+            shape = None
+            if fx_node.target in SIZED:
+                shape = local_shape(fx_node, (_placement(out),), (2,))
+            parts = []
+            for rank in range(2):
+                local = [_shard(env[n.name], s, rank) for n, s in zip(reads, specs, strict=True)]
+                a, k = Arguments.of(fx_node, torch.device("cpu"), shape).fill(local)
+                parts.append(call_op(fx_node, a, k))
+            wholes = whole if isinstance(whole, tuple) else (whole,)
+            made = list(zip(*parts, strict=True)) if isinstance(whole, tuple) else [parts]
+            for want, got in zip(wholes, made, strict=True):
+                assert torch.equal(_whole(list(got), out), want), (node.op, out, specs)
+    # every op met, each with a rule that splits something
+    assert set(seen) == TESTED and all(seen.values()), seen
