@@ -233,9 +233,11 @@ def test_cli_show_top_prices_the_plan_again(
     assert main(["show", str(path), "--top", "4"]) == 2  # no model to price it with
     assert "add --workload FILE" in capsys.readouterr().err
     top = ["--top", "4", "--workload", workload, "--set", "batch_size=64", "--cluster", cluster]
-    assert main(["show", str(path), *top]) == 0
+    picture = tmp_path / "top.png"
+    assert main(["show", str(path), *top, "--png", str(picture)]) == 0
     out = capsys.readouterr().out
     assert "where the time goes (per step;" in out and "by layer (4 of" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from autoplan.graph.capture import capture_microbatches
 from autoplan.options import PlanOptions
 from autoplan.planfile.breakdown import breakdown, top_lines
 from autoplan.planfile.check import check_plan
-from autoplan.planfile.picture import render_png
+from autoplan.planfile.picture import render_png, render_top_png
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
 from autoplan.workload import load_workload
@@ -23,7 +23,11 @@ from autoplan.workload import load_workload
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("show", help="summarize a plan file")
     s.add_argument("plan", help="a plan JSON file")
-    s.add_argument("--png", help="also draw the pipeline stages and schedule to this PNG file")
+    s.add_argument(
+        "--png",
+        help="also draw the pipeline stages and schedule to this PNG file (with --top: the "
+        "ops' and layers' compute and communication)",
+    )
     s.add_argument("--cluster", help="also check the plan's mesh against this cluster file")
     s.add_argument("--nodes", type=at_least_one, help="number of nodes (default: the file's)")
     s.add_argument(
@@ -60,9 +64,13 @@ def run(args: argparse.Namespace) -> int:
             w.model, w.example_inputs, w.loss_fn, w.example_target, shown.mixed_precision
         )
         steps = price_stages_ops(shown, graph_for, cluster, optimizer=args.optimizer)
+        found = breakdown(shown, steps)
         print()
-        print("\n".join(top_lines(shown, breakdown(shown, steps), args.top)))
-    if args.png:
+        print("\n".join(top_lines(shown, found, args.top)))
+        if args.png:
+            render_top_png(shown, found, args.top, args.png)
+            print(f"\nwrote {args.png}")
+    elif args.png:
         render_png(shown, args.png)
         print(f"\nwrote {args.png}")
     return 0

@@ -23,6 +23,7 @@ from autoplan.planfile.show import fmt_bytes, fmt_time
 if TYPE_CHECKING:
     from autoplan.costmodel.step_price import PricedStep
 
+NO_MODULE = "(no module)"
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "blocks.3.attn.c_attn" -> "blocks.3"
 
 
@@ -32,7 +33,7 @@ class OpCost:
 
     node: str
     op: str  # "aten.mm.default", "param", ...
-    layer: str  # "blocks.3", a top-level module ("head"), or "-" for none
+    layer: str  # "blocks.3", a top-level module ("head"), or NO_MODULE (the loss, inputs)
     stage: int
     compute_s: float  # forward + backward; a parameter's: its optimizer update
     comm_s: float  # the collectives it causes (`autoplan.costmodel.step_price.OpPrice`)
@@ -68,11 +69,11 @@ class Breakdown:
 
 def layer_of(module: str) -> str:
     """The layer a module path belongs to: its first indexed block ("blocks.3"), else its
-    top-level module, else "-"."""
+    top-level module, else `NO_MODULE`."""
     found = _LAYER.match(module)
     if found:
         return found.group(1)
-    return module.split(".")[0] or "-"
+    return module.split(".")[0] or NO_MODULE
 
 
 def _collectives(plan: Plan, stage: int, node: str) -> str:
