@@ -208,6 +208,21 @@ def test_top_ops_add_up_to_the_plans_prediction(gpt_tp: tuple[autoplan.Plan, Bre
     assert {o.node for o in named} <= {c.node for c in plan.collectives}
 
 
+def test_top_ops_of_a_pipeline_add_up_per_microbatch(
+    pipelined: autoplan.Plan, cpu4: autoplan.Cluster
+) -> None:
+    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
+    graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    b = breakdown(pipelined, price_stages_ops(pipelined, graph_for, cpu4))
+    assert b.per_microbatch and {o.stage for o in b.ops} == {0, 1}
+    assert b.compute_s == pytest.approx(pipelined.predicted.compute_s, rel=1e-9)
+    assert b.comm_s == pytest.approx(pipelined.predicted.comm_s, rel=1e-9)
+    # what stage 1 receives is its own row, not stage 0's op of that name
+    received = [o for o in b.ops if o.op == "received"]
+    assert received and all(o.stage == 1 for o in received)
+    assert top_lines(pipelined, b, 3)[0].startswith("where the time goes (per microbatch, all")
+
+
 def test_top_lines_rank_ops_and_show_the_totals(gpt_tp: tuple[autoplan.Plan, Breakdown]) -> None:
     plan, b = gpt_tp
     lines = top_lines(plan, b, 3)

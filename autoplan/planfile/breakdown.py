@@ -32,7 +32,7 @@ class OpCost:
     """One node's share of the plan's price."""
 
     node: str
-    op: str  # "aten.mm.default", "param", ...
+    op: str  # "aten.mm.default", "param", ...; a stage's "received" inputs, its "send" output
     layer: str  # "blocks.3", a top-level module ("head"), or NO_MODULE (the loss, inputs)
     stage: int
     compute_s: float  # forward + backward; a parameter's: its optimizer update
@@ -91,10 +91,16 @@ def breakdown(plan: Plan, steps: Sequence[PricedStep]) -> Breakdown:
     """``plan``'s price by op from its stages' `PricedStep`s (one without pipelining)."""
     ops = []
     for s, step in enumerate(steps):
+        stage = plan.stages[s]
+        own = set(stage.nodes)
         for price in step.ops:
-            node = plan.nodes.get(price.node)
-            # a stage's received tensors are nodes of its graph alone
-            op, module = (node.op, node.module) if node is not None else ("received", "")
+            # a stage's graph holds what it receives, as inputs named by their producers, and
+            # what it sends, as its output
+            node = plan.nodes[price.node] if price.node in own else None
+            if node is not None:
+                op, module = node.op, node.module
+            else:
+                op, module = "received" if price.node in stage.received else "send", ""
             ops.append(
                 OpCost(
                     node=price.node,
@@ -132,7 +138,7 @@ def by_layer(b: Breakdown) -> list[OpCost]:
         t[0] += o.compute_s
         t[1] += o.comm_s
         t[2] += o.memory_bytes
-        t[3] += o.op not in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT, "received")
+        t[3] += o.op not in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT, "received", "send")
     layers = [
         OpCost(name, f"{int(t[3])} ops", name, -1, t[0], t[1], t[2], "") for name, t in sums.items()
     ]
