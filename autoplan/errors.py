@@ -33,3 +33,7 @@ class SolverTimeLimitError(AutoplanError):
 
 class PlanFormatError(AutoplanError):
     """A plan document is malformed, of the wrong version, or made for another model or cluster."""
+
+
+class UsageError(AutoplanError):
+    """A command was given an option without another one it needs."""

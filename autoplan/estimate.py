@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import price_pipeline
 from autoplan.costmodel.pricer import Pricer
-from autoplan.costmodel.step_price import price_step
+from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
@@ -156,4 +157,27 @@ def _derive_pipeline(
         collectives=priced.collectives,
         predicted=priced.predicted,
         pipeline=priced.pipeline,
+    )
+
+
+def price_stages_ops(
+    plan: Plan, graph_for: GraphForMicrobatches, cluster: Cluster, *, optimizer: str = "adamw"
+) -> tuple[PricedStep, ...]:
+    """``plan``'s price op by op (`PricedStep.ops`), one `PricedStep` per stage (a plan
+    without pipelining has one): what its predicted compute, communication and memory are
+    the sums of (`autoplan.planfile.breakdown`). A pipeline stage's is one microbatch's."""
+    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    graph = graph_for(count)
+    checked = check_plan(plan, graph, cluster)
+    recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))
+    if checked.pipeline is None:
+        pricer = Pricer(cluster, checked.mesh.shape, optimizer, recompute)
+        return (price_step(graph, assignment_of(checked, graph), pricer),)
+    layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(checked.stages))
+    mesh_shape = tuple(checked.mesh.shape[1:])
+    pricer = Pricer(cluster.stage(math.prod(mesh_shape)), mesh_shape, optimizer, recompute)
+    stage_graphs = [stage_graph(graph, layers, s, s + 1) for s in range(len(layers))]
+    return tuple(
+        price_step(st.graph, _stage_assignment(checked, s, st), pricer)
+        for s, st in enumerate(stage_graphs)
     )

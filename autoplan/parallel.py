@@ -122,6 +122,9 @@ class Step:
         self._runtime: Runtime | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
+        # the model's FLOPs in one step, forward and backward of the whole batch, without
+        # recomputation (what MFU counts); 0.0 until the step is built
+        self.flops = 0.0
 
     @property
     def runtime(self) -> Runtime:
@@ -180,6 +183,7 @@ class Step:
         precision = given.mixed_precision if given is not None else self.options.mixed_precision
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
         graph = graph_from_export(ep, precision)
+        self.flops = sum(n.flops + n.bwd_flops for n in graph)
 
         def export_microbatch(count: int) -> ExportedProgram:
             if count == 1:  # the whole batch: the step just exported

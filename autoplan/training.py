@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from autoplan.graph.capture import as_tuple
 from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step
 from autoplan.planfile.schema import Plan
-from autoplan.precision import autocast
+from autoplan.planfile.show import fmt_bytes, fmt_time
+from autoplan.precision import COMPUTE_DTYPES, autocast
 from autoplan.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,92 @@ class StepRecord:
     seconds: float
     throughput: float
     unit: str  # "tokens/s" for integer inputs of rank 2 (token ids), else "samples/s"
+    # model FLOPs per second over the cluster's peak for the compute dtype (`mfu`); None
+    # where the step's FLOPs are not known
+    mfu: float | None = None
+
+    def line(self, steps: int) -> str:
+        """``step   3/5  loss 4.123456  12.3 ms  1,234 tokens/s  MFU 0.12%`` (of ``steps``)."""
+        mfu = "" if self.mfu is None else f"  MFU {100 * self.mfu:.2f}%"
+        width = len(str(steps))
+        return (
+            f"step {self.step:>{width}}/{steps}  loss {self.loss:.6f}  "
+            f"{self.seconds * 1e3:8.1f} ms  {self.throughput:,.0f} {self.unit}{mfu}"
+        )
+
+
+def compute_dtype(model: torch.nn.Module, precision: str | None) -> str:
+    """The dtype the step's matmuls run in: the mixed precision's, else the model's first
+    floating-point parameter's (float32 for a model without one)."""
+    if precision is not None:
+        return str(COMPUTE_DTYPES[precision]).removeprefix("torch.")
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def mfu(flops: float, seconds: float, cluster: Cluster, dtype: str) -> float:
+    """Model FLOPs utilization: ``flops`` done in ``seconds`` over the peak of all the
+    cluster's devices for ``dtype`` (`Cluster.peak_flops`)."""
+    return flops / seconds / (cluster.peak_flops(dtype) * cluster.num_devices)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A training run against its plan's predictions: the median step time of the steps after
+    the first (which builds caches and warms up; the first alone if it is the only one) and
+    the peak memory per device."""
+
+    steps: tuple[int, ...]  # the steps the median is of
+    step_s: float
+    predicted_step_s: float
+    throughput: float  # at the median step time
+    unit: str
+    mfu: float | None
+    # torch.cuda.max_memory_allocated, the largest rank's; None where not measured (CPU)
+    peak_memory_bytes: float | None
+    predicted_memory_bytes: float
+
+    def lines(self) -> list[str]:
+        first, last = self.steps[0], self.steps[-1]
+        which = f"step {first}" if first == last else f"median of steps {first}-{last}"
+        mfu = "" if self.mfu is None else f", MFU {100 * self.mfu:.2f}%"
+        ratio = self.step_s / self.predicted_step_s if self.predicted_step_s else float("nan")
+        predicted = fmt_bytes(self.predicted_memory_bytes)
+        memory = (
+            f"  peak memory  not measured on CPU (predicted {predicted} per device)"
+            if self.peak_memory_bytes is None
+            else f"  peak memory  measured {fmt_bytes(self.peak_memory_bytes)} "
+            f"(torch.cuda.max_memory_allocated, the largest rank), predicted {predicted}: "
+            f"x{self.peak_memory_bytes / self.predicted_memory_bytes:.2f} of predicted"
+        )
+        return [
+            f"summary ({which}):",
+            f"  step time    measured {fmt_time(self.step_s)}, predicted "
+            f"{fmt_time(self.predicted_step_s)}: x{ratio:.2f} of predicted",
+            f"  throughput   {self.throughput:,.0f} {self.unit}{mfu}",
+            memory,
+        ]
+
+
+def summarize(
+    records: Sequence[StepRecord], plan: Plan, peak_memory_bytes: float | None
+) -> RunSummary:
+    """``records`` (at least one) against ``plan``'s predictions."""
+    kept = list(records[1:]) or list(records)
+    step_s = statistics.median(r.seconds for r in kept)
+    median = min(kept, key=lambda r: (abs(r.seconds - step_s), r.step))
+    return RunSummary(
+        steps=tuple(r.step for r in kept),
+        step_s=step_s,
+        predicted_step_s=plan.predicted.step_time_s,
+        throughput=median.throughput * median.seconds / step_s,
+        unit=median.unit,
+        mfu=None if median.mfu is None else median.mfu * median.seconds / step_s,
+        peak_memory_bytes=peak_memory_bytes,
+        predicted_memory_bytes=plan.predicted.peak_memory_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -91,6 +179,8 @@ def train(
         if step.load(ckpt.directory, missing_ok=True) is None:
             log.info("no checkpoint in %s yet: starting from step 0", ckpt.directory)
     items, unit = _items(w)
+    assert step.plan is not None
+    dtype = compute_dtype(w.model, step.plan.mixed_precision)
 
     def run() -> Iterator[StepRecord]:
         for i in range(step.steps_done, steps):
@@ -99,7 +189,8 @@ def train(
             start = time.perf_counter()
             loss = step(w.example_inputs, w.example_target).item()
             seconds = time.perf_counter() - start
-            yield StepRecord(i + 1, loss, seconds, items / seconds, unit)
+            used = mfu(step.flops, seconds, cluster, dtype) if step.flops else None
+            yield StepRecord(i + 1, loss, seconds, items / seconds, unit, used)
             if ckpt.directory is not None and (
                 i + 1 == steps or (ckpt.every is not None and (i + 1) % ckpt.every == 0)
             ):

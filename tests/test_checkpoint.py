@@ -102,7 +102,7 @@ def test_run_saves_then_resumes_under_another_plan(tmp_path: Path) -> None:
     out = second.stdout
     assert second.returncode == 0, out[-2000:] + second.stderr[-2000:]
     assert "stage 1" in out and "training steps 3-4 on 2 processes" in out
-    assert "step   2  loss" not in out and "step   4  loss" in out
+    assert "step 2/4  loss" not in out and "step 4/4  loss" in out
     assert "check against one process" in out and out.rstrip().endswith("OK")
     model = example("mlp", batch_size=4, hidden=64).model
     model.load_state_dict(torch.load(tmp_path / "model.pt"))  # strict

@@ -310,7 +310,8 @@ def test_cli_run_trains_and_checks(tmp_path: Path) -> None:
     out = proc.stdout
     # Megatron-style layers, so the check compares something sharded
     assert "mesh: tp=2" in out and "[tp=S(1)]" in out
-    assert "step   2  loss" in out and "samples/s" in out
+    assert "step 2/2  loss" in out and "samples/s" in out and "  MFU " in out
+    assert "summary (step 2):" in out and "not measured on CPU (predicted " in out
     assert "check against one process" in out and out.rstrip().endswith("OK")
 
 

@@ -1,4 +1,5 @@
-"""`autoplan show`: the pipeline schedule's timeline, the text summary and the picture."""
+"""`autoplan show`: the pipeline schedule's timeline, the text summary and the picture; where
+the time goes (``--top``); `autoplan diff`."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import pytest
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.cli.main import main
 from autoplan.errors import AutoplanError
+from autoplan.estimate import price_stages_ops
+from autoplan.graph.capture import capture_microbatches
+from autoplan.planfile.breakdown import Breakdown, breakdown, by_layer, top_lines, top_ops
+from autoplan.planfile.diff import Change, diff, diff_lines
 from autoplan.planfile.picture import render_png
 from autoplan.planfile.sections import Pipeline
-from autoplan.planfile.show import schedule_grid, summary
+from autoplan.planfile.show import fmt_time, schedule_grid, summary
 from autoplan.schedules import Event, simulate, stage_order
-from tests.conftest import example, plan_example
+from tests.conftest import ROOT, example, plan_example
 
 
 def _steps(events: tuple[Event, ...], stage: int) -> list[tuple[str, int, float, float]]:
@@ -170,3 +176,120 @@ def test_summary_counts_the_gradient_buckets(cpu4: autoplan.Cluster) -> None:
     plan = plan_example("mlp", cpu4, (4,), batch_size=65536, hidden=32)
     line = "  (12 gradients all-reduced in 1 bucket(s), up to 25.00 MiB each, the first 1.00 MiB)"
     assert line in summary(plan)
+
+
+@pytest.fixture(scope="module")
+def gpt_tp(cpu4: autoplan.Cluster) -> tuple[autoplan.Plan, Breakdown]:
+    """examples/gpt.py (tiny) on a 2 x 2 mesh, data parallel, and its price op by op."""
+    w = example("gpt", batch_size=64)
+    plan = w.plan(cpu4, options=PlanOptions(mesh_shape=(2, 2)))
+    graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    return plan, breakdown(plan, price_stages_ops(plan, graph_for, cpu4))
+
+
+def test_top_ops_add_up_to_the_plans_prediction(gpt_tp: tuple[autoplan.Plan, Breakdown]) -> None:
+    plan, b = gpt_tp
+    assert plan.pipeline is None and plan.collectives
+    assert b.compute_s == pytest.approx(plan.predicted.compute_s, rel=1e-9)
+    assert b.comm_s == pytest.approx(plan.predicted.comm_s, rel=1e-9)
+    assert b.memory_bytes == pytest.approx(plan.predicted.peak_memory_bytes, rel=1e-9)
+    # the layers' sums are the ops'
+    layers = by_layer(b)
+    assert sum(o.time_s for o in layers) == pytest.approx(sum(o.time_s for o in b.ops))
+    assert {o.layer for o in layers} >= {"blocks.0", "blocks.1", "head"}
+    top = top_ops(b, 5)
+    assert len(top) == 5
+    times = [o.time_s for o in top]
+    assert times == sorted(times, reverse=True)
+    assert times[0] == max(o.time_s for o in b.ops)
+    # an op's collectives are the plan's for that op
+    named = [o for o in b.ops if o.collectives]
+    assert named and all(o.comm_s > 0 for o in named)
+    assert {o.node for o in named} <= {c.node for c in plan.collectives}
+
+
+def test_top_ops_of_a_pipeline_add_up_per_microbatch(
+    pipelined: autoplan.Plan, cpu4: autoplan.Cluster
+) -> None:
+    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=32)
+    graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    b = breakdown(pipelined, price_stages_ops(pipelined, graph_for, cpu4))
+    assert b.per_microbatch and {o.stage for o in b.ops} == {0, 1}
+    assert b.compute_s == pytest.approx(pipelined.predicted.compute_s, rel=1e-9)
+    assert b.comm_s == pytest.approx(pipelined.predicted.comm_s, rel=1e-9)
+    # what stage 1 receives is its own row, not stage 0's op of that name
+    received = [o for o in b.ops if o.op == "received"]
+    assert received and all(o.stage == 1 for o in received)
+    assert top_lines(pipelined, b, 3)[0].startswith("where the time goes (per microbatch, all")
+
+
+def test_top_lines_rank_ops_and_show_the_totals(gpt_tp: tuple[autoplan.Plan, Breakdown]) -> None:
+    plan, b = gpt_tp
+    lines = top_lines(plan, b, 3)
+    assert lines[0].startswith("where the time goes (per step;")
+    assert lines[1].split()[:3] == ["op", "kind", "layer"]
+    assert lines[2].split()[0] == top_ops(b, 1)[0].node
+    assert lines[5] == ""
+    assert lines[6] == f"by layer (3 of {len(by_layer(b))}):"
+    sums = next(line for line in lines if line.startswith("sums: "))
+    assert sums == (
+        f"sums: compute {fmt_time(b.compute_s)}, communication {fmt_time(b.comm_s)}; "
+        f"plan predicts {fmt_time(plan.predicted.compute_s)}, {fmt_time(plan.predicted.comm_s)}"
+    )
+
+
+def test_cli_show_top_prices_the_plan_again(
+    gpt_tp: tuple[autoplan.Plan, Breakdown], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gpt.json"
+    gpt_tp[0].save(str(path))
+    cluster = str(ROOT / "costmodels/cpu-gloo-4.json")
+    workload = str(ROOT / "examples/gpt.py")
+    assert main(["show", str(path), "--top", "4"]) == 2  # no model to price it with
+    assert "add --workload FILE" in capsys.readouterr().err
+    top = ["--top", "4", "--workload", workload, "--set", "batch_size=64", "--cluster", cluster]
+    picture = tmp_path / "top.png"
+    assert main(["show", str(path), *top, "--png", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "where the time goes (per step;" in out and "by layer (4 of" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def mlp_meshes(cpu4: autoplan.Cluster) -> tuple[autoplan.Plan, autoplan.Plan]:
+    """examples/mlp.py planned on a (4,) mesh (data parallel) and a (2, 2) one (tensor
+    parallel on the second axis)."""
+    return (
+        plan_example("mlp", cpu4, (4,), batch_size=256, hidden=256),
+        plan_example("mlp", cpu4, (2, 2), batch_size=256, hidden=256),
+    )
+
+
+def test_diff_names_the_changed_placements_and_the_cost(
+    mlp_meshes: tuple[autoplan.Plan, autoplan.Plan],
+) -> None:
+    a, b = mlp_meshes
+    d = diff(a, b)
+    assert d.layout[0] == Change("mesh", "dp=4", "dp=2 x tp=2")
+    assert d.params[0] == Change("layers.0.weight", "[dp=R]", "[dp=R, tp=S(0)]")
+    assert len(d.params) == 12  # every weight and bias: split on tp
+    assert d.step_time_s == (a.predicted.step_time_s, b.predicted.step_time_s)
+    assert {(c.phase, c.kind) for c in d.collectives} >= {("forward", "all_reduce")}
+    lines = diff_lines(d, "a.json", "b.json")
+    assert lines[:2] == ["from a.json to b.json:", "  mesh             dp=4  ->  dp=2 x tp=2"]
+    x, y = d.step_time_s
+    step = next(line for line in lines if line.startswith("  step time"))
+    assert fmt_time(x) in step and fmt_time(y) in step and f"x{y / x:.2f}" in step
+
+
+def test_diff_of_a_plan_with_itself_is_empty(
+    mlp_meshes: tuple[autoplan.Plan, autoplan.Plan],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a = mlp_meshes[0]
+    assert diff(a, a).same
+    path = tmp_path / "a.json"
+    a.save(str(path))
+    assert main(["diff", str(path), str(path)]) == 0
+    assert capsys.readouterr().out.startswith(f"{path} and {path} make the same decisions")

@@ -1,4 +1,4 @@
-"""`autoplan profile|plan|show|estimate|run`: the command line, one module per subcommand.
+"""`autoplan profile|plan|show|diff|estimate|run`: the command line, one module per subcommand.
 The only module that configures logging: warnings only by default (``-v`` adds the planner's
 account of what it tried, ``-vv`` the solvers' own logs), and long work shows progress on
 stderr instead (`autoplan.cli.progress_line`)."""
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from autoplan.cli import (
+    diff_command,
     estimate_command,
     plan_command,
     profile_command,
@@ -32,7 +33,15 @@ def parser() -> argparse.ArgumentParser:
         help="log what the planner tries (-vv: and the ILP solver's own log)",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (plan_command, show_command, estimate_command, run_command, profile_command):
+    commands = (
+        plan_command,
+        show_command,
+        diff_command,
+        estimate_command,
+        run_command,
+        profile_command,
+    )
+    for command in commands:
         command.add_parser(sub)
     return p
 
@@ -55,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = {
             "plan": plan_command.run,
             "show": show_command.run,
+            "diff": diff_command.run,
             "estimate": estimate_command.run,
         }
         return commands[args.command](args)

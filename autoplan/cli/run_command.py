@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from autoplan.cli.arguments import (
     add_plan_options,
@@ -19,7 +19,7 @@ from autoplan.cli.arguments import (
     workload_options,
 )
 from autoplan.cli.launch import torchrun
-from autoplan.cli.progress_line import ProgressLine
+from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.graph.capture import capture_microbatches
@@ -27,7 +27,14 @@ from autoplan.options import TrainOptions
 from autoplan.parallel import check_given_plan, check_trainable
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
-from autoplan.training import Checkpointing, compare, one_process, train
+from autoplan.training import (
+    Checkpointing,
+    StepRecord,
+    compare,
+    one_process,
+    summarize,
+    train,
+)
 from autoplan.workload import load_workload
 
 
@@ -139,6 +146,31 @@ def _check(args: argparse.Namespace, cluster: Cluster) -> None:
         logging.disable(logging.NOTSET)
 
 
+def _shown(records: Iterable[StepRecord], line: StepLine) -> list[StepRecord]:
+    """``records`` as they come, each drawn on ``line``."""
+    done = []
+    try:
+        for r in records:
+            line(r)
+            done.append(r)
+    finally:
+        line.end()
+    return done
+
+
+def _peak_memory(cluster: Cluster) -> float | None:
+    """The largest rank's ``torch.cuda.max_memory_allocated`` on GPUs; None on CPU ranks,
+    where torch keeps no such count. Every rank calls it (a collective on GPUs)."""
+    if cluster.backend != "nccl":
+        return None
+    import torch
+    import torch.distributed as dist
+
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Outside torchrun: check what can be checked and start the ranks; on a rank: train."""
     if "RANK" not in os.environ:
@@ -173,15 +205,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         world = dist.get_world_size()
         steps = f"steps {start + 1}-{args.steps}" if start else f"{args.steps} steps"
         print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
-    losses = []
-    for r in records:
-        losses.append(r.loss)
-        if rank0:
-            print(
-                f"step {r.step:>3}  loss {r.loss:.6f}  {r.seconds * 1e3:8.1f} ms  "
-                f"{r.throughput:,.0f} {r.unit}",
-                flush=True,
-            )
+    done = list(records) if not rank0 else _shown(records, StepLine(args.steps, start))
+    losses = [r.loss for r in done]
+    peak = _peak_memory(cluster)
+    if rank0 and done:
+        assert step.plan is not None
+        print("\n".join(["", *summarize(done, step.plan, peak).lines()]), flush=True)
     code = 0
     if args.check:
         state = step.state_dict()  # gathers on every rank

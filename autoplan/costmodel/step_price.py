@@ -22,6 +22,29 @@ from autoplan.strategies.space import Strategy
 
 
 @dataclass(frozen=True)
+class OpPrice:
+    """One node's share of a step's price: what `autoplan show --top` ranks."""
+
+    node: str
+    compute_s: float  # forward + backward (a parameter: its optimizer update)
+    # the collectives it causes: its inputs' redistributions (forward, recomputed forward),
+    # their gradients' (backward) and its own (`Pricer.internal`); not the buckets'
+    comm_s: float
+    memory_bytes: float  # an op: its output kept for backward; a parameter: with grad, state
+
+
+@dataclass(frozen=True)
+class StepRest:
+    """What a step's price holds beyond its ops' (`OpPrice`): the ops' shares and these sum
+    to `PricedStep`'s compute, communication and memory."""
+
+    host_s: float = 0.0  # compute: the host issuing ops past the device's compute (GPUs)
+    waits_s: float = 0.0  # communication: the waits for the ranks' skew (`Pricer.sync_s`)
+    gradients_s: float = 0.0  # communication: the gradient buckets and syncs, once per step
+    transient_bytes: float = 0.0  # memory: the largest recomputed layer's, in its backward
+
+
+@dataclass(frozen=True)
 class PricedStep:
     """Costs recomputed node by node and edge by edge from an assignment (no grouping)."""
 
@@ -32,6 +55,8 @@ class PricedStep:
     # of memory_bytes, what the largest recomputed layer holds while its backward runs: once
     # per stage, however many microbatches are in flight
     recompute_bytes: float = 0.0
+    ops: tuple[OpPrice, ...] = ()  # by node, in graph order
+    rest: StepRest = StepRest()
 
     @property
     def time_s(self) -> float:
@@ -62,19 +87,25 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     to need them are issued again in backward (phase "recompute")."""
     compute = memory = comm = host = 0.0
     recompute = pricer.recompute
+    # by node: [compute, communication, memory]
+    shares: dict[str, list[float]] = {n.name: [0.0, 0.0, 0.0] for n in graph}
     dropped: dict[int, float] = defaultdict(float)  # by recomputed layer
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
     needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
     for node in graph:
         s = assignment[node.name]
-        compute += pricer.node_time(node, s)
+        share = shares[node.name]
+        share[0] = pricer.node_time(node, s)
+        compute += share[0]
         host += pricer.host_time(node)
         if recompute.drops(node.name):
             dropped[recompute.layer_of[node.name]] += pricer.activation_memory(node, s)
         else:
-            memory += pricer.node_memory(node, s)
-        comm += pricer.internal_time(node, s)
+            share[2] = pricer.node_memory(node, s)
+            memory += share[2]
+        share[1] = pricer.internal_time(node, s)
+        comm += share[1]
         found += [(node.name, node.name, p) for p in pricer.internal(node, s)]
         for i, ref in enumerate(node.refs):
             grad = None
@@ -92,11 +123,13 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
         seconds, fwd = pricer.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
+        shares[user][1] += seconds
         found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
         if fwd:
             waits.add(("forward", user))
             if recompute.recomputes(user):
                 comm += seconds
+                shares[user][1] += seconds
                 found += [(user, name, Phased(c, Phase.RECOMPUTE)) for c in fwd]
                 waits.add(("recompute", user))
         if grad is None:
@@ -106,6 +139,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
             syncs[name].append((user, GradientSync(name, tensor.dtype, bwd)))
             continue
         comm += seconds
+        shares[user][1] += seconds
         found += [(user, name, Phased(c, Phase.BACKWARD)) for c in bwd]
         if bwd:
             waits.add(("backward", name))
@@ -122,8 +156,13 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
         phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
-    comm += pricer.gradients_s([p for _, _, p in gradients])
+    synced = pricer.gradients_s([p for _, _, p in gradients])
+    comm += synced
     found += gradients
     comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
-    return PricedStep(max(compute, host), comm, memory + transient, tuple(found), transient)
+    ops = tuple(OpPrice(name, *share) for name, share in shares.items())
+    rest = StepRest(max(0.0, host - compute), len(waits) * pricer.sync_s, synced, transient)
+    return PricedStep(
+        max(compute, host), comm, memory + transient, tuple(found), transient, ops, rest
+    )

@@ -1,5 +1,7 @@
 """A pipelined plan as a picture: which ranks hold which layers, and the schedule as a Gantt
-chart of forward and backward boxes per microbatch, to scale in the stages' predicted times.
+chart of forward and backward boxes per microbatch, to scale in the stages' predicted times;
+and where a plan's time goes (`autoplan.planfile.breakdown`) as bars of compute and
+communication, op by op and layer by layer.
 
 matplotlib is imported when a picture is drawn, so that `import autoplan` stays fast, and
 only its object API is used (no pyplot), so no backend or global state is touched.
@@ -11,6 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autoplan.errors import AutoplanError
+from autoplan.planfile.breakdown import Breakdown, OpCost, by_layer, top_ops
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Pipeline
 from autoplan.planfile.show import GIB, fmt_ranks, fmt_time, stage_layers
@@ -142,3 +145,37 @@ def _draw_schedule(ax: Axes, plan: Plan, pipeline: Pipeline) -> None:
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
     )
+
+
+def render_top_png(plan: Plan, b: Breakdown, n: int, path: str | os.PathLike[str]) -> None:
+    """Write a PNG of the ``n`` ops and layers of ``plan`` that take most time (`top_ops`,
+    `by_layer`), each a bar of its compute and its communication, to ``path``."""
+    from matplotlib.figure import Figure
+
+    ops, layers = top_ops(b, n), by_layer(b)[:n]
+    rows = max(len(ops), len(layers))
+    fig = Figure(figsize=(13, 1.5 + 0.32 * rows), layout="constrained")
+    ops_ax, layers_ax = fig.subplots(1, 2)
+    per = "per microbatch, all stages" if b.per_microbatch else "per step"
+    fig.suptitle(
+        f"where the time goes ({per}): compute {fmt_time(b.compute_s)}, communication "
+        f"{fmt_time(b.comm_s)}; predicted step {fmt_time(plan.predicted.step_time_s)}"
+    )
+    _draw_bars(ops_ax, ops, [f"{o.node} ({o.layer})" for o in ops], f"top {len(ops)} ops")
+    _draw_bars(layers_ax, layers, [o.layer for o in layers], f"top {len(layers)} layers")
+    fig.legend(*ops_ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=8)
+    fig.savefig(os.fspath(path), format="png", dpi=120)
+
+
+def _draw_bars(ax: Axes, costs: list[OpCost], labels: list[str], title: str) -> None:
+    """A row per cost, most first: its compute, then its communication, in ms."""
+    rows = range(len(costs))
+    compute = [o.compute_s * 1e3 for o in costs]
+    ax.barh(rows, compute, color="tab:blue", label="compute (forward + backward)")
+    comm = [o.comm_s * 1e3 for o in costs]
+    ax.barh(rows, comm, left=compute, color="tab:orange", label="communication")
+    ax.set_yticks(rows, labels, fontsize=8)
+    ax.set_ylim(len(costs) - 0.5, -0.5)  # the costliest on top
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.grid(axis="x", alpha=0.3)

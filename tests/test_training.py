@@ -1,0 +1,87 @@
+"""`autoplan run`'s account of training: a line per step (loss, time, throughput, MFU) and a
+summary against the plan's predictions, from plain `StepRecord` lists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autoplan
+from autoplan.cli.progress_line import StepLine
+from autoplan.planfile.sections import Predicted
+from autoplan.training import StepRecord, compute_dtype, mfu, summarize
+from tests.conftest import example, plan_example
+
+
+@pytest.fixture(scope="module")
+def plan(cpu4: autoplan.Cluster) -> autoplan.Plan:
+    """A plan predicting 10 ms and 3 MiB per device."""
+    planned = plan_example("mlp", cpu4, (4,), batch_size=8, hidden=16)
+    predicted = Predicted(0.010, 0.008, 0.002, 3 * 2**20, 2**30)
+    return dataclasses.replace(planned, predicted=predicted)
+
+
+def _records(seconds: list[float]) -> list[StepRecord]:
+    return [
+        StepRecord(i + 1, 2.0 - 0.1 * i, s, 1000 / s, "tokens/s", 0.2 * 0.012 / s)
+        for i, s in enumerate(seconds)
+    ]
+
+
+def test_step_line_has_loss_time_throughput_and_mfu() -> None:
+    r = _records([0.012])[0]
+    assert r.line(5) == "step 1/5  loss 2.000000      12.0 ms  83,333 tokens/s  MFU 20.00%"
+    assert dataclasses.replace(r, step=3, mfu=None).line(12).endswith("tokens/s")
+
+
+def test_summary_is_the_median_after_the_first_step(plan: autoplan.Plan) -> None:
+    # the first step (builds caches) is left out; the median of 12, 16 and 14 ms is 14 ms
+    s = summarize(_records([0.5, 0.012, 0.016, 0.014]), plan, None)
+    assert s.steps == (2, 3, 4) and s.step_s == pytest.approx(0.014)
+    assert s.throughput == pytest.approx(1000 / 0.014)
+    assert s.mfu == pytest.approx(0.2 * 0.012 / 0.014)
+    assert s.lines() == [
+        "summary (median of steps 2-4):",
+        "  step time    measured 14.000 ms, predicted 10.000 ms: x1.40 of predicted",
+        "  throughput   71,429 tokens/s, MFU 17.14%",
+        "  peak memory  not measured on CPU (predicted 3.00 MiB per device)",
+    ]
+
+
+def test_summary_of_one_step_with_measured_memory(plan: autoplan.Plan) -> None:
+    s = summarize(_records([0.020]), plan, 6 * 2**20)
+    assert s.lines()[0] == "summary (step 1):"
+    assert s.lines()[1].endswith("x2.00 of predicted")
+    assert s.lines()[3] == (
+        "  peak memory  measured 6.00 MiB (torch.cuda.max_memory_allocated, the largest rank), "
+        "predicted 3.00 MiB: x2.00 of predicted"
+    )
+
+
+def test_mfu_is_flops_over_the_clusters_peak(cpu4: autoplan.Cluster) -> None:
+    peak = cpu4.peak_flops("float32") * cpu4.num_devices
+    assert mfu(peak / 2, 1.0, cpu4, "float32") == pytest.approx(0.5)
+    model = example("mlp", batch_size=2, hidden=4).model
+    assert compute_dtype(model, None) == "float32"
+    assert compute_dtype(model, "bf16") == "bfloat16"
+
+
+def test_step_line_prints_plain_lines_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    line = StepLine(2)
+    for r in _records([0.012, 0.010]):
+        line(r)
+    line.end()
+    assert capsys.readouterr().out.splitlines() == [r.line(2) for r in _records([0.012, 0.010])]
+
+
+def test_step_line_redraws_one_line_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    line = StepLine(4)
+    line.redraw = True  # as on a terminal
+    for r in _records([0.012, 0.010]):
+        line(r)
+    line.end()
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.endswith("\n")
+    assert out.startswith("\r[#####...............] step 1/4")
+    assert f"\r[##########..........] {_records([0.012, 0.010])[1].line(4)}\x1b[K\n" in out
