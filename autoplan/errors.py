@@ -33,3 +33,12 @@ class SolverTimeLimitError(AutoplanError):
 
 class PlanFormatError(AutoplanError):
     """A plan document is malformed, of the wrong version, or made for another model or cluster."""
+
+
+class BatchSplitError(AutoplanError):
+    """A batch does not split into the number of equal microbatches asked for."""
+
+
+class CheckpointError(AutoplanError):
+    """A checkpoint folder cannot be written, or a checkpoint is missing, damaged or another
+    model's."""
