@@ -22,7 +22,7 @@ import autoplan
 from autoplan.cli.main import main
 from autoplan.errors import AutoplanError, CheckpointError
 from autoplan.execute import checkpoint
-from autoplan.execute.checkpoint import checkpoint_path, check_writable, latest
+from autoplan.execute.checkpoint import check_writable, checkpoint_path, latest
 from autoplan.execute.manifest import MANIFEST, damage, write_manifest
 from autoplan.training import Checkpointing
 from tests.conftest import ROOT, example
