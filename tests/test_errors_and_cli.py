@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import autoplan
 from autoplan import PlanOptions
 from autoplan.cli import failure
 from autoplan.cli.launch import _Stderr
 from autoplan.cli.main import main
-from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
+from autoplan.errors import (
+    AutoplanError,
+    ClusterFormatError,
+    InfeasiblePlanError,
+    MeshShapeError,
+    TraceError,
+)
 from tests.conftest import ROOT, example
 
 
@@ -263,3 +273,39 @@ def test_autoplan_run_reports_a_failure_after_the_start_once(tmp_path: Path) -> 
     ), proc.stderr
     assert len(lines) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _LossAndLogits(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y.pow(2).mean(), y
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_parallelize_refuses_before_it_builds(cpu4: autoplan.Cluster) -> None:
+    """The checks of `autoplan run` are `parallelize`'s too, on the ranks."""
+    one = dataclasses.replace(cpu4, devices_per_node=1, name="cpu-gloo-1")
+    w = example("mlp", batch_size=4, hidden=16)
+    with pytest.raises(MeshShapeError, match=r"has 4 devices but this job has 1 processes"):
+        w.parallelize(cpu4)
+    with pytest.raises(TraceError, match=r"_LossAndLogits returns a tuple of 2 .*loss_fn"):
+        autoplan.parallelize(_LossAndLogits(), one, example_inputs=torch.randn(4, 4))
+    plan = w.plan(one)
+    tight = PlanOptions(memory_fraction=1e-6)  # 4 KiB of 4 GiB
+    with pytest.raises(
+        InfeasiblePlanError,
+        match=r"the plan does not fit: .* offers 4\.19 KiB \(0\.0001% of 4\.00 GiB\)",
+    ):
+        w.parallelize(one, plan=plan, options=tight)
