@@ -229,6 +229,9 @@ def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None
     assert code == 1 and "\n" not in text
     assert text.startswith("autoplan: error: the job failed without an error from any rank: ")
     assert "local rank 1 was ended by SIGKILL" in text and "ChildFailedError" not in text
+    stalled = "E1127 api.py:882] failed (exitcode: 124) local_rank: 0 (pid: 7) of binary: x\n"
+    text, _ = failure.summary(tmp_path, 1, stalled, verbose=False)
+    assert "local rank 0 was ended by the watchdog (exit code 124; its message is above)" in text
 
 
 def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.errors import AutoplanError
-from autoplan.execute.watchdog import activity
+from autoplan.execute.watchdog import EXIT_CODE, activity
 
 ERRORS_ENV = "AUTOPLAN_ERRORS"  # the folder ranks write their errors to
 _EXIT = re.compile(r"exitcode\s*:\s*(-?\d+).*?local_rank\s*:\s*(\d+)")
@@ -36,8 +36,10 @@ class RankError:
     traceback: str
 
 
-def phase() -> str:
-    """Where this rank is, from the watchdog's record of the step."""
+def phase(command: str = "run") -> str:
+    """Where this rank is in ``command``, from the watchdog's record of the step."""
+    if command == "profile":
+        return "while measuring the cluster"
     step, doing = activity()
     if step == 0:
         return "before the first step (tracing, planning, building the step or resuming)"
@@ -46,7 +48,7 @@ def phase() -> str:
     return f"after step {step} (saving its checkpoint, or checking the run)"
 
 
-def record(rank: int, error: BaseException) -> bool:
+def record(rank: int, error: BaseException, command: str = "run") -> bool:
     """Write ``error`` for `autoplan run` to report; False where no `autoplan run` asked
     (torchrun started by hand: the rank prints it itself)."""
     folder = os.environ.get(ERRORS_ENV)
@@ -54,7 +56,7 @@ def record(rank: int, error: BaseException) -> bool:
         return False
     found = RankError(
         rank,
-        phase(),
+        phase(command),
         type(error).__name__,
         str(error),
         isinstance(error, AutoplanError),
@@ -92,6 +94,8 @@ def _exit_codes(report: str) -> str:
                 how = f"was ended by {signal.Signals(-number).name}"
             except ValueError:
                 how = f"was ended by signal {-number}"
+        elif number == EXIT_CODE:
+            how = f"was ended by the watchdog (exit code {number}; its message is above)"
         else:
             how = f"exited with code {number}"
         seen.setdefault(int(rank), how)
