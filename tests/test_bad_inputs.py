@@ -220,7 +220,7 @@ CASES = [
         r"mesh\.shape is \[4\]: 4 devices, but cluster 'cpu-gloo-4' has 8",
     ),
     Bad(
-        "plan-does-not-fit-run",  # 90% of 4 GiB was 1e-4 of it: under 1 MiB
+        "plan-does-not-fit-run",  # 0.01% of 4 GiB: under 1 MiB
         lambda d: run("--plan", str(d / "gpt.json"), "--memory-fraction", "0.0001"),
         r"the plan does not fit: it needs \d+\.\d\d MiB per device \(predicted\), but a device "
         r"of cluster 'cpu-gloo-4' offers 419\.43 KiB \(0\.01% of 4\.00 GiB\); plan again",

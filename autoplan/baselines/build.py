@@ -401,7 +401,7 @@ def baseline_of_graph(
             raise InfeasiblePlanError(
                 f"the baseline {degrees} zero_stage={layout.zero_stage} needs "
                 f"{fmt_bytes(need)} per device, but a device of cluster {cluster.name!r} "
-                f"offers {fmt_bytes(limit)} ({memory_fraction:.0%} of "
+                f"offers {fmt_bytes(limit)} ({memory_fraction * 100:g}% of "
                 f"{fmt_bytes(cluster.device.memory_bytes)})"
             )
 
