@@ -37,6 +37,7 @@ from autoplan.search.pipeline_search import (
 )
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
+from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def _no_plan(
     None where no mesh was found too large; pipelines were searched if ``weighed``)."""
     if single is None:
         infeasible = InfeasiblePlanError(
-            f"no pipeline fits in {memory_limit / GiB:.2f} GiB per device on cluster "
+            f"no pipeline fits in {fmt_bytes(memory_limit)} per device on cluster "
             f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
             "lighter optimizer"
         )
@@ -351,7 +352,7 @@ def _plan_one_stage(
             found = found.step.memory_bytes
         if not isinstance(found, MeshPlan):
             needs[m] = found
-            log.info("mesh %s: needs at least %.2f GiB per device, skipped", m, found / GiB)
+            log.info("mesh %s: needs at least %s per device, skipped", m, fmt_bytes(found))
             continue
         solution = found.result.solution
         if solution.status != "optimal":
@@ -403,12 +404,12 @@ def _infeasible(
     }.get(RecomputeMode(recompute), "")
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == NodeKind.PARAM)
     # just over the limit: the ILP choosing recomputation found no plan (`solve_mesh`)
-    amount = f"{need / GiB:.2f} GiB" if need > limit * 1.001 else "more than it has"
+    amount = fmt_bytes(need) if need > limit * 1.001 else "more than it has"
     return InfeasiblePlanError(
         f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "
-        f"device needs {amount} (parameters alone are {param_bytes / GiB:.2f} GiB "
+        f"device needs {amount} (parameters alone are {fmt_bytes(param_bytes)} "
         f"unsharded, plus gradients, optimizer state and activations), but a device of cluster "
-        f"{cluster.name!r} offers {limit / GiB:.2f} GiB ({fraction:.0%} of "
-        f"{cluster.device.memory_bytes / GiB:.0f} GiB). Use more devices (--nodes), a smaller "
+        f"{cluster.name!r} offers {fmt_bytes(limit)} ({fraction * 100:g}% of "
+        f"{fmt_bytes(cluster.device.memory_bytes)}). Use more devices (--nodes), a smaller "
         f"batch, lower-precision parameters{hint}, or a lighter optimizer."
     )

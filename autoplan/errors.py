@@ -37,3 +37,12 @@ class PlanFormatError(AutoplanError):
 
 class UsageError(AutoplanError):
     """A command was given an option without another one it needs."""
+
+
+class BatchSplitError(AutoplanError):
+    """A batch does not split into the number of equal microbatches asked for."""
+
+
+class CheckpointError(AutoplanError):
+    """A checkpoint folder cannot be written, or a checkpoint is missing, damaged or another
+    model's."""

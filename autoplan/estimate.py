@@ -19,6 +19,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import price_pipeline
 from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import PricedStep, price_step
+from autoplan.errors import BatchSplitError, PlanFormatError
 from autoplan.graph.capture import capture_microbatches
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
@@ -97,7 +98,13 @@ def derive(
     if not isinstance(plan, Plan):
         plan = Plan.from_json(str(plan))
     count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    graph = graph_for(count)
+    try:
+        graph = graph_for(count)
+    except BatchSplitError as e:
+        raise PlanFormatError(
+            f"pipeline.num_microbatches is {count}, but {e}; edit the plan's "
+            "pipeline.num_microbatches, or plan again"
+        ) from None
     checked = check_plan(plan, graph, cluster)
     limit = cluster.device.memory_bytes * memory_fraction
     recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))

@@ -17,7 +17,12 @@ from torch.export import ExportedProgram
 
 from autoplan.api import plan_graph
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError, PlanFormatError
+from autoplan.errors import (
+    AutoplanError,
+    InfeasiblePlanError,
+    MeshShapeError,
+    PlanFormatError,
+)
 from autoplan.estimate import derive
 from autoplan.execute import checkpoint
 from autoplan.execute.checkpoint import Restored
@@ -27,12 +32,14 @@ from autoplan.execute.step import ParallelModule
 from autoplan.execute.watchdog import note, watched
 from autoplan.graph.capture import export_step, keywords, microbatch
 from autoplan.graph.convert import graph_from_export
+from autoplan.graph.diagnose import refuse_non_loss
 from autoplan.graph.ir import Graph
 from autoplan.options import PlanOptions, TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.precision import LossScaler
 from autoplan.search.pipeline_search import GraphForMicrobatches
 from autoplan.torch_private import wait_collective
+from autoplan.units import fmt_bytes
 from autoplan.version import torch_release
 
 log = logging.getLogger(__name__)
@@ -176,12 +183,14 @@ class Step:
     def build(self, example_inputs: Any, example_target: Any) -> None:
         """Trace, plan (or check the given plan) and build what the step runs with."""
         init_distributed(self.cluster)
+        check_world(self.cluster, dist.get_world_size())
         self._keywords = keywords(example_inputs)
         given = self._given_plan
         if given is not None and not isinstance(given, Plan):
             given = Plan.from_json(str(given))
         precision = given.mixed_precision if given is not None else self.options.mixed_precision
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
+        refuse_non_loss(ep, self._model, self._loss_fn is not None)  # a step trains a loss
         graph = graph_from_export(ep, precision)
         self.flops = sum(n.flops + n.bwd_flops for n in graph)
 
@@ -365,7 +374,33 @@ def check_given_plan(
         memory_fraction=options.memory_fraction,
     )
     _check_cluster(given, cluster)
+    _check_fits(derived, cluster, options.memory_fraction)
     return derived
+
+
+def _check_fits(plan: Plan, cluster: Cluster, memory_fraction: float) -> None:
+    """Refuse a plan predicted to need more memory per device than the limit (as `autoplan
+    estimate` warns), before anything is built or trained."""
+    need, limit = plan.predicted.peak_memory_bytes, plan.predicted.memory_limit_bytes
+    if need > limit:
+        raise InfeasiblePlanError(
+            f"the plan does not fit: it needs {fmt_bytes(need)} per device (predicted), but a "
+            f"device of cluster {cluster.name!r} offers {fmt_bytes(limit)} "
+            f"({memory_fraction * 100:g}% of {fmt_bytes(cluster.device.memory_bytes)}); plan again "
+            "(autoplan plan), edit the plan to shard or recompute more, or raise "
+            "--memory-fraction (PlanOptions.memory_fraction)"
+        )
+
+
+def check_world(cluster: Cluster, world: int) -> None:
+    """The job's processes are the cluster's devices (every rank checks it before tracing, so
+    that all raise the same error, and nothing is planned for devices the job lacks)."""
+    if cluster.num_devices != world:
+        raise MeshShapeError(
+            f"cluster {cluster.name!r} has {cluster.num_devices} devices but this job has "
+            f"{world} processes; start {cluster.num_devices} (--nproc {cluster.num_devices}, "
+            f"torchrun --nproc-per-node {cluster.num_devices}) or give a cluster of {world}"
+        )
 
 
 def check_trainable(model: nn.Module) -> None:

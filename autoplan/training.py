@@ -15,11 +15,12 @@ import torch.distributed as dist
 
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
+from autoplan.execute import checkpoint
 from autoplan.execute.step import make_optimizer
 from autoplan.execute.watchdog import watched
 from autoplan.graph.capture import as_tuple
 from autoplan.options import PlanOptions, TrainOptions
-from autoplan.parallel import Step
+from autoplan.parallel import Step, init_distributed
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import fmt_bytes, fmt_time
 from autoplan.precision import COMPUTE_DTYPES, autocast
@@ -173,6 +174,9 @@ def train(
     resume it from the newest checkpoint if asked, and return it with a generator that trains
     it on the example batch up to ``steps`` steps in all, saving checkpoints as asked."""
     ckpt = checkpointing or Checkpointing()
+    if ckpt.directory is not None:  # before planning: found now, not at the first save
+        init_distributed(cluster)
+        checkpoint.check_writable(ckpt.directory)
     step = w.parallelize(cluster, plan=plan, options=options, train=train_options)
     if ckpt.resume:
         assert ckpt.directory is not None

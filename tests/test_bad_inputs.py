@@ -10,16 +10,21 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 import autoplan
 from autoplan.cli import profile_command, run_command
 from autoplan.cli.main import main
+from autoplan.execute.checkpoint import checkpoint_path
+from autoplan.execute.manifest import write_manifest
 from tests.conftest import ROOT, example
 
 GPT = str(ROOT / "examples/gpt.py")
@@ -34,6 +39,13 @@ def d(tmp_path_factory: pytest.TempPathFactory, cpu4: autoplan.Cluster) -> Path:
     model replicated, without collectives to edit) and the 6-wide MLP's (mlp6.json)."""
     folder = tmp_path_factory.mktemp("bad")
     example("gpt").baseline(cpu4, dp=4, tp=1).save(str(folder / "gpt.json"))
+    example("gpt").baseline(cpu4, dp=2, tp=1, pp=2).save(str(folder / "gpt-pp.json"))
+    damaged = checkpoint_path(folder / "damaged", 1)  # a checkpoint whose .metadata was cut
+    with warnings.catch_warnings(action="ignore"):  # DCP saving without a process group
+        dcp.save({"x": torch.zeros(4)}, storage_writer=dcp.FileSystemWriter(damaged))
+    (damaged / "progress.json").write_text('{"step": 1, "rng": {}, "extra": null}')
+    write_manifest(damaged)
+    (damaged / ".metadata").write_bytes((damaged / ".metadata").read_bytes()[:20])
     mlp = example("mlp", hidden=6, batch_size=8)
     mlp.plan(cpu4, autoplan.PlanOptions(mesh_shape=(4,))).save(str(folder / "mlp6.json"))
     return folder
@@ -100,6 +112,29 @@ from examples.gpt import workload as gpt
 def workload():
     w = gpt()
     return Workload(w.model, (w.example_inputs[0].float(),), w.loss_fn, w.example_target)
+"""
+INT_INPUTS = """from autoplan import Workload
+from examples.mlp import workload as mlp
+
+def workload():
+    w = mlp()
+    return Workload(w.model, (w.example_inputs[0].long(),), w.loss_fn, w.example_target)
+"""
+TUPLE_OUT = """import torch
+from torch import nn
+import autoplan
+
+class LossAndLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.pow(2).mean(), y
+
+def workload():
+    return autoplan.Workload(LossAndLogits(), (torch.randn(4, 4),))
 """
 NOT_A_MODULE = """import torch
 import autoplan
@@ -185,6 +220,34 @@ CASES = [
         r"mesh\.shape is \[4\]: 4 devices, but cluster 'cpu-gloo-4' has 8",
     ),
     Bad(
+        "plan-does-not-fit-run",  # 0.01% of 4 GiB: under 1 MiB
+        lambda d: run("--plan", str(d / "gpt.json"), "--memory-fraction", "0.0001"),
+        r"the plan does not fit: it needs \d+\.\d\d MiB per device \(predicted\), but a device "
+        r"of cluster 'cpu-gloo-4' offers 419\.43 KiB \(0\.01% of 4\.00 GiB\); plan again",
+    ),
+    Bad(
+        "microbatches-do-not-divide-estimate",
+        lambda d: estimate(
+            edited(d, "gpt-pp.json", lambda p: p["pipeline"].update(num_microbatches=10**9))
+        ),
+        r"pipeline\.num_microbatches is 1000000000, but a batch of 8 \(dim 0 of int64\[8, 16\]\) "
+        r"does not split into 1000000000 equal microbatches",
+    ),
+    Bad(
+        "microbatches-do-not-divide-run",
+        lambda d: run(
+            "--plan",
+            edited(d, "gpt-pp.json", lambda p: p["pipeline"].update(num_microbatches=3)),
+        ),
+        r"pipeline\.num_microbatches is 3, but a batch of 8 .*use a number of microbatches that "
+        r"divides 8",
+    ),
+    Bad(
+        "mesh-vs-nproc-planning-run",
+        lambda d: run("--mesh", "4", "--nproc", "2", workload=MLP),
+        r"mesh shape \(4,\) has 4 devices but cluster 'cpu-gloo-4-2' has 2",
+    ),
+    Bad(
         "mesh-vs-nproc-run",
         lambda d: run("--plan", str(d / "gpt.json"), "--nproc", "2"),
         r"4 devices, but cluster 'cpu-gloo-4-2' has 2; .*--nproc 4",
@@ -236,6 +299,21 @@ CASES = [
         "no-plan-file",
         lambda d: show(str(d / "none.json")),
         r"plan file .*none\.json does not exist",
+    ),
+    # ---- checkpoints (autoplan run, before any process starts)
+    Bad(
+        "checkpoint-folder-unwritable",
+        lambda d: run(
+            "--checkpoint-dir", str(Path(written(d, "a-file", "")) / "ckpt"), workload=MLP
+        ),
+        r"checkpoint folder .*a-file/ckpt cannot be written \(NotADirectoryError: Not a "
+        r"directory\); give another --checkpoint-dir",
+    ),
+    Bad(
+        "resume-from-damaged",
+        lambda d: run("--checkpoint-dir", str(d / "damaged"), "--resume", workload=MLP),
+        r"every checkpoint in .*damaged is damaged \(step-00000001: \.metadata is 20 bytes, but "
+        r"was written with \d+\)",
     ),
     # ---- cluster files
     Bad(
@@ -297,6 +375,24 @@ CASES = [
         "no-parameters",
         lambda d: run(workload=written(d, "noparams.py", NO_PARAMS)),
         r"Doubling has no trainable parameters",
+    ),
+    Bad(
+        "int-inputs-to-float-model-run",  # fake tensors let it through; eager would not
+        lambda d: run(workload=written(d, "intinputs.py", INT_INPUTS)),
+        r"could not trace MLP .*: layers\.0 \(aten\.linear\.default\) computes on tensors of "
+        r"one dtype, got int64\[64, 32\], float32\[32, 32\], float32\[32\]\. It was called "
+        r"on the example inputs \(then the target\): int64\[64, 32\], float32\[64, 32\]",
+    ),
+    Bad(
+        "tuple-without-loss-run",
+        lambda d: run(workload=written(d, "tuple.py", TUPLE_OUT)),
+        r"LossAndLogits returns a tuple of 2 float32\[\], float32\[4, 4\], not a loss \(one float "
+        r"tensor of one element\).* pass a loss_fn",
+    ),
+    Bad(
+        "untraceable-run",
+        lambda d: run(workload=written(d, "floatids2.py", FLOAT_IDS)),
+        r"could not trace GPT at .*gpt\.py:\d+ .*Long, Int",
     ),
     Bad(
         "float-token-ids",  # a dtype the model cannot take: no advice about control flow

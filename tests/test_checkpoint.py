@@ -3,23 +3,39 @@ plan and exporting. (Resuming under every kind of plan is tests/test_distributed
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+import autoplan
 from autoplan.cli.main import main
-from autoplan.errors import AutoplanError
-from autoplan.execute.checkpoint import checkpoint_path, latest
+from autoplan.errors import AutoplanError, CheckpointError
+from autoplan.execute import checkpoint
+from autoplan.execute.checkpoint import check_writable, checkpoint_path, latest
+from autoplan.execute.manifest import MANIFEST, damage, write_manifest
 from autoplan.training import Checkpointing
 from tests.conftest import ROOT, example
 
+# DCP saving the small checkpoints below without a process group says so
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def _complete(path: Path) -> Path:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
+    """A small checkpoint as a save leaves it: DCP's files, progress.json and the manifest."""
+    dcp.save({"x": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(path))
+    (path / "progress.json").write_text(json.dumps({"step": 1, "rng": {}, "extra": None}))
+    write_manifest(path)
     return path
 
 
@@ -110,3 +126,129 @@ def test_run_saves_then_resumes_under_another_plan(tmp_path: Path) -> None:
         "step-00000002",
         "step-00000004",
     ]
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _shard(path: Path) -> Path:
+    return next(path.glob("*.distcp"))
+
+
+@pytest.mark.parametrize(
+    ("harm", "said"),
+    [
+        (lambda p: _truncate(p / ".metadata"), r"\.metadata is \d+ bytes, but was written with"),
+        (lambda p: _flip_a_byte(_shard(p)), r"__0_0\.distcp does not have the checksum"),
+        (lambda p: _truncate(p / "progress.json"), r"progress\.json is \d+ bytes"),
+        (lambda p: _shard(p).unlink(), r"__0_0\.distcp is missing"),
+        (lambda p: (p / MANIFEST).write_text("{"), r"manifest\.json cannot be read"),
+    ],
+    ids=["metadata-truncated", "shard-flipped", "progress-truncated", "shard-gone", "manifest"],
+)
+def test_a_damaged_newest_checkpoint_is_reported_and_skipped(
+    tmp_path: Path, harm: object, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    intact = _complete(checkpoint_path(tmp_path, 2))
+    newest = _complete(checkpoint_path(tmp_path, 4))
+    assert damage(newest) is None and latest(tmp_path) == newest
+    harm(newest)  # type: ignore[operator]
+    with caplog.at_level(logging.WARNING, "autoplan.execute.checkpoint"):
+        assert latest(tmp_path) == intact
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"checkpoint {newest} is damaged (") and "skipped" in warning
+    assert re.search(said, warning), warning
+    assert newest.is_dir()  # reported, not deleted
+    with pytest.raises(CheckpointError, match=f"checkpoint {newest} is damaged: .*earlier"):
+        latest(newest)  # a damaged checkpoint named itself is refused
+    harm(intact)  # type: ignore[operator]
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged \(step-0000"):
+        latest(tmp_path)
+
+
+def test_a_checkpoint_without_manifest_is_still_checked(tmp_path: Path) -> None:
+    """Saved before manifests: a truncated .metadata or progress.json is found all the same."""
+    older = _complete(checkpoint_path(tmp_path, 1))
+    old = _complete(checkpoint_path(tmp_path, 2))
+    for path in (older, old):
+        (path / MANIFEST).unlink()
+    assert latest(tmp_path) == old
+    _truncate(old / ".metadata")
+    assert "UnpicklingError" in str(damage(old)) or "Error" in str(damage(old))
+    assert latest(tmp_path) == older
+    (older / "progress.json").write_text('{"step": ')
+    assert re.search(r"progress\.json cannot be read \(JSONDecodeError", str(damage(older)))
+
+
+def test_an_unwritable_checkpoint_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*a-file/ckpt cannot be "):
+        check_writable(tmp_path / "a-file" / "ckpt")
+    check_writable(tmp_path / "new" / "ckpt")  # made
+    assert (tmp_path / "new" / "ckpt").is_dir() and not list((tmp_path / "new/ckpt").iterdir())
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_rank_step(cpu4: autoplan.Cluster) -> tuple[autoplan.Step, object]:
+    one = dataclasses.replace(cpu4, devices_per_node=1, name="cpu-gloo-1")
+    w = example("mlp", batch_size=4, hidden=16)
+    return w.parallelize(one), w
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_resume_falls_back_to_the_newest_intact_checkpoint(
+    tmp_path: Path, cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saves verified and listed in a manifest; a damaged newest one is skipped on load; a
+    save that fails its check removes nothing (keep=1)."""
+    step, w = _one_rank_step(cpu4)
+    for _ in range(2):
+        step(w.example_inputs, w.example_target)  # type: ignore[attr-defined]
+        step.save(tmp_path, keep=2)
+    first, second = checkpoint_path(tmp_path, 1), checkpoint_path(tmp_path, 2)
+    assert (second / MANIFEST).is_file() and damage(second) is None
+    _flip_a_byte(_shard(second))
+    again, _ = _one_rank_step(cpu4)
+    with caplog.at_level(logging.WARNING, "autoplan.execute.checkpoint"):
+        restored = again.load(tmp_path)
+    assert restored is not None and restored.path == first and again.steps_done == 1
+    assert any("step-00000002 is damaged" in r.getMessage() for r in caplog.records)
+    # a save whose check fails: the earlier checkpoints stay, keep=1 notwithstanding
+    step(w.example_inputs, w.example_target)  # type: ignore[attr-defined]
+    with (
+        mock.patch.object(checkpoint, "damage", return_value="x is 0 bytes"),
+        pytest.raises(CheckpointError, match=r"step-00000003 failed its check after writing"),
+    ):
+        step.save(tmp_path, keep=1)
+    assert {p.name for p in tmp_path.iterdir()} >= {first.name, second.name}
+    assert not checkpoint_path(tmp_path, 3).exists()
+    step.save(tmp_path, keep=1)  # verified: only now are the others removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_damaged_progress_file_gets_our_message(tmp_path: Path, cpu4: autoplan.Cluster) -> None:
+    step, w = _one_rank_step(cpu4)
+    step(w.example_inputs, w.example_target)  # type: ignore[attr-defined]
+    path = step.save(tmp_path)
+    (path / MANIFEST).unlink()  # as saved before manifests: nothing to compare it with
+    (path / "progress.json").write_text('{"step": 1, "rn')
+    again, _ = _one_rank_step(cpu4)
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* progress\.json cannot be"):
+        again.load(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step-00000001 is damaged: .*prog"):
+        again.load(path)

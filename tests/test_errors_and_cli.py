@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.cli import failure
+from autoplan.cli.launch import _Stderr
 from autoplan.cli.main import main
-from autoplan.errors import AutoplanError, ClusterFormatError, InfeasiblePlanError, MeshShapeError
+from autoplan.errors import (
+    AutoplanError,
+    ClusterFormatError,
+    InfeasiblePlanError,
+    MeshShapeError,
+    TraceError,
+)
 from tests.conftest import ROOT, example
 
 
@@ -178,3 +192,137 @@ def test_verbose_planning_says_where_the_seconds_go(tmp_path: Path) -> None:
     assert set(phases) == {"trace", "strategies", "ILP build", "solve", "pricing", "other"}
     assert float(phases["trace"]) > 0 and float(phases["solve"]) > 0
     assert sum(float(v) for v in phases.values()) == pytest.approx(total, abs=0.35)
+
+
+def _rank_error(folder: Path, rank: int, error: Exception, step: int = 0, doing: str = "") -> None:
+    with mock.patch.object(failure, "activity", return_value=(step, doing)):
+        try:
+            raise error
+        except Exception as e:  # a traceback to record
+            assert failure.record(rank, e)
+
+
+def test_a_failed_job_is_one_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What every rank raised, told once: the rank, the phase, the cause, what to do."""
+    monkeypatch.setenv(failure.ERRORS_ENV, str(tmp_path))
+    bad = MeshShapeError("cluster 'c' has 4 devices but this job has 2 processes; start 4")
+    for rank in range(4):
+        _rank_error(tmp_path, rank, bad)
+    text, code = failure.summary(tmp_path, 1, "", verbose=False)
+    assert code == 2
+    assert text.splitlines() == [
+        "autoplan: error on ranks 0-3 before the first step (tracing, planning, building the "
+        "step or resuming):",
+        f"  {bad}",
+    ]
+    # an error autoplan did not check for, at a step, on one rank; another rank's differs
+    for file in tmp_path.glob("rank-*.json"):
+        file.unlink()
+    _rank_error(tmp_path, 1, RuntimeError("mat1 and mat2 must have the same dtype"), 3, "backward")
+    _rank_error(tmp_path, 2, AutoplanError("checkpoint: disk full"), 3)
+    text, code = failure.summary(tmp_path, 1, "", verbose=False)
+    lines = text.splitlines()
+    assert code == 1 and lines[0] == "autoplan: error on rank 1 at step 3 (backward):"
+    assert lines[1].startswith("  RuntimeError: mat1 and mat2 must have the same dtype (at ")
+    assert "did not check for this error" in lines[2] and "-vv" in lines[2]
+    assert lines[3] == (
+        "  rank 2 also failed after step 3 (saving its checkpoint, or checking the run): "
+        "AutoplanError: checkpoint: disk full"
+    )
+    assert "Traceback" not in text
+    assert "Traceback" in failure.summary(tmp_path, 1, "", verbose=True)[0]
+
+
+def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None:
+    report = (
+        "E1127 21:50:01.123000 99 torch/distributed/elastic/multiprocessing/api.py:882] failed "
+        "(exitcode: -9) local_rank: 1 (pid: 123) of binary: python\n"
+        "Traceback (most recent call last):\n...\nChildFailedError:\n"
+    )
+    text, code = failure.summary(tmp_path, 1, report, verbose=False)
+    assert code == 1 and "\n" not in text
+    assert text.startswith("autoplan: error: the job failed without an error from any rank: ")
+    assert "local rank 1 was ended by SIGKILL" in text and "ChildFailedError" not in text
+    stalled = "E1127 api.py:882] failed (exitcode: 124) local_rank: 0 (pid: 7) of binary: x\n"
+    text, _ = failure.summary(tmp_path, 1, stalled, verbose=False)
+    assert "local rank 0 was ended by the watchdog (exit code 124; its message is above)" in text
+
+
+def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    stderr = _Stderr()
+    stderr.feed(b"12:00:01 a rank's warning\n[#---] 10% ILP 1/9\r")
+    stderr.feed(b"W1127 torch/distributed/elastic/multiprocessing/api.py:9] Sending SIGTERM\n")
+    stderr.feed(b"Traceback (most recent call last):\nChildFailedError: ...\n")
+    assert capsysbinary.readouterr().err == b"12:00:01 a rank's warning\n[#---] 10% ILP 1/9\r"
+    assert stderr.held_text().startswith("W1127 torch/distributed/elastic")
+
+
+FAILS_ON_RANKS = """import os
+from examples.mlp import workload as mlp
+
+def workload(**options):
+    if "RANK" in os.environ:  # loads before the processes start, not after
+        raise ValueError("the data is not on this host")
+    return mlp(**options)
+"""
+
+
+def test_autoplan_run_reports_a_failure_after_the_start_once(tmp_path: Path) -> None:
+    """Every rank fails as it loads the workload: one block, no rank's traceback and none of
+    torchrun's (one torchrun of 2 ranks)."""
+    (tmp_path / "fails.py").write_text(FAILS_ON_RANKS)
+    argv = [sys.executable, "-m", "autoplan.cli", "run", str(tmp_path / "fails.py")]
+    argv += ["--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"), "--nproc", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    # torchrun ends the other rank at the first failure: it may not have written its own
+    assert re.fullmatch(
+        r"autoplan: error on (rank [01]|ranks 0, 1) before the first step \(tracing, planning, "
+        r"building the step or resuming\):",
+        lines[0],
+    ), proc.stderr
+    assert re.fullmatch(
+        r"  .*fails\.py: workload\(\) failed at .*fails\.py:6: ValueError: the data is not on "
+        r"this host.*",
+        lines[1],
+    ), proc.stderr
+    assert len(lines) == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _LossAndLogits(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y.pow(2).mean(), y
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_parallelize_refuses_before_it_builds(cpu4: autoplan.Cluster) -> None:
+    """The checks of `autoplan run` are `parallelize`'s too, on the ranks."""
+    one = dataclasses.replace(cpu4, devices_per_node=1, name="cpu-gloo-1")
+    w = example("mlp", batch_size=4, hidden=16)
+    with pytest.raises(MeshShapeError, match=r"has 4 devices but this job has 1 processes"):
+        w.parallelize(cpu4)
+    with pytest.raises(TraceError, match=r"_LossAndLogits returns a tuple of 2 .*loss_fn"):
+        autoplan.parallelize(_LossAndLogits(), one, example_inputs=torch.randn(4, 4))
+    plan = w.plan(one)
+    tight = PlanOptions(memory_fraction=1e-6)  # 4 KiB of 4 GiB
+    with pytest.raises(
+        InfeasiblePlanError,
+        match=r"the plan does not fit: .* offers 4\.19 KiB \(0\.0001% of 4\.00 GiB\)",
+    ):
+        w.parallelize(one, plan=plan, options=tight)

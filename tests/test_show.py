@@ -20,6 +20,7 @@ from autoplan.planfile.picture import render_png
 from autoplan.planfile.sections import Pipeline
 from autoplan.planfile.show import fmt_time, schedule_grid, summary
 from autoplan.schedules import Event, simulate, stage_order
+from autoplan.units import fmt_bytes
 from tests.conftest import ROOT, example, plan_example
 
 
@@ -148,7 +149,7 @@ def test_summary_of_a_pipelined_plan_shows_stages_and_grid(pipelined: autoplan.P
     assert "pipeline: 2 stages, 4 microbatches, schedule 1F1B, predicted bubble" in text
     stage_rows = [line.split() for line in lines if line.startswith(("  0  ", "  1  "))]
     assert [row[:3] for row in stage_rows] == [["0", "0-1", "blocks.0"], ["1", "2-3", "blocks.1"]]
-    assert all("GiB" in row for row in stage_rows)
+    assert all({"KiB", "MiB", "GiB"} & set(row) for row in stage_rows)  # memory, with its unit
     assert any(line.startswith("  stage 0 -> 1 sends ") for line in lines)
     assert "  stage 0 (ranks 0-1)  F0 F1  . B0 F2 B1 F3 B2  . B3" in lines
     assert "  stage 1 (ranks 2-3)   . F0 B0 F1 B1 F2 B2 F3 B3  ." in lines
@@ -293,3 +294,13 @@ def test_diff_of_a_plan_with_itself_is_empty(
     a.save(str(path))
     assert main(["diff", str(path), str(path)]) == 0
     assert capsys.readouterr().out.startswith(f"{path} and {path} make the same decisions")
+
+
+def test_bytes_keep_their_unit_at_every_scale() -> None:
+    """A small device's numbers never read "0.00 GiB" (issue 38)."""
+    assert fmt_bytes(512) == "512 B"
+    assert fmt_bytes(1.29 * 2**20) == "1.29 MiB"
+    assert fmt_bytes(2.11 * 2**20) == "2.11 MiB"
+    assert fmt_bytes(3.6 * 2**30) == "3.60 GiB"
+    assert fmt_bytes(5 * 2**10) == "5.00 KiB"
+    assert all(not fmt_bytes(n).startswith("0.00") for n in (1, 1000, 2**20 - 1, 2**30 + 1))

@@ -64,6 +64,7 @@ from autoplan.schedules import schedule_refusal
 from autoplan.search.intra_op import IntraOpResult, build_problem
 from autoplan.solvers.evaluate import evaluate
 from autoplan.solvers.problem import IntraOpSolution
+from autoplan.units import fmt_bytes
 
 GiB = 2**30
 
@@ -399,9 +400,9 @@ def baseline_of_graph(
         if need > limit:
             raise InfeasiblePlanError(
                 f"the baseline {degrees} zero_stage={layout.zero_stage} needs "
-                f"{need / GiB:.2f} GiB per device, but a device of cluster {cluster.name!r} "
-                f"offers {limit / GiB:.2f} GiB ({memory_fraction:.0%} of "
-                f"{cluster.device.memory_bytes / GiB:.0f} GiB)"
+                f"{fmt_bytes(need)} per device, but a device of cluster {cluster.name!r} "
+                f"offers {fmt_bytes(limit)} ({memory_fraction * 100:g}% of "
+                f"{fmt_bytes(cluster.device.memory_bytes)})"
             )
 
     if pp == 1:

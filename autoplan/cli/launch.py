@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
+from autoplan.cli.failure import ERRORS_ENV, summary
+from autoplan.cli.progress_line import TTY_ENV
 from autoplan.errors import AutoplanError
+
+log = logging.getLogger(__name__)
 
 
 def torchrun(
@@ -15,7 +23,9 @@ def torchrun(
 ) -> int:
     """Start this command again as ``nproc`` processes per node under torchrun; they do the
     work. One node rendezvous on its own; more nodes each run the same command and meet at
-    ``rdzv_endpoint``."""
+    ``rdzv_endpoint``. The ranks' output streams through; a failed job ends with one block
+    (`autoplan.cli.failure`) instead of every rank's error and torchrun's report. Returns
+    the exit code: 0, 2 for an error in the input (an `AutoplanError` on the ranks), else 1."""
     # The ranks learn their number from torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE); left in,
     # torchrun would take these as its own (--nproc as --nproc-per-node).
     ours = ("--nproc", "--nnodes", "--rdzv-endpoint")
@@ -41,4 +51,51 @@ def torchrun(
         *rest,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(cmd, env=env).returncode
+    if sys.stderr.isatty():
+        env[TTY_ENV] = "1"
+    with tempfile.TemporaryDirectory(prefix="autoplan-errors-") as folder:
+        env[ERRORS_ENV] = folder
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        stderr = _Stderr()
+        try:
+            while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+                stderr.feed(chunk)
+        finally:
+            returncode = proc.wait()
+        if returncode == 0:
+            stderr.flush_held()  # nothing failed: what was held was not a failure report
+            return 0
+        verbose = log.isEnabledFor(logging.DEBUG)
+        text, code = summary(Path(folder), returncode, stderr.held_text(), verbose)
+    print(text, file=sys.stderr, flush=True)
+    return code
+
+
+# torchrun's own lines once a rank has failed (its agent's log, then a traceback that ends
+# in ChildFailedError): from the first of them on, stderr is held back, not printed
+_REPORT = re.compile(rb"torch[./]distributed[./]elastic|ChildFailedError")
+
+
+class _Stderr:
+    """The ranks' and torchrun's stderr: passed through as it comes until torchrun's failure
+    report begins, held from there."""
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> None:
+        out = sys.stderr.buffer
+        for piece in chunk.splitlines(keepends=True):
+            if not self.held and not _REPORT.search(piece):
+                out.write(piece)
+            else:
+                self.held.append(piece)
+        out.flush()
+
+    def held_text(self) -> str:
+        return b"".join(self.held).decode(errors="replace")
+
+    def flush_held(self) -> None:
+        sys.stderr.buffer.write(b"".join(self.held))
+        sys.stderr.flush()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from autoplan.cli import (
     diff_command,
     estimate_command,
+    failure,
     plan_command,
     profile_command,
     run_command,
@@ -69,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         return commands[args.command](args)
     except AutoplanError as e:
+        if "RANK" in os.environ and failure.record(rank, e, args.command):
+            return 2  # `autoplan run` reports it, once for all ranks
         where = f" on rank {rank}" if "RANK" in os.environ else ""
         print(f"autoplan: error{where}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if "RANK" in os.environ and failure.record(rank, e, args.command):
+            return 1
+        raise

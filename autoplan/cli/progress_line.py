@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from autoplan.progress import Progress
 from autoplan.training import StepRecord
 
+TTY_ENV = "AUTOPLAN_STDERR_TTY"
 PROGRESS_AFTER_S = 3.0  # planning quicker than this shows no progress
 
 
@@ -17,7 +19,8 @@ class ProgressLine:
 
     def __init__(self, after_s: float) -> None:
         self.after_s = after_s
-        self.redraw = sys.stderr.isatty()
+        # a rank's stderr is a pipe to `autoplan run`, which says whether its own is a terminal
+        self.redraw = sys.stderr.isatty() or os.environ.get(TTY_ENV) == "1"
         self.drawn = False
 
     def __call__(self, p: Progress) -> None:

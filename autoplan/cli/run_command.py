@@ -22,7 +22,10 @@ from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
-from autoplan.graph.capture import capture_microbatches
+from autoplan.execute.checkpoint import check_writable, latest
+from autoplan.graph.capture import capture_microbatches, export_step
+from autoplan.graph.convert import graph_from_export
+from autoplan.graph.diagnose import refuse_non_loss
 from autoplan.options import TrainOptions
 from autoplan.parallel import check_given_plan, check_trainable
 from autoplan.planfile.schema import Plan
@@ -126,22 +129,37 @@ def _checkpointing(args: argparse.Namespace) -> Checkpointing:
 
 def _check(args: argparse.Namespace, cluster: Cluster) -> None:
     """What `autoplan run` can check before it starts any process: its options, the workload
-    loads and has something to train, and a plan it is given fits the model and the
-    processes. Its errors come once, before torchrun; its warnings not at all: rank 0 repeats
-    every check."""
+    loads, has something to train and traces to a loss on its example inputs (their dtypes
+    against the model's), the mesh against the processes, a plan it is given fits the model,
+    the processes and the devices' memory, the checkpoint folder takes files and a checkpoint
+    to resume from is intact. Its errors come once, before torchrun; its warnings not at all:
+    rank 0 repeats every check."""
     _train_options(args)
-    _checkpointing(args)
+    ckpt = _checkpointing(args)
     logging.disable(logging.WARNING)
     try:
         w = load_workload(args.workload, **workload_options(args.set))
         check_trainable(w.model)
+        options = plan_options(args, ProgressLine(args.progress_after))
+        if options.mesh_shape is not None:
+            cluster.check_mesh_shape(options.mesh_shape)
+        precision = (
+            Plan.from_json(args.plan).mixed_precision
+            if args.plan is not None
+            else options.mixed_precision
+        )
+        ep = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target, precision)
+        refuse_non_loss(ep, w.model, w.loss_fn is not None)
         if args.plan is not None:
-            precision = Plan.from_json(args.plan).mixed_precision
+            graph = graph_from_export(ep, precision)
             traced = capture_microbatches(
                 w.model, w.example_inputs, w.loss_fn, w.example_target, precision
             )
-            options = plan_options(args, ProgressLine(args.progress_after))
-            check_given_plan(args.plan, traced, cluster, options)
+            check_given_plan(args.plan, lambda n: graph if n == 1 else traced(n), cluster, options)
+        if ckpt.directory is not None:
+            check_writable(ckpt.directory)
+            if ckpt.resume:
+                latest(ckpt.directory)  # an error if every checkpoint there is damaged
     finally:
         logging.disable(logging.NOTSET)
 

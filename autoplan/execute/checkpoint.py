@@ -12,12 +12,16 @@ states and the caller's ``extra`` (a data loader's position), written by rank 0.
 
 A checkpoint directory holds one directory per checkpoint::
 
-    DIR/step-00000003/         DCP's shard files, its .metadata, progress.json
+    DIR/step-00000003/         DCP's shard files, its .metadata, progress.json, manifest.json
     DIR/.step-00000006.tmp/    a save in progress, or one a crash cut short: never read
 
 A save writes into the temporary directory (progress.json first, then the shards; DCP's
-coordinator writes .metadata last, once every rank has reported its writes) and rank 0 then
-renames it into place: a crash at any moment leaves the checkpoints before it as they were.
+coordinator writes .metadata last, once every rank has reported its writes); rank 0 then
+writes the manifest (each file's size and checksum, `autoplan.execute.manifest`), verifies
+the checkpoint and renames it into place, and only then removes the checkpoints that ``keep``
+no longer keeps: a crash at any moment leaves the checkpoints before it as they were. A load
+verifies the newest checkpoint against its manifest; a damaged one is reported (a warning
+naming the file) and the newest intact one before it is loaded instead.
 Every rank reads and writes the same directory: on several nodes it must be on a shared file
 system (as DCP's own file writer assumes).
 """
@@ -46,11 +50,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, CheckpointError
+from autoplan.execute.manifest import PROGRESS, damage, write_manifest
 
 log = logging.getLogger(__name__)
 
-PROGRESS = "progress.json"
 _NAME = re.compile(r"step-(\d{8})")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # settings of how an optimizer computes, not of what: the new step's own are kept (a
@@ -72,17 +76,67 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
 
 
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``directory`` (or ``directory`` itself if it is one);
-    None if there is none."""
+    """The newest intact checkpoint in ``directory`` (or ``directory`` itself if it is one),
+    verified (`autoplan.execute.manifest.damage`); a damaged newer one is skipped with a
+    warning naming what is wrong. None if there is no checkpoint; an error if there are some
+    but every one is damaged (or ``directory`` is a damaged checkpoint)."""
     directory = Path(directory)
     if (directory / ".metadata").is_file():
+        reason = damage(directory)
+        if reason is not None:
+            raise CheckpointError(
+                f"checkpoint {directory} is damaged: {reason}; load an earlier checkpoint"
+            )
         return directory
     if not directory.is_dir():
         return None
-    found = [
-        p for p in directory.iterdir() if _NAME.fullmatch(p.name) and (p / ".metadata").is_file()
-    ]
-    return max(found, key=lambda p: p.name, default=None)
+    found = sorted(
+        (p for p in directory.iterdir() if _NAME.fullmatch(p.name) and (p / ".metadata").is_file()),
+        key=lambda p: p.name,
+        reverse=True,
+    )
+    damaged: list[str] = []
+    for path in found:
+        reason = damage(path)
+        if reason is None:
+            return path
+        log.warning(
+            "checkpoint %s is damaged (%s): it is skipped and left as it is; the newest intact "
+            "checkpoint before it is used",
+            path,
+            reason,
+        )
+        damaged.append(f"{path.name}: {reason}")
+    if damaged:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged ({'; '.join(damaged)}); remove them "
+            "to start from the beginning, or restore an intact copy"
+        )
+    return None
+
+
+def check_writable(directory: str | Path) -> None:
+    """Make ``directory`` if need be and write a file there (on rank 0, under a process
+    group): a folder that cannot take checkpoints is found before any step trains, not at the
+    first save."""
+    folder = Path(directory)
+
+    def probe() -> None:
+        file = folder / f".autoplan-probe-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            file.write_bytes(b"")
+            file.unlink()
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint folder {folder} cannot be written ({type(e).__name__}: "
+                f"{e.strerror or e}); give another --checkpoint-dir, or make it writable"
+            ) from None
+
+    if dist.is_initialized():
+        _rank0_then_all(probe)  # a shared folder: rank 0 tries it for all
+    else:
+        probe()
 
 
 def _on_every_rank(check: Callable[[], None]) -> None:
@@ -98,7 +152,7 @@ def _on_every_rank(check: Callable[[], None]) -> None:
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, first = failed[0]
-        raise AutoplanError(first if len(failed) == len(errors) else f"{first} (on rank {rank})")
+        raise CheckpointError(first if len(failed) == len(errors) else f"{first} (on rank {rank})")
 
 
 def _rank0_then_all(action: Callable[[], Any]) -> Any:
@@ -107,12 +161,14 @@ def _rank0_then_all(action: Callable[[], Any]) -> Any:
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", action())
-        except (OSError, AutoplanError) as e:
+        except AutoplanError as e:
             box[0] = ("error", f"{e}")
+        except OSError as e:
+            box[0] = ("error", f"checkpoint: {type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":
-        raise AutoplanError(f"checkpoint: {value}")
+        raise CheckpointError(value)
     return value
 
 
@@ -163,7 +219,7 @@ def save(
     """Save on every rank into ``directory/step-<step>``, then keep the newest ``keep``
     checkpoints (all if None). Returns the checkpoint's path."""
     if keep is not None and keep < 1:
-        raise AutoplanError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
+        raise CheckpointError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
     final = checkpoint_path(directory, step)
     tmp = final.with_name(f".{final.name}.tmp")
 
@@ -171,7 +227,7 @@ def save(
         try:
             progress = json.dumps({"step": step, "rng": _rng_state(), "extra": extra})
         except TypeError as e:
-            raise AutoplanError(f"extra={extra!r} is not JSON: {e}") from None
+            raise CheckpointError(f"extra={extra!r} is not JSON: {e}") from None
         if tmp.exists():  # a save at the same step that a crash cut short
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -184,19 +240,28 @@ def save(
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     except dcp.CheckpointException as e:  # a BaseException: a user's `except Exception` misses it
-        raise AutoplanError(
+        raise CheckpointError(
             f"saving checkpoint {final} failed ({_failures(e)}); the checkpoints before it are "
             "as they were"
         ) from None
 
     def commit() -> None:
+        write_manifest(tmp)
+        # every file DCP's metadata reads is there at its length (the bytes were just hashed)
+        reason = damage(tmp, checksums=False)
+        if reason is not None:
+            raise CheckpointError(
+                f"checkpoint {final} failed its check after writing: {reason}; the "
+                "checkpoints before it are as they were, and none was removed"
+            )
         old = final.with_name(f".{final.name}.old")
         if final.exists():  # saved again at this step: the new one replaces it
             final.rename(old)
         tmp.rename(final)
+        _sync_directory(final.parent)
+        # only now, the new checkpoint in place and verified, is anything removed
         if old.exists():
             shutil.rmtree(old)
-        _sync_directory(final.parent)
         # saves that crashes cut short (their steps' own saves would replace them)
         for stale in final.parent.glob(".step-*.tmp"):
             shutil.rmtree(stale)
@@ -234,13 +299,19 @@ def load(
     if not found:
         if missing_ok:
             return None
-        raise AutoplanError(
+        raise CheckpointError(
             f"no checkpoint in {directory}: it is none, and holds no complete step-NNNNNNNN "
             "checkpoint"
         )
     path = Path(found)
     reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # damaged after rank 0 verified it: a truncated pickle, say
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {path / '.metadata'} cannot be read "
+            f"({type(e).__name__}: {e}); remove {path} to resume from the checkpoint before it"
+        ) from None
     whole = _model_state(model)
     state: dict[str, Any] = {"model": _local(whole)}
     template: dict[str, Any] = {}
@@ -254,16 +325,31 @@ def load(
     wanted = {f"model.{k}": v for k, v in whole.items()}
     wanted |= {f"optim.{k}": v for k, v in state.get("optim", {}).items()}
     _on_every_rank(lambda: _check(path, wanted, saved))
+    progress = _progress(path)
     try:
         dcp.load(state, storage_reader=reader)
     except dcp.CheckpointException as e:
-        raise AutoplanError(f"loading checkpoint {path} failed ({_failures(e)})") from None
+        raise CheckpointError(f"loading checkpoint {path} failed ({_failures(e)})") from None
     if template:
         set_optimizer_state_dict(model, optimizer, {**template, **state["optim"]}, options=_FLAT)
-    progress = json.loads((path / PROGRESS).read_text())
     _set_rng_state(progress["rng"])
     log.info("loaded checkpoint %s (step %d)", path, progress["step"])
     return Restored(progress["step"], progress["extra"], path)
+
+
+def _progress(path: Path) -> dict[str, Any]:
+    """The checkpoint's progress.json (the steps taken, the random states, ``extra``)."""
+    file = path / PROGRESS
+    try:
+        progress = json.loads(file.read_text())
+        if not all(key in progress for key in ("step", "rng", "extra")):
+            raise ValueError("it lacks step, rng or extra")
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {file} cannot be read ({type(e).__name__}: {e}); "
+            f"remove {path} to resume from the checkpoint before it"
+        ) from None
+    return dict(progress)
 
 
 def _failures(e: dcp.CheckpointException) -> str:
@@ -278,27 +364,27 @@ def _check(path: Path, wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> N
     """The checkpoint is one of ours, with every entry of ``wanted`` at its shape and no
     parameter or buffer that ``wanted`` lacks."""
     if not (path / PROGRESS).is_file():
-        raise AutoplanError(
+        raise CheckpointError(
             f"{path} has no {PROGRESS}: it is a DCP checkpoint, but not one autoplan saved"
         )
     unknown = sorted(k for k in saved if k.startswith("model.") and k not in wanted)
     if unknown:
         names = ", ".join(k.partition(".")[2] for k in unknown[:3])
-        raise AutoplanError(
+        raise CheckpointError(
             f"checkpoint {path} has {len(unknown)} parameter(s) or buffer(s) the model lacks "
             f"({names}{', ...' if len(unknown) > 3 else ''}): it was saved for another model"
         )
     for key, value in wanted.items():
         if key not in saved:
             what = "optimizer state" if key.startswith("optim.") else "parameter or buffer"
-            raise AutoplanError(
+            raise CheckpointError(
                 f"checkpoint {path} has no {what} {key.partition('.')[2]!r}: it was saved for "
                 "another model (or optimizer)"
             )
         if isinstance(value, torch.Tensor):
             shape = tuple(getattr(saved[key], "size", ()))
             if shape != tuple(value.shape):
-                raise AutoplanError(
+                raise CheckpointError(
                     f"checkpoint {path} has {key.partition('.')[2]!r} of shape {shape}, the "
                     f"model {tuple(value.shape)}: it was saved for another model"
                 )

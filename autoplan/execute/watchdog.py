@@ -91,6 +91,12 @@ def watched(step: int, doing: str, limit_s: float) -> Iterator[None]:
         _activity = _Activity(step, "", None, 0.0)
 
 
+def activity() -> tuple[int, str]:
+    """The step the main thread is at and what it does there ("" between steps): where a
+    rank was when it failed."""
+    return _activity.step, _activity.doing
+
+
 def note(doing: str) -> None:
     """What the main thread does now, inside a watched part (for the message)."""
     global _activity

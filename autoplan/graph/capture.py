@@ -20,9 +20,13 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from autoplan.errors import TraceError
+from autoplan.errors import BatchSplitError, TraceError
 from autoplan.graph.convert import graph_from_export
-from autoplan.graph.diagnose import explain_trace_failure, refuse_float_indices
+from autoplan.graph.diagnose import (
+    explain_trace_failure,
+    refuse_float_indices,
+    refuse_mixed_dtypes,
+)
 from autoplan.graph.fake import on_fake_cpu
 from autoplan.graph.ir import Graph
 from autoplan.graph.passes import (
@@ -105,7 +109,15 @@ def microbatch(batch: Any, count: int) -> Any:
     if count == 1:
         return batch
     if isinstance(batch, torch.Tensor):
-        return batch[: batch.shape[0] // count] if batch.dim() else batch
+        if not batch.dim():
+            return batch
+        if count < 1 or batch.shape[0] % count:
+            raise BatchSplitError(
+                f"a batch of {batch.shape[0]} (dim 0 of {str(batch.dtype).removeprefix('torch.')}"
+                f"{list(batch.shape)}) does not split into {count} equal microbatches: use a "
+                f"number of microbatches that divides {batch.shape[0]}"
+            )
+        return batch[: batch.shape[0] // count]
     if isinstance(batch, tuple | list):
         return type(batch)(microbatch(b, count) for b in batch)
     if isinstance(batch, Mapping):
@@ -154,6 +166,7 @@ def export_step(
         ep = decomposed(ep)
     refuse_buffer_updates(ep)
     refuse_float_indices(ep, model, args)
+    refuse_mixed_dtypes(ep, model, args)
     drop_checks(ep)
     tie_parameters(ep)
     return ep

@@ -119,3 +119,82 @@ def _float_indices(node: torch.fx.Node) -> tuple[str, str] | None:
             if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex()):
                 return argument.name, str(val.dtype).removeprefix("torch.")
     return None
+
+
+_aten = torch.ops.aten
+# ops whose kernels take tensors of one dtype (eager raises "mat1 and mat2 must have the same
+# dtype"), and how many of their leading tensor arguments must agree (attention's mask may
+# be bool)
+_ONE_DTYPE: dict[Any, int] = {
+    _aten.linear.default: 3,
+    _aten.mm.default: 2,
+    _aten.addmm.default: 3,
+    _aten.bmm.default: 2,
+    _aten.baddbmm.default: 3,
+    _aten.matmul.default: 2,
+    _aten.mv.default: 2,
+    _aten.dot.default: 2,
+    _aten.convolution.default: 3,
+    _aten.conv1d.default: 3,
+    _aten.conv2d.default: 3,
+    _aten.conv3d.default: 3,
+    _aten.scaled_dot_product_attention.default: 3,
+}
+
+
+def refuse_mixed_dtypes(ep: ExportedProgram, model: nn.Module, args: tuple[Any, ...]) -> None:
+    """An op that computes on tensors of one dtype, given several (integer inputs to a float
+    model's linear), is refused: fake tensors let it through, and every rank would fail at the
+    first step ("mat1 and mat2 must have the same dtype")."""
+    for node in ep.graph.nodes:
+        count = _ONE_DTYPE.get(node.target) if node.op == "call_function" else None
+        if count is None:
+            continue
+        vals = [a.meta.get("val") for a in node.args[:count] if isinstance(a, torch.fx.Node)]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if len({v.dtype for v in tensors}) < 2:
+            continue
+        trace = node.meta.get("stack_trace") or ""
+        frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
+        module = module_path(node)
+        op = f"{module} ({node.target})" if module else str(node.target)
+        got = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in tensors)
+        raise TraceError(
+            f"could not trace {type(model).__name__}{_user_line(frames)}: {op} computes on "
+            f"tensors of one dtype, got {got}. {_inputs_hint(args)}"
+        )
+
+
+def refuse_non_loss(ep: ExportedProgram, model: nn.Module, with_loss_fn: bool) -> None:
+    """The traced step must return one loss, a floating tensor of one element: a model that
+    returns more (logits, a tuple) needs a loss_fn."""
+    (output,) = (n for n in ep.graph.nodes if n.op == "output")
+    user = [
+        v.meta.get("val") if isinstance(v, torch.fx.Node) else v
+        for v, spec in zip(output.args[0], ep.graph_signature.output_specs, strict=True)
+        if spec.kind.name == "USER_OUTPUT"
+    ]
+    loss = user[0] if len(user) == 1 else None
+    if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1:
+        return
+    kind = _output_kind(ep)
+    what = "the loss_fn" if with_loss_fn else type(model).__name__
+    fix = (
+        "make the loss_fn return the loss (a float tensor of one element, e.g. .mean())"
+        if with_loss_fn
+        else "pass a loss_fn (and example_target) that turns the output into the loss, or "
+        "make forward return the loss (or a dict or ModelOutput with a 'loss')"
+    )
+    raise TraceError(
+        f"{what} returns {kind} {_described(tuple(user))}, not a loss (one float tensor of one "
+        f"element): autoplan trains the step's loss; {fix}"
+    )
+
+
+def _output_kind(ep: ExportedProgram) -> str:
+    """What the step's output is: "a tuple of 2", "a dict of 3", "a tensor"."""
+    spec = ep.call_spec.out_spec
+    if spec is None or spec.num_children == 0:
+        return "a tensor"
+    name = getattr(spec.type, "__name__", "a value")
+    return f"a {name} of {spec.num_children}"

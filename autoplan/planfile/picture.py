@@ -16,7 +16,7 @@ from autoplan.errors import AutoplanError
 from autoplan.planfile.breakdown import Breakdown, OpCost, by_layer, top_ops
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Pipeline
-from autoplan.planfile.show import GIB, fmt_ranks, fmt_time, stage_layers
+from autoplan.planfile.show import fmt_bytes, fmt_ranks, fmt_time, stage_layers
 from autoplan.schedules import FORWARD, simulate
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def _draw_stages(ax: Axes, plan: Plan) -> None:
             [
                 fmt_time(p.forward_s),
                 fmt_time(p.backward_s),
-                f"{p.memory_bytes / GIB:.2f} of {limit / GIB:.2f} GiB",
+                f"{fmt_bytes(p.memory_bytes)} of {fmt_bytes(limit)}",
             ]
             if p is not None
             else ["-", "-", "-"]

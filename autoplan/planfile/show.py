@@ -12,20 +12,12 @@ from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
 from autoplan.schedules import simulate
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from autoplan.units import fmt_bytes
 
 _INDEX = re.compile(r"\.(\d+)\.")
-GIB = 2**30
 _GRID_WIDTH = 100  # characters a line of the schedule grid may take before the grid wraps
 _MAX_ROWS = 8  # stages the grid draws; beyond, the first and last halves
 _MAX_SLOTS = 2 * (16 + 8 - 1)  # 1F1B's slots for 16 microbatches on 8 stages; beyond, the ends
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def fmt_time(s: float) -> str:
@@ -164,13 +156,13 @@ def _stage_lines(plan: Plan) -> list[str]:
                 fmt_time(p.forward_s),
                 fmt_time(p.backward_s),
                 send,
-                f"{p.memory_bytes / GIB:.2f} GiB ({share})",
+                f"{fmt_bytes(p.memory_bytes)} ({share})",
             )
         rows.append((str(s), fmt_ranks(st.ranks), stage_layers(plan, st), *cost))
     out = _table(rows, right={3, 4, 5, 6})
     out.append(
         f"  (per microbatch; send: to the next stage and the gradients back; memory of "
-        f"{limit / GIB:.2f} GiB allowed)"
+        f"{fmt_bytes(limit)} allowed)"
     )
     for s, (st, nxt) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
         if st.sent:

@@ -110,10 +110,10 @@ import pulp
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.solvers.evaluate import evaluate, min_memory
 from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost, gap_text
+from autoplan.units import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
-GIB = float(2**30)
 # HiGHS stops at a 1e-4 relative gap by default; plans should be optimal, not merely close.
 MIP_REL_GAP = 1e-6
 SOLVERS = ("highs", "cbc")
@@ -696,11 +696,10 @@ def _infeasible_error(problem: IntraOpProblem) -> InfeasiblePlanError:
     # with recomputation chosen that is a floor; what one recomputed layer holds again during
     # its backward may take a plan over the limit even so
     smallest = (
-        f"the smallest needs {need / GIB:.2f} GiB"
+        f"the smallest needs {fmt_bytes(need)}"
         if need > problem.memory_limit
         else ("a layer recomputed holds its activations again during its backward, over the limit")
     )
     return InfeasiblePlanError(
-        f"no strategy assignment fits in {problem.memory_limit / GIB:.2f} GiB per device; "
-        + smallest
+        f"no strategy assignment fits in {fmt_bytes(problem.memory_limit)} per device; " + smallest
     )

@@ -35,10 +35,10 @@ from autoplan.solvers.stage_problem import (
     pipeline_time,
 )
 from autoplan.solvers.stage_tables import StageTables, build_tables
+from autoplan.units import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
-GIB = float(2**30)
 # Relative slack when comparing a bound to the best total, for float rounding.
 _BOUND_RTOL = 1e-9
 
@@ -235,12 +235,12 @@ def _infeasible_error(tables: StageTables) -> InfeasibleStagesError:
     seen = tables.min_memory_seen
     smallest = (
         f"the smallest per-stage memory seen (one microbatch in flight) is {seen:.6g} bytes "
-        f"({seen / GIB:.2f} GiB)"
+        f"({fmt_bytes(seen)})"
         if math.isfinite(seen)
         else "the cost function reported no feasible stage"
     )
     return InfeasibleStagesError(
         f"no pipeline stage plan fits in memory_limit={limit:.6g} bytes "
-        f"({limit / GIB:.2f} GiB) per device; {smallest}; raise the memory limit or give "
+        f"({fmt_bytes(limit)}) per device; {smallest}; raise the memory limit or give "
         "the stages more devices"
     )
