@@ -5,6 +5,7 @@ same way, bad degrees are refused, and the plan prices like any plan."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from autoplan.graph.capture import capture, microbatch
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import CollectivePlan
 from autoplan.strategies.placement import Collective
-from autoplan.workload import Workload
+from autoplan.workload import Workload, load_workload
 from tests.conftest import ROOT, example
 from tests.distributed.cases import (
     GPT,
@@ -536,3 +537,45 @@ def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> Non
     assert set(_block_norms(plan)) <= {"S(0)", "S(1)"}
     forward = _kinds(plan, "forward")
     assert forward["reduce_scatter"] >= 4 and forward["all_gather"] >= 4
+
+
+# every op of a transformer that reads the batch: under data parallelism each runs on its
+# rank's share of the batch, as DDP runs it
+BATCH_OPS = (
+    "aten.linear.default",
+    "aten.addmm.default",
+    "aten.scaled_dot_product_attention.default",
+    "aten.layer_norm.default",
+    "aten.rms_norm.default",
+    "aten.cross_entropy_loss.default",  # its output: the partial sum of a quarter's losses
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "backward"),
+    [
+        ("llama", 0),  # rotary positions enter by a product: nothing to reduce
+        ("gpt2", 1),  # the learned positions' gradient, summed over the ranks' batches
+    ],
+)
+def test_data_parallel_baseline_of_a_transformers_model_is_ddp(
+    cpu4: autoplan.Cluster, model: str, backward: int
+) -> None:
+    """What DDP does, counted by hand: every op that reads the batch runs on a quarter of it
+    (the attention mask, made whole, sliced for free), and the only collectives are the
+    gradients' bucketed all-reduce, the loss's two scalars (its sum and its count), and for
+    learned position embeddings the all-reduce of their gradient in backward."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=16, seq_len=64)
+    plan = w.baseline(cpu4, dp=4, tp=1)
+    assert plan.mesh.axes == ("dp",)
+    batch_ops = [n for n in plan.nodes.values() if n.op in BATCH_OPS]
+    # the loss of a quarter of the batch: a partial sum
+    want = {n.op: "S(0)" for n in batch_ops} | {"aten.cross_entropy_loss.default": "P"}
+    assert len(batch_ops) > 10 and all(n.output["dp"] == want[n.op] for n in batch_ops), [
+        (n.op, n.module) for n in batch_ops if n.output["dp"] != want[n.op]
+    ]
+    counted = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives)
+    assert counted[("forward", "all_reduce", 4)] == 2
+    assert sum(k for (phase, *_), k in counted.items() if phase == "grad_sync") >= 1
+    assert all(kind == "all_reduce" for (_, kind, _) in counted)
+    assert sum(k for (phase, *_), k in counted.items() if phase == "backward") == backward

@@ -3,7 +3,8 @@
 Each mesh axis is placed by *propagation*: parameters and inputs are seeded, and each op in
 graph order takes the first of its own sharding rules (`axis_rules`: ours, else DTensor's)
 that accepts its inputs as their producers place them; an op with no such rule runs
-replicated on that axis (its inputs gathered, partial sums all-reduced). On the ``dp`` axis
+replicated on that axis (its inputs gathered, partial sums all-reduced), unless a rule takes
+them with whole activations sliced, which costs no communication. On the ``dp`` axis
 the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
 gathered before use; ZeRO-1/2: their optimizer state split, `zero_state`), so every op follows
 the batch and the loss ends as partial sums. On
@@ -151,10 +152,11 @@ def _propagated(
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
     partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,
     with ``sequence``, reduce-scattered along the sequence (dim 1) when they have one
-    (Megatron's sequence parallelism). An op that no rule takes with its inputs as placed runs
-    replicated, or, with ``move``, as the rule that keeps its parameters as seeded and moves
-    the fewest activations (`rule_moving`: gathered for a column linear under sequence
-    parallelism, sent to their experts by all-to-all under expert parallelism)."""
+    (Megatron's sequence parallelism). An op that no rule takes with its inputs as placed takes
+    one that only slices whole activations (free), else runs replicated, or, with ``move``,
+    as the rule that keeps its parameters as seeded and moves the fewest activations
+    (`rule_moving`: gathered for a column linear under sequence parallelism, sent to their
+    experts by all-to-all under expert parallelism)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
@@ -164,8 +166,10 @@ def _propagated(
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
-        if rule is None and move and node.kind == NodeKind.OP:
-            rule = rule_moving(node, graph, ins)
+        if rule is None and node.kind == NodeKind.OP:
+            # a whole activation read split is sliced on each rank, with no communication:
+            # an attention mask or a label made whole follows the batch as DDP's would
+            rule = rule_moving(node, graph, ins, most=None if move else 0)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank

@@ -61,11 +61,14 @@ def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | No
     return next((rule for rule in rules if rule[1:] == inputs), None)
 
 
-def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
+def rule_moving(
+    node: Node, graph: Graph, inputs: tuple[str, ...], most: int | None = None
+) -> AxisRule | None:
     """The rule of ``node`` that keeps its parameters as placed and moves the fewest of its
     activations (a whole one is sliced for free; a split one is gathered, or re-split by an
-    all-to-all), preferring an output without partial sums. None if every rule needs a
-    parameter placed otherwise."""
+    all-to-all), preferring an output without partial sums; with ``most``, moving at most
+    that many (0: only slicing whole ones). None if every rule needs a parameter placed
+    otherwise."""
     rules, _ = axis_rules(node, graph)
     params = [graph.node(r.name).kind == NodeKind.PARAM for r in node.refs]
 
@@ -80,7 +83,9 @@ def rule_moving(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule |
         return count
 
     ranked = [
-        (n, rule[0] == P, i) for i, rule in enumerate(rules) if (n := moves(rule)) is not None
+        (n, rule[0] == P, i)
+        for i, rule in enumerate(rules)
+        if (n := moves(rule)) is not None and (most is None or n <= most)
     ]
     return rules[min(ranked)[2]] if ranked else None
 

@@ -301,6 +301,16 @@ CASES = [
         Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
         for model in ZOO
     ],
+    # the data-parallel baseline of models nobody here wrote: DDP's split of the batch
+    *[
+        Case(
+            f"zoo-{model}-baseline-dp",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            baseline_plan(dp=4, tp=1),
+        )
+        for model in ("gpt2", "llama")
+    ],
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
     *[
         Case(
