@@ -77,6 +77,13 @@ def _whole(parts: list[torch.Tensor], spec: str) -> torch.Tensor:
     return torch.cat(parts, int(spec[2:-1]))
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN for NaN: a slice assignment into ``new_empty`` keeps the rest of the
+    buffer's uninitialized memory, whose bits may read as NaN."""
+    nan = a.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    return a.shape == b.shape and bool(((a == b) | (nan & b.isnan())).all())
+
+
 TESTED = {
     "aten.sort.default",
     "aten.topk.default",
@@ -141,6 +148,6 @@ def test_rules_are_exact_on_two_shards() -> None:
             wholes = whole if isinstance(whole, tuple) else (whole,)
             made = list(zip(*parts, strict=True)) if isinstance(whole, tuple) else [parts]
             for want, got in zip(wholes, made, strict=True):
-                assert torch.equal(_whole(list(got), out), want), (node.op, out, specs)
+                assert _same(_whole(list(got), out), want), (node.op, out, specs)
     # every op met, each with a rule that splits something
     assert set(seen) == TESTED and all(seen.values()), seen
