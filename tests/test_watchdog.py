@@ -70,7 +70,11 @@ def test_a_stopped_rank_ends_the_job(tmp_path: Path) -> None:
         str(LIMIT_S),
     ]
     with out.open("w") as stdout, err.open("w") as stderr:
-        launcher = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp_path)
+        # a session of its own: a failing test ends torchrun and the ranks too, not only the
+        # launcher (left running, they would take the cores of every test after this one)
+        launcher = subprocess.Popen(
+            cmd, stdout=stdout, stderr=stderr, cwd=tmp_path, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while "step       5/1000000  loss" not in out.read_text():
@@ -84,7 +88,7 @@ def test_a_stopped_rank_ends_the_job(tmp_path: Path) -> None:
         took = time.monotonic() - stopped
     finally:
         if launcher.poll() is None:
-            launcher.kill()
+            os.killpg(launcher.pid, signal.SIGKILL)
     message = err.read_text()
     assert code != 0
     # the limit, the watchdog's look at the others (1.5 s) and torchrun's exit (~2 s; slower
