@@ -97,17 +97,8 @@ def derive(
     ``graph_for(count)``: the step traced at ``count`` microbatches."""
     if not isinstance(plan, Plan):
         plan = Plan.from_json(str(plan))
-    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    try:
-        graph = graph_for(count)
-    except BatchSplitError as e:
-        raise PlanFormatError(
-            f"pipeline.num_microbatches is {count}, but {e}; edit the plan's "
-            "pipeline.num_microbatches, or plan again"
-        ) from None
-    checked = check_plan(plan, graph, cluster)
+    graph, checked, recompute = _checked(plan, graph_for, cluster)
     limit = cluster.device.memory_bytes * memory_fraction
-    recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))
     if checked.pipeline is not None:
         derived = _derive_pipeline(checked, graph, cluster, optimizer, limit, recompute)
     else:
@@ -129,14 +120,37 @@ def derive(
     return derived
 
 
+def _checked(
+    plan: Plan, graph_for: GraphForMicrobatches, cluster: Cluster
+) -> tuple[Graph, Plan, Recompute]:
+    """The step traced at ``plan``'s microbatch count, ``plan`` checked against it and
+    ``cluster`` (`check_plan`), and the recomputation it lists."""
+    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    try:
+        graph = graph_for(count)
+    except BatchSplitError as e:
+        raise PlanFormatError(
+            f"pipeline.num_microbatches is {count}, but {e}; edit the plan's "
+            "pipeline.num_microbatches, or plan again"
+        ) from None
+    checked = check_plan(plan, graph, cluster)
+    recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))
+    return graph, checked, recompute
+
+
+def _stages(plan: Plan, graph: Graph) -> tuple[tuple[Layer, ...], list[StageGraph]]:
+    """A pipelined plan's stages as layers of ``graph``, and each stage's own graph."""
+    layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(plan.stages))
+    return layers, [stage_graph(graph, layers, s, s + 1) for s in range(len(layers))]
+
+
 def _derive_pipeline(
     plan: Plan, graph: Graph, cluster: Cluster, optimizer: str, limit: float, recompute: Recompute
 ) -> Plan:
     assert plan.pipeline is not None
-    layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(plan.stages))
+    layers, stage_graphs = _stages(plan, graph)
     axes = plan.stage_axes
     boundary = _spec(plan.stages[0].boundary, axes) if plan.stages[0].boundary else ()
-    stage_graphs = [stage_graph(graph, layers, s, s + 1) for s in range(len(layers))]
     pipe = price_pipeline(
         graph,
         layers,
@@ -173,17 +187,13 @@ def price_stages_ops(
     """``plan``'s price op by op (`PricedStep.ops`), one `PricedStep` per stage (a plan
     without pipelining has one): what its predicted compute, communication and memory are
     the sums of (`autoplan.planfile.breakdown`). A pipeline stage's is one microbatch's."""
-    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    graph = graph_for(count)
-    checked = check_plan(plan, graph, cluster)
-    recompute = Recompute.mixed(graph, ((r.layer, r.mode, r.nodes) for r in checked.recompute))
+    graph, checked, recompute = _checked(plan, graph_for, cluster)
     if checked.pipeline is None:
         pricer = Pricer(cluster, checked.mesh.shape, optimizer, recompute)
         return (price_step(graph, assignment_of(checked, graph), pricer),)
-    layers = tuple(Layer(f"stage {s}", stage.nodes) for s, stage in enumerate(checked.stages))
+    _, stage_graphs = _stages(checked, graph)
     mesh_shape = tuple(checked.mesh.shape[1:])
     pricer = Pricer(cluster.stage(math.prod(mesh_shape)), mesh_shape, optimizer, recompute)
-    stage_graphs = [stage_graph(graph, layers, s, s + 1) for s in range(len(layers))]
     return tuple(
         price_step(st.graph, _stage_assignment(checked, s, st), pricer)
         for s, st in enumerate(stage_graphs)

@@ -129,9 +129,6 @@ class Step:
         self._runtime: Runtime | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
-        # the model's FLOPs in one step, forward and backward of the whole batch, without
-        # recomputation (what MFU counts); 0.0 until the step is built
-        self.flops = 0.0
 
     @property
     def runtime(self) -> Runtime:
@@ -141,10 +138,6 @@ class Step:
                 "the step is not built yet: pass example_inputs to parallelize, or call it once"
             )
         return self._runtime
-
-    @property
-    def built(self) -> bool:
-        return self._runtime is not None
 
     @property
     def plan(self) -> Plan | None:
@@ -177,6 +170,12 @@ class Step:
         return 0.0 if self._runtime is None else self._runtime.step_limit_s
 
     @property
+    def flops(self) -> float:
+        """The model's FLOPs in one step, forward and backward of the whole batch, without
+        recomputation (what MFU counts); 0.0 before the step is built."""
+        return 0.0 if self._runtime is None else self._runtime.flops
+
+    @property
     def max_grad_norm(self) -> float | None:
         return self.train.max_grad_norm
 
@@ -192,7 +191,7 @@ class Step:
         ep = export_step(self._model, example_inputs, self._loss_fn, example_target, precision)
         refuse_non_loss(ep, self._model, self._loss_fn is not None)  # a step trains a loss
         graph = graph_from_export(ep, precision)
-        self.flops = sum(n.flops + n.bwd_flops for n in graph)
+        flops = sum(n.flops + n.bwd_flops for n in graph)  # of the whole batch
 
         def export_microbatch(count: int) -> ExportedProgram:
             if count == 1:  # the whole batch: the step just exported
@@ -233,6 +232,7 @@ class Step:
             self.train,
             self._init_fn,
             gradless=frozenset(n.name for n in graph if not n.needs_grad),
+            flops=flops,
         )
 
     def __call__(self, inputs: Any, target: Any = None) -> torch.Tensor:

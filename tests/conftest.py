@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import autoplan
 from autoplan import PlanOptions
@@ -31,3 +33,11 @@ def cpu4() -> autoplan.Cluster:
 @pytest.fixture(scope="session")
 def a100() -> autoplan.Cluster:
     return autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone (DTensors on a mesh of one device)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,13 +9,11 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import autoplan
@@ -193,14 +191,6 @@ def test_an_unwritable_checkpoint_folder_is_refused(tmp_path: Path) -> None:
         check_writable(tmp_path / "a-file" / "ckpt")
     check_writable(tmp_path / "new" / "ckpt")  # made
     assert (tmp_path / "new" / "ckpt").is_dir() and not list((tmp_path / "new/ckpt").iterdir())
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A process group of this process alone."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _one_rank_step(cpu4: autoplan.Cluster) -> tuple[autoplan.Step, object]:

@@ -8,13 +8,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autoplan
 from autoplan import PlanOptions
@@ -290,14 +288,6 @@ def test_autoplan_run_reports_a_failure_after_the_start_once(tmp_path: Path) -> 
     ), proc.stderr
     assert len(lines) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A process group of this process alone."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _LossAndLogits(torch.nn.Module):

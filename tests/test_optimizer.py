@@ -4,11 +4,9 @@ update with strided gradients equal to torch's default loop."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -30,15 +28,6 @@ def test_defaults_and_refusals() -> None:
     assert sgd.defaults["foreach"] is True and not sgd.defaults["fused"]
     with pytest.raises(AutoplanError, match="optimizer 'lion' is not known"):
         make_optimizer("lion", params, {})
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A process group of this process alone (DTensors on a mesh of one device)."""
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:

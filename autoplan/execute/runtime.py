@@ -45,6 +45,7 @@ class Runtime:
     zero: ShardedState  # ZeRO-1/2's parameters updated as shards
     step_limit_s: float  # the watchdog's limit for one step
     loss_scaler: LossScaler | None  # fp16 plans' dynamic loss scaling; None: no scaling
+    flops: float = 0.0  # the model's in one step, forward and backward, of the whole batch
 
 
 def build_runtime(
@@ -56,12 +57,13 @@ def build_runtime(
     train: TrainOptions,
     init_fn: Callable[[nn.Module], None] | None,
     gradless: frozenset[str] = frozenset(),
+    flops: float = 0.0,
 ) -> Runtime:
     """Place ``model``'s parameters as ``plan`` says (in place, as DTensors) and build what
     its step runs with; ``ep`` is the step traced at the shape a stage runs (one microbatch
     for pipelined plans), ``optimizer`` the name `PlanOptions.optimizer` gives; ``gradless``
     names the traced step's nodes that need no gradient (a stage detaches what it receives
-    of them)."""
+    of them); ``flops`` are the whole batch's step's, for MFU."""
     mesh = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
     module: ParallelModule | None = None
     pipeline: PipelineRunner | None = None
@@ -107,4 +109,5 @@ def build_runtime(
         zero=zero,
         step_limit_s=step_timeout(plan.predicted.step_time_s, train.timeout_s),
         loss_scaler=LossScaler(init_scale=train.init_scale) if fp16 else None,
+        flops=flops,
     )
