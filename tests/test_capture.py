@@ -212,15 +212,19 @@ def test_no_grad_and_autocast_off_regions_are_inlined_with_their_gradients() -> 
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
 
 
-def test_blocks_that_make_tensors_in_forward_still_share_decisions() -> None:
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_blocks_that_make_tensors_in_forward_still_share_decisions(precision: str | None) -> None:
     # Hugging Face's Llama makes a tensor in each attention's forward; export numbers them
-    # across the model, which must not make the blocks look different
+    # across the model, which must not make the blocks look different. Under mixed precision
+    # the step is traced in one autocast region, whose ops must keep their own module paths
     w = load_workload(ROOT / "examples" / "hf_llama.py", size="small", batch_size=2, seq_len=8)
-    graph = capture(w.model, w.example_inputs)
+    graph = capture(w.model, w.example_inputs, precision=precision)
     sharing = find_sharing(graph)
     copies = list(sharing.canonical)  # nodes that take another node's decision
     in_blocks = [n.name for n in graph if (block_of(n) or "").endswith(("layers.2", "layers.3"))]
     assert in_blocks and sorted(copies) == sorted(in_blocks)  # every node of the copies
+    linears = [n for n in graph if n.kind == NodeKind.OP and "linear" in n.op]
+    assert all(block_of(n) for n in linears[:-1])  # all but the head lie in a layer
 
 
 def test_a_forward_that_updates_buffers_is_refused_by_name() -> None:

@@ -17,7 +17,16 @@ from autoplan.graph.convert import WRAPPED, module_path
 
 def decomposed(ep: ExportedProgram) -> ExportedProgram:
     """``ep`` made functional by ``run_decompositions({})``, which keeps composite ops such as
-    ``linear`` whole (see `mutates`) and inlines autocast's regions with their casts."""
+    ``linear`` whole (see `mutates`) and inlines autocast's regions with their casts.
+
+    A region's body is run node by node (an fx ``Interpreter``), so that the ops it becomes
+    keep their own module paths: run whole, every op of a step traced under autocast would
+    take the region's (the step's), and no two layers would be seen as copies
+    (`autoplan.graph.blocks`)."""
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and str(node.target) == "wrap_with_autocast":
+            body = getattr(ep.graph_module, str(node.args[_REGIONS["wrap_with_autocast"]].target))
+            body.forward = torch.fx.Interpreter(body).run
     with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
         warnings.simplefilter("ignore", FutureWarning)
         return ep.run_decompositions({})
