@@ -6,7 +6,8 @@ memory ``m[v][k]`` (bytes per device); edge ``(u, v)`` has resharding costs ``R[
 
 Preprocessing (:func:`simplify`) shrinks the problem first. Each step keeps the cost of every
 assignment unchanged, so :func:`~autoplan.solvers.evaluate.evaluate` gives the same objective on
-the original and on the simplified problem:
+the original and on the simplified problem (`autoplan.solvers.dominance` then drops the
+strategies that others dominate, and the problem is simplified again):
 
 - :func:`fold_self_edges`: an edge with ``u == v`` only ever costs ``R[v,v][k][k]``; that
   diagonal is added to ``c[v][k]``.
@@ -108,6 +109,7 @@ from typing import Any
 import pulp
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
+from autoplan.solvers.dominance import drop_dominated
 from autoplan.solvers.evaluate import evaluate, min_memory
 from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost, gap_text
 from autoplan.units import fmt_bytes
@@ -138,10 +140,11 @@ def solve_intra_op(
     start = time.perf_counter()
     if min_memory(problem) > problem.memory_limit:
         raise _infeasible_error(problem)
-    reduced = simplify(problem)
+    undominated, kept = drop_dominated(simplify(problem))
+    reduced = simplify(undominated)
     if all(len(costs) == 1 for costs in reduced.node_costs) and not problem.recompute:
         logger.debug("ILP: every group has a single strategy; no solver needed")
-        return _solution(problem, (0,) * problem.num_groups, (), "optimal", start, 0, 0)
+        return _solution(problem, tuple(k[0] for k in kept), (), "optimal", start, 0, 0)
 
     for margin in (0.0, MEMORY_MARGIN):
         model, variables = build_model(reduced, margin)
@@ -157,7 +160,7 @@ def solve_intra_op(
         )
         _solve(model, solver, time_limit_s)
         status, gap = _status(model, problem, time_limit_s)
-        choice = _extract_choice(reduced, variables)
+        choice = tuple(kept[v][k] for v, k in enumerate(_extract_choice(reduced, variables)))
         recomputed = tuple(round(n.varValue or 0.0) for n in variables.n)
         if evaluate(problem, choice, recomputed).memory <= problem.memory_limit:
             break
