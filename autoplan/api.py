@@ -25,7 +25,7 @@ from autoplan.modes import NodeKind, RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.phases import counted, split, timed
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
-from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
+from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan, solver_info
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import schedule_refusal
@@ -374,8 +374,17 @@ def _plan_one_stage(
         mode = RecomputeMode.FULL if recompute is None else recompute
         infeasible = _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
         return infeasible, tuple(unproven)
+    result = best.result
     plan = assemble_plan(
-        graph, cluster, best.result, best.step, best.rules, tuple(meshes), best.pricer.recompute
+        graph,
+        cluster,
+        result.mesh_shape,
+        result.assignment,
+        best.step,
+        best.rules,
+        solver_info(result, tuple(meshes)),
+        result.problem.memory_limit,
+        best.pricer.recompute,
     )
     solved = [m for m in meshes if m not in needs]
     # conventional plans do not take pins

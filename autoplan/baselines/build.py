@@ -44,7 +44,7 @@ from autoplan.costmodel.pipeline_price import PipelinePlan, price_pipeline
 from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError
-from autoplan.graph.blocks import BlockSharing, block_of
+from autoplan.graph.blocks import block_of
 from autoplan.graph.capture import as_tuple, capture, microbatch
 from autoplan.graph.cut import (
     DEFAULT_MAX_LAYERS,
@@ -60,10 +60,8 @@ from autoplan.modes import NodeKind, RecomputeMode, Schedule, parse_mode
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
 from autoplan.planfile.schema import Plan
+from autoplan.planfile.sections import SolverInfo
 from autoplan.schedules import schedule_refusal
-from autoplan.search.intra_op import IntraOpResult, build_problem
-from autoplan.solvers.evaluate import evaluate
-from autoplan.solvers.problem import IntraOpSolution
 from autoplan.units import fmt_bytes
 
 GiB = 2**30
@@ -196,14 +194,14 @@ def _one_stage(
     mesh_shape = mesh_of(layout.dp, layout.tp)
     recompute = chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute)
     pricer = Pricer(cluster, mesh_shape, optimizer, recompute)
-    problem, _ = build_problem(graph, BlockSharing(blocks={}, canonical={}), space, pricer, limit)
-    choice = (0,) * problem.num_groups
-    solution = IntraOpSolution(choice, evaluate(problem, choice).objective, "baseline", 0.0, 0, 0)
     assignment = assignment_of(space)
-    result = IntraOpResult(mesh_shape, assignment, solution, problem)
     rules = {name: ns.source for name, ns in space.items()}
     step = price_step(graph, assignment, pricer)
-    return assemble_plan(graph, cluster, result, step, rules, (mesh_shape,), recompute)
+    # nothing is solved: the objective is the step's price, as a pipeline plan's
+    solver = SolverInfo("baseline", step.time_s, 0.0, 0, 0, 0, (mesh_shape,))
+    return assemble_plan(
+        graph, cluster, mesh_shape, assignment, step, rules, solver, limit, recompute
+    )
 
 
 # the stages of a step depend on pp (and virtual_stages) alone: all conventional plans of so

@@ -92,22 +92,38 @@ def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
     return tuple(RecomputedLayer(name, mode, ops) for name, mode, ops in recompute.layers)
 
 
+def solver_info(result: IntraOpResult, meshes_tried: tuple[tuple[int, ...], ...]) -> SolverInfo:
+    """The solver section of a one-stage plan the ILP found."""
+    solution = result.solution
+    return SolverInfo(
+        status=solution.status,
+        objective=solution.objective,
+        solve_time_s=solution.solve_time_s,
+        num_variables=solution.num_variables,
+        num_constraints=solution.num_constraints,
+        num_groups=result.problem.num_groups,
+        meshes_tried=meshes_tried,
+    )
+
+
 def assemble_plan(
     graph: Graph,
     cluster: Cluster,
-    result: IntraOpResult,
+    mesh_shape: tuple[int, ...],
+    assignment: Mapping[str, Strategy],
     step: PricedStep,
     rules: Mapping[str, str],
-    meshes_tried: tuple[tuple[int, ...], ...],
+    solver: SolverInfo,
+    memory_limit: float,
     recompute: Recompute = NO_RECOMPUTE,
 ) -> Plan:
-    assignment = result.assignment
-    axes = axis_names(graph, assignment, result.mesh_shape)
-    mesh = Mesh(axes=axes, shape=result.mesh_shape, ranks=tuple(range(cluster.num_devices)))
+    """The one-stage plan of ``assignment`` on ``mesh_shape``, priced as ``step``; ``rules``
+    says where each node's strategy came from."""
+    axes = axis_names(graph, assignment, mesh_shape)
+    mesh = Mesh(axes=axes, shape=mesh_shape, ranks=tuple(range(cluster.num_devices)))
     params = _params(graph, assignment, axes)
     nodes = _nodes(graph, assignment, rules, axes)
     collectives = collective_plans(step, axes)
-    solution = result.solution
     return Plan(
         provenance=provenance(graph, cluster),
         mesh=mesh,
@@ -115,16 +131,8 @@ def assemble_plan(
         params=params,
         nodes=nodes,
         collectives=collectives,
-        predicted=predicted(step, result.problem.memory_limit),
-        solver=SolverInfo(
-            status=solution.status,
-            objective=solution.objective,
-            solve_time_s=solution.solve_time_s,
-            num_variables=solution.num_variables,
-            num_constraints=solution.num_constraints,
-            num_groups=result.problem.num_groups,
-            meshes_tried=meshes_tried,
-        ),
+        predicted=predicted(step, memory_limit),
+        solver=solver,
         mixed_precision=graph.precision,
         recompute=recomputed_layers(recompute),
     )
