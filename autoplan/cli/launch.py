@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from autoplan.cli.elastic import ONE_NODE, Nodes
 from autoplan.cli.failure import ERRORS_ENV, summary
 from autoplan.cli.progress_line import TTY_ENV
 from autoplan.errors import AutoplanError
@@ -19,27 +20,45 @@ log = logging.getLogger(__name__)
 
 
 def torchrun(
-    argv: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None
+    argv: Sequence[str],
+    nproc: int,
+    nodes: Nodes = ONE_NODE,
+    rdzv_endpoint: str | None = None,
+    *,
+    rdzv_conf: str | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Start this command again as ``nproc`` processes per node under torchrun; they do the
     work. One node rendezvous on its own; more nodes each run the same command and meet at
-    ``rdzv_endpoint``. The ranks' output streams through; a failed job ends with one block
-    (`autoplan.cli.failure`) instead of every rank's error and torchrun's report. Returns
-    the exit code: 0, 2 for an error in the input (an `AutoplanError` on the ranks), else 1."""
+    ``rdzv_endpoint`` (torchrun's c10d rendezvous, with its settings ``rdzv_conf``). After a
+    failure torchrun starts the processes again, up to ``max_restarts`` times, on the nodes
+    left (`autoplan.cli.elastic`). The ranks' output streams through; a failed job ends with
+    one block (`autoplan.cli.failure`) instead of every rank's error and torchrun's report.
+    Returns the exit code: 0, 2 for an error in the input (an `AutoplanError` on the ranks),
+    else 1."""
     # The ranks learn their number from torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE); left in,
     # torchrun would take these as its own (--nproc as --nproc-per-node).
-    ours = ("--nproc", "--nnodes", "--rdzv-endpoint")
+    ours = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-conf", "--max-restarts")
     rest = [
         a
         for a, prev in zip(argv, ["", *argv[:-1]], strict=True)
         if a not in ours and prev not in ours and a.partition("=")[0] not in ours
     ]
-    if nnodes == 1:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if nodes == ONE_NODE and rdzv_endpoint is None:
         where = ["--standalone"]
     elif rdzv_endpoint:
-        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        where = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        where += [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
     else:
-        raise AutoplanError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT of one node")
+        raise AutoplanError(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT of one node")
+    if max_restarts:
+        where.append(f"--max-restarts={max_restarts}")
+    if max_restarts or nodes.elastic:  # a node that joins restarts the processes too
+        # A restart's ranks would otherwise meet in the store of the first start, where the
+        # last start's keys are left: gloo then reads a lost rank's address and cannot
+        # connect. Unshared, each start's rank 0 opens a store of its own.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [
         sys.executable,
         "-m",
@@ -50,7 +69,6 @@ def torchrun(
         "autoplan.cli",
         *rest,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if sys.stderr.isatty():
         env[TTY_ENV] = "1"
     with tempfile.TemporaryDirectory(prefix="autoplan-errors-") as folder:
