@@ -231,6 +231,23 @@ def test_a_failed_job_is_one_block(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "Traceback" in failure.summary(tmp_path, 1, "", verbose=True)[0]
 
 
+def test_only_the_last_starts_errors_are_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job started again after a lost node (--max-restarts): the start before failed on a
+    rank the last start may not have, and that is not the job's failure."""
+    monkeypatch.setenv(failure.ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _rank_error(tmp_path, 3, RuntimeError("Connection closed by peer"), 3, "backward")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _rank_error(tmp_path, 1, AutoplanError("checkpoint: disk full"), 5)
+    text, code = failure.summary(tmp_path, 1, "", verbose=False)
+    assert code == 2 and text.splitlines() == [
+        "autoplan: error on rank 1 after step 5 (saving its checkpoint, or checking the run):",
+        "  checkpoint: disk full",
+    ]
+
+
 def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None:
     report = (
         "E1127 21:50:01.123000 99 torch/distributed/elastic/multiprocessing/api.py:882] failed "
