@@ -278,7 +278,9 @@ def _peak_memory(cluster: Cluster) -> float | None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Outside torchrun: check what can be checked and start the ranks; on a rank: train."""
+    """Outside torchrun: check what can be checked and start the ranks (again after a failure
+    or a lost node, `autoplan.cli.elastic`); on a rank: train with the plan for the processes
+    it has."""
     if "RANK" not in os.environ:
         cluster = _cluster(args)
         _check(args, cluster)
