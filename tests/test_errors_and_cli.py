@@ -272,6 +272,25 @@ def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes
     assert stderr.held_text().startswith("W1127 torch/distributed/elastic")
 
 
+def test_a_restart_is_told_and_only_the_final_report_held(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """In a job that may start again, the agent's line about a failed start passes through,
+    the next start's output streams, and the exit codes the report is told from are the last
+    start's."""
+    stderr = _Stderr(restarts=True)
+    failed = b"E1128 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: %d) "
+    stderr.feed(failed % 1 + b"local_rank: 0 (pid: 7) of binary: x\n")
+    stderr.feed(b"12:00:09 a warning of the next start\n")
+    stderr.feed(failed % -9 + b"local_rank: 1 (pid: 8) of binary: x\n")
+    stderr.feed(b"Traceback (most recent call last):\nChildFailedError: ...\n")
+    err = capsysbinary.readouterr().err
+    assert err.count(b"failed (exitcode") == 2 and b"a warning of the next start" in err
+    assert b"Traceback" not in err
+    text, _ = failure.summary(tmp_path, 1, stderr.held_text(), verbose=False)
+    assert "local rank 1 was ended by SIGKILL" in text and "local rank 0" not in text
+
+
 FAILS_ON_RANKS = """import os
 from examples.mlp import workload as mlp
 

@@ -75,7 +75,7 @@ def torchrun(
         env[ERRORS_ENV] = folder
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
         assert proc.stderr is not None
-        stderr = _Stderr()
+        stderr = _Stderr(restarts=bool(max_restarts or nodes.elastic))
         try:
             while chunk := os.read(proc.stderr.fileno(), 1 << 16):
                 stderr.feed(chunk)
@@ -93,26 +93,43 @@ def torchrun(
 # torchrun's own lines once a rank has failed (its agent's log, then a traceback that ends
 # in ChildFailedError): from the first of them on, stderr is held back, not printed
 _REPORT = re.compile(rb"torch[./]distributed[./]elastic|ChildFailedError")
+# where torchrun's report begins once it starts the processes no more
+_FINAL = re.compile(rb"^Traceback|ChildFailedError")
 
 
 class _Stderr:
     """The ranks' and torchrun's stderr: passed through as it comes until torchrun's failure
-    report begins, held from there."""
+    report begins, held from there. In a job that may start again (``restarts``), the agent's
+    lines about a failed start pass through (a restart follows), and only the final report is
+    held."""
 
-    def __init__(self) -> None:
+    def __init__(self, restarts: bool = False) -> None:
+        self.restarts = restarts
         self.held: list[bytes] = []
+        # in a job that may start again: torchrun's lines since the ranks' last, which name
+        # the exit codes of the last start's processes
+        self.since_ranks: list[bytes] = []
 
     def feed(self, chunk: bytes) -> None:
         out = sys.stderr.buffer
+        held_from = _FINAL if self.restarts else _REPORT
         for piece in chunk.splitlines(keepends=True):
-            if not self.held and not _REPORT.search(piece):
-                out.write(piece)
-            else:
+            if self.held or held_from.search(piece):
                 self.held.append(piece)
+                continue
+            out.write(piece)
+            if not self.restarts:
+                continue
+            if _REPORT.search(piece):
+                self.since_ranks.append(piece)
+            else:
+                self.since_ranks.clear()
         out.flush()
 
     def held_text(self) -> str:
-        return b"".join(self.held).decode(errors="replace")
+        """What torchrun said of the failure: its report, after the lines that named the
+        last start's exit codes in a job that may start again."""
+        return b"".join(self.since_ranks + self.held).decode(errors="replace")
 
     def flush_held(self) -> None:
         sys.stderr.buffer.write(b"".join(self.held))
