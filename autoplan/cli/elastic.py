@@ -53,6 +53,11 @@ def nodes(text: str) -> Nodes:
     return found
 
 
+def may_restart(nodes: Nodes, max_restarts: int) -> bool:
+    """The job's processes may start again: after a failure, or when a node is lost or joins."""
+    return max_restarts > 0 or nodes.elastic
+
+
 def plan_for_world(worlds: Mapping[str, int], world: int) -> tuple[str | None, str | None]:
     """Of the plan files given (each file -> the number of devices it is for), the one for a
     job of ``world`` processes, and a line to say why none is used (None when none is given or

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from autoplan.cli.elastic import ONE_NODE, Nodes
+from autoplan.cli.elastic import ONE_NODE, Nodes, may_restart
 from autoplan.cli.failure import ERRORS_ENV, summary
 from autoplan.cli.progress_line import TTY_ENV
 from autoplan.errors import AutoplanError
@@ -54,7 +54,8 @@ def torchrun(
         raise AutoplanError(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT of one node")
     if max_restarts:
         where.append(f"--max-restarts={max_restarts}")
-    if max_restarts or nodes.elastic:  # a node that joins restarts the processes too
+    restarts = may_restart(nodes, max_restarts)
+    if restarts:
         # A restart's ranks would otherwise meet in the store of the first start, where the
         # last start's keys are left: gloo then reads a lost rank's address and cannot
         # connect. Unshared, each start's rank 0 opens a store of its own.
@@ -75,7 +76,7 @@ def torchrun(
         env[ERRORS_ENV] = folder
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
         assert proc.stderr is not None
-        stderr = _Stderr(restarts=bool(max_restarts or nodes.elastic))
+        stderr = _Stderr(restarts)
         try:
             while chunk := os.read(proc.stderr.fileno(), 1 << 16):
                 stderr.feed(chunk)

@@ -18,7 +18,7 @@ from autoplan.cli.arguments import (
     positive,
     workload_options,
 )
-from autoplan.cli.elastic import ONE_NODE, nodes, plan_for_world
+from autoplan.cli.elastic import ONE_NODE, may_restart, nodes, plan_for_world
 from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
@@ -172,11 +172,6 @@ def _plans(paths: Sequence[str]) -> dict[str, int]:
     return {path: len(Plan.from_json(path).mesh.ranks) for path in paths}
 
 
-def _restarts(args: argparse.Namespace) -> bool:
-    """The job may start again: after a failure, or when nodes are lost or join."""
-    return args.max_restarts > 0 or args.nnodes.elastic
-
-
 def _check_restarts(args: argparse.Namespace) -> None:
     """What a job that may start again needs."""
     if args.max_restarts < 0:
@@ -185,7 +180,7 @@ def _check_restarts(args: argparse.Namespace) -> None:
         raise AutoplanError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, on one of the nodes"
         )
-    if _restarts(args) and args.checkpoint_dir is None:
+    if may_restart(args.nnodes, args.max_restarts) and args.checkpoint_dir is None:
         raise AutoplanError(
             "a restart resumes from the newest checkpoint (--max-restarts, --nnodes MIN:MAX): "
             "give --checkpoint-dir DIR, and --checkpoint-every N to lose at most N steps"
@@ -285,7 +280,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         cluster = _cluster(args)
         _check(args, cluster)
         return torchrun(
-            [*argv, "--resume"] if _restarts(args) else argv,
+            [*argv, "--resume"] if may_restart(args.nnodes, args.max_restarts) else argv,
             cluster.num_devices // args.nnodes.max,
             args.nnodes,
             args.rdzv_endpoint,
