@@ -105,7 +105,8 @@ class Step:
     forward returns the loss, and gradients are synchronized as they arrive) for users who
     write their own loop, None for pipelined plans (``step.pipeline``); ``step.optimizer`` the
     optimizer over its DTensor parameters; ``step.plan`` the plan in use; ``step.steps_done``
-    the steps taken (counted by calls, and restored by `load`).
+    the steps taken (counted by calls, and restored by `load`); ``step.resumed_from`` the
+    checkpoint `load` restored (its step, its path, the ranks that saved it).
     """
 
     def __init__(
@@ -129,6 +130,7 @@ class Step:
         self._runtime: Runtime | None = None
         self._keywords: tuple[str, ...] = ()  # the names of inputs passed by keyword
         self.steps_done = 0
+        self.resumed_from: Restored | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -326,6 +328,7 @@ class Step:
         restored = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
         if restored is not None:
             self.steps_done = restored.step
+            self.resumed_from = restored
             self.runtime.zero.gather()  # ZeRO-1/2: the shards loaded, the whole parameters
         return restored
 

@@ -408,6 +408,26 @@ CASES = [
         r"argument --steps: must be at least 1, got -1",
     ),
     Bad("lr-0", lambda d: run("--lr", "0"), r"argument --lr: must be > 0, got 0"),
+    Bad("nnodes-range", lambda d: run("--nnodes", "4:2"), r"argument --nnodes: .*1 <= MIN <= MAX"),
+    Bad(
+        "nnodes-without-endpoint",
+        lambda d: run("--nnodes", "2:4", "--checkpoint-dir", str(d / "c"), workload=MLP),
+        r"--nnodes 2:4 needs --rdzv-endpoint HOST:PORT",
+    ),
+    Bad(
+        "restarts-without-checkpoints",
+        lambda d: run("--max-restarts", "2", workload=MLP),
+        r"a restart resumes from the newest checkpoint .*give --checkpoint-dir DIR",
+    ),
+    Bad(
+        "mesh-of-an-elastic-job",
+        lambda d: run(
+            *("--nnodes", "1:2", "--rdzv-endpoint", "localhost:29400", "--mesh", "2"),
+            *("--checkpoint-dir", str(d / "c")),
+            workload=MLP,
+        ),
+        r"--mesh fixes the number of processes, but --nnodes 1:2 lets it change: leave --mesh out",
+    ),
     Bad("stages-0", lambda d: plan(MLP, "--stages", "0"), r"argument --stages: must be at least 1"),
     Bad(
         "time-limit",

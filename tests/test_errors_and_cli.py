@@ -231,6 +231,23 @@ def test_a_failed_job_is_one_block(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "Traceback" in failure.summary(tmp_path, 1, "", verbose=True)[0]
 
 
+def test_only_the_last_starts_errors_are_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job started again after a lost node (--max-restarts): the start before failed on a
+    rank the last start may not have, and that is not the job's failure."""
+    monkeypatch.setenv(failure.ERRORS_ENV, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _rank_error(tmp_path, 3, RuntimeError("Connection closed by peer"), 3, "backward")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _rank_error(tmp_path, 1, AutoplanError("checkpoint: disk full"), 5)
+    text, code = failure.summary(tmp_path, 1, "", verbose=False)
+    assert code == 2 and text.splitlines() == [
+        "autoplan: error on rank 1 after step 5 (saving its checkpoint, or checking the run):",
+        "  checkpoint: disk full",
+    ]
+
+
 def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None:
     report = (
         "E1127 21:50:01.123000 99 torch/distributed/elastic/multiprocessing/api.py:882] failed "
@@ -253,6 +270,25 @@ def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes
     stderr.feed(b"Traceback (most recent call last):\nChildFailedError: ...\n")
     assert capsysbinary.readouterr().err == b"12:00:01 a rank's warning\n[#---] 10% ILP 1/9\r"
     assert stderr.held_text().startswith("W1127 torch/distributed/elastic")
+
+
+def test_a_restart_is_told_and_only_the_final_report_held(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """In a job that may start again, the agent's line about a failed start passes through,
+    the next start's output streams, and the exit codes the report is told from are the last
+    start's."""
+    stderr = _Stderr(restarts=True)
+    failed = b"E1128 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: %d) "
+    stderr.feed(failed % 1 + b"local_rank: 0 (pid: 7) of binary: x\n")
+    stderr.feed(b"12:00:09 a warning of the next start\n")
+    stderr.feed(failed % -9 + b"local_rank: 1 (pid: 8) of binary: x\n")
+    stderr.feed(b"Traceback (most recent call last):\nChildFailedError: ...\n")
+    err = capsysbinary.readouterr().err
+    assert err.count(b"failed (exitcode") == 2 and b"a warning of the next start" in err
+    assert b"Traceback" not in err
+    text, _ = failure.summary(tmp_path, 1, stderr.held_text(), verbose=False)
+    assert "local rank 1 was ended by SIGKILL" in text and "local rank 0" not in text
 
 
 FAILS_ON_RANKS = """import os

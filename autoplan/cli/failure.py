@@ -5,7 +5,8 @@ folder `autoplan run` gave it (instead of printing it: N ranks would print it N 
 The block names the rank (rank 0's error, else the lowest rank's), the phase (before the
 first step: tracing, planning, building, resuming; a step and what it was doing; after a
 step: its checkpoint), the cause, and what to do: an `AutoplanError` says it; any other
-error is one autoplan did not check for, and ``-vv`` prints its traceback.
+error is one autoplan did not check for, and ``-vv`` prints its traceback. Of a job that
+torchrun started again (``--max-restarts``), only the last start's errors are told.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class RankError:
     message: str
     checked: bool  # an AutoplanError: its message says what to do
     traceback: str
+    start: int  # torchrun's restart count (--max-restarts): only the last start's are told
 
 
 def phase(command: str = "run") -> str:
@@ -61,6 +63,7 @@ def record(rank: int, error: BaseException, command: str = "run") -> bool:
         str(error),
         isinstance(error, AutoplanError),
         "".join(traceback.format_exception(error)),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
     tmp = Path(folder) / f".rank-{rank}.tmp"
     tmp.write_text(json.dumps(found.__dict__))
@@ -75,7 +78,8 @@ def _read(folder: Path) -> list[RankError]:
             found.append(RankError(**json.loads(file.read_text())))
         except (OSError, ValueError, TypeError):
             continue  # a rank killed while writing: torchrun's exit codes still tell
-    return sorted(found, key=lambda e: e.rank)
+    last = max((e.start for e in found), default=0)
+    return sorted((e for e in found if e.start == last), key=lambda e: e.rank)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autoplan.cli.arguments import at_least_one
+from autoplan.cli.elastic import Nodes
 from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine
 from autoplan.cluster.hardware import BACKENDS
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise AutoplanError(base_refusal(args.nproc * args.nnodes))
         if args.base is not None:
             Cluster.load(args.base)  # a bad file is refused before torchrun starts
-        return torchrun(argv, args.nproc, args.nnodes, args.rdzv_endpoint)
+        return torchrun(argv, args.nproc, Nodes(args.nnodes, args.nnodes), args.rdzv_endpoint)
     settings = Settings(
         max_bytes=args.max_bytes,
         max_matmul_dim=args.max_matmul_dim,

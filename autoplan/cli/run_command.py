@@ -18,6 +18,7 @@ from autoplan.cli.arguments import (
     positive,
     workload_options,
 )
+from autoplan.cli.elastic import ONE_NODE, may_restart, nodes, plan_for_world
 from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
@@ -40,15 +41,26 @@ from autoplan.training import (
 )
 from autoplan.workload import load_workload
 
+log = logging.getLogger(__name__)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="plan and train a workload on local processes (torchrun)")
     add_workload(r)
     r.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
     r.add_argument(
-        "--nproc", type=at_least_one, help="processes to start (default: the cluster's devices)"
+        "--nproc",
+        type=at_least_one,
+        help="processes to start, on each node with --nnodes (default: the cluster's devices, "
+        "or a node's)",
     )
-    r.add_argument("--plan", help="train with this plan instead of planning")
+    r.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        help="train with this plan instead of planning; give it again for other numbers of "
+        "processes (--nnodes MIN:MAX: a start without a plan for its processes plans)",
+    )
     r.add_argument("--steps", type=at_least_one, default=5, help="train steps (default 5)")
     r.add_argument(
         "--lr",
@@ -93,24 +105,92 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="end the job if a step takes longer than S seconds, e.g. a rank stopped or stuck "
         "(default: 10x the plan's predicted step time, at least 60)",
     )
+    e = r.add_argument_group(
+        "nodes and restarts",
+        "run the same command on each node; a restart resumes from the newest intact "
+        "checkpoint in --checkpoint-dir, planned for the processes it has (README: What "
+        "survives what)",
+    )
+    e.add_argument(
+        "--nnodes",
+        type=nodes,
+        default=ONE_NODE,
+        metavar="N|MIN:MAX",
+        help="nodes; MIN:MAX goes on with fewer nodes, down to MIN, when one is lost (default 1)",
+    )
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet")
+    e.add_argument(
+        "--rdzv-conf",
+        metavar="KEY=VALUE,...",
+        help="torchrun's rendezvous settings, e.g. keep_alive_interval=1,last_call_timeout=5 "
+        "(seconds: a lost node is dropped after keep_alive_interval x keep_alive_max_attempt, "
+        "5 x 3 by default; a new rendezvous waits last_call_timeout, 30, for more nodes)",
+    )
+    e.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start the processes again after a failure, up to N times (default 0)",
+    )
     add_progress(r)
     add_plan_options(r)
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
-    """The cluster file; a one-node file is fitted to --nproc local processes."""
+    """The cluster file fitted to the job's processes: on a rank, those torchrun started (after
+    a restart, on the nodes left); before the start, ``--nproc`` on each of ``--nnodes`` (at
+    most)."""
     cluster = Cluster.load(args.cluster)
-    nproc = args.nproc or int(os.environ.get("WORLD_SIZE", cluster.num_devices))
-    if nproc != cluster.num_devices:
-        if cluster.num_nodes != 1:
-            raise AutoplanError(
-                f"--nproc {nproc} does not match cluster {cluster.name!r} "
-                f"({cluster.num_devices} devices on {cluster.num_nodes} nodes)"
-            )
-        cluster = dataclasses.replace(
-            cluster, devices_per_node=nproc, name=f"{cluster.name}-{nproc}"
+    if "WORLD_SIZE" in os.environ:
+        return _fitted(cluster, int(os.environ["WORLD_SIZE"]))
+    if args.nnodes == ONE_NODE:
+        return _fitted(cluster, args.nproc or cluster.num_devices)
+    return _fitted(cluster, (args.nproc or cluster.devices_per_node) * args.nnodes.max)
+
+
+def _fitted(cluster: Cluster, world: int) -> Cluster:
+    """``cluster`` with ``world`` devices: a one-node file's node has them, a file of more
+    nodes has as many of its nodes as hold them."""
+    if world == cluster.num_devices:
+        return cluster
+    name = f"{cluster.name}-{world}"
+    if cluster.num_nodes == 1:
+        return dataclasses.replace(cluster, devices_per_node=world, name=name)
+    if world % cluster.devices_per_node == 0:
+        return dataclasses.replace(cluster, num_nodes=world // cluster.devices_per_node, name=name)
+    raise AutoplanError(
+        f"{world} processes do not fill nodes of cluster {cluster.name!r} ({cluster.num_nodes} "
+        f"nodes of {cluster.devices_per_node} devices); start {cluster.devices_per_node} on "
+        f"each node (--nproc {cluster.devices_per_node}), or give a cluster file of {world} "
+        "devices"
+    )
+
+
+def _plans(paths: Sequence[str]) -> dict[str, int]:
+    """Each plan file given -> the number of devices it is for."""
+    return {path: len(Plan.from_json(path).mesh.ranks) for path in paths}
+
+
+def _check_restarts(args: argparse.Namespace) -> None:
+    """What a job that may start again needs."""
+    if args.max_restarts < 0:
+        raise AutoplanError(f"--max-restarts {args.max_restarts}: give 0 or more")
+    if args.nnodes != ONE_NODE and args.rdzv_endpoint is None:
+        raise AutoplanError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, on one of the nodes"
         )
-    return cluster
+    if may_restart(args.nnodes, args.max_restarts) and args.checkpoint_dir is None:
+        raise AutoplanError(
+            "a restart resumes from the newest checkpoint (--max-restarts, --nnodes MIN:MAX): "
+            "give --checkpoint-dir DIR, and --checkpoint-every N to lose at most N steps"
+        )
+    if args.nnodes.elastic and args.mesh_shape is not None:
+        raise AutoplanError(
+            f"--mesh fixes the number of processes, but --nnodes {args.nnodes} lets it change: "
+            "leave --mesh out (each start plans for the processes it has), or give a --plan "
+            "for each number"
+        )
 
 
 def _train_options(args: argparse.Namespace) -> TrainOptions:
@@ -135,6 +215,7 @@ def _check(args: argparse.Namespace, cluster: Cluster) -> None:
     to resume from is intact. Its errors come once, before torchrun; its warnings not at all:
     rank 0 repeats every check."""
     _train_options(args)
+    _check_restarts(args)
     ckpt = _checkpointing(args)
     logging.disable(logging.WARNING)
     try:
@@ -143,19 +224,21 @@ def _check(args: argparse.Namespace, cluster: Cluster) -> None:
         options = plan_options(args, ProgressLine(args.progress_after))
         if options.mesh_shape is not None:
             cluster.check_mesh_shape(options.mesh_shape)
-        precision = (
-            Plan.from_json(args.plan).mixed_precision
-            if args.plan is not None
-            else options.mixed_precision
-        )
+        plans = _plans(args.plan)
+        # the plan for the processes, checked here where their number is fixed; one for
+        # another number is checked too, to say so
+        given = None
+        if plans and not args.nnodes.elastic:
+            given = plan_for_world(plans, cluster.num_devices)[0] or args.plan[0]
+        precision = Plan.from_json(given).mixed_precision if given else options.mixed_precision
         ep = export_step(w.model, w.example_inputs, w.loss_fn, w.example_target, precision)
         refuse_non_loss(ep, w.model, w.loss_fn is not None)
-        if args.plan is not None:
+        if given is not None:
             graph = graph_from_export(ep, precision)
             traced = capture_microbatches(
                 w.model, w.example_inputs, w.loss_fn, w.example_target, precision
             )
-            check_given_plan(args.plan, lambda n: graph if n == 1 else traced(n), cluster, options)
+            check_given_plan(given, lambda n: graph if n == 1 else traced(n), cluster, options)
         if ckpt.directory is not None:
             check_writable(ckpt.directory)
             if ckpt.resume:
@@ -190,14 +273,27 @@ def _peak_memory(cluster: Cluster) -> float | None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Outside torchrun: check what can be checked and start the ranks; on a rank: train."""
+    """Outside torchrun: check what can be checked and start the ranks (again after a failure
+    or a lost node, `autoplan.cli.elastic`); on a rank: train with the plan for the processes
+    it has."""
     if "RANK" not in os.environ:
         cluster = _cluster(args)
         _check(args, cluster)
-        return torchrun(argv, cluster.num_devices)
+        return torchrun(
+            [*argv, "--resume"] if may_restart(args.nnodes, args.max_restarts) else argv,
+            cluster.num_devices // args.nnodes.max,
+            args.nnodes,
+            args.rdzv_endpoint,
+            rdzv_conf=args.rdzv_conf,
+            max_restarts=args.max_restarts,
+        )
     import torch.distributed as dist
 
     cluster = _cluster(args)
+    world = cluster.num_devices
+    plan, replanning = plan_for_world(_plans(args.plan), world)
+    if replanning and os.environ["RANK"] == "0":
+        log.warning("%s", replanning)
     options = workload_options(args.set)
     workload = load_workload(args.workload, **options)
     progress = ProgressLine(args.progress_after)
@@ -208,7 +304,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             workload,
             cluster,
             args.steps,
-            plan=args.plan,
+            plan=plan,
             options=planning,
             train_options=training,
             checkpointing=_checkpointing(args),
@@ -220,7 +316,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rank0:
         assert step.plan is not None
         print(summary(step.plan), flush=True)
-        world = dist.get_world_size()
+        restored = step.resumed_from
+        if restored is not None and restored.world_size not in (None, world):
+            into = f"plan {plan}" if plan else f"a new plan for {world} processes"
+            print(
+                f"\nresumed from {restored.path}, saved by {restored.world_size} processes: "
+                f"resharded into {into}"
+            )
         steps = f"steps {start + 1}-{args.steps}" if start else f"{args.steps} steps"
         print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
     done = list(records) if not rank0 else _shown(records, StepLine(args.steps, start))

@@ -7,8 +7,9 @@ each tensor from whichever files hold them.
 What a checkpoint holds: the parameters and persistent buffers (this rank's shards; a pipeline
 rank has only its stage's), the optimizer's state and settings (torch's
 ``get_optimizer_state_dict`` flattened per FQN, ``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``,
-as torchtitan saves pipelines), and ``progress.json``: the steps taken, rank 0's random
-states and the caller's ``extra`` (a data loader's position), written by rank 0.
+as torchtitan saves pipelines), and ``progress.json``: the steps taken, the number of ranks
+that saved it, rank 0's random states and the caller's ``extra`` (a data loader's position),
+written by rank 0.
 
 A checkpoint directory holds one directory per checkpoint::
 
@@ -69,6 +70,7 @@ class Restored:
     step: int  # train steps taken
     extra: Any  # what the caller saved with it (JSON), e.g. a data loader's position
     path: Path  # the checkpoint loaded
+    world_size: int | None  # the ranks that saved it (None: saved before this was kept)
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
@@ -225,7 +227,14 @@ def save(
 
     def start() -> None:
         try:
-            progress = json.dumps({"step": step, "rng": _rng_state(), "extra": extra})
+            progress = json.dumps(
+                {
+                    "step": step,
+                    "world_size": dist.get_world_size(),
+                    "rng": _rng_state(),
+                    "extra": extra,
+                }
+            )
         except TypeError as e:
             raise CheckpointError(f"extra={extra!r} is not JSON: {e}") from None
         if tmp.exists():  # a save at the same step that a crash cut short
@@ -334,7 +343,7 @@ def load(
         set_optimizer_state_dict(model, optimizer, {**template, **state["optim"]}, options=_FLAT)
     _set_rng_state(progress["rng"])
     log.info("loaded checkpoint %s (step %d)", path, progress["step"])
-    return Restored(progress["step"], progress["extra"], path)
+    return Restored(progress["step"], progress["extra"], path, progress.get("world_size"))
 
 
 def _progress(path: Path) -> dict[str, Any]:

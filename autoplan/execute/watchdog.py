@@ -228,7 +228,12 @@ def _job_store() -> dist.Store | None:
     if not host or not port:
         return None
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # A store torchrun's agent shares with the ranks outlives a restart: each start beats
+    # under its restart count. Unshared (`autoplan run` that may restart), each start's rank 0
+    # opens a store of its own, and the agents' counts may differ (one restarted for a
+    # failure, another for a node that joined).
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if shared else "own"
     try:
         store = dist.TCPStore(
             host, int(port), is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False
