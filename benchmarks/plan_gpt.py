@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import autoplan  # noqa: E402
 from autoplan.errors import InfeasiblePlanError  # noqa: E402
 from autoplan.graph.capture import capture  # noqa: E402
 from autoplan.workload import load_workload  # noqa: E402
+from benchmarks.plan_rows import PLAN_COLUMNS, plan_fields, run_fresh  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 
 SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
@@ -41,6 +41,7 @@ CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
 
 NAMED = "175b@1024x1536,1t@3072x3072"  # size@gpus x global batch, on A100s
 NAMED_VOCAB = 51200  # the named cases' vocabulary, as the literature trained them
+TIMEOUT_S = 1800.0  # a case running longer is recorded as such
 
 
 def run(size: str, gpus: int, kind: str, batch: int, vocab: int | None = None) -> dict[str, object]:
@@ -77,28 +78,8 @@ def run(size: str, gpus: int, kind: str, batch: int, vocab: int | None = None) -
             plan_s=round(time.perf_counter() - start, 2), result="does not fit", detail=str(e)[:160]
         )
         return row
-    tokens = batch * 2048
-    model_flops = 6 * num_params * tokens  # forward and backward, no recomputation
-    row.update(
-        plan_s=round(time.perf_counter() - start, 2),
-        result="ok",
-        mesh="x".join(map(str, plan.mesh.shape)),
-        axes=",".join(plan.mesh.axes),
-        stages=len(plan.stages),
-        microbatches=plan.pipeline.num_microbatches if plan.pipeline else 1,
-        schedule=plan.pipeline.schedule if plan.pipeline else "",
-        recomputed_layers=len(plan.recompute),
-        bubble=round(plan.pipeline.bubble_fraction, 3) if plan.pipeline else 0.0,
-        ilp_groups=plan.solver.num_groups,
-        ilp_variables=plan.solver.num_variables,
-        solve_s=round(plan.solver.solve_time_s, 2),
-        step_s=round(plan.predicted.step_time_s, 4),
-        comm_share=round(plan.predicted.comm_s / plan.predicted.step_time_s, 3),
-        tokens_per_s=round(tokens / plan.predicted.step_time_s),
-        model_tflops_per_gpu=round(model_flops / plan.predicted.step_time_s / gpus / 1e12, 1),
-        memory_gib=round(plan.predicted.peak_memory_bytes / 2**30, 1),
-        limit_gib=round(plan.predicted.memory_limit_bytes / 2**30, 1),
-    )
+    row["plan_s"] = round(time.perf_counter() - start, 2)
+    row.update(plan_fields(plan, batch * 2048, num_params, gpus))
     return row
 
 
@@ -112,7 +93,7 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a case, run in this process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run(*json.loads(args.one))), flush=True)
+        print(json.dumps(run(**json.loads(args.one))), flush=True)
         return
     logging.basicConfig(level=logging.WARNING)
     cases: list[tuple[str, str, int, int, int | None]] = [
@@ -130,11 +111,8 @@ def main() -> None:
     for kind, size, gpus, batch, vocab in cases:
         # each case in a fresh process, as a user plans: planned after the others in one
         # process, GPT-3 175B took 60.5 s against 49.0 s alone (what earlier cases leave)
-        one = json.dumps([size, gpus, kind, batch, vocab])
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", one], capture_output=True, text=True, check=True
-        )
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        case = {"size": size, "gpus": gpus, "kind": kind, "batch": batch, "vocab": vocab}
+        row = run_fresh(__file__, case, TIMEOUT_S)
         print(json.dumps(row), flush=True)
         rows.append(row)
     meta = {
@@ -146,31 +124,7 @@ def main() -> None:
         f"GPU {args.per_gpu} (at least 4), and the named cases' own (vocabulary {NAMED_VOCAB})",
         "note": "predictions are analytic (published link and peak figures), not measured",
     }
-    columns = [
-        "model",
-        "cluster",
-        "gpus",
-        "batch",
-        "trace_s",
-        "plan_s",
-        "result",
-        "mesh",
-        "axes",
-        "stages",
-        "microbatches",
-        "schedule",
-        "recomputed_layers",
-        "bubble",
-        "ilp_groups",
-        "ilp_variables",
-        "solve_s",
-        "step_s",
-        "comm_share",
-        "tokens_per_s",
-        "model_tflops_per_gpu",
-        "memory_gib",
-        "limit_gib",
-    ]
+    columns = ["model", "cluster", "gpus", "batch", "graph_nodes", *PLAN_COLUMNS]
     write_results("plan_gpt", "Planning benchmark", meta, rows, columns)
 
 
