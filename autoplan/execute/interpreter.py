@@ -39,6 +39,7 @@ from autoplan.execute.op_calls import (
     call_op,
     class_weights,
     local_cross_entropy,
+    local_embedding,
     local_shape,
     local_total_weight,
     reduction,
@@ -51,6 +52,7 @@ from autoplan.execute.placements import (
     to_dtensor,
 )
 from autoplan.execute.randomness import Draws, is_random
+from autoplan.execute.vocab import VocabShard, vocab_shard
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -209,6 +211,12 @@ class PlanInterpreter:
                 if fx_node.target in SIZED:  # a local view's or factory's size argument
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
+        # local embeddings and cross-entropies with the vocabulary split: this rank's piece
+        self.vocab: dict[str, VocabShard] = {
+            n.name: shard
+            for n in self.graph.nodes
+            if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
+        }
 
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
@@ -420,7 +428,9 @@ class PlanInterpreter:
         args, kwargs = self.arguments[name].fill([fetch(*read) for read in reads])
         placements = self.outputs[node.name]
         if node.target is CROSS_ENTROPY:
-            out = local_cross_entropy(node, args, kwargs, total)
+            out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
+        elif name in self.vocab:
+            out = local_embedding(node, args, self.vocab[name])
         else:
             out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)

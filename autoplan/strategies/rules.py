@@ -57,11 +57,32 @@ def _layer_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # logits (N, C, ...) / target (N, ...): split the batch; class weights stay replicated.
     # The loss then holds partial sums on that axis (the executor averages by the split).
+    # Split along the classes (the vocabulary: Megatron's parallel cross-entropy), each rank
+    # holds the logits of its classes and the whole targets; the max and the sums of
+    # exponentials are all-reduced (execute/vocab.py) and every rank has the whole loss.
+    # Not for class probabilities as targets, nor with label smoothing (a mean over classes).
     logits, target = ins[0], ins[1]
     classes = len(logits.shape) - len(target.shape)  # 1: class indices; 0: probabilities
-    rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
+    rest = [R] * (len(ins) - 2)
+    rules: list[AxisRule] = [(P, shard(0), shard(0), *rest)]
     for d in range(2, len(logits.shape)):
-        rules.append((P, shard(d), shard(d - classes), *[R] * (len(ins) - 2)))
+        rules.append((P, shard(d), shard(d - classes), *rest))
+    if classes == 1 and not _arg(node, 5, "label_smoothing", 0.0):
+        rules.append((R, shard(1), R, *rest))
+    return rules
+
+
+def _embedding(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """embedding(weight (V, H), indices (...)): the indices' dims split, or the features
+    (weight dim 1), or the vocabulary (weight dim 0: Megatron's vocabulary-parallel
+    embedding). Split by vocabulary, each rank looks up the rows it holds and zeroes the
+    others (execute/vocab.py): the output is a partial sum. Not so when the gradient is
+    scaled by the indices' frequencies or sparse."""
+    indices = ins[1]  # weight (V, H), indices
+    rules: list[AxisRule] = [(shard(d), R, shard(d)) for d in range(len(indices.shape))]
+    rules.append((shard(len(indices.shape)), shard(1), R))
+    if not _arg(node, 3, "scale_grad_by_freq", False) and not _arg(node, 4, "sparse", False):
+        rules.append((P, shard(0), R))
     return rules
 
 
@@ -382,6 +403,7 @@ _RULES: dict[str, Rule] = {
     "_scaled_dot_product_efficient_attention": _attention,
     "layer_norm": _layer_norm,
     "cross_entropy_loss": _cross_entropy,
+    "embedding": _embedding,
     "mse_loss": _elementwise_loss,
     "l1_loss": _elementwise_loss,
     "view": _reshape,
