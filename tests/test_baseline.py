@@ -298,6 +298,11 @@ def test_splits_that_do_not_divide_name_what_they_cut(
         example("gpt", size="tiny", batch_size=8).baseline(a100, dp=1, tp=8)
     with pytest.raises(AutoplanError, match=r"dp=4 does not divide the batch \(dim 0\) of input 0"):
         example("mlp", batch_size=6, hidden=32).baseline(cpu4, dp=4, tp=1)
+    # a vocabulary tp does not divide: the embedding, the head and the loss stay whole
+    plan = example("gpt", size="tiny", batch_size=8, vocab_size=130).baseline(cpu4, dp=1, tp=4)
+    assert plan.params["tok_emb.weight"].storage == plan.params["head.weight"].storage
+    assert plan.params["head.weight"].storage == {"tp": "R"}
+    assert plan.params["blocks.0.mlp.fc.weight"].storage == {"tp": "S(0)"}
 
 
 def test_a_baseline_is_priced_like_any_plan(cpu4: autoplan.Cluster) -> None:

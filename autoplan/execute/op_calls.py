@@ -7,9 +7,11 @@ attention, embedding lookups and transposes (DTensor's rules for them change no 
 views and factories like ``new_zeros`` (their size argument made local), and losses over a
 split batch: an element-wise loss's local sum over the global element count, and
 cross-entropy's over the global total weight of its targets, are partial sums along the axes
-their inputs are split on. An op DTensor cannot run at all (``lift_fresh_copy``, the
-functional ``copy`` of a slice assignment) runs locally too, placed as the plan says: only
-that way does it run, not raise on the ranks.
+their inputs are split on. So do the vocabulary's split ops (execute/vocab.py): an embedding
+of a weight split by rows (its masked lookup a partial sum) and a cross-entropy of logits
+split along the classes (Megatron's parallel cross-entropy). An op DTensor cannot run at all
+(``lift_fresh_copy``, the functional ``copy`` of a slice assignment) runs locally too, placed
+as the plan says: only that way does it run, not raise on the ranks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for.
+"""Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for (and the
+embedding, whose split by rows DTensor's rule makes a masked partial: see `_embedding`).
 
 export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention, the losses) that
 DTensor only sees decomposed, and view ops whose DTensor rules need a live mesh. Each rule
