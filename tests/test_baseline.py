@@ -209,6 +209,24 @@ class Tied(nn.Module):
         return self.head(self.down(self.norm(self.up(self.emb(idx)))))
 
 
+class TiedLM(nn.Module):
+    """A residual MLP between an embedding and a head that share their weight."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.down(F.relu(self.up(x)))
+        return self.head(self.norm(x))
+
+
 class Skip(nn.Module):
     """A linear pair whose split middle also feeds a residual add: not a Megatron pair."""
 
@@ -228,6 +246,17 @@ def _workload(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Worklo
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def test_a_head_tied_to_its_embedding_splits_the_vocabulary_of_both(
+    cpu4: autoplan.Cluster,
+) -> None:
+    w = _workload(TiedLM(32, 16), torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
+    assert _regions_by_module(w) == [(["up"], ["down"]), (["head"], [])]
+    plan = w.baseline(cpu4, dp=1, tp=4)
+    assert plan.params["emb.weight"].storage == {"tp": "S(0)"}  # the head's weight too
+    assert plan.nodes["embedding"].output == {"tp": "P"}
+    assert plan.nodes["cross_entropy_loss"].inputs == ({"tp": "S(1)"}, {"tp": "R"})
 
 
 def test_two_columns_meeting_at_a_product_are_one_region(cpu4: autoplan.Cluster) -> None:

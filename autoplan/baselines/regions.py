@@ -13,26 +13,29 @@ vocabulary, the loss computed on their shards (Megatron's parallel cross-entropy
 Regions that meet at an op are one region. A region is kept only if every path out of it
 ends at a row linear or such a loss; one that reaches anything else (a normalization or
 residual add over the split dim, the output, a view that moves the split dim) stays
-replicated, as do linears whose weight or bias another op also reads (tied weights), and a
-head whose vocabulary ``tp`` does not divide (Megatron pads it). Column weights and biases
+replicated, as do linears whose weight or bias another op also reads (but a head tied to
+the word embedding, `tied_embedding`), and a head whose vocabulary ``tp`` does not divide
+(Megatron pads it). Column weights and biases
 are split ``S(0)`` (output features), row weights ``S(1)`` (input features), row biases are
 stored replicated and read as partial sums (added on one rank).
 
 The word embedding (the largest table looked up with a step input's indices, its weight
-read by it alone) is split along the vocabulary, ``S(0)``, as Megatron's
-VocabParallelEmbedding: each rank looks up its rows, and the partial sums are all-reduced.
+read by it alone, or tied to a split head) is split along the vocabulary, ``S(0)``, as
+Megatron's VocabParallelEmbedding: each rank looks up its rows, and the partial sums are
+all-reduced.
 
 Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter or convolutions; a
-parameter read inside a region by anything but its linears breaks the region (an embedding
-tied to the head stays whole); a fused projection chunked along its features (one ``qkv``
-linear, then ``chunk``) stays replicated, since a plain row split of its weight would mix
-the pieces (Megatron interleaves them); no sequence parallelism.
+parameter read inside a region by anything but its linears breaks the region (a head tied
+to its embedding through mixed precision's casts stays whole); a fused projection chunked
+along its features (one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row
+split of its weight would mix the pieces (Megatron interleaves them); no sequence
+parallelism.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -109,6 +112,19 @@ def _own_params(graph: Graph, node: Node, refs: Sequence[Ref] | None = None) -> 
     )
 
 
+def tied_embedding(graph: Graph, linear: Node) -> Node | None:
+    """The embedding whose weight ``linear`` (a head without bias) shares, the two its only
+    readers (GPT-2 and Gemma tie them so); None if there is none. Split along the
+    vocabulary, both read it so, as Megatron splits them."""
+    if len(linear.refs) != 2 or graph.node(linear.refs[1].name).kind != NodeKind.PARAM:
+        return None
+    weight = linear.refs[1].name
+    others = [graph.node(u) for u in graph.users(weight) if u != linear.name]
+    if len(others) == 1 and others[0].op == EMBEDDING and others[0].refs[0].name == weight:
+        return others[0]
+    return None
+
+
 def param_of(graph: Graph, name: str) -> Node | None:
     """The parameter node ``name`` is, or casts (autocast's copy of a float32 weight in
     mixed precision, `autoplan.precision`) when that cast is the parameter's only reader."""
@@ -152,7 +168,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
                 node.op == LINEAR
                 and x is not None
                 and x.kind != NodeKind.PARAM
-                and _own_params(graph, node)
+                and (_own_params(graph, node) or tied_embedding(graph, node) is not None)
             ):
                 split[node.name] = len(node.output.shape) - 1
                 columns.add(node.name)
@@ -236,16 +252,16 @@ def _split_regions(graph: Graph, tp: int) -> list[TpRegion]:
     return kept
 
 
-def word_embedding(graph: Graph, tp: int) -> Node | None:
+def word_embedding(graph: Graph, tp: int, tied: Collection[str] = ()) -> Node | None:
     """The embedding a baseline splits along the vocabulary on ``tp`` devices (see the
-    module docstring): None if there is none, or ``tp`` does not divide its vocabulary, or
-    its rule cannot split it so."""
+    module docstring; ``tied``: those tied to a split head): None if there is none, or
+    ``tp`` does not divide its vocabulary, or its rule cannot split it so."""
     found = [
         node
         for node in graph
         if node.op == EMBEDDING
         and graph.node(node.refs[1].name).kind == NodeKind.INPUT
-        and _own_params(graph, node, node.refs[:1])
+        and (_own_params(graph, node, node.refs[:1]) or node.name in tied)
     ]
     if not found:
         return None
@@ -264,7 +280,9 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
             f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
             "reaches only other linears, through element-wise ops, views or attention); use tp=1"
         )
-    embedding = word_embedding(graph, tp)
+    heads = [graph.node(c) for r in regions for c in r.columns]
+    tied = {e.name for head in heads if (e := tied_embedding(graph, head)) is not None}
+    embedding = word_embedding(graph, tp, tied)
     log.info(
         "tp=%d: %d tensor-parallel regions, %d column and %d row linears split, %d loss(es) "
         "on the vocabulary's shards, word embedding %s",

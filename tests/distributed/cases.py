@@ -327,16 +327,21 @@ CASES = [
         )
         for model in ("gpt2", "llama")
     ],
-    # Megatron's tensor parallelism of a model nobody here wrote: the vocabulary split in the
-    # embedding, the head and the loss (its targets shifted, the last ignored: -100)
+    # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
+    # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
+    # head tied to its embedding, the one weight split alike for both
     *[
         Case(
-            f"zoo-llama-baseline-{name}",
+            f"zoo-{model}-baseline-{name}",
             "zoo",
-            {"model": "llama", "batch_size": 64, "seq_len": 32},
+            {"model": model, "batch_size": 64, "seq_len": 32},
             baseline_plan(dp=dp, tp=tp),
         )
-        for name, dp, tp in (("tp", 1, 4), ("2x2", 2, 2))
+        for model, name, dp, tp in (
+            ("llama", "tp", 1, 4),
+            ("llama", "2x2", 2, 2),
+            ("gemma3", "tp", 1, 4),
+        )
     ],
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
     *[
