@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -71,6 +72,26 @@ def local_total_weight(node: torch.fx.Node, target: torch.Tensor, weight: Any) -
     if weight is None:
         return kept.sum().to(dtype)
     return weight[target[kept]].sum().to(dtype)
+
+
+class Summed:
+    """A local scalar (a cross-entropy's total weight) summed over process groups in place:
+    the first all-reduce starts now (gloo's waits sleep, so it overlaps what the rank does
+    next), the others when it is read. c10d's in-place all-reduce, as the gradient buckets:
+    no autograd, no DTensor."""
+
+    def __init__(self, local: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
+        self.tensor = local
+        self.groups = groups
+        self.work = dist.all_reduce(local, group=groups[0], async_op=True) if groups else None
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            for group in self.groups[1:]:
+                dist.all_reduce(self.tensor, group=group)
+            self.work = None
+        return self.tensor
 
 
 def local_cross_entropy(

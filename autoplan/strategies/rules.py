@@ -1,5 +1,4 @@
-"""Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for (and the
-embedding, whose split by rows DTensor's rule makes a masked partial: see `_embedding`).
+"""Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for.
 
 export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention, the losses) that
 DTensor only sees decomposed, and view ops whose DTensor rules need a live mesh. Each rule
@@ -58,33 +57,26 @@ def _layer_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # logits (N, C, ...) / target (N, ...): split the batch; class weights stay replicated.
     # The loss then holds partial sums on that axis (the executor averages by the split).
-    # Split along the classes (the vocabulary: Megatron's parallel cross-entropy), each rank
-    # holds the logits of its classes and the whole targets; the max and the sums of
-    # exponentials are all-reduced (execute/vocab.py) and every rank has the whole loss.
-    # Not for class probabilities as targets, nor with label smoothing (a mean over classes).
+    # Or split along the classes, whole targets, the whole loss out: Megatron's parallel
+    # cross-entropy (execute/vocab.py); not of class probabilities, nor with label smoothing.
     logits, target = ins[0], ins[1]
     classes = len(logits.shape) - len(target.shape)  # 1: class indices; 0: probabilities
-    rest = [R] * (len(ins) - 2)
-    rules: list[AxisRule] = [(P, shard(0), shard(0), *rest)]
+    rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
     for d in range(2, len(logits.shape)):
-        rules.append((P, shard(d), shard(d - classes), *rest))
+        rules.append((P, shard(d), shard(d - classes), *[R] * (len(ins) - 2)))
     if classes == 1 and not _arg(node, 5, "label_smoothing", 0.0):
-        rules.append((R, shard(1), R, *rest))
+        rules.append((R, shard(1), R, *[R] * (len(ins) - 2)))
     return rules
 
 
 def _embedding(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    """embedding(weight (V, H), indices (...)): the indices' dims split, or the features
-    (weight dim 1), or the vocabulary (weight dim 0: Megatron's vocabulary-parallel
-    embedding). Split by vocabulary, each rank looks up the rows it holds and zeroes the
-    others (execute/vocab.py): the output is a partial sum. Not so when the gradient is
-    scaled by the indices' frequencies or sparse."""
-    indices = ins[1]  # weight (V, H), indices
-    rules: list[AxisRule] = [(shard(d), R, shard(d)) for d in range(len(indices.shape))]
-    rules.append((shard(len(indices.shape)), shard(1), R))
-    if not _arg(node, 3, "scale_grad_by_freq", False) and not _arg(node, 4, "sparse", False):
-        rules.append((P, shard(0), R))
-    return rules
+    """embedding(weight (V, H), indices): the indices' dims split, or the features, or (not
+    for a gradient sparse or scaled by frequency) the vocabulary, each rank's lookup masked
+    to its rows (execute/vocab.py): partial sums, where DTensor's rule makes a MaskPartial."""
+    n = len(ins[1].shape)
+    vocab = not _arg(node, 3, "scale_grad_by_freq", False) and not _arg(node, 4, "sparse", False)
+    split: list[AxisRule] = [(shard(d), R, shard(d)) for d in range(n)]
+    return split + [(shard(n), shard(1), R)] + [(P, shard(0), R)] * vocab
 
 
 def _elementwise_loss(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
