@@ -8,6 +8,7 @@ import autoplan
 from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Ref, TensorInfo
+from autoplan.graph.recompute import Recompute
 from autoplan.strategies import dtensor_rules
 from autoplan.strategies.placement import Collective, grad_spec, is_valid, redistribute
 from autoplan.strategies.rules import _view_dim_map, own_rule
@@ -292,6 +293,10 @@ def test_the_vocabulary_splits_are_candidates_and_priced(cpu4: autoplan.Cluster)
         Collective("all_reduce", (0,), 64 * 4),
     ]
     assert pricer.internal_time(loss, vocab, ins) == sum(pricer.collective_s(c) for c in issued)
+    # a recomputed loss issues them again in backward
+    again = pricer.recomputing(Recompute.of(graph, [("tail", [loss.name])]))
+    phases = [p.phase for p in again.internal(loss, vocab, ins)]
+    assert phases == ["forward", "forward", "recompute", "recompute"]
     # on (2, 2): the batch split on the outer axis, the classes on the inner
     both = Strategy(("P", "R"), (("S(0)", "S(1)"), ("S(0)", "R")))
     assert both in strategy_space(graph, (2, 2), {loss.name})[loss.name].strategies

@@ -178,10 +178,13 @@ class Pricer:
         axes = [a for a, size in enumerate(self.mesh_shape) if size > 1]
         issued: list[Phased] = []
         if ins and len(ins[0].shape) == len(ins[1].shape) + 1:  # targets are class indices
-            # the maximum, then the target's logit and the sum, of each element of the shard
+            # the maximum, then the target's logit and the sum, of each element of the shard;
+            # again in backward where the loss is recomputed
             size = itemsize(ins[0].dtype) * local_numel(target, ins[1].shape, self.mesh_shape)
+            again = self.recompute.recomputes(node.name)
             issued += [
-                Phased(Collective("all_reduce", (axis,), n * size), Phase.FORWARD)
+                Phased(Collective("all_reduce", (axis,), n * size), phase)
+                for phase in (Phase.FORWARD, Phase.RECOMPUTE)[: 1 + again]
                 for axis in axes
                 if shard_dim(logits[axis]) == 1
                 for n in (1, 2)
