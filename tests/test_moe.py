@@ -171,4 +171,7 @@ def test_show_names_expert_and_sequence_splits_in_words(a100x8: autoplan.Cluster
     sequence = summary(gpt.baseline(cpu4, dp=1, tp=4, sequence_parallel=True))
     # the final norm too: the head is a column linear (the vocabulary split), gathered for
     assert "5 of 5 norms split along the sequence on tp" in sequence
+    assert "vocabulary split 4 ways on tp: 1 embedding(s) looked up by rows, 1 loss(es)" in (
+        sequence
+    )
     assert "in words" not in summary(gpt.baseline(cpu4, dp=4, tp=1))  # nothing to say
