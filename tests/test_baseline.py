@@ -28,7 +28,7 @@ from tests.distributed.cases import (
     GPT,
     MLP_LARGE_BATCH,
     MLP_SMALL_BATCH,
-    gpt_megatron,
+    gpt_vocab_parallel,
     mlp_megatron,
     zero3,
 )
@@ -63,7 +63,9 @@ def test_gpt_regions_are_attention_and_mlp_of_each_block() -> None:
         attn, mlp = f"blocks.{b}.attn", f"blocks.{b}.mlp"
         expected += [([f"{attn}.q", f"{attn}.k", f"{attn}.v"], [f"{attn}.proj"])]
         expected += [([f"{mlp}.fc"], [f"{mlp}.proj"])]
-    assert _regions_by_module(w) == expected  # the head feeds the loss: not split
+    # the head: a column linear whose logits the loss reads split along the vocabulary
+    expected += [(["head"], [])]
+    assert _regions_by_module(w) == expected
 
 
 def test_gpt_tensor_parallel_matches_the_hand_written_megatron_pins(
@@ -73,7 +75,7 @@ def test_gpt_tensor_parallel_matches_the_hand_written_megatron_pins(
     plan = w.baseline(cpu4, dp=1, tp=4)
     assert plan.mesh.axes == ("tp",) and plan.mesh.shape == (4,)
     storage = {name: p.storage["tp"] for name, p in plan.params.items()}
-    assert storage == _storage(gpt_megatron(w).pin)
+    assert storage == _storage(gpt_vocab_parallel(w).pin)
     # row biases are read as partial sums (added on one rank), everything else as stored
     for name, p in plan.params.items():
         read = "P" if name.endswith("proj.bias") else storage[name]
@@ -81,13 +83,22 @@ def test_gpt_tensor_parallel_matches_the_hand_written_megatron_pins(
     ops = {n.op.split(".")[1]: n for n in plan.nodes.values() if n.op.startswith("aten.")}
     assert ops["scaled_dot_product_attention"].output == {"tp": "S(1)"}  # heads split
     for name, n in plan.nodes.items():
-        if n.op in ("aten.layer_norm.default", "aten.cross_entropy_loss.default"):
+        if n.op == "aten.layer_norm.default":
             assert n.output == {"tp": "R"} and all(i == {"tp": "R"} for i in n.inputs), name
+    # the vocabulary split: the token embedding's lookup a partial sum, the loss on the
+    # logits' shards (Megatron's VocabParallelEmbedding and parallel cross-entropy)
+    assert plan.nodes["embedding"].output == {"tp": "P"}  # the token embedding
+    assert ops["cross_entropy_loss"].inputs == ({"tp": "S(1)"}, {"tp": "R"})
+    assert ops["cross_entropy_loss"].output == {"tp": "R"}
     # per block: one all-reduce of each row linear's output in forward, and of each region's
-    # input gradient in backward
+    # input gradient in backward; the embedding's in forward, the head's input gradient in
+    # backward, the loss's max and sums of exponentials of its 256 tokens, in float32
     activations = [c for c in plan.collectives if c.phase != "grad_sync"]
-    assert len(activations) == 4 * GPT["num_layers"]
+    assert len(activations) == 4 * GPT["num_layers"] + 4
     assert {(c.kind, c.axes) for c in activations} == {("all_reduce", ("tp",))}
+    tokens = GPT["batch_size"] * GPT["seq_len"]
+    loss = [c.bytes for c in activations if c.node == "cross_entropy_loss"]
+    assert sorted(loss) == [4 * tokens, 8 * tokens]
 
 
 def test_mlp_alternates_column_and_row_and_leaves_an_unpaired_last_layer() -> None:
@@ -150,7 +161,7 @@ def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.
     for cluster, dp, tp in ((cpu4, 2, 2), (a100, 2, 4)):
         plan = w.baseline(cluster, dp=dp, tp=tp)
         assert plan.mesh.axes == ("dp", "tp") and plan.mesh.shape == (dp, tp)
-        megatron = _storage(gpt_megatron(w).pin)
+        megatron = _storage(gpt_vocab_parallel(w).pin)
         for name, p in plan.params.items():
             assert p.storage == {"dp": "R", "tp": megatron[name]}, name
         for n in plan.nodes.values():
@@ -198,6 +209,24 @@ class Tied(nn.Module):
         return self.head(self.down(self.norm(self.up(self.emb(idx)))))
 
 
+class TiedLM(nn.Module):
+    """A residual MLP between an embedding and a head that share their weight."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.down(F.relu(self.up(x)))
+        return self.head(self.norm(x))
+
+
 class Skip(nn.Module):
     """A linear pair whose split middle also feeds a residual add: not a Megatron pair."""
 
@@ -217,6 +246,17 @@ def _workload(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Worklo
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def test_a_head_tied_to_its_embedding_splits_the_vocabulary_of_both(
+    cpu4: autoplan.Cluster,
+) -> None:
+    w = _workload(TiedLM(32, 16), torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
+    assert _regions_by_module(w) == [(["up"], ["down"]), (["head"], [])]
+    plan = w.baseline(cpu4, dp=1, tp=4)
+    assert plan.params["emb.weight"].storage == {"tp": "S(0)"}  # the head's weight too
+    assert plan.nodes["embedding"].output == {"tp": "P"}
+    assert plan.nodes["cross_entropy_loss"].inputs == ({"tp": "S(1)"}, {"tp": "R"})
 
 
 def test_two_columns_meeting_at_a_product_are_one_region(cpu4: autoplan.Cluster) -> None:
@@ -287,6 +327,11 @@ def test_splits_that_do_not_divide_name_what_they_cut(
         example("gpt", size="tiny", batch_size=8).baseline(a100, dp=1, tp=8)
     with pytest.raises(AutoplanError, match=r"dp=4 does not divide the batch \(dim 0\) of input 0"):
         example("mlp", batch_size=6, hidden=32).baseline(cpu4, dp=4, tp=1)
+    # a vocabulary tp does not divide: the embedding, the head and the loss stay whole
+    plan = example("gpt", size="tiny", batch_size=8, vocab_size=130).baseline(cpu4, dp=1, tp=4)
+    assert plan.params["tok_emb.weight"].storage == plan.params["head.weight"].storage
+    assert plan.params["head.weight"].storage == {"tp": "R"}
+    assert plan.params["blocks.0.mlp.fc.weight"].storage == {"tp": "S(0)"}
 
 
 def test_a_baseline_is_priced_like_any_plan(cpu4: autoplan.Cluster) -> None:
@@ -397,11 +442,13 @@ def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:
     assert module["tok_emb.weight"] == module["blocks.0.mlp.fc.weight"] == 0
     assert module["blocks.1.attn.q.weight"] == module["head.weight"] == 1
     # the stage boundary is between blocks: every block keeps its Megatron split
-    megatron = _storage(gpt_megatron(w).pin)
+    megatron = _storage(gpt_vocab_parallel(w).pin)
     assert {name: p.storage["tp"] for name, p in plan.params.items()} == megatron
-    for s in (0, 1):
+    # a block's four all-reduces a stage; the embedding's in the first, the head's input
+    # gradient and the loss's two in the last
+    for s, count in ((0, 4 + 1), (1, 4 + 3)):
         activations = [c for c in plan.collectives if c.stage == s and c.phase != "grad_sync"]
-        assert len(activations) == 4 and {(c.kind, c.axes) for c in activations} == {
+        assert len(activations) == count and {(c.kind, c.axes) for c in activations} == {
             ("all_reduce", ("tp",))
         }
     _check_stages_price_as_one_microbatch(
@@ -417,7 +464,7 @@ def test_gpt_pipeline_on_8_a100s_is_pp_outside_dp_outside_tp(a100: autoplan.Clus
     assert plan.mesh.axes == ("pp", "dp", "tp") and plan.mesh.shape == (2, 2, 2)
     assert [st.ranks for st in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert all(st.boundary == {"dp": "S(0)", "tp": "R"} for st in plan.stages)
-    megatron = _storage(gpt_megatron(w).pin)
+    megatron = _storage(gpt_vocab_parallel(w).pin)
     for name, p in plan.params.items():
         assert p.storage == {"dp": "R", "tp": megatron[name]}, name
     for n in plan.nodes.values():
@@ -515,8 +562,9 @@ def test_sequence_parallel_baseline_splits_the_sequence_between_regions(
     megatron = w.baseline(cpu4, dp=1, tp=4)
     sequence = w.baseline(cpu4, dp=1, tp=4, sequence_parallel=True)
     # each row linear's all-reduce becomes a reduce-scatter, gathered before the next column
-    assert _kinds(megatron, "forward") == {"all_reduce": 4}
-    assert _kinds(sequence, "forward") == {"reduce_scatter": 4, "all_gather": 4}
+    # (the embedding's too, gathered before the head); the loss's two stay
+    assert _kinds(megatron, "forward") == {"all_reduce": 4 + 1 + 2}
+    assert _kinds(sequence, "forward") == {"reduce_scatter": 5, "all_gather": 5, "all_reduce": 2}
     assert set(_block_norms(megatron)) == {"R"} and set(_block_norms(sequence)) == {"S(1)"}
     assert sequence.predicted.peak_memory_bytes < megatron.predicted.peak_memory_bytes
 
@@ -528,12 +576,12 @@ def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> Non
     # row linear and an all-gather before each column linear)
     cluster = autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
     w = example("gpt", size="1.3b", batch_size=8, num_layers=2, device="meta", dtype="bfloat16")
-    budget = PlanOptions(memory_fraction=3.5 * 2**30 / cluster.device.memory_bytes)
-    with pytest.raises(InfeasiblePlanError, match=r"needs 4\.33 GiB"):
+    budget = PlanOptions(memory_fraction=1.4 * 2**30 / cluster.device.memory_bytes)
+    with pytest.raises(InfeasiblePlanError, match=r"needs 1\.64 GiB"):
         w.baseline(cluster, dp=1, tp=8, options=budget)
-    pins = gpt_megatron(w).pin
+    pins = gpt_vocab_parallel(w).pin
     plan = w.plan(cluster, dataclasses.replace(budget, mesh_shape=(8,), pin=pins))
-    assert plan.predicted.peak_memory_bytes < 3.5 * 2**30
+    assert plan.predicted.peak_memory_bytes < 1.4 * 2**30
     assert set(_block_norms(plan)) <= {"S(0)", "S(1)"}
     forward = _kinds(plan, "forward")
     assert forward["reduce_scatter"] >= 4 and forward["all_gather"] >= 4

@@ -169,5 +169,9 @@ def test_show_names_expert_and_sequence_splits_in_words(a100x8: autoplan.Cluster
     cpu4 = autoplan.Cluster.load(ROOT / "costmodels/cpu-gloo-4.json")
     gpt = example("gpt", size="small", batch_size=8, num_layers=2)
     sequence = summary(gpt.baseline(cpu4, dp=1, tp=4, sequence_parallel=True))
-    assert "4 of 5 norms split along the sequence on tp" in sequence
+    # the final norm too: the head is a column linear (the vocabulary split), gathered for
+    assert "5 of 5 norms split along the sequence on tp" in sequence
+    assert "vocabulary split 4 ways on tp: 1 embedding(s) looked up by rows, 1 loss(es)" in (
+        sequence
+    )
     assert "in words" not in summary(gpt.baseline(cpu4, dp=4, tp=1))  # nothing to say

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+import autoplan
+from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Ref, TensorInfo
+from autoplan.graph.recompute import Recompute
 from autoplan.strategies import dtensor_rules
 from autoplan.strategies.placement import Collective, grad_spec, is_valid, redistribute
 from autoplan.strategies.rules import _view_dim_map, own_rule
-from autoplan.strategies.space import strategy_space
+from autoplan.strategies.space import Strategy, strategy_space
 from tests.conftest import example
 
 
@@ -267,3 +270,39 @@ def test_matmul_rules_are_exact_on_two_shards() -> None:
             parts = [_shard(a, specs[0], rank) @ _shard(b, specs[1], rank) for rank in range(2)]
             made = parts[0] + parts[1] if out == "P" else torch.cat(parts, int(out[2:-1]))
             assert torch.allclose(made, whole), (a_shape, b_shape, out, specs)
+
+
+def test_the_vocabulary_splits_are_candidates_and_priced(cpu4: autoplan.Cluster) -> None:
+    """The token embedding split by rows (its lookup a partial sum) and the loss on logits
+    split along the classes (Megatron's), each all-reduce of the loss counted: the maximum,
+    then the target's logit with the sum of exponentials, of each of this rank's tokens;
+    the total weight of the targets where they split the batch."""
+    w = example("gpt", size="tiny", batch_size=2)  # 32 tokens, a vocabulary of 128
+    graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    loss, embedding = graph.node("cross_entropy_loss"), graph.node("embedding")
+    ins = tuple(graph.tensor(r) for r in loss.refs)
+    space = strategy_space(graph, (4,))
+    assert Strategy(("P",), (("S(0)",), ("R",))) in space["embedding"].strategies
+    vocab = Strategy(("R",), (("S(1)",), ("R",)))
+    assert vocab in space["cross_entropy_loss"].strategies
+    assert own_rule(embedding.op) is not None
+    pricer = Pricer(cpu4, (4,), "adamw")
+    issued = [p.collective for p in pricer.internal(loss, vocab, ins)]
+    assert issued == [
+        Collective("all_reduce", (0,), 32 * 4),
+        Collective("all_reduce", (0,), 64 * 4),
+    ]
+    assert pricer.internal_time(loss, vocab, ins) == sum(pricer.collective_s(c) for c in issued)
+    # a recomputed loss issues them again in backward
+    again = pricer.recomputing(Recompute.of(graph, [("tail", [loss.name])]))
+    phases = [p.phase for p in again.internal(loss, vocab, ins)]
+    assert phases == ["forward", "forward", "recompute", "recompute"]
+    # on (2, 2): the batch split on the outer axis, the classes on the inner
+    both = Strategy(("P", "R"), (("S(0)", "S(1)"), ("S(0)", "R")))
+    assert both in strategy_space(graph, (2, 2), {loss.name})[loss.name].strategies
+    issued = [p.collective for p in Pricer(cpu4, (2, 2), "adamw").internal(loss, both, ins)]
+    assert issued == [
+        Collective("all_reduce", (1,), 16 * 4),
+        Collective("all_reduce", (1,), 32 * 4),
+        Collective("all_reduce", (0,), 4),  # the targets' total weight
+    ]

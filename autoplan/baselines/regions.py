@@ -7,31 +7,41 @@ residual stream, a normalized activation, an input); their output is split along
 dim. The split follows every op that has a rule taking the split inputs, with its other inputs
 replicated, to a split output: views and transposes that keep the split dim whole, attention
 over split heads, activation functions, products of two split tensors. A region ends at *row*
-linears that contract the split dim; their partial sums are all-reduced by the next op.
+linears that contract the split dim; their partial sums are all-reduced by the next op. It
+also ends at a cross-entropy over the split classes: the head's logits split along the
+vocabulary, the loss computed on their shards (Megatron's parallel cross-entropy).
 Regions that meet at an op are one region. A region is kept only if every path out of it
-ends at a row linear; one that reaches anything else (a normalization or residual add over the
-split dim, the loss, the output, a view that moves the split dim) stays replicated, as do
-linears whose weight or bias another op also reads (tied weights). Column weights and biases
+ends at a row linear or such a loss; one that reaches anything else (a normalization or
+residual add over the split dim, the output, a view that moves the split dim) stays
+replicated, as do linears whose weight or bias another op also reads (but a head tied to
+the word embedding, `tied_embedding`), and a head whose vocabulary ``tp`` does not divide
+(Megatron pads it). Column weights and biases
 are split ``S(0)`` (output features), row weights ``S(1)`` (input features), row biases are
 stored replicated and read as partial sums (added on one rank).
 
-Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter, convolutions or
-embeddings (no vocabulary-parallel embedding or head); a parameter read inside a region by
-anything but its linears breaks the region; a fused projection chunked along its features
-(one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row split of its weight
-would mix the pieces (Megatron interleaves them); no sequence parallelism.
+The word embedding (the largest table looked up with a step input's indices, its weight
+read by it alone, or tied to a split head) is split along the vocabulary, ``S(0)``, as
+Megatron's VocabParallelEmbedding: each rank looks up its rows, and the partial sums are
+all-reduced.
+
+Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter or convolutions; a
+parameter read inside a region by anything but its linears breaks the region (a head tied
+to its embedding through mixed precision's casts stays whole); a fused projection chunked
+along its features (one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row
+split of its weight would mix the pieces (Megatron interleaves them); no sequence
+parallelism.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import Graph, Node
+from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
 from autoplan.strategies.placement import P, R, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
@@ -41,6 +51,8 @@ log = logging.getLogger(__name__)
 
 LINEAR = "aten.linear.default"
 CAST = "aten._to_copy.default"
+CROSS_ENTROPY = "aten.cross_entropy_loss.default"
+EMBEDDING = "aten.embedding.default"
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class TpRegion:
     columns: tuple[str, ...]  # linear node names, in graph order
     rows: tuple[str, ...]
     split: tuple[tuple[str, int], ...]  # (node, dim) of every split activation inside
+    losses: tuple[str, ...] = ()  # cross-entropies over the split vocabulary
 
 
 def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | None:
@@ -90,13 +103,26 @@ def rule_moving(
     return rules[min(ranked)[2]] if ranked else None
 
 
-def _own_params(graph: Graph, node: Node) -> bool:
-    """The linear's weight (and bias) are parameters that no other op reads (in mixed
-    precision, each through its own cast)."""
+def _own_params(graph: Graph, node: Node, refs: Sequence[Ref] | None = None) -> bool:
+    """The linear's weight (and bias), or ``refs``, are parameters that no other op reads
+    (in mixed precision, each through its own cast)."""
     return all(
         param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,)
-        for r in node.refs[1:]
+        for r in (node.refs[1:] if refs is None else refs)
     )
+
+
+def tied_embedding(graph: Graph, linear: Node) -> Node | None:
+    """The embedding whose weight ``linear`` (a head without bias) shares, the two its only
+    readers (GPT-2 and Gemma tie them so); None if there is none. Split along the
+    vocabulary, both read it so, as Megatron splits them."""
+    if len(linear.refs) != 2 or graph.node(linear.refs[1].name).kind != NodeKind.PARAM:
+        return None
+    weight = linear.refs[1].name
+    others = [graph.node(u) for u in graph.users(weight) if u != linear.name]
+    if len(others) == 1 and others[0].op == EMBEDDING and others[0].refs[0].name == weight:
+        return others[0]
+    return None
 
 
 def param_of(graph: Graph, name: str) -> Node | None:
@@ -129,6 +155,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
     region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
     rows: set[str] = set()
+    losses: set[str] = set()
     broken: set[str] = set()
 
     for node in graph:
@@ -141,7 +168,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
                 node.op == LINEAR
                 and x is not None
                 and x.kind != NodeKind.PARAM
-                and _own_params(graph, node)
+                and (_own_params(graph, node) or tied_embedding(graph, node) is not None)
             ):
                 split[node.name] = len(node.output.shape) - 1
                 columns.add(node.name)
@@ -156,7 +183,10 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
         ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
         dim = shard_dim(rule[0]) if rule is not None else None
-        if dim is None:
+        if node.op == CROSS_ENTROPY and rule is not None and rule[0] == R:
+            losses.add(node.name)  # on the vocabulary's shards, the whole loss out
+            region_of[node.name] = region
+        elif dim is None:
             broken.add(region)
         else:
             split[node.name] = dim
@@ -168,63 +198,105 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     broken = {regions_met[c] for c in broken}
     regions = []
     for root, names in members.items():
-        if root not in broken and any(n in rows for n in names):
+        if root not in broken and any(n in rows or n in losses for n in names):
             regions.append(
                 TpRegion(
                     columns=tuple(n for n in names if n in columns),
                     rows=tuple(n for n in names if n in rows),
                     split=tuple((n, split[n]) for n in names if n in split),
+                    losses=tuple(n for n in names if n in losses),
                 )
             )
     return tuple(regions)
 
 
-def _check_tp_divides(graph: Graph, regions: Sequence[TpRegion], tp: int) -> None:
+def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
+    """Why ``tp`` cannot split ``region`` evenly (None if it can)."""
+    for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
+        weight = param_of(graph, graph.node(linear).refs[1].name)
+        assert weight is not None  # a split linear's own parameter
+        size = weight.output.shape[dim]
+        if size % tp:
+            kind = "column" if dim == 0 else "row"
+            return (
+                f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
+                f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
+                "choose a tp that divides it"
+            )
+    for name, dim in region.split:
+        node = graph.node(name)
+        size = node.outputs[0].shape[dim]
+        if size % tp:
+            where = node.module_path or "the top-level module"
+            return (
+                f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
+                "which the tensor-parallel split runs through (e.g. the number of attention "
+                "heads); choose a tp that divides it"
+            )
+    return None
+
+
+def _split_regions(graph: Graph, tp: int) -> list[TpRegion]:
+    """The regions of ``graph`` that ``tp`` splits: all of them, but a head whose
+    vocabulary it does not divide (kept whole); any other it does not divide is refused."""
+    regions = graph.memo("tensor-parallel regions", lambda: find_regions(graph))
+    kept = []
     for region in regions:
-        for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
-            weight = param_of(graph, graph.node(linear).refs[1].name)
-            assert weight is not None  # a split linear's own parameter
-            size = weight.output.shape[dim]
-            if size % tp:
-                kind = "column" if dim == 0 else "row"
-                raise AutoplanError(
-                    f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
-                    f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
-                    "choose a tp that divides it"
-                )
-        for name, dim in region.split:
-            node = graph.node(name)
-            size = node.outputs[0].shape[dim]
-            if size % tp:
-                where = node.module_path or "the top-level module"
-                raise AutoplanError(
-                    f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
-                    "which the tensor-parallel split runs through (e.g. the number of attention "
-                    "heads); choose a tp that divides it"
-                )
+        refusal = _refusal(graph, region, tp)
+        if refusal is not None and region.losses:
+            log.info("tp=%d: the head stays whole: %s", tp, refusal)
+        elif refusal is not None:
+            raise AutoplanError(refusal)
+        else:
+            kept.append(region)
+    return kept
+
+
+def word_embedding(graph: Graph, tp: int, tied: Collection[str] = ()) -> Node | None:
+    """The embedding a baseline splits along the vocabulary on ``tp`` devices (see the
+    module docstring; ``tied``: those tied to a split head): None if there is none, or
+    ``tp`` does not divide its vocabulary, or its rule cannot split it so."""
+    found = [
+        node
+        for node in graph
+        if node.op == EMBEDDING
+        and graph.node(node.refs[1].name).kind == NodeKind.INPUT
+        and (_own_params(graph, node, node.refs[:1]) or node.name in tied)
+    ]
+    if not found:
+        return None
+    table = max(found, key=lambda n: graph.tensor(n.refs[0]).shape[0])
+    rows = graph.tensor(table.refs[0]).shape[0]
+    vocab_split: AxisRule = (P, shard(0), R)
+    return table if rows % tp == 0 and vocab_split in axis_rules(table, graph)[0] else None
 
 
 def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     """The ``tp`` axis's seeds (parameter -> stored, read placements) from the regions of
-    ``graph``, checked to split evenly over ``tp`` devices."""
-    regions = graph.memo("tensor-parallel regions", lambda: find_regions(graph))
+    ``graph`` and its word embedding, checked to split evenly over ``tp`` devices."""
+    regions = _split_regions(graph, tp)
     if not regions:
         raise AutoplanError(
             f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
             "reaches only other linears, through element-wise ops, views or attention); use tp=1"
         )
-    _check_tp_divides(graph, regions, tp)
+    heads = [graph.node(c) for r in regions for c in r.columns]
+    tied = {e.name for head in heads if (e := tied_embedding(graph, head)) is not None}
+    embedding = word_embedding(graph, tp, tied)
     log.info(
-        "tp=%d: %d tensor-parallel regions, %d column and %d row linears split",
+        "tp=%d: %d tensor-parallel regions, %d column and %d row linears split, %d loss(es) "
+        "on the vocabulary's shards, word embedding %s",
         tp,
         len(regions),
         sum(len(r.columns) for r in regions),
         sum(len(r.rows) for r in regions),
+        sum(len(r.losses) for r in regions),
+        "split" if embedding is not None else "whole",
     )
     seeds = {}
 
-    def params(linear: str) -> list[str]:
-        return [param_of(graph, r.name).name for r in graph.node(linear).refs[1:]]  # type: ignore[union-attr]
+    def params(node: str, refs: slice = slice(1, None)) -> list[str]:
+        return [param_of(graph, r.name).name for r in graph.node(node).refs[refs]]  # type: ignore[union-attr]
 
     for region in regions:
         for column in region.columns:
@@ -233,4 +305,7 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
             weight, *bias = params(row)
             seeds[weight] = (shard(1), shard(1))
             seeds.update({b: (R, P) for b in bias})  # added on one rank: a partial sum
+    if embedding is not None:
+        (table,) = params(embedding.name, slice(0, 1))
+        seeds[table] = (shard(0), shard(0))  # its lookup a partial sum, all-reduced
     return seeds

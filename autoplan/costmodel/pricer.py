@@ -147,12 +147,18 @@ class Pricer:
         seconds = host_overhead(self.cluster, "view" if node.is_view else node.op)
         return 2 * seconds if self.recompute.recomputes(node.name) else seconds
 
-    def internal(self, node: Node, strategy: Strategy) -> tuple[Phased, ...]:
-        """Collectives an op issues beyond redistributing its inputs.
+    def internal(
+        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+    ) -> tuple[Phased, ...]:
+        """Collectives an op issues beyond redistributing its inputs (``ins``: its tensor
+        inputs, in `Node.refs` order).
 
         A batch-split cross-entropy with mean reduction divides by its targets' total weight
-        over the whole batch: the executor sums that scalar along the split axes in forward,
-        one all-reduce per axis, as soon as the targets are there (execute/op_calls.py).
+        over the whole batch: the executor sums that scalar along the axes that split the
+        targets in forward, one all-reduce per axis, as soon as the targets are there
+        (execute/op_calls.py). A cross-entropy split along the classes (the vocabulary)
+        all-reduces, along each axis that splits them, the maximum of each element's logits
+        and then its target's logit with its sum of exponentials (execute/vocab.py).
 
         A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero_state`) is
         gathered back from its updated shards after the optimizer step (phase "update").
@@ -168,23 +174,40 @@ class Pricer:
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
         reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
-        if reduction != 1:
-            return ()
-        size = itemsize(node.outputs[0].dtype)
-        return tuple(
-            Phased(Collective("all_reduce", (axis,), size), Phase.FORWARD)
-            for axis, p in enumerate(strategy.inputs[0])
-            if shard_dim(p) is not None and self.mesh_shape[axis] > 1
-        )
+        logits, target = strategy.inputs[0], strategy.inputs[1]
+        axes = [a for a, size in enumerate(self.mesh_shape) if size > 1]
+        issued: list[Phased] = []
+        if ins and len(ins[0].shape) == len(ins[1].shape) + 1:  # targets are class indices
+            # the maximum, then the target's logit and the sum, of each element of the shard;
+            # again in backward where the loss is recomputed
+            size = itemsize(ins[0].dtype) * local_numel(target, ins[1].shape, self.mesh_shape)
+            again = self.recompute.recomputes(node.name)
+            issued += [
+                Phased(Collective("all_reduce", (axis,), n * size), phase)
+                for phase in (Phase.FORWARD, Phase.RECOMPUTE)[: 1 + again]
+                for axis in axes
+                if shard_dim(logits[axis]) == 1
+                for n in (1, 2)
+            ]
+        if reduction == 1:
+            size = itemsize(node.outputs[0].dtype)
+            issued += [
+                Phased(Collective("all_reduce", (axis,), size), Phase.FORWARD)
+                for axis in axes
+                if shard_dim(target[axis]) is not None
+            ]
+        return tuple(issued)
 
-    def internal_time(self, node: Node, strategy: Strategy) -> float:
+    def internal_time(
+        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+    ) -> float:
         """Seconds of `internal`'s collectives: the loss's issued as they are, a ZeRO
         parameter's gather through DTensor's redistribution."""
         return sum(
             self.redistribution_s(p.collective)
             if p.phase == "update"
             else self.collective_s(p.collective)
-            for p in self.internal(node, strategy)
+            for p in self.internal(node, strategy, ins)
         )
 
     def collective_s(self, c: Collective) -> float:

@@ -104,9 +104,10 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         else:
             share[2] = pricer.node_memory(node, s)
             memory += share[2]
-        share[1] = pricer.internal_time(node, s)
+        ins = tuple(graph.tensor(r) for r in node.refs)
+        share[1] = pricer.internal_time(node, s, ins)
         comm += share[1]
-        found += [(node.name, node.name, p) for p in pricer.internal(node, s)]
+        found += [(node.name, node.name, p) for p in pricer.internal(node, s, ins)]
         for i, ref in enumerate(node.refs):
             grad = None
             if graph.node(ref.name).needs_grad and node.kind != NodeKind.OUTPUT:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -36,9 +35,11 @@ from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
     SIZED,
+    Summed,
     call_op,
     class_weights,
     local_cross_entropy,
+    local_embedding,
     local_shape,
     local_total_weight,
     reduction,
@@ -51,6 +52,7 @@ from autoplan.execute.placements import (
     to_dtensor,
 )
 from autoplan.execute.randomness import Draws, is_random
+from autoplan.execute.vocab import VocabShard, vocab_shard
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
@@ -209,6 +211,12 @@ class PlanInterpreter:
                 if fx_node.target in SIZED:  # a local view's or factory's size argument
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
+        # local embeddings and cross-entropies with the vocabulary split: this rank's piece
+        self.vocab: dict[str, VocabShard] = {
+            n.name: shard
+            for n in self.graph.nodes
+            if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
+        }
 
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
@@ -263,7 +271,7 @@ class PlanInterpreter:
         # one redistribution per (tensor, placement), shared by every op that needs it, so
         # backward reduces the summed gradient once, as the plan counts it
         placed: Placed = {}
-        totals: dict[str, _Summed] = {}  # a cross-entropy's total weight, summing
+        totals: dict[str, Summed] = {}  # a cross-entropy's total weight, summing
 
         def weigh(name: str) -> None:
             """Start summing the total weight of each loss that ``name`` completes."""
@@ -292,7 +300,7 @@ class PlanInterpreter:
         node: torch.fx.Node,
         env: dict[str, Any],
         placed: Placed,
-        totals: dict[str, _Summed],
+        totals: dict[str, Summed],
         weigh: Callable[[str], None] | None,
     ) -> None:
         """Run one op (``weigh``: start summing the loss weights it completes; None when the
@@ -318,7 +326,7 @@ class PlanInterpreter:
         region: RecomputedRegion,
         env: dict[str, Any],
         placed: Placed,
-        totals: dict[str, _Summed],
+        totals: dict[str, Summed],
         weigh: Callable[[str], None],
     ) -> None:
         """Run a recomputed region under ``torch.utils.checkpoint``: in backward it runs again
@@ -379,7 +387,7 @@ class PlanInterpreter:
             placed.setdefault(name, {})[target] = self._place(dtensor, target)
         return placed[name][target]
 
-    def _total_weight(self, loss: torch.fx.Node, env: dict[str, Any], placed: Placed) -> _Summed:
+    def _total_weight(self, loss: torch.fx.Node, env: dict[str, Any], placed: Placed) -> Summed:
         """``loss``'s total weight: this rank's part, summed along the axes its target splits."""
         target, *weights = (
             _local_value(self._placed(n.name, tuple(p), env, placed))
@@ -388,7 +396,7 @@ class PlanInterpreter:
         local = local_total_weight(loss, target, weights[0] if weights else None)
         placements = self.inputs[loss.name][1]
         axes = [a for a, p in enumerate(placements) if isinstance(p, Shard)]
-        return _Summed(local, [self.mesh.get_group(a) for a in axes])
+        return Summed(local, [self.mesh.get_group(a) for a in axes])
 
     def _call_local(
         self,
@@ -420,7 +428,9 @@ class PlanInterpreter:
         args, kwargs = self.arguments[name].fill([fetch(*read) for read in reads])
         placements = self.outputs[node.name]
         if node.target is CROSS_ENTROPY:
-            out = local_cross_entropy(node, args, kwargs, total)
+            out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
+        elif name in self.vocab:
+            out = local_embedding(node, args, self.vocab[name])
         else:
             out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)
@@ -478,22 +488,3 @@ class PlanInterpreter:
 
 def _local_value(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-class _Summed:
-    """A local scalar summed over process groups in place: the first all-reduce starts now
-    (gloo's waits sleep, so it overlaps what the rank does next), the others when it is read.
-    c10d's in-place all-reduce, as the gradient buckets: no autograd, no DTensor."""
-
-    def __init__(self, local: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
-        self.tensor = local
-        self.groups = groups
-        self.work = dist.all_reduce(local, group=groups[0], async_op=True) if groups else None
-
-    def value(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            for group in self.groups[1:]:
-                dist.all_reduce(self.tensor, group=group)
-            self.work = None
-        return self.tensor

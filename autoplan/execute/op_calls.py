@@ -7,9 +7,11 @@ attention, embedding lookups and transposes (DTensor's rules for them change no 
 views and factories like ``new_zeros`` (their size argument made local), and losses over a
 split batch: an element-wise loss's local sum over the global element count, and
 cross-entropy's over the global total weight of its targets, are partial sums along the axes
-their inputs are split on. An op DTensor cannot run at all (``lift_fresh_copy``, the
-functional ``copy`` of a slice assignment) runs locally too, placed as the plan says: only
-that way does it run, not raise on the ranks.
+their inputs are split on. So do the vocabulary's split ops (execute/vocab.py): an embedding
+of a weight split by rows (its masked lookup a partial sum) and a cross-entropy of logits
+split along the classes (Megatron's parallel cross-entropy). An op DTensor cannot run at all
+(``lift_fresh_copy``, the functional ``copy`` of a slice assignment) runs locally too, placed
+as the plan says: only that way does it run, not raise on the ranks.
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.execute.vocab import (
+    CROSS_ENTROPY,
+    EMBEDDING,
+    VocabShard,
+    masked_embedding,
+    vocab_parallel_cross_entropy,
+)
 from autoplan.torch_private import dtensor_runs
 
 NONE, MEAN, SUM = 0, 1, 2  # torch's Reduction
@@ -38,8 +48,8 @@ ELEMENTWISE_LOSSES = {
 # divides by the targets' total weight (their class weights, ignored ones left out), so on a
 # split batch its local sum over the *global* total weight is the partial sum. The executor
 # all-reduces that scalar as soon as the targets are there; DTensor would in backward, where
-# every rank stalls until the last one has finished its forward.
-CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+# every rank stalls until the last one has finished its forward. Split along the classes, it
+# runs as Megatron's parallel cross-entropy (execute/vocab.py).
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
@@ -64,19 +74,54 @@ def local_total_weight(node: torch.fx.Node, target: torch.Tensor, weight: Any) -
     return weight[target[kept]].sum().to(dtype)
 
 
+class Summed:
+    """A local scalar (a cross-entropy's total weight) summed over process groups in place:
+    the first all-reduce starts now (gloo's waits sleep, so it overlaps what the rank does
+    next), the others when it is read. c10d's in-place all-reduce, as the gradient buckets:
+    no autograd, no DTensor."""
+
+    def __init__(self, local: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
+        self.tensor = local
+        self.groups = groups
+        self.work = dist.all_reduce(local, group=groups[0], async_op=True) if groups else None
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            for group in self.groups[1:]:
+                dist.all_reduce(self.tensor, group=group)
+            self.work = None
+        return self.tensor
+
+
 def local_cross_entropy(
-    node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], total: Any
+    node: torch.fx.Node,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    total: Any,
+    vocab: VocabShard | None = None,
 ) -> torch.Tensor:
     """The cross-entropy of this rank's shards: per element (reduction none), else summed
-    over the global ``total`` weight (None for a summed loss)."""
-    if reduction(node) == NONE:
-        return CROSS_ENTROPY(*args, **kwargs)  # its local result is the local shard
+    over the global ``total`` weight (None for a summed loss); with ``vocab``, of the logits
+    of this rank's classes (`vocab_parallel_cross_entropy`)."""
     logits, target = args[:2]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     ignore_index = _arg(node, 4, "ignore_index", -100)
+    if vocab is not None:
+        each = vocab_parallel_cross_entropy(logits, target, weight, ignore_index, vocab)
+        if reduction(node) == NONE:
+            return each
+        return each.sum() if total is None else each.sum() / total
+    if reduction(node) == NONE:
+        return CROSS_ENTROPY(*args, **kwargs)  # its local result is the local shard
     smoothing = _arg(node, 5, "label_smoothing", 0.0)
     summed = CROSS_ENTROPY(logits, target, weight, SUM, ignore_index, smoothing)
     return summed if total is None else summed / total
+
+
+def local_embedding(node: torch.fx.Node, args: tuple[Any, ...], vocab: VocabShard) -> Any:
+    """The embedding of this rank's rows of the vocabulary: a partial sum (execute/vocab.py)."""
+    return masked_embedding(args[0], args[1], _arg(node, 2, "padding_idx", -1), vocab)
 
 
 def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -226,8 +271,9 @@ LOCAL_OPS = {
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
 # their local result over a split reduced dim (contracted letter or dim) is a partial sum, as
-# planned
+# planned; the embedding's over its weight's split rows, its lookup masked (`local_embedding`)
 PARTIAL_SUMS = MEANS | {
+    EMBEDDING,
     _aten.sum.dim_IntList,
     _aten.sum.default,
     _aten.einsum.default,
@@ -275,8 +321,11 @@ def runs_locally(
     if node.target is CROSS_ENTROPY and node.args[1].meta["val"].is_floating_point():  # type: ignore[union-attr]
         return False  # class probabilities as targets: DTensor's rules
     if node.target in LOSSES and reduction(node) != NONE:
-        # the loss of this rank's shards is a partial sum along the axes they are split on
-        split = [any(isinstance(ps[a], Shard) for ps in inputs) for a in range(len(output))]
+        # the loss of this rank's shards is a partial sum along the axes they split the
+        # elements on (a cross-entropy's target says which: its logits may be split along the
+        # classes too, whose loss every rank holds whole)
+        split_by = inputs[1:2] if node.target is CROSS_ENTROPY else inputs
+        split = [any(isinstance(ps[a], Shard) for ps in split_by) for a in range(len(output))]
         return tuple(output) == tuple(Partial() if s else Replicate() for s in split)
     return node.target in PARTIAL_SUMS or not any(isinstance(p, Partial) for p in output)
 

@@ -77,12 +77,13 @@ def _count(n: int) -> str:
 
 
 _NORMS = ("aten.layer_norm.default", "aten.rms_norm.default")
+_EMBEDDING, _CROSS_ENTROPY = "aten.embedding.default", "aten.cross_entropy_loss.default"
 
 
 def _words(plan: Plan) -> list[str]:
     """The splits a reader looks for, in words: experts (stacked weights of three or more
-    dims stored split along dim 0) and norms split along the sequence or the batch between
-    tensor-parallel regions (sequence parallelism)."""
+    dims stored split along dim 0), norms split along the sequence or the batch between
+    tensor-parallel regions (sequence parallelism), and the vocabulary's split."""
     sizes = dict(zip(plan.mesh.axes, plan.mesh.shape, strict=True))
     experts: dict[str, dict[str, None]] = defaultdict(dict)
     for name, p in plan.params.items():
@@ -107,6 +108,21 @@ def _words(plan: Plan) -> list[str]:
                     f"  {count} of {len(norms)} norms split along the {what} on {axis}, between "
                     "the weights' tensor-parallel splits (sequence parallelism)"
                 )
+    return lines + _vocabulary_words(plan, sizes)
+
+
+def _vocabulary_words(plan: Plan, sizes: dict[str, int]) -> list[str]:
+    """Embeddings looked up by rows and losses on the logits' shards, by mesh axis."""
+    lines = []
+    for axis in plan.mesh.axes:
+        ops = [n for n in plan.nodes.values() if n.op in (_EMBEDDING, _CROSS_ENTROPY)]
+        lookups = sum(n.op == _EMBEDDING and n.output.get(axis) == "P" for n in ops)
+        losses = sum(n.op == _CROSS_ENTROPY and n.inputs[0].get(axis) == "S(1)" for n in ops)
+        if lookups or losses:
+            lines.append(
+                f"  vocabulary split {sizes[axis]} ways on {axis}: {lookups} embedding(s) "
+                f"looked up by rows, {losses} loss(es) on the logits' shards (Megatron's)"
+            )
     return lines
 
 

@@ -246,8 +246,10 @@ def build_problem(
         strategies = space[node.name].strategies
         count = layers.count(node.name)
         weight = count * (once if node.kind == NodeKind.PARAM else 1.0)
+        ins = tuple(graph.tensor(r) for r in node.refs)
         own_time = [
-            (pricer.node_time(node, s) + pricer.internal_time(node, s)) * weight for s in strategies
+            (pricer.node_time(node, s) + pricer.internal_time(node, s, ins)) * weight
+            for s in strategies
         ]
         copies = count * (in_flight if node.kind == NodeKind.OP else 1.0)
         own_mem = [pricer.node_memory(node, s) * copies for s in strategies]

@@ -69,7 +69,8 @@ def _placement(p: Any, ndim: int) -> str | None:
     if isinstance(p, MaskPartial):
         # a row-split embedding's output is a sum only after DTensor masks it, at reduction
         # time; DTensor's rules for other ops do not take it as a partial, so a plan that fed
-        # it on as "P" would run differently from its plan. Not planned (yet).
+        # it on as "P" would run differently from its plan. Our embedding rule plans that
+        # split, run masked on local tensors (execute/vocab.py).
         return None
     if isinstance(p, Partial):
         # "P" is a partial sum. DTensor's rules with mean partials (a + b is a mean partial

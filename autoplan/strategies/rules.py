@@ -57,12 +57,26 @@ def _layer_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # logits (N, C, ...) / target (N, ...): split the batch; class weights stay replicated.
     # The loss then holds partial sums on that axis (the executor averages by the split).
+    # Or split along the classes, whole targets, the whole loss out: Megatron's parallel
+    # cross-entropy (execute/vocab.py); not of class probabilities, nor with label smoothing.
     logits, target = ins[0], ins[1]
     classes = len(logits.shape) - len(target.shape)  # 1: class indices; 0: probabilities
     rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
     for d in range(2, len(logits.shape)):
         rules.append((P, shard(d), shard(d - classes), *[R] * (len(ins) - 2)))
+    if classes == 1 and not _arg(node, 5, "label_smoothing", 0.0):
+        rules.append((R, shard(1), R, *[R] * (len(ins) - 2)))
     return rules
+
+
+def _embedding(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """embedding(weight (V, H), indices): the indices' dims split, or the features, or (not
+    for a gradient sparse or scaled by frequency) the vocabulary, each rank's lookup masked
+    to its rows (execute/vocab.py): partial sums, where DTensor's rule makes a MaskPartial."""
+    n = len(ins[1].shape)
+    vocab = not _arg(node, 3, "scale_grad_by_freq", False) and not _arg(node, 4, "sparse", False)
+    split: list[AxisRule] = [(shard(d), R, shard(d)) for d in range(n)]
+    return split + [(shard(n), shard(1), R)] + [(P, shard(0), R)] * vocab
 
 
 def _elementwise_loss(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -382,6 +396,7 @@ _RULES: dict[str, Rule] = {
     "_scaled_dot_product_efficient_attention": _attention,
     "layer_norm": _layer_norm,
     "cross_entropy_loss": _cross_entropy,
+    "embedding": _embedding,
     "mse_loss": _elementwise_loss,
     "l1_loss": _elementwise_loss,
     "view": _reshape,

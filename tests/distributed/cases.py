@@ -108,6 +108,14 @@ def gpt_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
     return PlanOptions(mesh_shape=mesh, pin=pins)
 
 
+def gpt_vocab_parallel(w: Workload, mesh: Mesh = None) -> PlanOptions:
+    """`gpt_megatron` with the token embedding and the head split along the vocabulary: the
+    planner then computes the loss on the logits' shards (Megatron's parallel cross-entropy)."""
+    options = gpt_megatron(w, mesh)
+    vocab = dict.fromkeys(("tok_emb.weight", "head.weight"), "S(0)")
+    return dataclasses.replace(options, pin={**options.pin, **vocab})
+
+
 def expert_parallel(w: Workload) -> PlanOptions:
     """Data parallel, the experts split across the ranks (GShard): tokens go to their
     experts' ranks and back by all-to-all."""
@@ -221,6 +229,14 @@ CASES = [
     Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
     Case("gpt-dp", "gpt", GPT, lambda w: data_parallel(w, (4,))),
     Case("gpt-tp", "gpt", GPT, lambda w: gpt_megatron(w, (4,))),
+    # the embedding, the head and the loss split along the vocabulary (Megatron's); at a
+    # vocabulary of 8192 the loss on the logits' shards beats gathering them
+    Case(
+        "gpt-vocab-tp",
+        "gpt",
+        {**GPT, "vocab_size": 8192},
+        lambda w: gpt_vocab_parallel(w, (4,)),
+    ),
     Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
     Case("gpt-zero3", "gpt", GPT, lambda w: zero3(w, (4,))),
     # a hand edit: its gather, reduce-scatter and bucket derived from the placements
@@ -310,6 +326,22 @@ CASES = [
             baseline_plan(dp=4, tp=1),
         )
         for model in ("gpt2", "llama")
+    ],
+    # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
+    # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
+    # head tied to its embedding, the one weight split alike for both
+    *[
+        Case(
+            f"zoo-{model}-baseline-{name}",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            baseline_plan(dp=dp, tp=tp),
+        )
+        for model, name, dp, tp in (
+            ("llama", "tp", 1, 4),
+            ("llama", "2x2", 2, 2),
+            ("gemma3", "tp", 1, 4),
+        )
     ],
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
     *[
