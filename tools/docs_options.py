@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autoplan.cli.arguments import add_plan_options  # noqa: E402
+from autoplan.cli.main import parser as cli_parser  # noqa: E402
 from autoplan.options import PlanOptions, TrainOptions, field_docs  # noqa: E402
 
 PAGE = ROOT / "docs" / "options.md"
@@ -42,6 +43,9 @@ which are checked where those are at hand.
   field's first sentence).
 - `autoplan.TrainOptions`: how a parallel step trains (`autoplan.parallelize`,
   `Workload.parallelize`; `autoplan run` sets it from `--lr` and `--timeout`).
+
+The last section lists every flag of every subcommand, as `autoplan SUBCOMMAND --help`
+states it.
 """
 
 
@@ -79,11 +83,42 @@ def _section(cls: type, flags: dict[str, str] | None) -> list[str]:
     return lines
 
 
+def _spelled(action: argparse.Action) -> str:
+    names = " / ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest}`"
+    if action.metavar is not None and action.option_strings:
+        names += f" `{action.metavar}`"
+    elif action.choices is not None and action.option_strings:
+        names += " `{" + ",".join(str(c) for c in action.choices) + "}`"
+    return names
+
+
+def _command_line() -> list[str]:
+    """Every subcommand's flags with their help, read from the parser `autoplan` builds."""
+    lines = ["## Command-line flags", ""]
+    top = cli_parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    groups = {"autoplan": top, **{f"autoplan {n}": p for n, p in commands.choices.items()}}
+    for name, parser in groups.items():
+        lines += [f"### `{name}`", "", "| flag | what it does |", "|---|---|"]
+        for action in parser._actions:
+            if action.help in (None, argparse.SUPPRESS) or isinstance(
+                action, argparse._SubParsersAction | argparse._HelpAction
+            ):
+                continue
+            text = " ".join(action.help.split()) % {"default": action.default}
+            for char, entity in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "&#124;")):
+                text = text.replace(char, entity)  # plain text in a table cell
+            lines.append(f"| {_spelled(action)} | {text} |")
+        lines.append("")
+    return lines
+
+
 def render() -> str:
     """The page, as `main` writes it."""
     lines = [HEADER]
     lines += _section(PlanOptions, _flags())
     lines += _section(TrainOptions, None)
+    lines += _command_line()
     return "\n".join(lines).rstrip() + "\n"
 
 
