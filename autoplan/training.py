@@ -237,7 +237,7 @@ class Comparison:
     loss and parameter differences, within 1e-5; in mixed precision, whose sums in another
     order round otherwise, the largest loss difference relative to the loss (within 1e-4)
     and the parameters' updates' difference relative to their norm (within 0.1; see the
-    README's "Mixed precision")."""
+    docs/mixed-precision.md)."""
 
     loss: float
     param: float

@@ -25,7 +25,7 @@ TOLERANCE = 1e-5
 # Mixed precision against one process under autocast. bf16 keeps 8 significant bits (fp16
 # 11): a sum taken in another order (a split matmul's partial sums, all-reduced; the ranks'
 # batch shards) rounds otherwise, by up to one unit in the last place, 2**-8 relative (see
-# the README's "Mixed precision" for the differences measured). What a wrong plan or executor
+# docs/mixed-precision.md for the differences measured). What a wrong plan or executor
 # makes (a gradient reduced too little or twice, a misplaced shard) differs in the first
 # digit. So: the losses within 1e-4 relative (measured: at most 3e-5), the first gradients'
 # difference within 1e-2 of their norm (at most 3.6e-3), and the parameters' updates after 3

@@ -213,7 +213,7 @@ def test_mismatched_fingerprints_are_refused(plan: autoplan.Plan, a100: autoplan
         autoplan.Plan.from_json(text, cluster_fingerprint=a100.fingerprint())
 
 
-def test_readme_names_the_plan_version_the_code_reads() -> None:
-    readme = (ROOT / "README.md").read_text()
-    named = re.findall(r"format (?:version )?(\d+)", readme)
+def test_docs_name_the_plan_version_the_code_reads() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = re.findall(r"format (?:version )?(\d+)", "".join(p.read_text() for p in docs))
     assert named and set(named) == {str(PLAN_VERSION)}

@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help=(
             "train the same steps in one process and compare losses and parameters (1e-5; "
-            "in mixed precision against autocast, within bf16's reach: see the README)"
+            "in mixed precision against autocast, within bf16's reach: see docs/mixed-precision.md)"
         ),
     )
     r.add_argument(
@@ -108,8 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e = r.add_argument_group(
         "nodes and restarts",
         "run the same command on each node; a restart resumes from the newest intact "
-        "checkpoint in --checkpoint-dir, planned for the processes it has (README: What "
-        "survives what)",
+        "checkpoint in --checkpoint-dir, planned for the processes it has (docs/checkpoints.md: "
+        "What survives what)",
     )
     e.add_argument(
         "--nnodes",
