@@ -1,0 +1,240 @@
+"""A sweep over the installed transformers' architectures: every model type with a causal-LM,
+masked-LM, seq2seq-LM or image-classification head whose config can be made tiny, planned
+with the defaults and trained 3 steps on 4 gloo ranks against one process
+(``autoplan run --check``), each in a fresh process.
+
+A config is made tiny by setting, where the model's default config has them, its depth,
+widths, heads, vocabulary, positions and experts to small values (`TINY`), and its dropout
+probabilities to 0 so that one process and four train alike; everything else is the model's
+default (``use_cache`` included). Weights are random; nothing is downloaded. This module is
+also the sweep's workload: ``autoplan run benchmarks/model_sweep.py --set model=llama ...``.
+
+Each architecture ends as one of: exact (trained, and matched one process), differs (trained,
+did not match), refused (stopped before training with an error that says what to do),
+unchecked (stopped before training with an error autoplan did not check for), failed (after
+training started), not tiny (no tiny config could be built, or the tiny model did not run in
+one process), over time.
+
+    python benchmarks/model_sweep.py [--models llama,gpt2,...] [--limit N] [--timeout 300]
+
+Writes benchmarks/results/model_sweep.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import resource
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autoplan import Workload  # noqa: E402
+from autoplan.errors import AutoplanError  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
+
+try:
+    import transformers
+    from transformers.models.auto import modeling_auto
+except ImportError as e:  # an optional dependency of this benchmark alone
+    raise AutoplanError("benchmarks/model_sweep.py needs transformers") from e
+
+# the heads swept, in the order an architecture is taken by (its first head found)
+HEADS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+VOCAB, SEQ, IMAGE, CLASSES = 128, 16, 32, 10
+# a config attribute -> its tiny value, set where the default config has the attribute
+TINY: dict[str, Any] = {
+    **dict.fromkeys(
+        ["num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers"], 2
+    ),
+    **dict.fromkeys(["num_decoder_layers", "n_layers"], 2),
+    **dict.fromkeys(["hidden_size", "n_embd", "d_model", "dim", "embed_dim"], 64),
+    **dict.fromkeys(["intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim"], 128),
+    **dict.fromkeys(["encoder_ffn_dim", "decoder_ffn_dim"], 128),
+    **dict.fromkeys(["num_attention_heads", "n_head", "num_heads", "n_heads"], 4),
+    **dict.fromkeys(["encoder_attention_heads", "decoder_attention_heads"], 4),
+    **dict.fromkeys(["num_key_value_heads", "num_kv_heads", "n_kv_heads"], 2),
+    **dict.fromkeys(["head_dim", "d_kv", "kv_channels"], 16),
+    "vocab_size": VOCAB,
+    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx"], 64),
+    **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"], 4),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k"], 2),
+    **dict.fromkeys(["moe_intermediate_size", "expert_intermediate_size"], 32),
+    "image_size": IMAGE,
+    "patch_size": 8,
+    "num_labels": CLASSES,
+}
+_DROPOUT = re.compile(r"(dropout|_pdrop|dropout_prob|dropout_rate)$")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def architectures() -> dict[str, tuple[str, str]]:
+    """Each model type swept -> (its head, the model class's name), its first head of `HEADS`."""
+    found: dict[str, tuple[str, str]] = {}
+    for head, mapping in HEADS.items():
+        for model_type, cls in getattr(modeling_auto, mapping).items():
+            if model_type not in found and isinstance(cls, str):
+                found[model_type] = (head, cls)
+    return dict(sorted(found.items()))
+
+
+def tiny_config(model_type: str) -> Any:
+    """The model type's default config made tiny (`TINY`), dropout off."""
+    config = transformers.CONFIG_MAPPING[model_type]()
+    for name, value in TINY.items():
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, value)
+    for name in list(vars(config)):
+        if _DROPOUT.search(name) and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
+        if name in _TOKEN_IDS and isinstance(getattr(config, name), int):
+            setattr(config, name, 0)
+    return config
+
+
+def workload(model: str = "llama", batch_size: int = 8, seq_len: int = SEQ) -> Workload:
+    """The tiny model of type ``model``, called as users call its head, with labels."""
+    known = architectures()
+    if model not in known:
+        raise AutoplanError(f"model type {model!r} is not swept; use one of {', '.join(known)}")
+    head, cls_name = known[model]
+    config = tiny_config(model)
+    torch.manual_seed(0)
+    built = getattr(transformers, cls_name)(config)
+    if head == "image-classification":
+        channels = getattr(config, "num_channels", 3)
+        pixels = torch.randn(batch_size, channels, IMAGE, IMAGE)
+        labels = torch.randint(0, CLASSES, (batch_size,))
+        return Workload(built, {"pixel_values": pixels, "labels": labels})
+    ids = torch.randint(1, VOCAB, (batch_size, seq_len))
+    return Workload(built, {"input_ids": ids, "labels": ids})
+
+
+def classify(returncode: int, output: str) -> tuple[str, str]:
+    """(result, reason) of an ``autoplan run --check`` from its exit code and output."""
+    check = re.search(r"check against one process: (.*): (OK|FAILED)", output)
+    if returncode == 0 and check:
+        return ("exact", "") if check.group(2) == "OK" else ("differs", check.group(1)[:160])
+    lines = output.strip().splitlines()
+    error = next((i for i, line in enumerate(lines) if line.startswith("autoplan: error")), None)
+    if error is None:
+        return "failed", (lines[-1] if lines else f"exit code {returncode}")[:160]
+    head = lines[error]
+    detail = " ".join(line.strip() for line in lines[error : error + 2])[:240]
+    if re.search(r"at step \d+|after step \d+", head):
+        return "failed", detail
+    unchecked = any("did not check for this error" in line for line in lines[error:])
+    return ("unchecked" if unchecked else "refused"), detail
+
+
+PROBE_BYTES = 4 * 2**30  # the address space a tiny model may take in one process
+
+
+def probe(model: str) -> None:
+    """Build the tiny ``model`` and compute its loss once, as one process trains it."""
+    w = workload(model)
+    w.loss(w.model).backward()
+
+
+def _capped() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (PROBE_BYTES, PROBE_BYTES))
+
+
+def sweep_one(model: str, timeout_s: float) -> dict[str, object]:
+    """Plan and train ``model`` (`workload`) on 4 gloo ranks against one process, once its
+    tiny model has run in one process (`probe`, in a process of its own: a config that stays
+    large is not swept)."""
+    head, _ = architectures()[model]
+    row: dict[str, object] = {"model": model, "head": head}
+    try:
+        probed = subprocess.run(
+            [sys.executable, __file__, "--probe", model],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            preexec_fn=_capped,
+        )
+    except subprocess.TimeoutExpired:
+        return row | {"result": "not tiny", "reason": f"one step took over {timeout_s:g} s"}
+    if probed.returncode != 0:
+        last = (probed.stderr.strip().splitlines() or [f"exit code {probed.returncode}"])[-1]
+        return row | {"result": "not tiny", "reason": last[:160]}
+    command = [
+        *(str(Path(sys.executable).parent / "autoplan"), "run", str(Path(__file__))),
+        *("--set", f"model={model}", "--cluster", str(ROOT / "costmodels/cpu-gloo-4.json")),
+        *("--steps", "3", "--check"),
+    ]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return row | {"result": f"over {timeout_s:g} s"}
+    output = done.stdout + done.stderr
+    result, reason = classify(done.returncode, output)
+    mesh = re.search(r"^mesh: (.*?)\s*(\(|$)", output, re.MULTILINE)
+    return row | {
+        "result": result,
+        "mesh": mesh.group(1) if mesh else "",
+        "run_s": round(time.perf_counter() - start, 1),
+        "reason": reason,
+    }
+
+
+def counts(rows: Iterable[dict[str, object]]) -> str:
+    """``"exact 40, refused 3, ..."``."""
+    found = Counter(str(r["result"]) for r in rows)
+    return ", ".join(f"{k} {n}" for k, n in found.most_common())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", help="model types, comma-separated (default: every one)")
+    parser.add_argument("--limit", type=int, help="the first N model types only")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a model may take")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # `probe`, in this process
+    args = parser.parse_args()
+    if args.probe:
+        probe(args.probe)
+        return
+    models = args.models.split(",") if args.models else list(architectures())
+    rows: list[dict[str, object]] = []
+    for model in models[: args.limit]:
+        rows.append(sweep_one(model, args.timeout))
+        print(rows[-1], flush=True)
+        # written after each model: a long sweep cut short keeps what it found
+        _write(rows, len(models[: args.limit]))
+
+
+def _write(rows: list[dict[str, object]], planned: int) -> None:
+    meta = {
+        "command": "python benchmarks/model_sweep.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "swept": f"{len(rows)} of the {planned} model types asked for "
+        f"({len(architectures())} with a head swept)",
+        "counts": counts(rows),
+        "run": "autoplan run benchmarks/model_sweep.py --set model=M --cluster "
+        "costmodels/cpu-gloo-4.json --steps 3 --check (4 gloo ranks against one process)",
+    }
+    columns = ["model", "head", "result", "mesh", "run_s", "reason"]
+    write_results("model_sweep", "Model sweep: transformers architectures", meta, rows, columns)
+
+
+if __name__ == "__main__":
+    main()
