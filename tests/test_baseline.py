@@ -140,9 +140,11 @@ def test_zero1_and_zero2_split_the_optimizer_state_along_dp(a100: autoplan.Clust
         assert gathered and all(c.kind == "all_gather" and c.axes == ("dp",) for c in gathered)
         scattered = {c.tensor for c in plan.collectives if c.kind == "reduce_scatter"}
         assert bool(scattered) == (stage == 2)
-    # each stage keeps less per device than the one before
+    # ZeRO-1 keeps less per device than no ZeRO; ZeRO-2 splits the gradients too, which
+    # count where the step's peak holds them (this GPT's comes at the end of forward, before
+    # any gradient is made)
     memory = [p.predicted.peak_memory_bytes for p in (plain, plans[1], plans[2])]
-    assert memory[0] > memory[1] > memory[2], memory
+    assert memory[0] > memory[1] >= memory[2], memory
 
 
 def test_2d_mesh_is_dp_outside_tp_inside(cpu4: autoplan.Cluster, a100: autoplan.Cluster) -> None:
@@ -529,7 +531,7 @@ def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> Non
     cluster = autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
     w = example("gpt", size="1.3b", batch_size=8, num_layers=2, device="meta", dtype="bfloat16")
     budget = PlanOptions(memory_fraction=3.5 * 2**30 / cluster.device.memory_bytes)
-    with pytest.raises(InfeasiblePlanError, match=r"needs 4\.33 GiB"):
+    with pytest.raises(InfeasiblePlanError, match=r"needs 5\.14 GiB"):
         w.baseline(cluster, dp=1, tp=8, options=budget)
     pins = gpt_megatron(w).pin
     plan = w.plan(cluster, dataclasses.replace(budget, mesh_shape=(8,), pin=pins))
