@@ -16,14 +16,15 @@ walks that order and returns the most held at once:
 * the optimizer step: static + every parameter's gradient (the fused AdamW makes no more).
 
 A kept tensor is freed after the backward of the first op that saves it (`Node.kept_by`), an
-op's own saved tensors after its own backward. A recomputed layer's
-activations are counted by the caller (`step_price`), not here.
+op's own saved tensors after its own backward. A recomputed layer
+(`Pricer.recompute`) keeps nothing its ops drop until backward reaches it, then makes them
+all again.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.ir import Graph, Node, itemsize
@@ -32,13 +33,9 @@ from autoplan.strategies.placement import local_numel
 from autoplan.strategies.space import Strategy
 
 
-def peak_bytes(
-    graph: Graph,
-    assignment: Mapping[str, Strategy],
-    pricer: Pricer,
-    kept: Callable[[Node, Strategy], float],
-) -> float:
-    """The step's peak bytes per device; ``kept`` gives the bytes an op keeps for backward."""
+def peak_bytes(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer) -> float:
+    """The step's peak bytes per device."""
+    recompute = pricer.recompute
     static = grads_total = 0.0
     for node in graph:
         if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
@@ -49,15 +46,19 @@ def peak_bytes(
     alive = transient = 0.0  # forward: kept for backward; made and not yet read for the last time
     made_now: dict[str, float] = {}
     freed: dict[str, float] = defaultdict(float)  # after an op's backward, the bytes it frees
+    remade: dict[int, float] = defaultdict(float)  # by recomputed layer, what it makes again
     peak = static
     for i, node in enumerate(graph):
         if node.kind != NodeKind.OP:
             continue
         s = assignment[node.name]
-        saved = kept(node, s)
+        saved = pricer.activation_memory(node, s)
         extra = min(saved, pricer.saved_extra_memory(node, s))
         freed[node.kept_by or node.name] += saved - extra
         freed[node.name] += extra
+        if recompute.drops(node.name):
+            remade[recompute.layer_of[node.name]] += saved
+            saved = 0.0
         alive += saved
         if not node.is_view:
             made_now[node.name] = max(0.0, _output_bytes(node, s, pricer, False) - saved + extra)
@@ -71,6 +72,8 @@ def peak_bytes(
     for node in reversed(graph.nodes):
         if node.kind != NodeKind.OP or not node.needs_grad:
             continue
+        if recompute.drops(node.name):  # its layer's forward runs again, once
+            alive += remade.pop(recompute.layer_of[node.name], 0.0)
         consumed = pending.pop(node.name, 0.0)
         new = 0.0
         for ref in dict.fromkeys(node.refs):

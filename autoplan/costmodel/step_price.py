@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autoplan.costmodel.peak import peak_bytes
 from autoplan.costmodel.pricer import Phased, Pricer
-from autoplan.graph.ir import Graph, Node
+from autoplan.graph.ir import Graph
 from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
 from autoplan.strategies.placement import P, Spec, grad_spec
@@ -172,11 +172,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
     ops = tuple(OpPrice(name, *share) for name, share in shares.items())
-
-    def kept(node: Node, s: Strategy) -> float:
-        return 0.0 if recompute.drops(node.name) else pricer.activation_memory(node, s)
-
-    held = peak_bytes(graph, assignment, pricer, kept) + transient
+    held = peak_bytes(graph, assignment, pricer)
     rest = StepRest(
         max(0.0, host - compute),
         len(waits) * pricer.sync_s,
