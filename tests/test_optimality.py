@@ -97,8 +97,10 @@ def test_conventional_plans_are_the_baselines(cpu4: autoplan.Cluster) -> None:
 
 def test_recomputation_is_a_dimension_of_its_own(cpu4: autoplan.Cluster) -> None:
     # a degree and its recomputed twin are two plans, each written once however often asked;
-    # the recomputed one computes the forward twice and keeps fewer activations
-    w = example("mlp", hidden=64, batch_size=256)
+    # the recomputed one computes the forward twice and keeps fewer activations (a block's
+    # inside, at a batch whose activations make the peak; an MLP's layer keeps what it would
+    # anyway, its input, for its linear)
+    w = example("gpt", batch_size=256)
     d = Degrees(4, 1)
     twin = replace(d, recompute=RecomputeMode.FULL)
     plans = list(conventional_plans(w.trace, cpu4, [d, twin, d, twin]))

@@ -72,7 +72,9 @@ def test_a_meta_model_traces_as_the_real_one() -> None:
 
 def test_memory_counts_bf16_copies_over_float32_master_weights(cpu4: autoplan.Cluster) -> None:
     """A weight costs 4 bytes, its gradient 4 and AdamW's state 8 (float32), and its bf16 copy,
-    kept for backward, 2 more; the activations between the matmuls are bf16."""
+    kept for backward where the input's gradient needs it (not the first layer's), 2 more;
+    the activations between the matmuls are bf16 (the ReLU's output, which its backward
+    keeps; not the linear's, which nothing keeps)."""
     w = example("mlp", batch_size=8, hidden=16, num_layers=2)
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target, "bf16")
     pricer = Pricer(cpu4, (1,), "adamw")
@@ -80,9 +82,14 @@ def test_memory_counts_bf16_copies_over_float32_master_weights(cpu4: autoplan.Cl
     weight = next(n for n in graph.params if n.target == "layers.0.weight")
     assert pricer.node_memory(weight, whole) == 16 * 16 * (4 + 4 + 8)
     cast = next(n for n in graph if n.op == CAST and n.refs[0].name == weight.name)
+    assert pricer.node_memory(cast, Strategy(output=(R,), inputs=((R,),))) == 0
+    second = next(n for n in graph.params if n.target == "layers.1.weight")
+    cast = next(n for n in graph if n.op == CAST and n.refs[0].name == second.name)
     assert pricer.node_memory(cast, Strategy(output=(R,), inputs=((R,),))) == 16 * 16 * 2
     linear = next(n for n in graph if n.op == "aten.linear.default")
-    assert pricer.node_memory(linear, Strategy((R,), ((R,), (R,), (R,)))) == 8 * 16 * 2
+    assert pricer.node_memory(linear, Strategy((R,), ((R,), (R,), (R,)))) == 0
+    relu = next(n for n in graph if n.op == "aten.relu.default")
+    assert pricer.node_memory(relu, Strategy((R,), ((R,),))) == 8 * 16 * 2
 
 
 @pytest.mark.slow

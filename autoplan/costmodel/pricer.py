@@ -9,7 +9,8 @@
   stored shard with its gradient and optimizer state. Under ZeRO-1/2 (`strategies.zero`) the
   update runs on the state's shard and is gathered back (`internal`); its memory is the
   parameter as stored, its gradient as kept, and the shard's state and master copy.
-* An op's memory is its output shard, which backward keeps (views keep nothing new).
+* An op's memory is the shard of each of its outputs that backward keeps (saved by it or a
+  reader; `autoplan.graph.saved`) and of what its backward saves besides; views keep nothing.
 * A recomputed op (`autoplan.graph.recompute`) runs its forward twice, and keeps its output
   only where it leaves its layer; the rest the ILP counts at the recomputation's share (a
   mode given for every layer; where the ILP chooses, `autoplan.search.recompute_ilp`).
@@ -266,6 +267,14 @@ class Pricer:
         saved = self.activation_memory(node, strategy)
         return saved * self.recompute.share if self.recompute.drops(node.name) else saved
 
+    def gradient_memory(self, node: Node, strategy: Strategy) -> float:
+        """Of `node_memory`, a trained parameter's gradient as kept (0 for the rest)."""
+        if node.kind != NodeKind.PARAM or not node.needs_grad:
+            return 0.0
+        placed = strategy.output if strategy.state is None else strategy.grad_target
+        elems = local_numel(placed, node.output.shape, self.mesh_shape)
+        return float(elems * itemsize(node.output.dtype))
+
     def memory_floor(self, node: Node) -> float:
         """A floor under `node_memory` of ``node`` whatever its strategy: every tensor split
         over all the mesh's devices (ZeRO's copies are more), a dropped activation nothing.
@@ -283,15 +292,34 @@ class Pricer:
         return self.activation_memory(node, whole) / devices
 
     def activation_memory(self, node: Node, strategy: Strategy) -> float:
-        """The bytes of an op's output that backward needs (0 for parameters and inputs)."""
-        if node.kind != "op" or node.is_view or not node.needs_grad:
+        """The bytes of an op's outputs that backward keeps (`Node.kept`), with what its own
+        backward saves besides (`saved_extra_memory`); 0 for parameters and inputs."""
+        if node.kind != "op":
             return 0.0
-        return float(
-            sum(
-                local_numel(strategy.output, o.shape, self.mesh_shape) * itemsize(o.dtype)
-                for o in node.outputs
-            )
+        kept: Sequence[int] | None = node.kept
+        if kept is None:  # not known: a new tensor that a gradient flows to
+            if node.is_view or not node.needs_grad:
+                return 0.0
+            kept = range(len(node.outputs))
+        saved = sum(
+            local_numel(strategy.output, node.outputs[j].shape, self.mesh_shape)
+            * itemsize(node.outputs[j].dtype)
+            for j in kept
         )
+        return float(saved) + self.saved_extra_memory(node, strategy)
+
+    def saved_extra_memory(self, node: Node, strategy: Strategy) -> float:
+        """What an op's backward saves that is none of its inputs and outputs (a norm's
+        statistics, a loss's log-probabilities), split as the op's largest tensor is
+        (`Node.kept_extra_like`)."""
+        if not node.kept_extra_bytes:
+            return 0.0
+        like = node.kept_extra_like
+        spec = strategy.inputs[like] if 0 <= like < len(strategy.inputs) else strategy.output
+        split = math.prod(
+            n for n, p in zip(self.mesh_shape, spec, strict=True) if shard_dim(p) is not None
+        )
+        return node.kept_extra_bytes / split
 
     # ------------------------------------------------------------------ edges
 

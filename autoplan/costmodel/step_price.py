@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autoplan.costmodel.peak import peak_bytes
 from autoplan.costmodel.pricer import Phased, Pricer
 from autoplan.graph.ir import Graph
 from autoplan.modes import NodeKind, Phase
@@ -30,7 +31,7 @@ class OpPrice:
     # the collectives it causes: its inputs' redistributions (forward, recomputed forward),
     # their gradients' (backward) and its own (`Pricer.internal`); not the buckets'
     comm_s: float
-    memory_bytes: float  # an op: its output kept for backward; a parameter: with grad, state
+    memory_bytes: float  # an op: what backward keeps of it; a parameter: with grad, state
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class StepRest:
     waits_s: float = 0.0  # communication: the waits for the ranks' skew (`Pricer.sync_s`)
     gradients_s: float = 0.0  # communication: the gradient buckets and syncs, once per step
     transient_bytes: float = 0.0  # memory: the largest recomputed layer's, in its backward
+    # memory, subtracted: what the ops' sum counts that the step never holds at once (the
+    # gradients not yet made while backward's tensors are kept; `autoplan.costmodel.peak`)
+    unheld_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class PricedStep:
     def time_s(self) -> float:
         """The step's time: its compute, then its communication."""
         return self.compute_s + self.comm_s
+
+    @property
+    def peak_bytes(self) -> float:
+        """The most it holds at once: `memory_bytes` counts every gradient and every tensor
+        backward keeps together, as a pipeline stage's microbatches may (and the ILP does)."""
+        return self.memory_bytes - self.rest.unheld_bytes
 
 
 def summed_gradient(a: Spec | None, b: Spec | None) -> Spec | None:
@@ -163,7 +173,14 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
     ops = tuple(OpPrice(name, *share) for name, share in shares.items())
-    rest = StepRest(max(0.0, host - compute), len(waits) * pricer.sync_s, synced, transient)
+    held = peak_bytes(graph, assignment, pricer)
+    rest = StepRest(
+        max(0.0, host - compute),
+        len(waits) * pricer.sync_s,
+        synced,
+        transient,
+        memory + transient - held,
+    )
     return PricedStep(
         max(compute, host), comm, memory + transient, tuple(found), transient, ops, rest
     )

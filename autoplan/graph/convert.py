@@ -12,10 +12,12 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoplan.errors import TraceError
 from autoplan.graph.flops import op_flops, transcendental
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
+from autoplan.graph.saved import with_saved
 from autoplan.modes import NodeKind
 
 # ops no gradient flows through: detach, and factories that read their input for its dtype
@@ -54,17 +56,24 @@ def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Grap
         node = _convert(fx_node, kinds, done)
         done[node.name] = node
     nodes = tuple(done.values())
-    return Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen), precision=precision)
+    graph = Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen), precision=precision)
+    return with_saved(graph, _aliases(ep, done))
+
+
+def _tensors(val: Any) -> tuple[torch.Tensor, ...]:
+    """A node's traced value as its tensors, flat (as `Node.outputs` indexes them)."""
+    if isinstance(val, torch.Tensor):
+        return (val,)
+    if isinstance(val, list | tuple):
+        return tuple(t for v in val for t in _tensors(v))
+    return ()
 
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:
-    if isinstance(val, torch.Tensor):
-        return (
-            TensorInfo(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch.")),
-        )
-    if isinstance(val, list | tuple):
-        return tuple(i for v in val for i in _infos(v))
-    return ()
+    return tuple(
+        TensorInfo(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+        for t in _tensors(val)
+    )
 
 
 def _to_ir(value: Any) -> Any:
@@ -161,6 +170,27 @@ def _convert(
         is_view=is_view,
         transcendental=0.0 if is_view else transcendental(op, ins, outputs),
     )
+
+
+def _aliases(ep: ExportedProgram, done: dict[str, Node]) -> dict[Ref, Ref]:
+    """Each op output that shares its storage with one of the op's inputs as traced (a view;
+    not a ``reshape`` that copied an expanded tensor): output -> that input."""
+    by_name = {n.name: n for n in ep.graph.nodes}
+
+    def storages(name: str) -> list[StorageWeakRef]:
+        return [StorageWeakRef(t.untyped_storage()) for t in _tensors(by_name[name].meta["val"])]
+
+    found: dict[Ref, Ref] = {}
+    for name, node in done.items():
+        if node.kind != NodeKind.OP:
+            continue
+        ins: dict[StorageWeakRef, Ref] = {}
+        for ref in node.refs:
+            ins.setdefault(storages(ref.name)[ref.index], ref)
+        for j, storage in enumerate(storages(name)):
+            if storage in ins:
+                found[Ref(name, j)] = ins[storage]
+    return found
 
 
 def _fingerprint(nodes: Sequence[Node], frozen: Sequence[str]) -> str:

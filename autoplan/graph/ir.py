@@ -85,6 +85,12 @@ class Node:
     is_view: bool  # the output aliases an input (no new memory, no compute)
     # elements through which the forward evaluates a transcendental function (graph/flops.py)
     transcendental: float = 0.0
+    # of an op: the outputs backward keeps, saved by it or by an op that reads them (views
+    # resolved to the tensor they read; `autoplan.graph.saved`); None: not known, all of them
+    kept: tuple[int, ...] | None = None
+    kept_by: str = ""  # the op whose backward frees them (the first to save them); "": itself
+    kept_extra_bytes: float = 0.0  # what its backward saves that is no input or output, whole
+    kept_extra_like: int = -1  # split as its tensor input of this index (-1: its output)
 
     def __hash__(self) -> int:
         # nodes key the planner's rule caches, asked a million times for a large model: the

@@ -83,7 +83,7 @@ def predicted(step: PricedStep, memory_limit: float) -> Predicted:
         step_time_s=step.time_s,
         compute_s=step.compute_s,
         comm_s=step.comm_s,
-        peak_memory_bytes=step.memory_bytes,
+        peak_memory_bytes=step.peak_bytes,
         memory_limit_bytes=memory_limit,
     )
 

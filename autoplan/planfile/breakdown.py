@@ -37,7 +37,7 @@ class OpCost:
     stage: int
     compute_s: float  # forward + backward; a parameter's: its optimizer update
     comm_s: float  # the collectives it causes (`autoplan.costmodel.step_price.OpPrice`)
-    memory_bytes: float  # an op's output kept for backward; a parameter's with grad and state
+    memory_bytes: float  # what backward keeps of an op; a parameter's with grad and state
     collectives: str  # "all_reduce 2x 1.00 MiB" ..., empty for none
 
     @property
@@ -52,6 +52,7 @@ class Breakdown:
     waits_s: float
     gradients_s: float
     transient_bytes: float
+    unheld_bytes: float  # subtracted: the ops' memory never held at once (`StepRest`)
     per_microbatch: bool  # a pipeline's: one microbatch's, all stages together
 
     @property
@@ -64,7 +65,7 @@ class Breakdown:
 
     @property
     def memory_bytes(self) -> float:
-        return sum(o.memory_bytes for o in self.ops) + self.transient_bytes
+        return sum(o.memory_bytes for o in self.ops) + self.transient_bytes - self.unheld_bytes
 
 
 def layer_of(module: str) -> str:
@@ -119,6 +120,7 @@ def breakdown(plan: Plan, steps: Sequence[PricedStep]) -> Breakdown:
         waits_s=sum(st.rest.waits_s for st in steps),
         gradients_s=sum(st.rest.gradients_s for st in steps),
         transient_bytes=sum(st.rest.transient_bytes for st in steps),
+        unheld_bytes=sum(st.rest.unheld_bytes for st in steps),
         per_microbatch=plan.pipeline is not None,
     )
 
@@ -188,7 +190,7 @@ def top_lines(plan: Plan, b: Breakdown, n: int) -> list[str]:
     head = ["op", "kind", "layer", "compute", "comm", "time", "kept"]
     out = [
         f"where the time goes ({per}; compute: forward + backward, comm: the collectives the "
-        "op causes, kept: its output kept for backward; a parameter's: its update and state):",
+        "op causes, kept: what backward keeps of it; a parameter's: its update and state):",
         *_table([*head, "collectives"], _rows(top_ops(b, n), total, True), 3),
         "",
         f"by layer ({min(n, len(by_layer(b)))} of {len(by_layer(b))}):",
@@ -203,6 +205,7 @@ def top_lines(plan: Plan, b: Breakdown, n: int) -> list[str]:
         f"  waits for the ranks' skew            {fmt_time(b.waits_s)}",
         f"  gradient buckets and syncs           {fmt_time(b.gradients_s)}",
         f"  a recomputed layer in its backward   {fmt_bytes(b.transient_bytes)}",
+        f"  {'not held at once (subtracted)':<37}{fmt_bytes(b.unheld_bytes)}",
         "",
         f"sums: compute {fmt_time(b.compute_s)}, communication {fmt_time(b.comm_s)}; "
         f"plan predicts {fmt_time(plan.predicted.compute_s)}, "

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autoplan.graph.ir import Ref, TensorInfo
+from autoplan.graph.saved import resolve
 from autoplan.strategies.placement import P, R, shard
 from autoplan.torch_private import (
     MaskPartial,
@@ -34,11 +35,7 @@ AxisRule = tuple[str, ...]  # (output, tensor input 0, tensor input 1, ...) on o
 
 def resolve_op(op: str) -> torch._ops.OpOverload | None:
     """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor`` (None if it is not an ATen op)."""
-    parts = op.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        return None
-    packet = getattr(torch.ops.aten, parts[1], None)
-    return getattr(packet, parts[2], None) if packet is not None else None
+    return resolve(op) if op.startswith("aten.") and op.count(".") == 2 else None
 
 
 def has_rule(op: str) -> bool:

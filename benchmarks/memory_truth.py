@@ -1,0 +1,227 @@
+"""Predicted memory against torch's own accounting: each model planned on one device, and one
+training step of it measured in one process under torch's
+`torch.distributed._tools.mem_tracker.MemTracker` (the peak of live tensor storage over the
+forward, backward and AdamW step, fused as the executor runs it, gradients set to None after
+it). The step measured is the second: the first makes the optimizer's state, which the plan
+counts throughout. Then a few plans of 4 gloo ranks (`RANKED`), each rank's second step of
+`autoplan.parallelize`'s executor under MemTracker (its DTensors' local shards), against the
+plan's prediction: the largest rank's peak.
+
+Prints, and writes to benchmarks/results/memory_truth.json and .md, per model: predicted and
+measured peak bytes and their ratio, and the measured peak's parts as MemTracker names them.
+
+    python benchmarks/memory_truth.py [--models gpt-tiny,mlp] [--ranked mlp:4,gpt-small:2x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import autoplan  # noqa: E402
+from autoplan.execute.step import make_optimizer  # noqa: E402
+from autoplan.workload import Workload  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
+from examples import gpt, hf_llama, mlp  # noqa: E402
+from tests.models import zoo  # noqa: E402
+
+MODELS: dict[str, Callable[[], Workload]] = {
+    "mlp": lambda: mlp.workload(batch_size=64, hidden=256, num_layers=4),
+    "gpt-tiny": lambda: gpt.workload("tiny", batch_size=8),
+    "gpt-small": lambda: gpt.workload("small", batch_size=4),
+    "llama-tiny": lambda: hf_llama.workload("tiny", batch_size=8),
+    "llama-small": lambda: hf_llama.workload("small", batch_size=4, seq_len=64),
+    **{
+        f"zoo-{name}": (lambda name=name: zoo.workload(name, batch_size=8, seq_len=32))
+        for name in ("gpt2", "llama", "mistral", "bert", "bart", "vit", "cnn", "deepseek-v3")
+    },
+}
+
+
+# plans of 4 ranks measured: model, logical mesh
+RANKED = ("mlp:4", "gpt-small:4", "gpt-small:2x2")
+CPU4 = ROOT / "costmodels/cpu-gloo-4.json"
+
+
+def one_device() -> autoplan.Cluster:
+    """The CPU cluster file's device, alone."""
+    cpu = autoplan.Cluster.load(CPU4)
+    return dataclasses.replace(cpu, devices_per_node=1, num_nodes=1, name="cpu-gloo-1")
+
+
+def predicted_peak(w: Workload) -> float:
+    plan = w.plan(one_device(), autoplan.PlanOptions(optimizer="adamw"))
+    return plan.predicted.peak_memory_bytes
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def tracked_peak(step: Callable[[], object], *tracked: Any) -> dict[str, int]:
+    """MemTracker's peak snapshot of the second of two calls of ``step`` (``tracked``: what it
+    holds from before, a module, an optimizer, tensors): bytes by kind, and "Total"."""
+    step()
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    with tracker, warnings.catch_warnings():
+        # its module hooks find the loss's wrapper module gone by backward
+        warnings.filterwarnings("ignore", "Module is None")
+        step()
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return {getattr(k, "value", str(k)): v for k, v in snapshot.items()}
+
+
+def measured_peak(w: Workload) -> dict[str, int]:
+    """One process: forward, backward, the fused AdamW step, gradients set to None."""
+    model = copy.deepcopy(w.model)
+    optimizer = make_optimizer("adamw", list(model.parameters()), {})
+
+    def step() -> None:
+        w.loss(model).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return tracked_peak(step, model, optimizer, *_tensors((w.example_inputs, w.example_target)))
+
+
+def _parts(measured: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**20:.2f}" for k, v in measured.items() if v and k != "Total")
+
+
+def rank_worker(ranked: str, out: Path) -> None:
+    """Under torchrun: plan ``ranked`` ("model:mesh"), train two steps, and (rank 0) write the
+    prediction and every rank's peak to ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    name, mesh = ranked.split(":")
+    w = MODELS[name]()
+    options = autoplan.PlanOptions(
+        mesh_shape=tuple(int(n) for n in mesh.split("x")), pipeline=False
+    )
+    step = w.parallelize(autoplan.Cluster.load(CPU4), options=options)
+    run = step.runtime
+    measured = tracked_peak(
+        lambda: step(w.example_inputs, w.example_target), run.module, run.optimizer
+    )
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, measured)
+    if dist.get_rank() == 0:
+        doc = {"predicted": step.plan.predicted.peak_memory_bytes, "ranks": ranks}
+        out.write_text(json.dumps(doc))
+    dist.destroy_process_group()
+
+
+def ranked_row(ranked: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "peak.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            __file__,
+            "--worker",
+            ranked,
+        ]
+        subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+        doc = json.loads(out.read_text())
+    largest = max(doc["ranks"], key=lambda r: r["Total"])
+    return {
+        "model": f"{ranked} (4 ranks)",
+        "params": sum(p.numel() for p in MODELS[ranked.split(":")[0]]().model.parameters()),
+        "predicted_MiB": round(doc["predicted"] / 2**20, 3),
+        "measured_MiB": round(largest["Total"] / 2**20, 3),
+        "ratio": round(doc["predicted"] / largest["Total"], 3),
+        "measured_parts_MiB": _parts(largest),
+    }
+
+
+def row(name: str) -> dict[str, Any]:
+    w = MODELS[name]()
+    predicted = predicted_peak(w)
+    measured = measured_peak(w)
+    total = measured["Total"]
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in w.model.parameters()),
+        "predicted_MiB": round(predicted / 2**20, 3),
+        "measured_MiB": round(total / 2**20, 3),
+        "ratio": round(predicted / total, 3),
+        "measured_parts_MiB": _parts(measured),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--ranked", default=",".join(RANKED), help="model:mesh plans, 4 ranks")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # under torchrun: this plan
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        rank_worker(args.worker, args.out)
+        return
+    torch.set_num_threads(1)
+    columns = ["model", "params", "predicted_MiB", "measured_MiB", "ratio", "measured_parts_MiB"]
+    rows: list[dict[str, Any]] = []
+
+    def add(r: dict[str, Any]) -> None:
+        print(" | ".join(str(r[c]) for c in columns), flush=True)
+        rows.append(r)
+
+    for name in filter(None, args.models.split(",")):
+        add(row(name))
+    for ranked in filter(None, args.ranked.split(",")):
+        add(ranked_row(ranked))
+    meta = {
+        "command": "python benchmarks/memory_truth.py",
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "measured": "MemTracker peak of live tensors, second AdamW (fused) step, one process; "
+        "(4 ranks): the largest rank's, autoplan.parallelize's executor on gloo",
+        "predicted": "plan.predicted.peak_memory_bytes of the plan on one device of "
+        "costmodels/cpu-gloo-4.json: parameters, AdamW state and inputs, with the tensors "
+        "autograd saves (autoplan/graph/saved.py) and the gradients over backward "
+        "(autoplan/costmodel/peak.py)",
+        "measured_parts": "MemTracker's peak snapshot by kind (Temp: made in backward)",
+        "not covered": "what a plan of several ranks holds beyond the one-process model: "
+        "tensors an op reads redistributed and saves for backward are kept as redistributed "
+        "(ZeRO-3's gathered weights, tensor parallelism's gathered activations), and the "
+        "redistributions' and gradient buckets' buffers; the 4-rank rows measure that gap "
+        "(0.84-1.03), the model does not count it yet. Nor pipeline stages' timelines (their "
+        "microbatches in flight are counted with every gradient at once), nor an allocator's "
+        "margin (CUDA caching). llama's eager attention reads its grouped keys and values "
+        "without copying them, where the traced graph copies them (repeat_kv): the "
+        "prediction (of the traced graph, which the executor runs) holds the copies",
+    }
+    write_results("memory_truth", "Predicted memory against MemTracker", meta, rows, columns)
+
+
+if __name__ == "__main__":
+    main()
