@@ -10,7 +10,7 @@ machine's load average is recorded with each case: times are an idle machine's o
 is low.
 
     python benchmarks/plan_real.py [--models llama3-8b,qwen2.5-7b] [--gpus 64,512]
-        [--per-gpu 0.5,2] [--clusters a100,h100] [--timeout 600]
+        [--per-gpu 0.5,2] [--clusters a100,h100] [--cases llama3-405b@512,...] [--timeout 600]
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--gpus", default="64,512")
     parser.add_argument("--per-gpu", default="0.5")
     parser.add_argument("--clusters", default="a100")
+    parser.add_argument(
+        "--cases", help="model@gpus pairs, comma-separated, in place of --models x --gpus"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may take")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a case, run in this process
     args = parser.parse_args()
@@ -87,16 +90,20 @@ def main() -> None:
         print(json.dumps(run(**json.loads(args.one))), flush=True)
         return
     logging.basicConfig(level=logging.WARNING)
+    pairs = (
+        [(m, int(g)) for m, g in (c.split("@") for c in args.cases.split(","))]
+        if args.cases
+        else [(m, int(g)) for m in args.models.split(",") for g in args.gpus.split(",")]
+    )
     rows = []
     for kind in args.clusters.split(","):
-        for model in args.models.split(","):
-            for gpus in (int(g) for g in args.gpus.split(",")):
-                for per in (float(p) for p in args.per_gpu.split(",")):
-                    batch = max(4, int(gpus * per))
-                    case = {"model": model, "kind": kind, "gpus": gpus, "batch": batch}
-                    row = run_fresh(__file__, case, args.timeout)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+        for model, gpus in pairs:
+            for per in (float(p) for p in args.per_gpu.split(",")):
+                batch = max(4, int(gpus * per))
+                case = {"model": model, "kind": kind, "gpus": gpus, "batch": batch}
+                row = run_fresh(__file__, case, args.timeout)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     meta = {
         "command": "python benchmarks/plan_real.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
