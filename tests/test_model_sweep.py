@@ -1,0 +1,48 @@
+"""The model sweep's own logic (`benchmarks/model_sweep.py`): which configs it makes tiny and
+how it reads an ``autoplan run --check`` (the sweep itself runs by hand: it takes hours)."""
+
+from __future__ import annotations
+
+from benchmarks.model_sweep import architectures, classify, tiny_config
+
+
+def test_architectures_cover_the_four_heads_and_the_models_users_bring() -> None:
+    found = architectures()
+    assert {head for head, _ in found.values()} == {
+        "causal-lm",
+        "masked-lm",
+        "seq2seq-lm",
+        "image-classification",
+    }
+    for model in ("llama", "mistral", "gemma2", "deepseek_v3", "gpt2", "bert", "bart", "vit"):
+        assert model in found
+
+
+def test_a_tiny_config_keeps_the_defaults_it_does_not_shrink() -> None:
+    config = tiny_config("mistral")
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (2, 64, 128)
+    assert config.attention_dropout == 0.0
+    assert config.use_cache is True  # the model's default, as users train it
+    assert config.sliding_window == 4096  # not shrunk: mistral's own
+
+
+def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
+    ok = "step 3/3 ...\ncheck against one process: losses 1e-7, parameters 2e-7: OK\n"
+    assert classify(0, ok) == ("exact", "")
+    bad = "check against one process: losses 3e-2, parameters 1e-1: FAILED\n"
+    assert classify(1, bad)[0] == "failed"  # a failed check exits non-zero: no error block
+    assert classify(0, bad)[0] == "differs"
+    refused = (
+        "autoplan: error: model.layers.0.mlp (aten.bincount) has no sharding rule\n"
+        "  pin it or use ...\n"
+    )
+    assert classify(2, refused)[0] == "refused"
+    unchecked = (
+        "autoplan: error on ranks 0-3 before the first step (tracing, planning, ...):\n"
+        "  NotImplementedError: Operator aten.foo ...\n"
+        "  autoplan did not check for this error: if the model and inputs train in one ...\n"
+    )
+    assert classify(1, unchecked)[0] == "unchecked"
+    during = "autoplan: error on rank 1 at step 2 (backward):\n  RuntimeError: boom\n"
+    result, reason = classify(1, during)
+    assert result == "failed" and "at step 2" in reason and "RuntimeError: boom" in reason
