@@ -395,6 +395,20 @@ CASES = [
         baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
         pipelined=True,
     ),
+    # the same under ZeroBubble: the split backward's weight gradients go to ZeRO's wholes
+    Case(
+        "mlp-baseline-zb-zero2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        baseline_plan(
+            dp=2,
+            tp=1,
+            pp=2,
+            zero_stage=2,
+            options=PlanOptions(num_microbatches=2, schedule="ZeroBubble"),
+        ),
+        pipelined=True,
+    ),
     *[
         Case(
             f"zoo-llama-zero{stage}",
