@@ -253,8 +253,9 @@ def price_stages(
             scheduled = pipeline_time(times, num_microbatches)
     else:
         stage_size = math.prod(pricer.mesh_shape)
-        # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
-        # Its sends are its CPU work too (gloo), half with each forward, half with each backward
+        # a stage's sends, half with each forward, half with each backward; ranks sharing
+        # cores: a stage waiting in the bubble leaves its cores to the others, and its sends
+        # are its CPU work too (gloo)
         steps = [
             (s.forward_s + s.send_s / 2, s.time_s - s.forward_s + s.send_s / 2) for s in stages
         ]
@@ -265,7 +266,11 @@ def price_stages(
             steps,
             (lambda running: cluster.rank_speed(running * stage_size)) if shared else None,
             virtual_stages,
-            [s.weight_share for s in stages],
+            # of the backward with its half of the sends, W's share: the sends go with B
+            [
+                s.weight_share * (b - s.send_s / 2) / b if b else 0.0
+                for s, (_, b) in zip(stages, steps, strict=True)
+            ],
         )
         scheduled = max(e.end for e in events)
     # gradient sync and the optimizer update run once, after the last microbatch
