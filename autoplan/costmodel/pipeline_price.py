@@ -205,7 +205,7 @@ def priced_stage(
         recompute_bytes=step.recompute_bytes,
         recomputed=pricer.recompute.within(frozenset(stage.nodes)),
         weight_share=min(1.0, weight_flops / backward_flops) if backward_flops else 0.5,
-        held_bytes=sum(pricer.node_memory(n, assignment[n.name]) for n in weighted),
+        held_bytes=sum(pricer.activation_memory(n, assignment[n.name]) for n in weighted),
     )
 
 
