@@ -64,6 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -383,9 +384,13 @@ def zero_bubble_order(
     schedule._n_microbatches = num_microbatches
     schedule.number_of_rounds = rounds
     schedule.microbatches_per_round = num_microbatches // rounds
-    kinds = {"F": "F", "I": "B", "W": "W"}
+    kinds = {
+        ComputationType.FORWARD: "F",
+        ComputationType.BACKWARD_INPUT: "B",
+        ComputationType.BACKWARD_WEIGHT: "W",
+    }
     return [
-        (kinds[action.computation_type.value], action.stage_index, action.microbatch_index)
+        (kinds[action.computation_type], action.stage_index, action.microbatch_index)
         for action in schedule._calculate_single_rank_operations(group)
         if action is not None and action.microbatch_index is not None
     ]
