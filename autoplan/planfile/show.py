@@ -189,7 +189,7 @@ def _left_out(what: str, count: int, limit: int) -> list[str]:
 
 def _legend(schedule: str) -> str:
     if schedule == Schedule.ZERO_BUBBLE:
-        return "Fk / Bk / Wk = forward / input gradients / weight gradients"
+        return "Fk / Bk / Wk = forward / input / weight gradients"
     return "Fk / Bk = forward / backward"
 
 
