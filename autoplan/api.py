@@ -245,7 +245,7 @@ def _plan_pipelined(
         v = options.virtual_stages or 2
         refusals = [
             schedule_refusal(s, num_stages * v, num_microbatches, v)
-            if s == Schedule.INTERLEAVED
+            if s == Schedule.INTERLEAVED or options.virtual_stages
             else schedule_refusal(s, num_stages, num_microbatches)
             for s in options.schedules
         ]
@@ -264,11 +264,11 @@ def _plan_pipelined(
         return None, search.unproven
     plan = assemble_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
-    # (unless Interleaved1F1B is forced), and interleaved as found
+    # (unless Interleaved1F1B is forced; 1F1B where ZeroBubble is), and interleaved as found
     schedules: list[Schedule] = (
         []
         if options.schedule == Schedule.INTERLEAVED
-        else [options.schedule or Schedule.ONE_F_ONE_B]
+        else [Schedule.GPIPE if options.schedule == Schedule.GPIPE else Schedule.ONE_F_ONE_B]
     )
     schedules += [Schedule.INTERLEAVED] * (found.virtual_stages > 1)
     degrees = [

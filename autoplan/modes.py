@@ -28,6 +28,7 @@ class Schedule(Mode):
     ONE_F_ONE_B = "1F1B"  # Schedule1F1B
     GPIPE = "GPipe"  # ScheduleGPipe
     INTERLEAVED = "Interleaved1F1B"  # ScheduleInterleaved1F1B
+    ZERO_BUBBLE = "ZeroBubble"  # ScheduleInterleavedZeroBubble (backward split in B and W)
 
 
 class RecomputeMode(Mode):

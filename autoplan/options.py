@@ -30,7 +30,7 @@ from autoplan.modes import Precision, RecomputeMode, ReduceDtype, Schedule, pars
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
-from autoplan.schedules import check_schedule
+from autoplan.schedules import MULTI_STAGE, check_schedule
 from autoplan.strategies.float32_grads import check_reduce_dtype
 
 
@@ -75,11 +75,13 @@ class PlanOptions:
     tried and, on one node, halves while that is faster."""
 
     schedule: Schedule | None = None
-    """"1F1B", "GPipe" or "Interleaved1F1B" (any case); None takes the fastest that fits."""
+    """"1F1B", "GPipe", "Interleaved1F1B" or "ZeroBubble" (any case; docs/schedules.md);
+    None takes the fastest that fits."""
 
     virtual_stages: int | None = None
-    """Stages on each device group under "Interleaved1F1B" (at least 2; it implies that
-    schedule); None tries 2, 3, ... while the layers allow and the step gets faster."""
+    """Stages on each device group under "Interleaved1F1B" or "ZeroBubble" (at least 2;
+    without a schedule it implies "Interleaved1F1B"); None tries 2, 3, ... while the layers
+    allow and the step gets faster (and one under "ZeroBubble")."""
 
     max_layers: int = DEFAULT_MAX_LAYERS
     """The step is cut into at most this many layers for the stage search
@@ -128,12 +130,13 @@ class PlanOptions:
         if self.schedule is not None:
             object.__setattr__(self, "schedule", check_schedule(self.schedule))
         if self.virtual_stages is not None:
-            if self.virtual_stages < 2 or self.schedule not in (None, Schedule.INTERLEAVED):
+            if self.virtual_stages < 2 or self.schedule not in (None, *MULTI_STAGE):
                 raise AutoplanError(
                     f"virtual_stages={self.virtual_stages} (with schedule={self.schedule!r}): "
-                    f"give 2 or more, which runs schedule {Schedule.INTERLEAVED}"
+                    f"give 2 or more, which runs schedule {Schedule.INTERLEAVED} (or "
+                    f"{Schedule.ZERO_BUBBLE})"
                 )
-            object.__setattr__(self, "schedule", Schedule.INTERLEAVED)
+            object.__setattr__(self, "schedule", self.schedule or Schedule.INTERLEAVED)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.recompute is not None:

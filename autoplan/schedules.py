@@ -16,6 +16,15 @@ Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelin
   ``2 (p - 1 - g)`` forwards, then one forward and one backward in turn, then the remaining
   backwards (chunks in reverse). Its bubble is about ``(p - 1) / v`` of a chunk's time where
   1F1B's is ``p - 1`` stages' times, for ``v`` times the sends.
+- ZeroBubble (ScheduleInterleavedZeroBubble, the ZB-H1 schedule of Qi et al. 2024, "Zero
+  Bubble Pipeline Parallelism"; one stage a group or ``v`` interleaved as above): each
+  backward is split into ``B``, the gradients of the stage's inputs, which the previous stage
+  waits for, and ``W``, the gradients of its weights, which nobody waits for; the late groups
+  put their ``W`` steps off into what 1F1B leaves idle. The order is torch's own
+  (`autoplan.torch_private.zero_bubble_order`). A microbatch's activations stay until its
+  ``W`` (its weights' gradients read them), and from its ``B`` to its ``W`` so do the
+  gradients of the outputs of the ops that read a weight. The first stage has no input
+  gradient to send: torch runs its whole backward at ``W`` and its ``B`` does nothing.
 
 `simulate` starts each step as soon as its stage is free and its input has arrived: the
 forward of microbatch ``m`` on stage ``s`` after its forward on stage ``s - 1``, the backward
@@ -34,6 +43,10 @@ from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
 from autoplan.modes import Schedule, parse_mode
+from autoplan.torch_private import zero_bubble_order
+
+# the schedules that may put several stages on a device group (`virtual_stages`)
+MULTI_STAGE = (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
 
 
 def check_schedule(schedule: str) -> Schedule:
@@ -47,12 +60,14 @@ def schedule_refusal(
     """Why torch.distributed.pipelining would refuse ``schedule`` over this many stages (in
     all: ``virtual_stages`` on each device group) and microbatches, or None: its Schedule1F1B
     needs at least one microbatch a stage; ScheduleInterleaved1F1B two or more stages on each
-    group, and microbatches a multiple of its rounds, ``max(1, B // groups)``."""
-    if schedule != Schedule.INTERLEAVED:
+    group; it and ScheduleInterleavedZeroBubble (one stage a group or more) microbatches a
+    multiple of their rounds, ``max(1, B // groups)``."""
+    if schedule not in MULTI_STAGE:
         if virtual_stages != 1:
             return (
                 f"schedule {schedule} runs one stage on each device group, but "
-                f"virtual_stages={virtual_stages}; use {Schedule.INTERLEAVED} for more"
+                f"virtual_stages={virtual_stages}; use {Schedule.INTERLEAVED} or "
+                f"{Schedule.ZERO_BUBBLE} for more"
             )
         if schedule == Schedule.ONE_F_ONE_B and num_microbatches < num_stages:
             return (
@@ -61,17 +76,18 @@ def schedule_refusal(
                 "microbatches or GPipe"
             )
         return None
-    if virtual_stages < 2 or num_stages % virtual_stages:
+    least = 2 if schedule == Schedule.INTERLEAVED else 1
+    if virtual_stages < least or num_stages % virtual_stages:
         return (
-            f"schedule {Schedule.INTERLEAVED} needs 2 or more stages on each device group "
-            f"(virtual_stages >= 2, dividing the {num_stages} stages), but "
+            f"schedule {schedule} needs {least} or more stages on each device group "
+            f"(virtual_stages >= {least}, dividing the {num_stages} stages), but "
             f"virtual_stages={virtual_stages}; use 1F1B for one"
         )
     groups = num_stages // virtual_stages
     rounds = max(1, num_microbatches // groups)
     if num_microbatches % rounds:
         return (
-            f"schedule {Schedule.INTERLEAVED} runs microbatches in rounds of about one per device "
+            f"schedule {schedule} runs microbatches in rounds of about one per device "
             f"group: num_microbatches={num_microbatches} on {groups} groups must be a multiple "
             f"of max(1, {num_microbatches} // {groups}) = {rounds}; use a multiple of {groups}"
         )
@@ -79,13 +95,14 @@ def schedule_refusal(
 
 
 FORWARD = "F"
-BACKWARD = "B"
+BACKWARD = "B"  # the whole backward; under ZeroBubble, the input gradients alone
+WEIGHT = "W"  # the weight gradients (ZeroBubble)
 
 
 @dataclass(frozen=True)
 class Event:
     stage: int
-    kind: str  # FORWARD | BACKWARD
+    kind: str  # FORWARD | BACKWARD | WEIGHT
     microbatch: int
     start: float  # seconds from the step's start, or slots
     end: float
@@ -117,7 +134,11 @@ def group_order(
 ) -> tuple[Step, ...]:
     """The (kind, stage, microbatch) steps device group ``group`` runs, in order: its one
     stage's (`stage_order`), or under Interleaved1F1B its ``virtual_stages`` chunks' as torch's
-    ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out)."""
+    ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out);
+    under ZeroBubble, torch's order itself."""
+    if schedule == Schedule.ZERO_BUBBLE:
+        groups = num_stages // virtual_stages
+        return tuple(zero_bubble_order(groups, virtual_stages, num_microbatches, group))
     if schedule != Schedule.INTERLEAVED:
         one = stage_order(schedule, num_stages, num_microbatches, group)
         return tuple((kind, group, m) for kind, m in one)
@@ -147,13 +168,25 @@ def group_order(
     return tuple(order)
 
 
-def peak_in_flight(order: Sequence[Step], activation: Callable[[int], float]) -> float:
+def peak_in_flight(
+    order: Sequence[Step],
+    activation: Callable[[int], float],
+    held: Callable[[int], float] = lambda _: 0.0,
+) -> float:
     """The most activations a device group holds at once running ``order``: each stage's
-    ``activation(stage)`` for every microbatch it has run forward and not yet backward."""
-    held = peak = 0.0
+    ``activation(stage)`` for every microbatch it has run forward and not yet its last
+    backward step (``W`` where the order has them); from a microbatch's ``B`` to its ``W``,
+    also ``held(stage)``, the output gradients its weight gradients read."""
+    split = any(kind == WEIGHT for kind, _, _ in order)
+    now = peak = 0.0
     for kind, stage, _ in order:
-        held += activation(stage) if kind == FORWARD else -activation(stage)
-        peak = max(peak, held)
+        if kind == FORWARD:
+            now += activation(stage)
+        elif kind == WEIGHT:
+            now -= activation(stage) + held(stage)
+        else:
+            now += held(stage) if split else -activation(stage)
+        peak = max(peak, now)
     return peak
 
 
@@ -164,12 +197,22 @@ def simulate(
     durations: Sequence[tuple[float, float]] | None = None,
     speed: Callable[[int], float] | None = None,
     virtual_stages: int = 1,
+    weight_shares: Sequence[float] | None = None,
 ) -> tuple[Event, ...]:
     """Every step of one training step, by start time then stage. ``durations`` gives each
     stage's (forward, backward) time per microbatch; without it every step takes one slot.
     ``speed(n)``: the speed of each of ``n`` device groups running at once (default 1.0).
-    Each device group (`group_order`) runs one step at a time."""
-    times = durations if durations is not None else [(1.0, 1.0)] * num_stages
+    ``weight_shares``: under ZeroBubble, each stage's share of its backward that is ``W``
+    (default a half; the first stage's ``B`` takes none, its ``W`` all). Each device group
+    (`group_order`) runs one step at a time."""
+    if durations is None:
+        times = [(1.0, 1.0, 1.0)] * num_stages
+    else:
+        split = schedule == Schedule.ZERO_BUBBLE
+        shares = [0.0] * num_stages if not split else weight_shares or [0.5] * num_stages
+        times = [(f, b * (1 - w), b * w) for (f, b), w in zip(durations, shares, strict=True)]
+        if split:  # torch runs the first stage's backward at W
+            times[0] = (times[0][0], 0.0, durations[0][1])
     assert len(times) == num_stages, (len(times), num_stages)
     num_groups = num_stages // virtual_stages
     orders = [
@@ -186,10 +229,10 @@ def simulate(
             if g in running or done[g] == len(order):
                 continue
             kind, s, m = order[done[g]]
-            source = s - 1 if kind == FORWARD else s + 1
+            source = s - 1 if kind == FORWARD else s + 1 if kind == BACKWARD else -1
             if 0 <= source < num_stages and (kind, source, m) not in ends:
                 continue  # its input is not computed yet
-            running[g] = (now, times[s][0 if kind == FORWARD else 1])
+            running[g] = (now, times[s][(FORWARD, BACKWARD, WEIGHT).index(kind)])
         if not running:
             break
         rate = 1.0 if speed is None else speed(len(running))

@@ -30,6 +30,9 @@ the torch at hand has rather than comparing version numbers.
   for every tensor it sends; 2.13 on leaves non-float tensors out of backward. Under 2.11 an
   integer tensor crosses stages as the float64 view of its int64 values, and the stage that
   receives it hands back a zero gradient (execute/pipeline.py).
+- `zero_bubble_order`: the steps ScheduleInterleavedZeroBubble runs on each rank (its
+  ``_calculate_single_rank_operations``), computed without stages or a process group, so the
+  planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -60,6 +63,8 @@ from torch.distributed._functional_collectives import all_reduce as functional_a
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
+from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -111,6 +116,7 @@ __all__ = [
     "resolve_process_group",
     "unbox_process_group",
     "wait_collective",
+    "zero_bubble_order",
 ]
 
 
@@ -361,3 +367,30 @@ def non_finite_check_and_unscale(
     """Multiply ``grads`` by ``inv_scale`` in place, setting ``found`` to 1 where any is not
     finite (GradScaler's own op)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
+
+
+def zero_bubble_order(
+    num_groups: int, virtual_stages: int, num_microbatches: int, group: int
+) -> list[tuple[str, int, int]]:
+    """The (kind, stage, microbatch) steps ScheduleInterleavedZeroBubble runs on rank ``group``
+    of ``num_groups``, each holding ``virtual_stages`` stages, in its order without its idle
+    slots: kind "F" (forward), "B" (the input gradients) or "W" (the weight gradients).
+    Its constructor needs stages on a process group; the order is its
+    ``_calculate_single_rank_operations``, which reads only the fields set here."""
+    schedule = object.__new__(ScheduleInterleavedZeroBubble)
+    rounds = max(1, num_microbatches // num_groups)
+    schedule.pp_group_size = num_groups
+    schedule.n_local_stages = virtual_stages
+    schedule._n_microbatches = num_microbatches
+    schedule.number_of_rounds = rounds
+    schedule.microbatches_per_round = num_microbatches // rounds
+    kinds = {
+        ComputationType.FORWARD: "F",
+        ComputationType.BACKWARD_INPUT: "B",
+        ComputationType.BACKWARD_WEIGHT: "W",
+    }
+    return [
+        (kinds[action.computation_type], action.stage_index, action.microbatch_index)
+        for action in schedule._calculate_single_rank_operations(group)
+        if action is not None and action.microbatch_index is not None
+    ]

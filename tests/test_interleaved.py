@@ -20,6 +20,7 @@ from autoplan.modes import Schedule
 from autoplan.planfile.show import summary
 from autoplan.schedules import (
     FORWARD,
+    MULTI_STAGE,
     group_order,
     peak_in_flight,
     schedule_refusal,
@@ -125,7 +126,8 @@ def test_the_planner_interleaves_where_that_is_faster(
     one = w.plan(cluster, dataclasses.replace(options, schedule="1F1B"))
     plan = w.plan(cluster, options)
     assert one.pipeline is not None and plan.pipeline is not None
-    assert plan.pipeline.schedule == Schedule.INTERLEAVED and plan.virtual_stages in (2, 4)
+    # Interleaved1F1B, or ZeroBubble as interleaved, its weight gradients in the bubble
+    assert plan.pipeline.schedule in MULTI_STAGE and plan.virtual_stages in (2, 4)
     assert plan.pipeline.bubble_fraction < one.pipeline.bubble_fraction
     assert plan.predicted.step_time_s < one.predicted.step_time_s
     # stage s on node s mod 2, all of it

@@ -15,6 +15,14 @@ stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages
 most activations in flight at once as torch's order runs them
 (`autoplan.schedules.peak_in_flight`; `PipelinePlan.stage_memory`).
 
+ZeroBubble splits each backward into the input gradients (``B``) and the weight gradients
+(``W``), which it runs later, in the bubble: no formula says its step, which is simulated
+from torch's order (`autoplan.schedules.simulate`). A stage's ``W`` is its ``weight_share``
+of its backward: the forward FLOPs of its ops that read a parameter over its backward FLOPs
+(a matmul's weight gradient is one more matmul of its forward's size, as its input gradient
+is; the other ops' backward is all ``B``). From ``B`` to ``W`` a microbatch holds, besides its
+activations, the gradients of those ops' outputs (``held_bytes``).
+
 A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) or are given
 (`price_pipeline`: a plan to re-price, a baseline); both are priced here the same way.
 """
@@ -33,7 +41,7 @@ from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import Graph, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase, Schedule
-from autoplan.schedules import group_order, peak_in_flight, simulate
+from autoplan.schedules import MULTI_STAGE, group_order, peak_in_flight, simulate
 from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.space import Strategy
@@ -59,6 +67,8 @@ class SolvedStage:
     recompute_bytes: float = 0.0  # of memory_bytes, its largest recomputed layer's activations
     # its recomputed layers (`Recompute.layers`): stages choose their own
     recomputed: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    weight_share: float = 0.5  # of the backward, the weight gradients' (ZeroBubble's W)
+    held_bytes: float = 0.0  # output gradients a microbatch holds from its B to its W
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,12 @@ class PipelinePlan:
     memory_limit: float
     virtual_stages: int = 1  # stages on each device group (Interleaved1F1B: 2 or more)
 
+    def order(self, group: int) -> tuple[tuple[str, int, int], ...]:
+        """The steps device group ``group`` runs, in order (`autoplan.schedules.group_order`)."""
+        return group_order(
+            self.schedule, len(self.stages), self.num_microbatches, group, self.virtual_stages
+        )
+
     @property
     def num_groups(self) -> int:
         return len(self.stages) // self.virtual_stages
@@ -91,14 +107,14 @@ class PipelinePlan:
     def stage_memory(self, s: int) -> float:
         """Peak bytes per device of stage ``s`` under the schedule; interleaved, of its device
         group, which holds all its stages."""
-        if self.virtual_stages > 1:
+        if self.schedule in MULTI_STAGE:
             groups = self.num_groups
-            order = group_order(
-                self.schedule, len(self.stages), self.num_microbatches, s % groups,
-                self.virtual_stages,
-            )  # fmt: skip
             static = sum(st.memory_bytes for st in self.stages[s % groups :: groups])
-            return static + peak_in_flight(order, lambda c: self.stages[c].activation_bytes)
+            return static + peak_in_flight(
+                self.order(s % groups),
+                lambda c: self.stages[c].activation_bytes,
+                lambda c: self.stages[c].held_bytes,
+            )
         in_flight = (
             self.num_microbatches if self.schedule == Schedule.GPIPE else len(self.stages) - s
         )
@@ -167,7 +183,10 @@ def priced_stage(
         if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
     )
     flops = sum(n.flops for n in graph)
-    total_flops = flops + sum(n.bwd_flops for n in graph)
+    backward_flops = sum(n.bwd_flops for n in graph)
+    total_flops = flops + backward_flops
+    weighted = [n for n in graph if n.kind == NodeKind.OP and n.params and n.needs_grad]
+    weight_flops = sum(n.flops for n in weighted)
     time = step.time_s - extra
     return SolvedStage(
         start=start,
@@ -185,6 +204,8 @@ def priced_stage(
         solver=solver,
         recompute_bytes=step.recompute_bytes,
         recomputed=pricer.recompute.within(frozenset(stage.nodes)),
+        weight_share=min(1.0, weight_flops / backward_flops) if backward_flops else 0.5,
+        held_bytes=sum(pricer.activation_memory(n, assignment[n.name]) for n in weighted),
     )
 
 
@@ -219,20 +240,22 @@ def price_stages(
     virtual_stages: int = 1,
 ) -> PipelinePlan:
     """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
-    ``sum(t) + (B - 1) max(t)`` (interleaved: `interleaved_time`); or, where ranks share
-    fewer cores than they are (CPU ranks on one node, `Cluster.shares_cores`), by simulating
-    the schedule with the stages sharing them (`autoplan.schedules.simulate`), as the DP's
-    formula cannot say."""
+    ``sum(t) + (B - 1) max(t)`` (interleaved: `interleaved_time`); or, under ZeroBubble or
+    where ranks share fewer cores than they are (CPU ranks on one node,
+    `Cluster.shares_cores`), by simulating the schedule (with the stages sharing the cores;
+    `autoplan.schedules.simulate`), as the DP's formula cannot say."""
     times = [s.time_s + s.send_s for s in stages]
-    if not (cluster.shares_cores and cluster.num_nodes == 1):
+    shared = cluster.shares_cores and cluster.num_nodes == 1
+    if schedule != Schedule.ZERO_BUBBLE and not shared:
         if virtual_stages > 1:
             scheduled = interleaved_time(times, num_microbatches, virtual_stages)
         else:
             scheduled = pipeline_time(times, num_microbatches)
     else:
         stage_size = math.prod(pricer.mesh_shape)
-        # ranks sharing cores: a stage waiting in the bubble leaves its cores to the others.
-        # Its sends are its CPU work too (gloo), half with each forward, half with each backward
+        # a stage's sends, half with each forward, half with each backward; ranks sharing
+        # cores: a stage waiting in the bubble leaves its cores to the others, and its sends
+        # are its CPU work too (gloo)
         steps = [
             (s.forward_s + s.send_s / 2, s.time_s - s.forward_s + s.send_s / 2) for s in stages
         ]
@@ -241,8 +264,13 @@ def price_stages(
             len(stages),
             num_microbatches,
             steps,
-            lambda running: cluster.rank_speed(running * stage_size),
+            (lambda running: cluster.rank_speed(running * stage_size)) if shared else None,
             virtual_stages,
+            # of the backward with its half of the sends, W's share: the sends go with B
+            [
+                s.weight_share * (b - s.send_s / 2) / b if b else 0.0
+                for s, (_, b) in zip(stages, steps, strict=True)
+            ],
         )
         scheduled = max(e.end for e in events)
     # gradient sync and the optimizer update run once, after the last microbatch

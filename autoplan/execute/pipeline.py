@@ -2,7 +2,8 @@
 
 The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the
 mesh as its own DeviceMesh (interleaved 1F1B: row ``s mod p``, each rank running its row's
-stages under torch's ScheduleInterleaved1F1B, each with its own gradient reducer). Tensors
+stages under torch's ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble, each with its
+own gradient reducer). Tensors
 cross stages as local shards laid out as the plan's boundary placement: rank ``i`` of a
 stage sends to rank ``i`` of the next (the "pp" group of its column), so the pipelining
 library only ever sees plain tensors. The batch (and the
@@ -11,12 +12,19 @@ stage returns each microbatch's loss, and the sum of the microbatches' gradients
 count is the batch mean's. A parameter that every op of its stage reads locally as stored
 trains as a plain local leaf, as in a one-stage step (`autoplan.execute.step.local_leaves`):
 no DTensor on its path in any microbatch.
+
+ZeroBubble splits each backward into the inputs' gradients and, later, the weights'
+(torch's ``stage_backward_input`` / ``stage_backward_weight``), which compute gradients for
+the tensors the stage module's ``parameters()`` yields and nothing else: a stage module
+yields the tensors its step really trains (`StageModule.trained`: local leaves, ZeRO's whole
+parameters, the DTensor parameters otherwise), not the user's module's. The gradients are
+reduced after the schedule as under every schedule (`GradientReducer.reduce_now`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +36,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
@@ -48,6 +57,11 @@ from autoplan.torch_private import pipeline_received, pipeline_sent, pipeline_wi
 SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
     Schedule.ONE_F_ONE_B: Schedule1F1B,
     Schedule.GPIPE: ScheduleGPipe,
+}
+# the schedules that take a list of stages (several a rank, or the backward split)
+MULTI_SCHEDULE_CLASSES: dict[str, type[PipelineScheduleMulti]] = {
+    Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
+    Schedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
 }
 
 
@@ -83,6 +97,16 @@ class StageModule(nn.Module):
         self._gradless = gradless & set(stage.received)
         self._sent = [metas[name] for name in stage.sent]
         self._loss = metas[next(n for n in ep.graph.nodes if n.op == "output").args[0][0].name]
+        # the tensors this stage's backward computes gradients for (the runner knows them)
+        self.trained: list[torch.Tensor] = []
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The user's module's parameters (every stage's; the others on meta, which keeps
+        PipelineStage from moving the module), then the tensors this stage trains
+        (`trained`), for which torch's split backward computes the weights' gradients (module
+        docstring)."""
+        yield from super().parameters(recurse)
+        yield from self.trained  # type: ignore[misc]  # local leaves are plain tensors
 
     def _placements(self, meta: torch.Tensor) -> tuple[Placement, ...]:
         """How a tensor shaped as ``meta`` crosses the stage boundary."""
@@ -170,8 +194,8 @@ class PipelineRunner:
         # the schedule would scale only the parameters' own gradients, not the local leaves'
         # (`run` scales both)
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
-        if plan.virtual_stages > 1:
-            self.schedule = ScheduleInterleaved1F1B(
+        if plan.pipeline.schedule in MULTI_SCHEDULE_CLASSES:
+            self.schedule = MULTI_SCHEDULE_CLASSES[plan.pipeline.schedule](
                 list(stages), self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
             )
         else:
@@ -196,6 +220,9 @@ class PipelineRunner:
                     model, module.placeholders, module.interpreter, reducer.accepts_local, wholes
                 )
             )
+            module.trained = [
+                reducer.leaves.get(fqn, p) for fqn, p in mine.items() if p.requires_grad
+            ]
             self.reducers.append(reducer)
 
     @property
@@ -213,8 +240,10 @@ class PipelineRunner:
         return 1.0 if self.loss_scale == 1.0 else self.loss_scale / self.num_microbatches
 
     def _loss_is_output(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-        """The last stage computes the plan's loss itself."""
-        return output[0] if self._loss_factor == 1.0 else output[0] * self._loss_factor
+        """The last stage computes the plan's loss itself (not as a view of its output:
+        torch's split backward detaches the loss in place, which a view refuses)."""
+        loss = output[0].clone()
+        return loss if self._loss_factor == 1.0 else loss * self._loss_factor
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.model.parameters() if isinstance(p, DTensor)]

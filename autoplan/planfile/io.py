@@ -38,7 +38,7 @@ from autoplan.planfile.sections import (
     StagePredicted,
 )
 from autoplan.precision import COMPUTE_DTYPES
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import MULTI_STAGE, schedule_refusal
 from autoplan.solvers.problem import OUTCOMES, SKIPPED, STOPPED, Unproven
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
@@ -142,11 +142,11 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
     axes = mesh.axes[1:] if pipeline is not None else mesh.axes
     stages = tuple(_read_stage(f, axes) for f in doc["stages"].elements())
     groups = mesh.shape[0] if pipeline is not None else 1
-    interleaved = pipeline is not None and pipeline.schedule == Schedule.INTERLEAVED
+    interleaved = pipeline is not None and pipeline.schedule in MULTI_STAGE
     if len(stages) != groups and not (interleaved and len(stages) % groups == 0):
         raise doc["stages"].fail(
             "a list of one stage per index of the mesh's pp axis (or one; "
-            f"{Schedule.INTERLEAVED}: several per index, stage s on index s mod {groups})"
+            f"{' or '.join(MULTI_STAGE)}: several per index, stage s on index s mod {groups})"
         )
     if pipeline is not None:
         refusal = schedule_refusal(

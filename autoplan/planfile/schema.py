@@ -61,7 +61,7 @@ class Plan:
     @property
     def virtual_stages(self) -> int:
         """Stages on each device group, a row of the "pp" axis: 2 or more under
-        Interleaved1F1B (stage ``s`` on row ``s mod p``), else 1."""
+        Interleaved1F1B (stage ``s`` on row ``s mod p``), 1 or more under ZeroBubble, else 1."""
         return len(self.stages) // self.mesh.shape[0] if self.pipeline is not None else 1
 
     @property

@@ -86,8 +86,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class Pipeline:
-    # a torch.distributed.pipelining schedule: "1F1B" | "GPipe" | "Interleaved1F1B" (then
-    # several stages on each row of the "pp" axis: `Plan.virtual_stages`)
+    # a torch.distributed.pipelining schedule: "1F1B" | "GPipe" | "Interleaved1F1B" |
+    # "ZeroBubble" (the last two may hold several stages on each row of the "pp" axis:
+    # `Plan.virtual_stages`)
     schedule: str
     num_microbatches: int
     bubble_fraction: float  # predicted idle share of the step

@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
+from autoplan.modes import Schedule
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
 from autoplan.schedules import simulate
@@ -202,6 +203,12 @@ def _left_out(what: str, count: int, limit: int) -> list[str]:
     return [f"{what} {limit // 2}-{count - limit // 2 - 1}"] if count > limit else []
 
 
+def _legend(schedule: str) -> str:
+    if schedule == Schedule.ZERO_BUBBLE:
+        return "Fk / Bk / Wk = forward / input / weight gradients"
+    return "Fk / Bk = forward / backward"
+
+
 def schedule_grid(pipeline: Pipeline, labels: Sequence[str], virtual_stages: int = 1) -> list[str]:
     """The schedule as rows of equal slots, one row per stage (named by ``labels``), wrapped
     into blocks of columns that fit a line; with ``virtual_stages``, each device group runs
@@ -259,7 +266,7 @@ def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
         f"{100 * pipeline.bubble_fraction:.1f}% of the step",
         *_stage_lines(plan),
         "",
-        f"schedule {pipeline.schedule}, one column per slot: Fk / Bk = forward / backward of "
+        f"schedule {pipeline.schedule}, one column per slot: {_legend(pipeline.schedule)} of "
         "microbatch k, . = idle",
         "(equal slots, in the order each stage runs them; the picture, --png, draws predicted "
         "times)",

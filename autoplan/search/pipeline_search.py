@@ -7,8 +7,10 @@ microbatch and cut into layers (`autoplan.graph.cut`). For each stage size (a su
 placement (`autoplan.search.stage_layout`), the stage DP (`autoplan.solvers.stages`)
 chooses the layer ranges; a range costs the sum of its layers' intra-op ILP plans
 (`autoplan.search.layer_plans`), each layer solved once per structure. The stages found are
-then priced under each schedule allowed (1F1B, GPipe; `autoplan.costmodel.pipeline_price`) and
-the fastest that fits kept.
+then priced under each schedule allowed (1F1B, GPipe, ZeroBubble;
+`autoplan.costmodel.pipeline_price`) and the fastest that fits kept. The DP's formula is
+1F1B's; ZeroBubble runs the same stages with their weight gradients put off into the bubble,
+priced by simulating torch's order.
 
 Each range comes in variants (`_variants`) that the DP chooses among stage by stage: a memory
 budget for its layers' plans (`autoplan.search.layer_plans.Budget`: a share of the memory,
@@ -22,10 +24,10 @@ recomputed that fit (`autoplan.search.recompute_choice`), unless the mode was gi
 Variants are added only while some range of balanced length cannot fit at the fewest
 microbatches it could hold in flight.
 
-Interleaved 1F1B with ``v`` stages on each of the ``p`` device groups is searched the same way
-(`_interleaved`): the DP splits the layers into ``p v`` stages (the layers' plans are the
-same), for ``v = 2, 3, ...`` while the layers allow and the step gets faster; its memory per
-device group, over all its stages, is checked once priced.
+Interleaved 1F1B (and ZeroBubble interleaved) with ``v`` stages on each of the ``p`` device
+groups is searched the same way (`_interleaved`): the DP splits the layers into ``p v`` stages
+(the layers' plans are the same), for ``v = 2, 3, ...`` while the layers allow and the step
+gets faster; its memory per device group, over all its stages, is checked once priced.
 
 The DP minimizes ``sum(t) + (B - 1) * max(t)`` over stage times ``t`` per microbatch, with the
 once-per-step gradient synchronization and optimizer update amortized as ``extra / B``; it
@@ -50,7 +52,7 @@ from autoplan.graph.recompute import chosen
 from autoplan.modes import RecomputeMode, Schedule
 from autoplan.options import PlanOptions
 from autoplan.progress import Tally
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import MULTI_STAGE, schedule_refusal
 from autoplan.search.layer_plans import FULL_BUDGET, Budget, LayerGraphs, StageSolver
 from autoplan.search.partition import may_fit, partition
 from autoplan.search.recompute_choice import fewest_in_stages
@@ -183,9 +185,10 @@ def _best_for_count(
 
 
 def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[int]:
-    """The stages per device group to try under Interleaved1F1B: `PlanOptions.virtual_stages`,
-    or 2 up to what the layers allow (none where the schedule is not allowed)."""
-    if Schedule.INTERLEAVED not in options.schedules:
+    """The stages per device group to try under Interleaved1F1B or ZeroBubble:
+    `PlanOptions.virtual_stages`, or 2 up to what the layers allow (none where neither
+    schedule is allowed)."""
+    if not set(MULTI_STAGE) & set(options.schedules):
         return []
     if options.virtual_stages is not None:
         return [options.virtual_stages] if groups * options.virtual_stages <= num_layers else []
@@ -194,18 +197,20 @@ def _virtual_counts(options: PlanOptions, groups: int, num_layers: int) -> list[
 
 def _runnable(
     options: PlanOptions, groups: int, num_microbatches: int, num_layers: int
-) -> tuple[list[Schedule], list[int]]:
-    """The schedules of one stage a group, and the stages per group under Interleaved1F1B,
-    that torch runs over ``groups`` device groups and ``num_microbatches``."""
+) -> tuple[list[Schedule], list[tuple[Schedule, int]]]:
+    """The schedules of one stage a group, and the schedules with several stages a group
+    and their stages per group, that torch runs over ``groups`` device groups and
+    ``num_microbatches``."""
     single: list[Schedule] = [
         s
         for s in options.schedules
-        if s != Schedule.INTERLEAVED and not schedule_refusal(s, groups, num_microbatches)
+        if options.virtual_stages is None and not schedule_refusal(s, groups, num_microbatches)
     ]
     virtual = [
-        v
+        (s, v)
         for v in _virtual_counts(options, groups, num_layers)
-        if not schedule_refusal(Schedule.INTERLEAVED, groups * v, num_microbatches, v)
+        for s in options.schedules
+        if s in MULTI_STAGE and not schedule_refusal(s, groups * v, num_microbatches, v)
     ]
     return single, virtual
 
@@ -246,7 +251,7 @@ def _best_for_size(
     sub_cluster = cluster.stage(size)
     num_stages = cluster.num_devices // size
     runnable, virtual = _runnable(options, num_stages, num_microbatches, len(parts.layers))
-    counts = [num_stages] * bool(runnable) + [v * num_stages for v in virtual]
+    counts = [num_stages] * bool(runnable) + [v * num_stages for _, v in virtual]
     graph = parts.graph
     # the layers' ILPs choose what recomputes, unless the options say
     mode = options.recompute
@@ -293,10 +298,7 @@ def _best_for_size(
         for schedule in runnable:
             if solved is None:
                 break
-            found = price_stages(
-                cluster, graph, parts.layers, num_microbatches, schedule, solver.pricer,
-                boundary, solved, memory_limit,
-            )  # fmt: skip
+            found = _priced(solver, num_microbatches, schedule, solved, 1)
             _log(found)
             if _fits(found):
                 fitting.append(found)
@@ -399,30 +401,46 @@ def _log(found: PipelinePlan) -> None:
 
 
 def _interleaved(
-    variants: Sequence[Variant], sub: Submesh, num_microbatches: int, counts: Sequence[int]
+    variants: Sequence[Variant],
+    sub: Submesh,
+    num_microbatches: int,
+    counts: Sequence[tuple[Schedule, int]],
 ) -> list[PipelinePlan]:
-    """The interleaved pipelines that fit, ``v`` stages on each device group for ``v`` in
-    ``counts``, stopping after two in a row slower than the fastest before them (a ``v`` that
-    splits the layers unevenly can be slower than the next)."""
+    """The interleaved pipelines that fit, ``v`` stages on each device group under
+    ``schedule`` for each ``(schedule, v)`` in ``counts``, stopping after two ``v`` in a row
+    slower than the fastest before them (a ``v`` that splits the layers unevenly can be
+    slower than the next)."""
     found: list[PipelinePlan] = []
     fastest, slower = math.inf, 0
     solver = variants[0].solver
-    for v in counts:
+    for v in sorted({v for _, v in counts}):
         solved = _solve_dp(variants, sub, num_microbatches, v)
         if solved is None:
             continue
-        priced = price_stages(
-            solver.cluster, solver.graph, solver.layers, num_microbatches, Schedule.INTERLEAVED,
-            solver.pricer, solver.boundary, solved, solver.memory_limit, v,
-        )  # fmt: skip
-        _log(priced)
-        slower = slower + 1 if priced.step_time_s > fastest else 0
+        schedules = [schedule for schedule, count in counts if count == v]
+        priced = [_priced(solver, num_microbatches, schedule, solved, v) for schedule in schedules]
+        for plan in priced:
+            _log(plan)
+        quickest = min(plan.step_time_s for plan in priced)
+        slower = slower + 1 if quickest > fastest else 0
         if slower == 2:
             break
-        fastest = min(fastest, priced.step_time_s)
-        if _fits(priced):
-            found.append(priced)
+        fastest = min(fastest, quickest)
+        found += [plan for plan in priced if _fits(plan)]
     return found
+
+
+def _priced(
+    solver: StageSolver,
+    num_microbatches: int,
+    schedule: Schedule,
+    stages: tuple[SolvedStage, ...],
+    virtual_stages: int,
+) -> PipelinePlan:
+    return price_stages(
+        solver.cluster, solver.graph, solver.layers, num_microbatches, schedule, solver.pricer,
+        solver.boundary, stages, solver.memory_limit, virtual_stages,
+    )  # fmt: skip
 
 
 def _solve_dp(

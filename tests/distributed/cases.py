@@ -377,6 +377,30 @@ CASES = [
         pipeline(2, 4, "Interleaved1F1B", (2,), virtual_stages=2),
         pipelined=True,
     ),
+    # zero bubble (torch's split backward: input gradients, then weight gradients): 4 stages
+    # of one rank; 2 stages of (2,) (local leaves and DTensor parameters); and 2 stages on
+    # each of 2 device groups
+    Case(
+        "gpt-zb-4",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 8},
+        pipeline(4, 4, "ZeroBubble"),
+        pipelined=True,
+    ),
+    Case(
+        "gpt-zb-2x2",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 8},
+        pipeline(2, 4, "ZeroBubble", (2,)),
+        pipelined=True,
+    ),
+    Case(
+        "gpt-zb-interleaved-2x2",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 8},
+        pipeline(2, 2, "ZeroBubble", (2,), virtual_stages=2),
+        pipelined=True,
+    ),
     # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
     Case(
         "gpt-baseline-interleaved-tp",
@@ -401,6 +425,20 @@ CASES = [
         "mlp",
         MLP_LARGE_BATCH,
         baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
+        pipelined=True,
+    ),
+    # the same under ZeroBubble: the split backward's weight gradients go to ZeRO's wholes
+    Case(
+        "mlp-baseline-zb-zero2",
+        "mlp",
+        MLP_LARGE_BATCH,
+        baseline_plan(
+            dp=2,
+            tp=1,
+            pp=2,
+            zero_stage=2,
+            options=PlanOptions(num_microbatches=2, schedule="ZeroBubble"),
+        ),
         pipelined=True,
     ),
     *[
