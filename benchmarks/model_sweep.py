@@ -136,7 +136,7 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
         return "failed", (lines[-1] if lines else f"exit code {returncode}")[:160]
     head = lines[error]
     detail = " ".join(line.strip() for line in lines[error : error + 2])[:240]
-    if re.search(r"at step \d+|after step \d+", head):
+    if re.search(r"at step \d+|after step \d+|without an error from any rank", head):
         return "failed", detail
     unchecked = any("did not check for this error" in line for line in lines[error:])
     return ("unchecked" if unchecked else "refused"), detail

@@ -43,6 +43,8 @@ def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
         "  autoplan did not check for this error: if the model and inputs train in one ...\n"
     )
     assert classify(1, unchecked)[0] == "unchecked"
+    lost = "autoplan: error: the job failed without an error from any rank: local rank 0 ...\n"
+    assert classify(1, lost)[0] == "failed"  # a rank that died unexplained is no refusal
     during = "autoplan: error on rank 1 at step 2 (backward):\n  RuntimeError: boom\n"
     result, reason = classify(1, during)
     assert result == "failed" and "at step 2" in reason and "RuntimeError: boom" in reason
