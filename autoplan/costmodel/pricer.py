@@ -48,12 +48,11 @@ from autoplan.strategies.placement import (
     Collective,
     R,
     Spec,
-    grad_spec,
     local_numel,
     redistribute,
     shard_dim,
 )
-from autoplan.strategies.space import Strategy
+from autoplan.strategies.space import Strategy, input_grad
 
 # Optimizer state kept per parameter element, in parameter elements (Adam: exp_avg, exp_avg_sq)
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -369,9 +368,8 @@ class Pricer:
         prices those as shared costs)."""
         placement = dst.inputs[index]
         seconds = self.read_s(tensor, src, placement)
-        if producer.needs_grad and consumer.kind != NodeKind.OUTPUT:
-            grad = grad_spec(placement, dst.output, dst.grad)
-            seconds += self.grad_s(producer, tensor, src, grad, once)
+        if producer.needs_grad:
+            seconds += self.grad_s(producer, tensor, src, input_grad(consumer, dst, index), once)
         return seconds
 
     def read_s(self, tensor: TensorInfo, src: Strategy, placement: Spec) -> float:

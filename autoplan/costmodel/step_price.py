@@ -18,8 +18,8 @@ from autoplan.costmodel.pricer import Phased, Pricer
 from autoplan.graph.ir import Graph
 from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
-from autoplan.strategies.placement import P, Spec, grad_spec
-from autoplan.strategies.space import Strategy
+from autoplan.strategies.placement import P, Spec
+from autoplan.strategies.space import Strategy, input_grad
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         comm += share[1]
         found += [(node.name, node.name, p) for p in pricer.internal(node, s, ins)]
         for i, ref in enumerate(node.refs):
-            grad = None
-            if graph.node(ref.name).needs_grad and node.kind != NodeKind.OUTPUT:
-                grad = grad_spec(s.inputs[i], s.output, s.grad)
+            grad = input_grad(node, s, i) if graph.node(ref.name).needs_grad else None
             key = (ref.name, ref.index, s.inputs[i])
             if key in needs:  # the users' gradients are summed, then reduced once
                 user, at, summed = needs[key]

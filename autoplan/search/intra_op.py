@@ -47,7 +47,13 @@ from autoplan.solvers.problem import (
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
-from autoplan.strategies.space import NodeStrategies, Strategy, searched, strategy_space
+from autoplan.strategies.space import (
+    NodeStrategies,
+    Strategy,
+    input_grad,
+    searched,
+    strategy_space,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +128,12 @@ def _shared_costs(
     grads: dict[tuple[Spec, Spec], list[tuple[int, int]]] = defaultdict(list)
     for consumer, i in readers:
         group = grouping.group_of[consumer]
-        with_grad = producer.needs_grad and graph.node(consumer).kind != NodeKind.OUTPUT
+        reader = graph.node(consumer)
         for k, j in enumerate(grouping.pick[consumer]):
             dst = space[consumer].strategies[j]
             moves[dst.inputs[i]].append((group, k))
-            if with_grad:
-                grad = grad_spec(dst.inputs[i], dst.output, dst.grad)
-                grads[(dst.inputs[i], grad)].append((group, k))
+            if producer.needs_grad:
+                grads[(dst.inputs[i], input_grad(reader, dst, i))].append((group, k))
     src = grouping.group_of[name]
     found = [
         SharedCost(src, tuple(count * pricer.read_s(tensor, s, p) for s in sources), tuple(when))

@@ -23,6 +23,7 @@ from autoplan.strategies.placement import (
     P,
     R,
     Spec,
+    grad_spec,
     is_valid,
     on_mesh,
     replicated,
@@ -56,6 +57,17 @@ class Strategy:
     def grad_target(self) -> Spec:
         """The placement the gradients of the output's users are brought to and summed in."""
         return self.grad if self.grad is not None else without_partial(self.output)
+
+
+def input_grad(consumer: Node, strategy: Strategy, index: int) -> Spec:
+    """Where the gradient of input ``index`` of ``consumer`` (run as ``strategy``) arrives:
+    `grad_spec` of the op; of the step's output, the placement it reads, partial sums
+    reduced: a tensor a pipeline stage sends gets its gradient back so placed from the next
+    stage (the loss's, a replicated 1, moves nothing)."""
+    placement = strategy.inputs[index]
+    if consumer.kind == NodeKind.OUTPUT:
+        return without_partial(placement)
+    return grad_spec(placement, strategy.output, strategy.grad)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,6 @@ class Case:
     recompute: tuple[str, ...] = ()  # the modes of its recomputed layers; () recomputes none
     recomputed: tuple[str, ...] | None = None  # exactly these layers recompute (the planner's)
     recompute_collectives: bool = False  # forward collectives issued again in backward
-    # collectives the run issues that its plan does not list: a known executor gap, each
-    # described in docs/status.md (Known gaps), asserted issued so that a fix shows
-    known_unplanned: tuple[str, ...] = ()
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
         """The layout, in the case's precision (and gradient reductions')."""
@@ -651,6 +648,5 @@ CASES = [
         precision="fp16",
         init_scale=2.0**22,
         pipelined=True,
-        known_unplanned=("2 x all_gather on tp, 131072 B",),
     ),
 ]
