@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,13 +27,16 @@ import autoplan  # noqa: E402
 from autoplan.errors import InfeasiblePlanError  # noqa: E402
 from autoplan.graph.capture import capture  # noqa: E402
 from autoplan.workload import load_workload  # noqa: E402
-from benchmarks.plan_rows import PLAN_COLUMNS, plan_fields, run_fresh  # noqa: E402
+from benchmarks.plan_rows import (  # noqa: E402
+    CLUSTERS,
+    PLAN_COLUMNS,
+    plan_fields,
+    planning_meta,
+    run_fresh,
+)
 from benchmarks.results_io import write_results  # noqa: E402
 
 SEQUENCES_PER_GPU = 0.5  # global batch = half a 2048-token sequence per GPU (at least 4)
-
-
-CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
 
 
 NAMED = "175b@1024x1536,1t@3072x3072"  # size@gpus x global batch, on A100s
@@ -116,10 +116,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     meta = {
-        "command": "python benchmarks/plan_gpt.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "clusters": "costmodels/dgx-a100-80gb.json, h100-sxm-8.json (8 GPUs per node)",
+        **planning_meta("plan_gpt.py"),
         "model": "bf16 parameters, AdamW, 2048-token sequences; global batch: sequences per "
         f"GPU {args.per_gpu} (at least 4), and the named cases' own (vocabulary {NAMED_VOCAB})",
         "note": "predictions are analytic (published link and peak figures), not measured",

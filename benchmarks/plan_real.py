@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import re
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,15 +30,16 @@ import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.workload import load_workload  # noqa: E402
 from benchmarks.plan_rows import (  # noqa: E402
+    CLUSTERS,
     PLAN_COLUMNS,
     load_average,
     phase_split,
     plan_fields,
+    planning_meta,
     run_fresh,
 )
 from benchmarks.results_io import write_results  # noqa: E402
 
-CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
 SEQ_LEN = 2048
 
 
@@ -105,10 +103,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     meta = {
-        "command": "python benchmarks/plan_real.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "clusters": "costmodels/dgx-a100-80gb.json, h100-sxm-8.json (8 GPUs per node)",
+        **planning_meta("plan_real.py"),
         "models": "transformers' own classes at their published configs "
         "(benchmarks/real_models.py), random weights on the meta device",
         "training": f"bf16 mixed precision, AdamW, {SEQ_LEN}-token sequences, global batch "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -14,7 +15,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import autoplan
+
+# the simulated clusters the planning benchmarks plan for
+CLUSTERS = {"a100": "dgx-a100-80gb.json", "h100": "h100-sxm-8.json"}
+
+
+def planning_meta(script: str) -> dict[str, str]:
+    """What a planning benchmark's results say of how they were made: the command as run,
+    the machine, torch and the cluster files."""
+    return {
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "clusters": ", ".join(f"costmodels/{f}" for f in CLUSTERS.values()) + " (8 GPUs per node)",
+    }
+
 
 # the columns of a planned case, after the benchmark's own
 PLAN_COLUMNS = [
