@@ -16,13 +16,17 @@ training started), not tiny (no tiny config could be built, or the tiny model di
 one process), over time.
 
     python benchmarks/model_sweep.py [--models llama,gpt2,...] [--limit N] [--timeout 300]
+        [--keep] [--skip-done]
 
-Writes benchmarks/results/model_sweep.json and .md.
+Writes benchmarks/results/model_sweep.json and .md; with ``--keep`` the rows already there for
+model types not swept now are kept, so a sweep can run in parts (``--skip-done`` sweeps only
+the model types without a row).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import resource
@@ -41,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from autoplan import Workload  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import RESULTS, write_results  # noqa: E402
 
 try:
     import transformers
@@ -206,18 +210,31 @@ def main() -> None:
     parser.add_argument("--models", help="model types, comma-separated (default: every one)")
     parser.add_argument("--limit", type=int, help="the first N model types only")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a model may take")
+    parser.add_argument("--keep", action="store_true", help="keep the other rows already written")
+    parser.add_argument("--skip-done", action="store_true", help="sweep model types with no row")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # `probe`, in this process
     args = parser.parse_args()
     if args.probe:
         probe(args.probe)
         return
     models = args.models.split(",") if args.models else list(architectures())
-    rows: list[dict[str, object]] = []
-    for model in models[: args.limit]:
-        rows.append(sweep_one(model, args.timeout))
-        print(rows[-1], flush=True)
+    kept = _written() if args.keep or args.skip_done else {}
+    if args.skip_done:
+        models = [m for m in models if m not in kept]
+    models = models[: args.limit]
+    for model in models:
+        kept[model] = sweep_one(model, args.timeout)
+        print(kept[model], flush=True)
         # written after each model: a long sweep cut short keeps what it found
-        _write(rows, len(models[: args.limit]))
+        _write([kept[m] for m in sorted(kept)], len(models))
+
+
+def _written() -> dict[str, dict[str, object]]:
+    """The rows of the results file, by model type (none if there is no file)."""
+    path = RESULTS / "model_sweep.json"
+    if not path.exists():
+        return {}
+    return {str(r["model"]): r for r in json.loads(path.read_text())["rows"]}
 
 
 def _write(rows: list[dict[str, object]], planned: int) -> None:
@@ -226,8 +243,8 @@ def _write(rows: list[dict[str, object]], planned: int) -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "swept": f"{len(rows)} of the {planned} model types asked for "
-        f"({len(architectures())} with a head swept)",
+        "swept": f"{len(rows)} of the {len(architectures())} model types with a head swept "
+        f"({planned} in this run)",
         "counts": counts(rows),
         "run": "autoplan run benchmarks/model_sweep.py --set model=M --cluster "
         "costmodels/cpu-gloo-4.json --steps 3 --check (4 gloo ranks against one process)",
