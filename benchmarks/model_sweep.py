@@ -26,6 +26,8 @@ the model types without a row).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import platform
 import re
@@ -79,10 +81,17 @@ TINY: dict[str, Any] = {
     **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"], 4),
     **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k"], 2),
     **dict.fromkeys(["moe_intermediate_size", "expert_intermediate_size"], 32),
+    # latent attention (DeepSeek) and partial rotary widths, within a 16-wide head
+    **dict.fromkeys(["qk_rope_head_dim", "rotary_dim"], 8),
+    **dict.fromkeys(["qk_nope_head_dim"], 8),
+    **dict.fromkeys(["v_head_dim"], 16),
+    **dict.fromkeys(["kv_lora_rank", "q_lora_rank"], 32),
     "image_size": IMAGE,
     "patch_size": 8,
     "num_labels": CLASSES,
 }
+# per-stage lists (vision backbones): every stage gets the tiny value
+TINY_STAGES: dict[str, int] = {"depths": 1, "hidden_sizes": 64, "num_heads": 4, "embed_dims": 64}
 _DROPOUT = re.compile(r"(dropout|_pdrop|dropout_prob|dropout_rate)$")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -98,17 +107,41 @@ def architectures() -> dict[str, tuple[str, str]]:
 
 
 def tiny_config(model_type: str) -> Any:
-    """The model type's default config made tiny (`TINY`), dropout off."""
-    config = transformers.CONFIG_MAPPING[model_type]()
+    """The model type's default config made tiny (`TINY`), dropout off, sub-configs (a
+    multimodal model's text and vision configs) alike."""
+    return _tiny(transformers.CONFIG_MAPPING[model_type]())
+
+
+def _tiny(config: Any) -> Any:
+    """``config`` rebuilt by its own class with the tiny values it takes as arguments, so
+    that what the class derives from them (a head width from the rotary one, per-layer lists)
+    follows; where the class refuses them, set on the default config instead."""
+    changes: dict[str, Any] = {}
     for name, value in TINY.items():
         if isinstance(getattr(config, name, None), int):
-            setattr(config, name, value)
-    for name in list(vars(config)):
-        if _DROPOUT.search(name) and isinstance(getattr(config, name), float):
-            setattr(config, name, 0.0)
-        if name in _TOKEN_IDS and isinstance(getattr(config, name), int):
-            setattr(config, name, 0)
-    return config
+            changes[name] = value
+    for name, value in TINY_STAGES.items():
+        stages = getattr(config, name, None)
+        if isinstance(stages, list) and stages and all(isinstance(v, int) for v in stages):
+            changes[name] = [value] * len(stages)
+    for name, current in vars(config).items():
+        if _DROPOUT.search(name) and isinstance(current, float):
+            changes[name] = 0.0
+        if name in _TOKEN_IDS and isinstance(current, int):
+            changes[name] = 0
+        if isinstance(current, transformers.PretrainedConfig):
+            changes[name] = _tiny(current)
+    taken = inspect.signature(type(config).__init__).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in taken.values()):
+        # an attribute the class does not take is derived from those it takes
+        changes = {k: v for k, v in changes.items() if k in taken}
+    try:
+        return type(config)(**changes)
+    except Exception:  # a class that refuses its own attributes as arguments
+        for name, value in changes.items():
+            with contextlib.suppress(AttributeError, ValueError, TypeError):
+                setattr(config, name, value)
+        return config
 
 
 def workload(model: str = "llama", batch_size: int = 8, seq_len: int = SEQ) -> Workload:

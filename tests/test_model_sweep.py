@@ -48,3 +48,11 @@ def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
     during = "autoplan: error on rank 1 at step 2 (backward):\n  RuntimeError: boom\n"
     result, reason = classify(1, during)
     assert result == "failed" and "at step 2" in reason and "RuntimeError: boom" in reason
+
+
+def test_a_tiny_config_is_built_by_its_class_so_derived_widths_follow() -> None:
+    latent = tiny_config("deepseek_v3")  # its head width is derived from the rotary width
+    assert latent.head_dim == latent.qk_rope_head_dim == 8
+    nested = tiny_config("gemma3")  # a multimodal config: its text and vision configs shrink
+    assert (nested.text_config.hidden_size, nested.text_config.num_hidden_layers) == (64, 2)
+    assert nested.vision_config.hidden_size == 64
