@@ -11,7 +11,6 @@ import math
 import re
 from typing import Any
 
-import pulp
 import pytest
 
 import autoplan
@@ -81,7 +80,9 @@ def test_a_mesh_without_a_plan_in_time_is_skipped_and_the_others_searched(
 def test_a_mesh_stopped_with_a_plan_keeps_it_with_its_gap(
     mlp: Workload, cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pulp.HiGHS, "callSolver", _stopped_at_first_plan)
+    import highspy
+
+    monkeypatch.setattr(highspy.Highs, "run", _stopped_at_first_plan(highspy.Highs.run))
     plan = mlp.plan(cpu4, ONE_STAGE)
     stopped = plan.solver.unproven
     assert [u.part for u in stopped] == ["mesh (4,)", "mesh (2, 2)"]

@@ -84,7 +84,7 @@ Constraints
 
 The returned objective is recomputed by ``evaluate`` on the original problem, never taken from
 the solver. A solve stopped at its time limit with a plan returns it, status "time_limit", with
-the solver's relative gap (`_gap`; HiGHS says it, CBC does not); one stopped with none raises
+the solver's relative gap (`_status`; HiGHS says it, CBC does not); one stopped with none raises
 `SolverTimeLimitError`, which a caller searching several meshes or layers skips past. The
 solver's own log goes to this module's logger at debug level and nowhere else (`_solve`): a
 plan's output carries no solver text.
@@ -98,19 +98,22 @@ import math
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
-
-import pulp
 
 from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
 from autoplan.solvers.dominance import drop_dominated
 from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.linear import (
+    INF,
+    ONE,
+    LinearProgram,
+    LinearSolution,
+    Term,
+    solve_with_cbc,
+    solve_with_highs,
+)
 from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost, gap_text
 from autoplan.units import fmt_bytes
 
@@ -125,7 +128,6 @@ SOLVERS = ("highs", "cbc")
 MEMORY_MARGIN = 1e-5
 
 Matrix = tuple[tuple[float, ...], ...]
-NodeVariables = dict[int, list[pulp.LpVariable]]
 
 
 def solve_intra_op(
@@ -148,7 +150,7 @@ def solve_intra_op(
 
     for margin in (0.0, MEMORY_MARGIN):
         model, variables = build_model(reduced, margin)
-        num_variables, num_constraints = model.numVariables(), model.numConstraints()
+        num_variables, num_constraints = model.num_columns, model.num_rows
         logger.debug(
             "ILP: %d groups (%d free), %d edges (%d after simplify): %d variables, %d constraints",
             problem.num_groups,
@@ -158,10 +160,11 @@ def solve_intra_op(
             num_variables,
             num_constraints,
         )
-        _solve(model, solver, time_limit_s)
-        status, gap = _status(model, problem, time_limit_s)
-        choice = tuple(kept[v][k] for v, k in enumerate(_extract_choice(reduced, variables)))
-        recomputed = tuple(round(n.varValue or 0.0) for n in variables.n)
+        solved = _solve(model, solver, time_limit_s)
+        status, gap = _status(solved, problem, time_limit_s)
+        chosen = _extract_choice(reduced, variables, solved.values)
+        choice = tuple(kept[v][k] for v, k in enumerate(chosen))
+        recomputed = tuple(round(solved.values[n]) for n in variables.n)
         if evaluate(problem, choice, recomputed).memory <= problem.memory_limit:
             break
         # the solver took a plan over the limit by no more than its feasibility tolerance
@@ -266,20 +269,23 @@ def _transpose(matrix: Matrix) -> Matrix:
 # ---------------------------------------------------------------- model
 
 
+NodeVariables = dict[int, list[int]]  # group -> its columns, one per strategy
+
+
 @dataclass(frozen=True)
 class Variables:
     """What a solution is read from: ``s``, for each group with 2+ strategies its binary
-    variables, and ``n``, the count of each recomputation."""
+    columns, and ``n``, the column of each recomputation's count."""
 
     s: NodeVariables
-    n: list[pulp.LpVariable]
+    n: list[int]
 
 
-def build_model(problem: IntraOpProblem, margin: float = 0.0) -> tuple[pulp.LpProblem, Variables]:
+def build_model(problem: IntraOpProblem, margin: float = 0.0) -> tuple[LinearProgram, Variables]:
     """The ILP of the module docstring for an already simplified problem, the memory row's
     bound lowered by ``margin`` (in units of its largest coefficient)."""
     labels = group_labels(problem.names)
-    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    model = LinearProgram()
     s = _add_node_variables(model, problem, labels)
     links = _add_link_variables(model, problem, s, labels)
     terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
@@ -303,8 +309,8 @@ def build_model(problem: IntraOpProblem, margin: float = 0.0) -> tuple[pulp.LpPr
 
 
 def group_labels(names: tuple[str, ...]) -> list[str]:
-    """Names usable in pulp: runs of characters other than [A-Za-z0-9] become one "_", and the
-    group index is appended so labels are unique (and never contain "__")."""
+    """Readable column and row names: runs of characters other than [A-Za-z0-9] become one
+    "_", and the group index is appended so labels are unique (and never contain "__")."""
     labels = []
     for v, name in enumerate(names):
         clean = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "group"
@@ -312,32 +318,19 @@ def group_labels(names: tuple[str, ...]) -> list[str]:
     return labels
 
 
-def _new_variable(
-    model: pulp.LpProblem, name: str, cat: str, upper: float | None = 1
-) -> pulp.LpVariable:
-    """A variable in [0, ``upper``] (unbounded above for None)."""
-    # PuLP >= 3.3 deprecates constructing LpVariable directly in favour of add_variable.
-    if hasattr(model, "add_variable"):
-        return model.add_variable(name, 0, upper, cat)
-    return pulp.LpVariable(name, 0, upper, cat)
-
-
 def _add_node_variables(
-    model: pulp.LpProblem, problem: IntraOpProblem, labels: list[str]
+    model: LinearProgram, problem: IntraOpProblem, labels: list[str]
 ) -> NodeVariables:
     s: NodeVariables = {}
     for v, costs in enumerate(problem.node_costs):
         if len(costs) == 1:
             continue
-        s[v] = [
-            _new_variable(model, f"s_{labels[v]}_{k}", pulp.LpBinary) for k in range(len(costs))
-        ]
-        model += pulp.lpSum(s[v]) == 1, f"pick_{labels[v]}"
+        s[v] = [model.column(f"s_{labels[v]}_{k}", integer=True) for k in range(len(costs))]
+        model.row(f"pick_{labels[v]}", [(x, 1.0) for x in s[v]], 1.0, 1.0)
     return s
 
 
-Links = dict[tuple[int, int], list[list[pulp.LpVariable]]]  # (u, v), u < v -> e[u,v]
-Term = tuple[pulp.LpVariable, float]  # a variable and its cost in the objective
+Links = dict[tuple[int, int], list[list[int]]]  # (u, v), u < v -> the columns of e[u,v]
 
 
 def _linked_pairs(problem: IntraOpProblem, s: NodeVariables) -> list[tuple[int, int]]:
@@ -351,40 +344,38 @@ def _linked_pairs(problem: IntraOpProblem, s: NodeVariables) -> list[tuple[int, 
 
 
 def _add_link_variables(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
+    model: LinearProgram, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
 ) -> Links:
-    """One matrix of ``e`` variables per pair of `_linked_pairs`."""
+    """One matrix of ``e`` columns per pair of `_linked_pairs`."""
     assert all(e.src < e.dst and e.src in s for e in problem.edges), "expects a simplified problem"
     links: Links = {}
     for u, v in _linked_pairs(problem, s):
         name = f"{labels[u]}__{labels[v]}"
         rows = range(len(s[u]))
         cols = range(len(s[v]))
-        ev = [
-            [_new_variable(model, f"e_{name}_{i}_{j}", pulp.LpContinuous) for j in cols]
-            for i in rows
-        ]
+        ev = [[model.column(f"e_{name}_{i}_{j}") for j in cols] for i in rows]
         for i in rows:
-            model += pulp.lpSum(ev[i]) == s[u][i], f"row_{name}_{i}"
+            model.row(f"row_{name}_{i}", [*((x, 1.0) for x in ev[i]), (s[u][i], -1.0)], 0, 0)
         for j in cols:
-            model += pulp.lpSum(ev[i][j] for i in rows) == s[v][j], f"col_{name}_{j}"
+            column = [(ev[i][j], 1.0) for i in rows]
+            model.row(f"col_{name}_{j}", [*column, (s[v][j], -1.0)], 0, 0)
         links[u, v] = ev
     return links
 
 
-def _both(links: Links, s: NodeVariables, g: int, k: int, h: int, m: int) -> pulp.LpVariable | int:
-    """``s[g][k] * s[h][m]`` as a variable of the model, or the constant 0 or 1."""
+def _both(links: Links, s: NodeVariables, g: int, k: int, h: int, m: int) -> int | None:
+    """``s[g][k] * s[h][m]`` as a column, `ONE` (certain) or None (never)."""
     if g == h:
-        return (s[g][k] if g in s else 1) if k == m else 0
+        return (s[g][k] if g in s else ONE) if k == m else None
     if g not in s:
-        return s[h][m] if h in s else 1
+        return s[h][m] if h in s else ONE
     if h not in s:
         return s[g][k]
     return links[g, h][k][m] if g < h else links[h, g][m][k]
 
 
 def _add_shared_variables(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, links: Links
+    model: LinearProgram, problem: IntraOpProblem, s: NodeVariables, links: Links
 ) -> list[Term]:
     """``y[t][i]`` of each shared cost and its constraints; returns their objective terms."""
     terms = []
@@ -396,36 +387,38 @@ def _add_shared_variables(
         for i, cost in enumerate(shared.cost):
             if cost == 0:
                 continue
-            y = _new_variable(model, f"y_{t}_{i}", pulp.LpContinuous)
+            y = model.column(f"y_{t}_{i}")
             for g, ks in sorted(by_group.items()):
                 paid = [_both(links, s, shared.src, i, g, k) for k in ks]
-                model += y >= pulp.lpSum(paid), f"shared_{t}_{i}_{g}"
+                row = [(y, 1.0), *((x, -1.0) for x in paid if x is not None)]
+                model.row(f"shared_{t}_{i}_{g}", row, 0.0)
             terms.append((y, cost))
     return terms
 
 
 def _add_bucket_variables(
-    model: pulp.LpProblem, problem: IntraOpProblem, s: NodeVariables, links: Links
+    model: LinearProgram, problem: IntraOpProblem, s: NodeVariables, links: Links
 ) -> list[Term]:
     """``x[b]`` and ``n[b]`` of each bucket cost and their constraints; returns their
     objective terms."""
     terms = []
     for b, buckets in enumerate(problem.buckets):
-        by_pair: dict[tuple[int, int], list[pulp.LpVariable | int]] = {}
-        filled = []
+        by_pair: dict[tuple[int, int], list[int]] = {}
+        filled: list[Term] = []
         for g, k, h, m, nbytes in buckets.when:
             both = _both(links, s, g, k, h, m)
+            if both is None:
+                continue
             by_pair.setdefault((g, h), []).append(both)
             filled.append((both, nbytes / buckets.capacity))
-        if all(isinstance(x, int) for _, x in filled):
+        if all(x == ONE for x, _ in filled):
             continue  # a constant
-        x = _new_variable(model, f"x_{b}", pulp.LpContinuous)
-        whole = pulp.LpInteger if buckets.whole else pulp.LpContinuous
-        n = _new_variable(model, f"n_{b}", whole, upper=None)
+        x = model.column(f"x_{b}")
+        n = model.column(f"n_{b}", upper=INF, integer=buckets.whole)
         for (g, h), products in sorted(by_pair.items()):
-            model += x >= pulp.lpSum(products), f"any_{b}_{g}_{h}"
-        more = pulp.lpSum(z * both for both, z in filled) - buckets.first / buckets.capacity * x
-        model += n >= more, f"more_{b}"
+            model.row(f"any_{b}_{g}_{h}", [(x, 1.0), *((p, -1.0) for p in products)], 0.0)
+        more = [(n, 1.0), *((both, -z) for both, z in filled)]
+        model.row(f"more_{b}", [*more, (x, buckets.first / buckets.capacity)], 0.0)
         terms += [(x, buckets.cost), (n, buckets.cost)]
     return terms
 
@@ -439,30 +432,28 @@ def _memory_scale(problem: IntraOpProblem, s: NodeVariables) -> float:
 
 
 def _add_recompute_variables(
-    model: pulp.LpProblem,
+    model: LinearProgram,
     problem: IntraOpProblem,
     s: NodeVariables,
     labels: list[str],
     scale: float,
-) -> tuple[list[pulp.LpVariable], list[Term], list[Term]]:
+) -> tuple[list[int], list[Term], list[Term]]:
     """``count[r]`` of each recomputation, with the ``some``, ``w``, ``z`` and ``T`` (in
     units of ``scale`` bytes) that price it and their constraints; returns the counts and
     the terms of the objective and of the memory row (bytes)."""
-    counts: list[pulp.LpVariable] = []
+    counts: list[int] = []
     objective: list[Term] = []
     memory: list[Term] = []
     largest: list[list[Term]] = []  # for each recomputation, what one copy holds again
     for r, way in enumerate(problem.recompute):
         single = way.copies == 1
-        kind = pulp.LpBinary if single else pulp.LpInteger
-        n = _new_variable(model, f"count_{r}", kind, upper=way.copies)
+        n = model.column(f"count_{r}", upper=way.copies, integer=True)
         counts.append(n)
-        some = n if single else _new_variable(model, f"some_{r}", pulp.LpBinary)
+        some = n if single else model.column(f"some_{r}", integer=True)
         if not single:
-            model += n <= way.copies * some, f"counted_{r}"
+            model.row(f"counted_{r}", [(n, 1.0), (some, -float(way.copies))], upper=0.0)
         again: list[Term] = []
-        # the groups with one strategy: constants times the count (each variable once in a
-        # row: pulp keeps a variable's last coefficient)
+        # the groups with one strategy: constants times the count
         fixed = [v for v in range(problem.num_groups) if v not in s]
         objective.append((n, sum(way.time[v][0] for v in fixed) / way.copies))
         memory.append((n, -sum(way.freed[v][0] for v in fixed) / way.copies))
@@ -484,38 +475,35 @@ def _add_recompute_variables(
         # bounded, so that HiGHS's presolve finds an infeasible problem infeasible (not
         # "infeasible or unbounded")
         most = max(sum(max(row) for row in way.held) for way in problem.recompute)
-        held = _new_variable(model, "largest_held", pulp.LpContinuous, upper=most / scale)
-        memory.append((held, scale))
+        largest_held = model.column("largest_held", upper=most / scale)
+        memory.append((largest_held, scale))
         for r, again in enumerate(largest):
             if again:
-                model += held >= pulp.LpAffineExpression(again), f"largest_{r}"
+                row = [(largest_held, 1.0), *((x, -c) for x, c in again)]
+                model.row(f"largest_{r}", row, 0.0)
     for unit in sorted({way.unit for way in problem.recompute}):
         ways = [n for n, way in zip(counts, problem.recompute, strict=True) if way.unit == unit]
         if len(ways) > 1:
             copies = next(w.copies for w in problem.recompute if w.unit == unit)
-            model += pulp.lpSum(ways) <= copies, f"unit_{unit}"
+            model.row(f"unit_{unit}", [(n, 1.0) for n in ways], upper=copies)
     return counts, objective, memory
 
 
 def _times_choice(
-    model: pulp.LpProblem,
-    s: list[pulp.LpVariable],
-    total: pulp.LpVariable,
-    divisor: int,
-    name: str,
-) -> list[pulp.LpVariable]:
-    """Variables ``x[k]`` equal to ``total / divisor * s[k]`` (``s`` one-hot, ``total /
+    model: LinearProgram, s: list[int], total: int, divisor: int, name: str
+) -> list[int]:
+    """Columns ``x[k]`` equal to ``total / divisor * s[k]`` (``s`` one-hot, ``total /
     divisor`` in [0, 1]): ``divisor * sum_k x[k] == total`` and ``x[k] <= s[k]``, as tight
     as the edges' products (`_add_link_variables`)."""
-    x = [_new_variable(model, f"{name}_{k}", pulp.LpContinuous) for k in range(len(s))]
-    model += pulp.lpSum(x) * divisor == total, f"share_{name}"
+    x = [model.column(f"{name}_{k}") for k in range(len(s))]
+    model.row(f"share_{name}", [*((xk, float(divisor)) for xk in x), (total, -1.0)], 0, 0)
     for k, (xk, sk) in enumerate(zip(x, s, strict=True)):
-        model += xk <= sk, f"within_{name}_{k}"
+        model.row(f"within_{name}_{k}", [(xk, 1.0), (sk, -1.0)], upper=0.0)
     return x
 
 
 def _add_memory_constraint(
-    model: pulp.LpProblem,
+    model: LinearProgram,
     problem: IntraOpProblem,
     s: NodeVariables,
     margin: float,
@@ -527,13 +515,14 @@ def _add_memory_constraint(
     fixed = sum(mem[0] for v, mem in enumerate(problem.node_memory) if v not in s)
     terms = [(x, problem.node_memory[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
     terms += recompute
-    used = pulp.LpAffineExpression([(x, m / scale) for x, m in terms])
-    model += used <= (problem.memory_limit - fixed) / scale - margin, "memory"
+    used = [(x, m / scale) for x, m in terms]
+    model.row("memory", used, upper=(problem.memory_limit - fixed) / scale - margin)
 
 
-def _set_objective(model: pulp.LpProblem, terms: list[Term]) -> None:
+def _set_objective(model: LinearProgram, terms: list[Term]) -> None:
     scale = max((abs(c) for _, c in terms), default=0.0) or 1.0
-    model += pulp.LpAffineExpression([(x, c / scale) for x, c in terms if c != 0])
+    for x, c in terms:
+        model.cost[x] += c / scale
 
 
 # ---------------------------------------------------------------- solving
@@ -549,7 +538,7 @@ def _highs_banner_silenced() -> None:
     """HiGHS's C library prints its banner to the process's stdout when the first solver of
     the process is made, before any option can turn its output off, and Python cannot catch
     it: that first solver is made here, with file descriptor 1 pointed at /dev/null."""
-    import highspy  # pulp's HiGHS interface, installed with autoplan
+    import highspy
 
     with _STDOUT_LOCK:
         sys.stdout.flush()
@@ -563,51 +552,27 @@ def _highs_banner_silenced() -> None:
             os.close(saved)
 
 
-def _solve(model: pulp.LpProblem, solver: str, time_limit_s: float) -> None:
+def _solve(model: LinearProgram, solver: str, time_limit_s: float) -> LinearSolution:
     """Solve ``model`` with ``solver``, its own log sent to `logger` at debug level (when that
-    is enabled; else the solver logs nothing): HiGHS's lines through its logging callback,
-    CBC's written to a file and read back."""
+    is enabled; else the solver logs nothing)."""
     debug = logger.isEnabledFor(logging.DEBUG)
     if solver == "highs":
-        to_log = _highs_to_log() if debug else {}
-        highs = pulp.HiGHS(
-            msg=debug, threads=1, timeLimit=time_limit_s, gapRel=MIP_REL_GAP, **to_log
-        )
-        if highs.available():
+        if highs_available():
             _highs_banner_silenced()
-            model.solve(highs)
-            return
-        logger.warning("HiGHS is not available to pulp; falling back to CBC")
-    with tempfile.TemporaryDirectory() as folder:
-        log_path = Path(folder) / "cbc.log"
-        # PuLP >= 3.3 deprecates its bundled CBC (PULP_CBC_CMD); it is still the one CBC that
-        # ships with pulp, so keep using it without the warning.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            cbc = pulp.PULP_CBC_CMD(
-                msg=False,
-                timeLimit=time_limit_s,
-                threads=1,
-                gapRel=MIP_REL_GAP,
-                logPath=str(log_path) if debug else None,
-            )
-        model.solve(cbc)
-        if debug:
-            _log_lines("CBC", log_path.read_text())
+            log = functools.partial(_log_lines, "HiGHS") if debug else None
+            return solve_with_highs(model, time_limit_s, MIP_REL_GAP, log)
+        logger.warning("HiGHS is not available; falling back to CBC")
+    log = functools.partial(_log_lines, "CBC") if debug else None
+    return solve_with_cbc(model, time_limit_s, MIP_REL_GAP, log)
 
 
-def _highs_to_log() -> dict[str, Any]:
-    """pulp.HiGHS's arguments that send HiGHS's log to `_log_lines` instead of the console."""
-    import highspy
-
-    def forward(kind: object, message: str, *_: object) -> None:
-        _log_lines("HiGHS", message)
-
-    return {
-        "log_to_console": False,
-        "callbackTuple": (forward, None),
-        "callbacksToActivate": [highspy.cb.HighsCallbackType.kCallbackLogging],
-    }
+def highs_available() -> bool:
+    """Whether highspy (installed with autoplan) imports."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _log_lines(solver: str, text: str) -> None:
@@ -617,50 +582,41 @@ def _log_lines(solver: str, text: str) -> None:
 
 
 def _status(
-    model: pulp.LpProblem, problem: IntraOpProblem, time_limit_s: float
+    solved: LinearSolution, problem: IntraOpProblem, time_limit_s: float
 ) -> tuple[str, float | None]:
     """The solution status and, stopped, the solver's gap: ("optimal", None), or
-    ("time_limit", `_gap`) with an incumbent; else raises (`SolverTimeLimitError` where the
-    solver stopped with no plan, which a caller planning several meshes skips)."""
-    if model.sol_status == pulp.LpSolutionOptimal:
+    ("time_limit", gap) with an incumbent (the relative gap the solver stopped at,
+    ``(objective - bound) / objective``: the optimum is at least ``(1 - gap)`` times the plan
+    found; the costs of the groups fixed before the solve are >= 0 and outside that
+    objective, so the gap of the whole objective is no larger; None where the solver does
+    not say, as CBC); else raises (`SolverTimeLimitError` where the solver stopped with no
+    plan, which a caller planning several meshes skips)."""
+    if solved.status == "optimal":
         return "optimal", None
-    if model.sol_status == pulp.LpSolutionIntegerFeasible:
-        gap = _gap(model)
+    if solved.status == "stopped":
         logger.warning(
             "ILP stopped at the %.1f s time limit before proving optimality; "
             "using the best plan found (%s)",
             time_limit_s,
-            gap_text(gap),
+            gap_text(solved.gap),
         )
-        return "time_limit", gap
-    if model.sol_status == pulp.LpSolutionInfeasible:
+        return "time_limit", solved.gap
+    if solved.status == "infeasible":
         raise _infeasible_error(problem)
     raise SolverTimeLimitError(
-        f"the ILP solver found no plan within time_limit_s={time_limit_s:g} "
-        f"(status {pulp.LpStatus[model.status]!r}); raise the time limit"
+        f"the ILP solver found no plan within time_limit_s={time_limit_s:g}; raise the time limit"
     )
 
 
-def _gap(model: pulp.LpProblem) -> float | None:
-    """The relative gap the solver stopped at, ``(objective - bound) / objective`` of its
-    objective (a fraction): the optimum is at least ``(1 - gap)`` times the plan found. The
-    costs of the groups fixed before the solve are >= 0 and outside that objective, so the
-    gap of the whole objective is no larger. None where the solver does not say: HiGHS
-    does (pulp keeps its ``Highs`` object as ``model.solverModel``), pulp's CBC does not."""
-    highs = getattr(model, "solverModel", None)
-    if highs is None or not hasattr(highs, "getInfo"):
-        return None
-    gap = float(highs.getInfo().mip_gap)
-    return gap if math.isfinite(gap) and gap >= 0 else None
-
-
-def _extract_choice(problem: IntraOpProblem, variables: Variables) -> tuple[int, ...]:
+def _extract_choice(
+    problem: IntraOpProblem, variables: Variables, values: tuple[float, ...]
+) -> tuple[int, ...]:
     choice = [0] * problem.num_groups
     for v, xs in variables.s.items():
-        values = [x.varValue or 0.0 for x in xs]
-        k = max(range(len(values)), key=values.__getitem__)
-        assert [round(x) for x in values].count(1) == 1 and round(values[k]) == 1, (
-            f"group {v} has no single chosen strategy: {values}"
+        found = [values[x] for x in xs]
+        k = max(range(len(found)), key=found.__getitem__)
+        assert [round(x) for x in found].count(1) == 1 and round(found[k]) == 1, (
+            f"group {v} has no single chosen strategy: {found}"
         )
         choice[v] = k
     return tuple(choice)
