@@ -75,13 +75,13 @@ class PlanOptions:
     tried and, on one node, halves while that is faster."""
 
     schedule: Schedule | None = None
-    """"1F1B", "GPipe", "Interleaved1F1B" or "ZeroBubble" (any case; docs/schedules.md);
-    None takes the fastest that fits."""
+    """"1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble" or "ZBV" (any case;
+    docs/schedules.md); None takes the fastest that fits."""
 
     virtual_stages: int | None = None
     """Stages on each device group under "Interleaved1F1B" or "ZeroBubble" (at least 2;
-    without a schedule it implies "Interleaved1F1B"); None tries 2, 3, ... while the layers
-    allow and the step gets faster (and one under "ZeroBubble")."""
+    without a schedule it implies "Interleaved1F1B"), or "ZBV" (exactly 2); None tries 2,
+    3, ... while the layers allow and the step gets faster (and one under "ZeroBubble")."""
 
     max_layers: int = DEFAULT_MAX_LAYERS
     """The step is cut into at most this many layers for the stage search

@@ -3,7 +3,8 @@
 The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the
 mesh as its own DeviceMesh (interleaved 1F1B: row ``s mod p``, each rank running its row's
 stages under torch's ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble, each with its
-own gradient reducer). Tensors
+own gradient reducer; ZBV: rows ``s`` and ``2 p - 1 - s``, in a V, under ScheduleZBVZeroBubble,
+which places the stages so itself and passes the middle stage's output on in place). Tensors
 cross stages as local shards laid out as the plan's boundary placement: rank ``i`` of a
 stage sends to rank ``i`` of the next (the "pp" group of its column), so the pipelining
 library only ever sees plain tensors. The batch (and the
@@ -37,6 +38,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
@@ -62,6 +64,7 @@ SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
 MULTI_SCHEDULE_CLASSES: dict[str, type[PipelineScheduleMulti]] = {
     Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
     Schedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
 }
 
 
@@ -170,8 +173,9 @@ class PipelineRunner:
         assert plan.pipeline is not None
         self.plan = plan
         pp = world["pp"]
-        # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved)
-        self.indices = tuple(range(pp.get_local_rank(), len(plan.stages), pp.size()))
+        # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved;
+        # ZBV: the V's way back)
+        self.indices = plan.group_stages(pp.get_local_rank())
         self.mesh = world[plan.stage_axes]
         self.zero = ShardedState.split(model, plan, self.mesh)  # ZeRO-1/2's shards and wholes
         self.modules = [StageModule(model, ep, plan, self.mesh, s, gradless) for s in self.indices]
