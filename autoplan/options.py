@@ -30,7 +30,7 @@ from autoplan.modes import Precision, RecomputeMode, ReduceDtype, Schedule, pars
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
-from autoplan.schedules import MULTI_STAGE, check_schedule
+from autoplan.schedules import MULTI_STAGE, V_SHAPED, check_schedule, schedule_refusal
 from autoplan.strategies.float32_grads import check_reduce_dtype
 
 
@@ -137,6 +137,11 @@ class PlanOptions:
                     f"{Schedule.ZERO_BUBBLE})"
                 )
             object.__setattr__(self, "schedule", self.schedule or Schedule.INTERLEAVED)
+            refusal = self.schedule in V_SHAPED and schedule_refusal(
+                self.schedule, 2 * self.virtual_stages, 1, self.virtual_stages
+            )
+            if refusal:
+                raise AutoplanError(refusal)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.recompute is not None:
