@@ -15,13 +15,14 @@ stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages
 most activations in flight at once as torch's order runs them
 (`autoplan.schedules.peak_in_flight`; `PipelinePlan.stage_memory`).
 
-ZeroBubble splits each backward into the input gradients (``B``) and the weight gradients
-(``W``), which it runs later, in the bubble: no formula says its step, which is simulated
-from torch's order (`autoplan.schedules.simulate`). A stage's ``W`` is its ``weight_share``
-of its backward: the forward FLOPs of its ops that read a parameter over its backward FLOPs
-(a matmul's weight gradient is one more matmul of its forward's size, as its input gradient
-is; the other ops' backward is all ``B``). From ``B`` to ``W`` a microbatch holds, besides its
-activations, the gradients of those ops' outputs (``held_bytes``).
+ZeroBubble (and ZBV, its V-shaped variant) splits each backward into the input gradients
+(``B``) and the weight gradients (``W``), which it runs later, in the bubble: no formula
+says its step, which is simulated from torch's order (`autoplan.schedules.simulate`). A
+stage's ``W`` is its ``weight_share`` of its backward: the forward FLOPs of its ops that
+read a parameter over its backward FLOPs (a matmul's weight gradient is one more matmul of
+its forward's size, as its input gradient is; the other ops' backward is all ``B``). From
+``B`` to ``W`` a microbatch holds, besides its activations, the gradients of those ops'
+outputs (``held_bytes``).
 
 A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) or are given
 (`price_pipeline`: a plan to re-price, a baseline); both are priced here the same way.
