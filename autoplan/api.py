@@ -28,7 +28,7 @@ from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan, solver_info
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import V_SHAPED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import (
     LAYER_TIME_LIMIT_S,
@@ -245,7 +245,7 @@ def _plan_pipelined(
         v = options.virtual_stages or 2
         refusals = [
             schedule_refusal(s, num_stages * v, num_microbatches, v)
-            if s == Schedule.INTERLEAVED or options.virtual_stages
+            if s in (Schedule.INTERLEAVED, *V_SHAPED) or options.virtual_stages
             else schedule_refusal(s, num_stages, num_microbatches)
             for s in options.schedules
         ]

@@ -30,6 +30,7 @@ class Schedule(Mode):
     INTERLEAVED = "Interleaved1F1B"  # ScheduleInterleaved1F1B
     ZERO_BUBBLE = "ZeroBubble"  # ScheduleInterleavedZeroBubble (backward split in B and W)
     ZBV = "ZBV"  # ScheduleZBVZeroBubble (split backward, two stages a group in a V)
+    DUALPIPE_V = "DualPipeV"  # ScheduleDualPipeV (DeepSeek's DualPipe in a V)
 
 
 class RecomputeMode(Mode):

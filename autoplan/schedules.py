@@ -31,6 +31,11 @@ Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelin
   the groups and back up, the middle group passes from stage ``p - 1`` to ``p`` in place, and
   the first group runs the last stage: the loss's backward starts where the forward started.
   The order is torch's (`autoplan.torch_private.zbv_order`).
+- DualPipeV (ScheduleDualPipeV, DeepSeek's DualPipe folded into a V, DeepSeek-V3 report
+  2024): the same V, at least as many microbatches as stages; in its steady phase each
+  group pairs a forward of one stage with a whole backward of its other stage (torch's
+  runtime runs the pair one after the other), and its last phases split the backward into
+  ``B`` and ``W``. The order is torch's (`autoplan.torch_private.dualpipev_order`).
 
 `simulate` starts each step as soon as its stage is free and its input has arrived: the
 forward of microbatch ``m`` on stage ``s`` after its forward on stage ``s - 1``, the backward
@@ -49,14 +54,14 @@ from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
 from autoplan.modes import Schedule, parse_mode
-from autoplan.torch_private import zbv_order, zero_bubble_order
+from autoplan.torch_private import dualpipev_order, zbv_order, zero_bubble_order
 
 # the schedules that may put several stages on a device group (`virtual_stages`)
-MULTI_STAGE = (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE, Schedule.ZBV)
+MULTI_STAGE = (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPE_V)
 # the schedules that split each backward into input (B) and weight (W) gradients
-SPLIT_BACKWARD = (Schedule.ZERO_BUBBLE, Schedule.ZBV)
+SPLIT_BACKWARD = (Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPE_V)
 # the schedules whose device groups hold their stages in a V (`stage_group`)
-V_SHAPED = (Schedule.ZBV,)
+V_SHAPED = (Schedule.ZBV, Schedule.DUALPIPE_V)
 
 
 def stage_group(schedule: str, num_stages: int, virtual_stages: int, stage: int) -> int:
@@ -91,14 +96,17 @@ def schedule_refusal(
     all: ``virtual_stages`` on each device group) and microbatches, or None: its Schedule1F1B
     needs at least one microbatch a stage; ScheduleInterleaved1F1B two or more stages on each
     group; it and ScheduleInterleavedZeroBubble (one stage a group or more) microbatches a
-    multiple of their rounds, ``max(1, B // groups)``; ScheduleZBVZeroBubble exactly two stages
-    on each group."""
-    if schedule == Schedule.ZBV:
-        if virtual_stages != 2 or num_stages % 2:
+    multiple of their rounds, ``max(1, B // groups)``; ScheduleZBVZeroBubble and
+    ScheduleDualPipeV exactly two stages on each group, the latter at least one microbatch a
+    stage."""
+    if schedule in V_SHAPED:
+        if refusal := v_refusal(schedule, virtual_stages):
+            return refusal
+        if schedule == Schedule.DUALPIPE_V and num_microbatches < num_stages:
             return (
-                f"schedule {schedule} runs exactly 2 stages on each device group (in a V), "
-                f"but virtual_stages={virtual_stages}; use virtual_stages=2, or "
-                f"{Schedule.ZERO_BUBBLE} for other counts"
+                f"schedule {schedule} needs at least as many microbatches as stages, but "
+                f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
+                f"microbatches or {Schedule.ZBV}"
             )
         return None
     if schedule not in MULTI_STAGE:
@@ -131,6 +139,17 @@ def schedule_refusal(
             f"of max(1, {num_microbatches} // {groups}) = {rounds}; use a multiple of {groups}"
         )
     return None
+
+
+def v_refusal(schedule: str, virtual_stages: int) -> str | None:
+    """Why a schedule in a V (ZBV, DualPipeV) refuses ``virtual_stages``, or None."""
+    if virtual_stages == 2:
+        return None
+    return (
+        f"schedule {schedule} runs exactly 2 stages on each device group (in a V), but "
+        f"virtual_stages={virtual_stages}; use virtual_stages=2, or {Schedule.ZERO_BUBBLE} "
+        "for other counts"
+    )
 
 
 FORWARD = "F"
@@ -174,9 +193,11 @@ def group_order(
     """The (kind, stage, microbatch) steps device group ``group`` runs, in order: its one
     stage's (`stage_order`), or under Interleaved1F1B its ``virtual_stages`` chunks' as torch's
     ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out);
-    under ZeroBubble and ZBV, torch's order itself."""
+    under ZeroBubble, ZBV and DualPipeV, torch's order itself."""
     if schedule == Schedule.ZBV:
         return tuple(zbv_order(num_stages // 2, num_microbatches, group))
+    if schedule == Schedule.DUALPIPE_V:
+        return tuple(dualpipev_order(num_stages // 2, num_microbatches, group))
     if schedule == Schedule.ZERO_BUBBLE:
         groups = num_stages // virtual_stages
         return tuple(zero_bubble_order(groups, virtual_stages, num_microbatches, group))

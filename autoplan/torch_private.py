@@ -30,10 +30,10 @@ the torch at hand has rather than comparing version numbers.
   for every tensor it sends; 2.13 on leaves non-float tensors out of backward. Under 2.11 an
   integer tensor crosses stages as the float64 view of its int64 values, and the stage that
   receives it hands back a zero gradient (execute/pipeline.py).
-- `zero_bubble_order` / `zbv_order`: the steps ScheduleInterleavedZeroBubble and
-  ScheduleZBVZeroBubble run on each rank (their ``_calculate_single_rank_operations``),
-  computed without stages or a process group, so the planner times the order torch runs
-  rather than a copy of it (autoplan/schedules.py).
+- `zero_bubble_order` / `zbv_order` / `dualpipev_order`: the steps
+  ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
+  (their ``_calculate_single_rank_operations``), computed without stages or a process group,
+  so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -65,6 +65,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "all_gather_single",
     "dtensor_axis_rules",
     "dtensor_runs",
+    "dualpipev_order",
     "from_local",
     "functional_all_reduce",
     "non_finite_check_and_unscale",
@@ -404,15 +406,35 @@ def zbv_order(num_groups: int, num_microbatches: int, group: int) -> list[tuple[
     return _steps(schedule._calculate_single_rank_operations(group))
 
 
+def dualpipev_order(
+    num_groups: int, num_microbatches: int, group: int
+) -> list[tuple[str, int, int]]:
+    """The steps ScheduleDualPipeV runs on rank ``group`` of ``num_groups`` (two stages in a
+    V, as ZBV's), as `zero_bubble_order` gives ScheduleInterleavedZeroBubble's: a forward
+    "overlapped" with another microbatch's backward as the two, one after the other, as its
+    runtime runs them, and a whole backward as its B and W at once."""
+    schedule = object.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size = num_groups
+    schedule._n_microbatches = num_microbatches
+    return _steps(schedule._calculate_single_rank_operations(group))
+
+
 def _steps(actions: Sequence[Any]) -> list[tuple[str, int, int]]:
-    """torch's actions as (kind, stage, microbatch), its idle slots left out."""
+    """torch's actions as (kind, stage, microbatch), its idle slots left out: an overlapped
+    forward and backward as its two actions in turn, a whole backward as B then W."""
     kinds = {
-        ComputationType.FORWARD: "F",
-        ComputationType.BACKWARD_INPUT: "B",
-        ComputationType.BACKWARD_WEIGHT: "W",
+        ComputationType.FORWARD: ("F",),
+        ComputationType.BACKWARD_INPUT: ("B",),
+        ComputationType.BACKWARD_WEIGHT: ("W",),
+        ComputationType.FULL_BACKWARD: ("B", "W"),
     }
-    return [
-        (kinds[action.computation_type], action.stage_index, action.microbatch_index)
-        for action in actions
-        if action is not None and action.microbatch_index is not None
-    ]
+    found = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.computation_type == ComputationType.OVERLAP_F_B:
+            found += _steps(action.sub_actions)
+        elif action.microbatch_index is not None:
+            for kind in kinds[action.computation_type]:
+                found.append((kind, action.stage_index, action.microbatch_index))
+    return found

@@ -15,7 +15,7 @@ stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages
 most activations in flight at once as torch's order runs them
 (`autoplan.schedules.peak_in_flight`; `PipelinePlan.stage_memory`).
 
-ZeroBubble (and ZBV, its V-shaped variant) splits each backward into the input gradients
+ZeroBubble (and ZBV and DualPipeV, in a V) splits each backward into the input gradients
 (``B``) and the weight gradients (``W``), which it runs later, in the bubble: no formula
 says its step, which is simulated from torch's order (`autoplan.schedules.simulate`). A
 stage's ``W`` is its ``weight_share`` of its backward: the forward FLOPs of its ops that
@@ -255,12 +255,12 @@ def price_stages(
     memory_limit: float,
     virtual_stages: int = 1,
 ) -> PipelinePlan:
-    """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
-    ``sum(t) + (B - 1) max(t)`` (interleaved: `interleaved_time`); or, under ZeroBubble or
-    where ranks share fewer cores than they are (CPU ranks on one node,
-    `Cluster.shares_cores`), by simulating the schedule (with the stages sharing the cores;
-    `autoplan.schedules.simulate`), as the DP's formula cannot say. In a V (ZBV) the middle
-    stage's output stays on its device group: it sends nothing."""
+    """``stages`` as a pipeline, priced by the formula the stage DP minimizes, ``sum(t) + (B - 1)
+    max(t)`` (interleaved: `interleaved_time`); or, under ZeroBubble or where ranks share fewer
+    cores than they are (CPU ranks on one node, `Cluster.shares_cores`), by simulating the
+    schedule (with the stages sharing the cores; `autoplan.schedules.simulate`), as the DP's
+    formula cannot say. In a V (ZBV, DualPipeV) the middle stage's output stays on its device
+    group: it sends nothing."""
     if schedule in V_SHAPED:
         middle = len(stages) // 2 - 1
         stages = tuple(replace(s, send_s=0.0) if i == middle else s for i, s in enumerate(stages))

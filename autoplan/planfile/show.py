@@ -181,7 +181,7 @@ def _stage_lines(plan: Plan) -> list[str]:
         f"{fmt_bytes(limit)} allowed)"
     )
     for s, (st, nxt) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
-        if st.sent and nxt.ranks == st.ranks:  # the middle of a V (ZBV)
+        if st.sent and nxt.ranks == st.ranks:  # the middle of a V (ZBV, DualPipeV)
             out.append(f"  stage {s} -> {s + 1} passes {', '.join(st.sent)} on its own ranks")
         elif st.sent:
             out.append(
