@@ -264,10 +264,11 @@ def _plan_pipelined(
         return None, search.unproven
     plan = assemble_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
-    # (unless Interleaved1F1B is forced; 1F1B where ZeroBubble is), and interleaved as found
+    # (unless Interleaved1F1B or several stages a group are forced: a conventional plan of one
+    # would break them), and interleaved as found
     schedules: list[Schedule] = (
         []
-        if options.schedule == Schedule.INTERLEAVED
+        if options.schedule == Schedule.INTERLEAVED or options.virtual_stages is not None
         else [Schedule.GPIPE if options.schedule == Schedule.GPIPE else Schedule.ONE_F_ONE_B]
     )
     schedules += [Schedule.INTERLEAVED] * (found.virtual_stages > 1)
