@@ -170,6 +170,10 @@ def test_the_planner_chooses_zbv_where_fastest(cluster: autoplan.Cluster) -> Non
     assert plan.predicted.step_time_s < zb.predicted.step_time_s
     assert plan.pipeline.bubble_fraction < zb.pipeline.bubble_fraction
     assert [st.ranks for st in plan.stages] == [(0,), (1,), (2,), (3,), (3,), (2,), (1,), (0,)]
+    # the middle stage's output stays on its GPU: its time has no send, its neighbours' have
+    sends = [st.predicted.time_s - st.predicted.forward_s - st.predicted.backward_s
+             for st in plan.stages if st.predicted is not None]  # fmt: skip
+    assert sends[3] == pytest.approx(0.0, abs=1e-12) and min(sends[:3] + sends[4:7]) > 0
     assert autoplan.Plan.from_json(plan.to_json()) == plan
     shown = summary(plan)
     assert "schedule ZBV" in shown
