@@ -28,7 +28,7 @@ from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
 from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan, solver_info
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
-from autoplan.schedules import schedule_refusal
+from autoplan.schedules import V_SHAPED, schedule_refusal
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import (
     LAYER_TIME_LIMIT_S,
@@ -245,7 +245,7 @@ def _plan_pipelined(
         v = options.virtual_stages or 2
         refusals = [
             schedule_refusal(s, num_stages * v, num_microbatches, v)
-            if s == Schedule.INTERLEAVED or options.virtual_stages
+            if s in (Schedule.INTERLEAVED, *V_SHAPED) or options.virtual_stages
             else schedule_refusal(s, num_stages, num_microbatches)
             for s in options.schedules
         ]
@@ -264,10 +264,11 @@ def _plan_pipelined(
         return None, search.unproven
     plan = assemble_pipeline_plan(found, cluster, (options.mesh_shape or found.mesh_shape,))
     # the conventional pipelines of its device groups and microbatches: one stage a group
-    # (unless Interleaved1F1B is forced; 1F1B where ZeroBubble is), and interleaved as found
+    # (unless Interleaved1F1B or several stages a group are forced: a conventional plan of one
+    # would break them), and interleaved as found
     schedules: list[Schedule] = (
         []
-        if options.schedule == Schedule.INTERLEAVED
+        if options.schedule == Schedule.INTERLEAVED or options.virtual_stages is not None
         else [Schedule.GPIPE if options.schedule == Schedule.GPIPE else Schedule.ONE_F_ONE_B]
     )
     schedules += [Schedule.INTERLEAVED] * (found.virtual_stages > 1)

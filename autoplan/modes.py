@@ -29,6 +29,8 @@ class Schedule(Mode):
     GPIPE = "GPipe"  # ScheduleGPipe
     INTERLEAVED = "Interleaved1F1B"  # ScheduleInterleaved1F1B
     ZERO_BUBBLE = "ZeroBubble"  # ScheduleInterleavedZeroBubble (backward split in B and W)
+    ZBV = "ZBV"  # ScheduleZBVZeroBubble (split backward, two stages a group in a V)
+    DUALPIPE_V = "DualPipeV"  # ScheduleDualPipeV (DeepSeek's DualPipe in a V)
 
 
 class RecomputeMode(Mode):

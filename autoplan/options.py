@@ -30,7 +30,7 @@ from autoplan.modes import Precision, RecomputeMode, ReduceDtype, Schedule, pars
 from autoplan.pins import Pin
 from autoplan.precision import check_precision
 from autoplan.progress import OnProgress
-from autoplan.schedules import MULTI_STAGE, check_schedule
+from autoplan.schedules import MULTI_STAGE, V_SHAPED, check_schedule, v_refusal
 from autoplan.strategies.float32_grads import check_reduce_dtype
 
 
@@ -75,13 +75,14 @@ class PlanOptions:
     tried and, on one node, halves while that is faster."""
 
     schedule: Schedule | None = None
-    """"1F1B", "GPipe", "Interleaved1F1B" or "ZeroBubble" (any case; docs/schedules.md);
-    None takes the fastest that fits."""
+    """"1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble", "ZBV" or "DualPipeV" (any case;
+    docs/schedules.md); None takes the fastest that fits."""
 
     virtual_stages: int | None = None
     """Stages on each device group under "Interleaved1F1B" or "ZeroBubble" (at least 2;
-    without a schedule it implies "Interleaved1F1B"); None tries 2, 3, ... while the layers
-    allow and the step gets faster (and one under "ZeroBubble")."""
+    without a schedule it implies "Interleaved1F1B"), or "ZBV" and "DualPipeV" (exactly 2);
+    None tries 2, 3, ... while the layers allow and the step gets faster (and one under
+    "ZeroBubble")."""
 
     max_layers: int = DEFAULT_MAX_LAYERS
     """The step is cut into at most this many layers for the stage search
@@ -137,6 +138,9 @@ class PlanOptions:
                     f"{Schedule.ZERO_BUBBLE})"
                 )
             object.__setattr__(self, "schedule", self.schedule or Schedule.INTERLEAVED)
+            refusal = self.schedule in V_SHAPED and v_refusal(self.schedule, self.virtual_stages)
+            if refusal:
+                raise AutoplanError(refusal)
         if not self.time_limit_s > 0:
             raise AutoplanError(f"time_limit_s must be > 0 seconds, got {self.time_limit_s}")
         if self.recompute is not None:

@@ -25,6 +25,17 @@ Each stage runs a fixed order (`stage_order`), the one torch.distributed.pipelin
   ``W`` (its weights' gradients read them), and from its ``B`` to its ``W`` so do the
   gradients of the outputs of the ops that read a weight. The first stage has no input
   gradient to send: torch runs its whole backward at ``W`` and its ``B`` does nothing.
+- ZBV (ScheduleZBVZeroBubble, the ZB-V schedule of the same paper, section 6): ``B`` and ``W``
+  split as under ZeroBubble, two stages on each of ``p`` device groups placed in a V: group
+  ``g`` holds stages ``g`` and ``2 p - 1 - g`` (`stage_group`), so the microbatches go down
+  the groups and back up, the middle group passes from stage ``p - 1`` to ``p`` in place, and
+  the first group runs the last stage: the loss's backward starts where the forward started.
+  The order is torch's (`autoplan.torch_private.zbv_order`).
+- DualPipeV (ScheduleDualPipeV, DeepSeek's DualPipe folded into a V, DeepSeek-V3 report
+  2024): the same V, at least as many microbatches as stages; in its steady phase each
+  group pairs a forward of one stage with a whole backward of its other stage (torch's
+  runtime runs the pair one after the other), and its last phases split the backward into
+  ``B`` and ``W``. The order is torch's (`autoplan.torch_private.dualpipev_order`).
 
 `simulate` starts each step as soon as its stage is free and its input has arrived: the
 forward of microbatch ``m`` on stage ``s`` after its forward on stage ``s - 1``, the backward
@@ -43,10 +54,34 @@ from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
 from autoplan.modes import Schedule, parse_mode
-from autoplan.torch_private import zero_bubble_order
+from autoplan.torch_private import dualpipev_order, zbv_order, zero_bubble_order
 
 # the schedules that may put several stages on a device group (`virtual_stages`)
-MULTI_STAGE = (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE)
+MULTI_STAGE = (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPE_V)
+# the schedules that split each backward into input (B) and weight (W) gradients
+SPLIT_BACKWARD = (Schedule.ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPE_V)
+# the schedules whose device groups hold their stages in a V (`stage_group`)
+V_SHAPED = (Schedule.ZBV, Schedule.DUALPIPE_V)
+
+
+def stage_group(schedule: str, num_stages: int, virtual_stages: int, stage: int) -> int:
+    """The device group that runs ``stage``: ``stage mod p`` of ``p = num_stages /
+    virtual_stages`` groups, or in a V (ZBV): ``stage`` down the groups, then back up."""
+    groups = num_stages // virtual_stages
+    if schedule in V_SHAPED:
+        return stage if stage < groups else num_stages - 1 - stage
+    return stage % groups
+
+
+def group_stages(
+    schedule: str, num_stages: int, virtual_stages: int, group: int
+) -> tuple[int, ...]:
+    """The stages device group ``group`` runs, in stage order (`stage_group`)."""
+    return tuple(
+        s
+        for s in range(num_stages)
+        if stage_group(schedule, num_stages, virtual_stages, s) == group
+    )
 
 
 def check_schedule(schedule: str) -> Schedule:
@@ -61,7 +96,19 @@ def schedule_refusal(
     all: ``virtual_stages`` on each device group) and microbatches, or None: its Schedule1F1B
     needs at least one microbatch a stage; ScheduleInterleaved1F1B two or more stages on each
     group; it and ScheduleInterleavedZeroBubble (one stage a group or more) microbatches a
-    multiple of their rounds, ``max(1, B // groups)``."""
+    multiple of their rounds, ``max(1, B // groups)``; ScheduleZBVZeroBubble and
+    ScheduleDualPipeV exactly two stages on each group, the latter at least one microbatch a
+    stage."""
+    if schedule in V_SHAPED:
+        if refusal := v_refusal(schedule, virtual_stages):
+            return refusal
+        if schedule == Schedule.DUALPIPE_V and num_microbatches < num_stages:
+            return (
+                f"schedule {schedule} needs at least as many microbatches as stages, but "
+                f"num_microbatches={num_microbatches} < {num_stages} stages; use more "
+                f"microbatches or {Schedule.ZBV}"
+            )
+        return None
     if schedule not in MULTI_STAGE:
         if virtual_stages != 1:
             return (
@@ -94,9 +141,20 @@ def schedule_refusal(
     return None
 
 
+def v_refusal(schedule: str, virtual_stages: int) -> str | None:
+    """Why a schedule in a V (ZBV, DualPipeV) refuses ``virtual_stages``, or None."""
+    if virtual_stages == 2:
+        return None
+    return (
+        f"schedule {schedule} runs exactly 2 stages on each device group (in a V), but "
+        f"virtual_stages={virtual_stages}; use virtual_stages=2, or {Schedule.ZERO_BUBBLE} "
+        "for other counts"
+    )
+
+
 FORWARD = "F"
-BACKWARD = "B"  # the whole backward; under ZeroBubble, the input gradients alone
-WEIGHT = "W"  # the weight gradients (ZeroBubble)
+BACKWARD = "B"  # the whole backward; split (ZeroBubble, ZBV), the input gradients alone
+WEIGHT = "W"  # the weight gradients (ZeroBubble, ZBV)
 
 
 @dataclass(frozen=True)
@@ -135,7 +193,11 @@ def group_order(
     """The (kind, stage, microbatch) steps device group ``group`` runs, in order: its one
     stage's (`stage_order`), or under Interleaved1F1B its ``virtual_stages`` chunks' as torch's
     ScheduleInterleaved1F1B orders them (its ``_get_1f1b_rank_ops``, idle slots left out);
-    under ZeroBubble, torch's order itself."""
+    under ZeroBubble, ZBV and DualPipeV, torch's order itself."""
+    if schedule == Schedule.ZBV:
+        return tuple(zbv_order(num_stages // 2, num_microbatches, group))
+    if schedule == Schedule.DUALPIPE_V:
+        return tuple(dualpipev_order(num_stages // 2, num_microbatches, group))
     if schedule == Schedule.ZERO_BUBBLE:
         groups = num_stages // virtual_stages
         return tuple(zero_bubble_order(groups, virtual_stages, num_microbatches, group))
@@ -202,13 +264,13 @@ def simulate(
     """Every step of one training step, by start time then stage. ``durations`` gives each
     stage's (forward, backward) time per microbatch; without it every step takes one slot.
     ``speed(n)``: the speed of each of ``n`` device groups running at once (default 1.0).
-    ``weight_shares``: under ZeroBubble, each stage's share of its backward that is ``W``
+    ``weight_shares``: split (ZeroBubble, ZBV), each stage's share of its backward that is ``W``
     (default a half; the first stage's ``B`` takes none, its ``W`` all). Each device group
     (`group_order`) runs one step at a time."""
     if durations is None:
         times = [(1.0, 1.0, 1.0)] * num_stages
     else:
-        split = schedule == Schedule.ZERO_BUBBLE
+        split = schedule in SPLIT_BACKWARD
         shares = [0.0] * num_stages if not split else weight_shares or [0.5] * num_stages
         times = [(f, b * (1 - w), b * w) for (f, b), w in zip(durations, shares, strict=True)]
         if split:  # torch runs the first stage's backward at W

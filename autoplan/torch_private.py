@@ -30,9 +30,10 @@ the torch at hand has rather than comparing version numbers.
   for every tensor it sends; 2.13 on leaves non-float tensors out of backward. Under 2.11 an
   integer tensor crosses stages as the float64 view of its int64 values, and the stage that
   receives it hands back a zero gradient (execute/pipeline.py).
-- `zero_bubble_order`: the steps ScheduleInterleavedZeroBubble runs on each rank (its
-  ``_calculate_single_rank_operations``), computed without stages or a process group, so the
-  planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
+- `zero_bubble_order` / `zbv_order` / `dualpipev_order`: the steps
+  ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
+  (their ``_calculate_single_rank_operations``), computed without stages or a process group,
+  so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -63,7 +64,11 @@ from torch.distributed._functional_collectives import all_reduce as functional_a
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -102,6 +107,7 @@ __all__ = [
     "all_gather_single",
     "dtensor_axis_rules",
     "dtensor_runs",
+    "dualpipev_order",
     "from_local",
     "functional_all_reduce",
     "non_finite_check_and_unscale",
@@ -116,6 +122,7 @@ __all__ = [
     "resolve_process_group",
     "unbox_process_group",
     "wait_collective",
+    "zbv_order",
     "zero_bubble_order",
 ]
 
@@ -384,13 +391,50 @@ def zero_bubble_order(
     schedule._n_microbatches = num_microbatches
     schedule.number_of_rounds = rounds
     schedule.microbatches_per_round = num_microbatches // rounds
+    return _steps(schedule._calculate_single_rank_operations(group))
+
+
+def zbv_order(num_groups: int, num_microbatches: int, group: int) -> list[tuple[str, int, int]]:
+    """The steps ScheduleZBVZeroBubble runs on rank ``group`` of ``num_groups``, each holding
+    two stages in a V (``group`` and ``2 num_groups - 1 - group``), as `zero_bubble_order`
+    gives ScheduleInterleavedZeroBubble's; its ``_calculate_single_rank_operations`` reads
+    only the fields set here."""
+    schedule = object.__new__(ScheduleZBVZeroBubble)
+    schedule.pp_group_size = num_groups
+    schedule.num_stages = 2 * num_groups
+    schedule._n_microbatches = num_microbatches
+    return _steps(schedule._calculate_single_rank_operations(group))
+
+
+def dualpipev_order(
+    num_groups: int, num_microbatches: int, group: int
+) -> list[tuple[str, int, int]]:
+    """The steps ScheduleDualPipeV runs on rank ``group`` of ``num_groups`` (two stages in a
+    V, as ZBV's), as `zero_bubble_order` gives ScheduleInterleavedZeroBubble's: a forward
+    "overlapped" with another microbatch's backward as the two, one after the other, as its
+    runtime runs them, and a whole backward as its B and W at once."""
+    schedule = object.__new__(ScheduleDualPipeV)
+    schedule.pp_group_size = num_groups
+    schedule._n_microbatches = num_microbatches
+    return _steps(schedule._calculate_single_rank_operations(group))
+
+
+def _steps(actions: Sequence[Any]) -> list[tuple[str, int, int]]:
+    """torch's actions as (kind, stage, microbatch), its idle slots left out: an overlapped
+    forward and backward as its two actions in turn, a whole backward as B then W."""
     kinds = {
-        ComputationType.FORWARD: "F",
-        ComputationType.BACKWARD_INPUT: "B",
-        ComputationType.BACKWARD_WEIGHT: "W",
+        ComputationType.FORWARD: ("F",),
+        ComputationType.BACKWARD_INPUT: ("B",),
+        ComputationType.BACKWARD_WEIGHT: ("W",),
+        ComputationType.FULL_BACKWARD: ("B", "W"),
     }
-    return [
-        (kinds[action.computation_type], action.stage_index, action.microbatch_index)
-        for action in schedule._calculate_single_rank_operations(group)
-        if action is not None and action.microbatch_index is not None
-    ]
+    found = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.computation_type == ComputationType.OVERLAP_F_B:
+            found += _steps(action.sub_actions)
+        elif action.microbatch_index is not None:
+            for kind in kinds[action.computation_type]:
+                found.append((kind, action.stage_index, action.microbatch_index))
+    return found

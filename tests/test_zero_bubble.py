@@ -119,6 +119,12 @@ def test_the_planner_chooses_zero_bubble_where_fastest(cluster: autoplan.Cluster
     assert "  stage 3 (ranks 3)   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3" in shown
 
 
-def test_virtual_stages_keep_zero_bubble() -> None:
+def test_virtual_stages_keep_zero_bubble(cluster: autoplan.Cluster) -> None:
     options = PlanOptions(schedule="zerobubble", virtual_stages=2)
     assert options.schedules == (ZB,) and options.virtual_stages == 2
+    # and the plan keeps them, though a conventional plan of one stage a group is faster
+    w = example("gpt", size="small", num_layers=8, batch_size=16, device="meta")
+    forced = dataclasses.replace(options, num_stages=4, num_microbatches=4)
+    plan = w.plan(cluster, forced)
+    assert plan.pipeline is not None and plan.pipeline.schedule == ZB
+    assert plan.virtual_stages == 2 and len(plan.stages) == 8

@@ -15,13 +15,14 @@ stage ``s``; GPipe: all ``B``); interleaved, a device group holds all its stages
 most activations in flight at once as torch's order runs them
 (`autoplan.schedules.peak_in_flight`; `PipelinePlan.stage_memory`).
 
-ZeroBubble splits each backward into the input gradients (``B``) and the weight gradients
-(``W``), which it runs later, in the bubble: no formula says its step, which is simulated
-from torch's order (`autoplan.schedules.simulate`). A stage's ``W`` is its ``weight_share``
-of its backward: the forward FLOPs of its ops that read a parameter over its backward FLOPs
-(a matmul's weight gradient is one more matmul of its forward's size, as its input gradient
-is; the other ops' backward is all ``B``). From ``B`` to ``W`` a microbatch holds, besides its
-activations, the gradients of those ops' outputs (``held_bytes``).
+ZeroBubble (and ZBV and DualPipeV, in a V) splits each backward into the input gradients
+(``B``) and the weight gradients (``W``), which it runs later, in the bubble: no formula
+says its step, which is simulated from torch's order (`autoplan.schedules.simulate`). A
+stage's ``W`` is its ``weight_share`` of its backward: the forward FLOPs of its ops that
+read a parameter over its backward FLOPs (a matmul's weight gradient is one more matmul of
+its forward's size, as its input gradient is; the other ops' backward is all ``B``). From
+``B`` to ``W`` a microbatch holds, besides its activations, the gradients of those ops'
+outputs (``held_bytes``).
 
 A pipeline's stages come from the stage search (`autoplan.search.layer_plans`) or are given
 (`price_pipeline`: a plan to re-price, a baseline); both are priced here the same way.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pricer import Pricer
@@ -41,7 +42,16 @@ from autoplan.graph.cut import Layer, StageGraph
 from autoplan.graph.ir import Graph, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase, Schedule
-from autoplan.schedules import MULTI_STAGE, group_order, peak_in_flight, simulate
+from autoplan.schedules import (
+    MULTI_STAGE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    group_order,
+    group_stages,
+    peak_in_flight,
+    simulate,
+    stage_group,
+)
 from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.space import Strategy
@@ -74,7 +84,8 @@ class SolvedStage:
 @dataclass(frozen=True)
 class PipelinePlan:
     """Stages on uniform submeshes and the step they make under ``schedule``: stage ``s`` on
-    device group ``s mod p``, ``p = len(stages) / virtual_stages``."""
+    device group ``s mod p``, ``p = len(stages) / virtual_stages``, or in a V (ZBV:
+    `autoplan.schedules.stage_group`)."""
 
     graph: Graph  # the step at the microbatch's shape
     layers: tuple[Layer, ...]
@@ -99,6 +110,10 @@ class PipelinePlan:
     def num_groups(self) -> int:
         return len(self.stages) // self.virtual_stages
 
+    def group(self, s: int) -> int:
+        """The device group of stage ``s`` (`autoplan.schedules.stage_group`)."""
+        return stage_group(self.schedule, len(self.stages), self.virtual_stages, s)
+
     @property
     def recompute(self) -> Recompute:
         """The stages' recomputed layers, each in the mode its stage chose."""
@@ -108,10 +123,11 @@ class PipelinePlan:
         """Peak bytes per device of stage ``s`` under the schedule; interleaved, of its device
         group, which holds all its stages."""
         if self.schedule in MULTI_STAGE:
-            groups = self.num_groups
-            static = sum(st.memory_bytes for st in self.stages[s % groups :: groups])
+            group = self.group(s)
+            held = group_stages(self.schedule, len(self.stages), self.virtual_stages, group)
+            static = sum(self.stages[c].memory_bytes for c in held)
             return static + peak_in_flight(
-                self.order(s % groups),
+                self.order(group),
                 lambda c: self.stages[c].activation_bytes,
                 lambda c: self.stages[c].held_bytes,
             )
@@ -239,14 +255,18 @@ def price_stages(
     memory_limit: float,
     virtual_stages: int = 1,
 ) -> PipelinePlan:
-    """``stages`` as a pipeline, priced by the formula the stage DP minimizes,
-    ``sum(t) + (B - 1) max(t)`` (interleaved: `interleaved_time`); or, under ZeroBubble or
-    where ranks share fewer cores than they are (CPU ranks on one node,
-    `Cluster.shares_cores`), by simulating the schedule (with the stages sharing the cores;
-    `autoplan.schedules.simulate`), as the DP's formula cannot say."""
+    """``stages`` as a pipeline, priced by the formula the stage DP minimizes, ``sum(t) + (B - 1)
+    max(t)`` (interleaved: `interleaved_time`); or, under ZeroBubble or where ranks share fewer
+    cores than they are (CPU ranks on one node, `Cluster.shares_cores`), by simulating the
+    schedule (with the stages sharing the cores; `autoplan.schedules.simulate`), as the DP's
+    formula cannot say. In a V (ZBV, DualPipeV) the middle stage's output stays on its device
+    group: it sends nothing."""
+    if schedule in V_SHAPED:
+        middle = len(stages) // 2 - 1
+        stages = tuple(replace(s, send_s=0.0) if i == middle else s for i, s in enumerate(stages))
     times = [s.time_s + s.send_s for s in stages]
     shared = cluster.shares_cores and cluster.num_nodes == 1
-    if schedule != Schedule.ZERO_BUBBLE and not shared:
+    if schedule not in SPLIT_BACKWARD and not shared:
         if virtual_stages > 1:
             scheduled = interleaved_time(times, num_microbatches, virtual_stages)
         else:
@@ -312,8 +332,8 @@ def price_pipeline(
 ) -> PipelinePlan:
     """A pipeline whose decisions are given (a plan to re-price, a baseline): stage ``s`` is
     ``layers[s]``, as ``stage_graphs[s]`` (`stage_graph`), with strategies ``assignments[s]``
-    (by node name of its stage graph), on device group ``s mod (S / virtual_stages)``,
-    recomputing ``recompute``."""
+    (by node name of its stage graph), on device group ``s mod (S / virtual_stages)`` (or in a
+    V: `autoplan.schedules.stage_group`), recomputing ``recompute``."""
     sub_cluster = cluster.stage(math.prod(mesh_shape))
     pricer = Pricer(sub_cluster, mesh_shape, optimizer, recompute)
     stages = []

@@ -1,17 +1,18 @@
 """Pipelined plans: each rank runs its stage as a torch.distributed.pipelining.PipelineStage.
 
-The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the
-mesh as its own DeviceMesh (interleaved 1F1B: row ``s mod p``, each rank running its row's
-stages under torch's ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble, each with its
-own gradient reducer). Tensors
-cross stages as local shards laid out as the plan's boundary placement: rank ``i`` of a
-stage sends to rank ``i`` of the next (the "pp" group of its column), so the pipelining
-library only ever sees plain tensors. The batch (and the
-target, which travels with the activations to the loss) enters the first stage; the last
-stage returns each microbatch's loss, and the sum of the microbatches' gradients over their
-count is the batch mean's. A parameter that every op of its stage reads locally as stored
-trains as a plain local leaf, as in a one-stage step (`autoplan.execute.step.local_leaves`):
-no DTensor on its path in any microbatch.
+The world mesh is ("pp", *stage axes); stage ``s`` runs on row ``s``, with the rest of the mesh
+as its own DeviceMesh (interleaved 1F1B: row ``s mod p``, each rank running its row's stages
+under torch's ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble, each with its own
+gradient reducer; ZBV and DualPipeV: rows ``s`` and ``2 p - 1 - s``, in a V, under
+ScheduleZBVZeroBubble or ScheduleDualPipeV, which place the stages so themselves and pass the
+middle stage's output on in place). Tensors cross stages as local shards laid out as the plan's
+boundary placement: rank ``i`` of a stage sends to rank ``i`` of the next (the "pp" group of its
+column), so the pipelining library only ever sees plain tensors. The batch (and the target,
+which travels with the activations to the loss) enters the first stage; the last stage returns
+each microbatch's loss, and the sum of the microbatches' gradients over their count is the batch
+mean's. A parameter that every op of its stage reads locally as stored trains as a plain local
+leaf, as in a one-stage step (`autoplan.execute.step.local_leaves`): no DTensor on its path in
+any microbatch.
 
 ZeroBubble splits each backward into the inputs' gradients and, later, the weights'
 (torch's ``stage_backward_input`` / ``stage_backward_weight``), which compute gradients for
@@ -34,9 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
@@ -62,6 +65,8 @@ SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {
 MULTI_SCHEDULE_CLASSES: dict[str, type[PipelineScheduleMulti]] = {
     Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
     Schedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
+    Schedule.DUALPIPE_V: ScheduleDualPipeV,
 }
 
 
@@ -170,8 +175,9 @@ class PipelineRunner:
         assert plan.pipeline is not None
         self.plan = plan
         pp = world["pp"]
-        # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved)
-        self.indices = tuple(range(pp.get_local_rank(), len(plan.stages), pp.size()))
+        # this rank's stages: its row of the "pp" axis, and every p-th after it (interleaved;
+        # ZBV: the V's way back)
+        self.indices = plan.group_stages(pp.get_local_rank())
         self.mesh = world[plan.stage_axes]
         self.zero = ShardedState.split(model, plan, self.mesh)  # ZeRO-1/2's shards and wholes
         self.modules = [StageModule(model, ep, plan, self.mesh, s, gradless) for s in self.indices]

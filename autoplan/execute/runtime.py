@@ -69,9 +69,10 @@ def build_runtime(
     pipeline: PipelineRunner | None = None
     if plan.pipeline is not None:
         pp = mesh["pp"]
-        # this rank's row of the "pp" axis holds stages row, row + p, ... (interleaved)
+        # this rank's row of the "pp" axis holds stages row, row + p, ... (interleaved; ZBV: in
+        # a V)
         params = {
-            fqn for fqn, s in plan.param_stages().items() if s % pp.size() == pp.get_local_rank()
+            fqn for fqn, s in plan.param_stages().items() if plan.group(s) == pp.get_local_rank()
         }
         materialize(model, plan, mesh[plan.stage_axes], init_fn, stage_params=params)
         pipeline = PipelineRunner(model, ep, plan, mesh, gradless)

@@ -193,8 +193,8 @@ def assemble_pipeline_plan(
     axes: tuple[str, ...] | None = None,
 ) -> Plan:
     """A plan whose mesh is ("pp", *stage axes): stage ``s`` runs on row ``s`` (interleaved:
-    row ``s mod p`` of ``p``). The stage axes are named by role unless ``axes`` gives their
-    names."""
+    row ``s mod p`` of ``p``; ZBV: in a V, `autoplan.schedules.stage_group`). The stage axes
+    are named by role unless ``axes`` gives their names."""
     graph = pipe.graph
     assignment, rules = own_decisions(pipe.stages)
     final = next(n.name for n in graph if n.kind == NodeKind.OUTPUT)
@@ -212,7 +212,7 @@ def assemble_pipeline_plan(
     )
     stages = tuple(
         Stage(
-            ranks=tuple(range(s % groups * size, (s % groups + 1) * size)),
+            ranks=tuple(range(pipe.group(s) * size, (pipe.group(s) + 1) * size)),
             nodes=st.stage.nodes,
             layers=tuple(layer.name for layer in pipe.layers[st.start : st.stop]),
             received=st.stage.received,

@@ -90,9 +90,8 @@ def _check_mesh(plan: Plan, cluster: Cluster | None) -> None:
             f"in order; write {list(range(size))}"
         )
     per_stage = math.prod(_stage_shape(plan))
-    groups = len(plan.stages) // plan.virtual_stages
     for s, stage in enumerate(plan.stages):
-        g = s % groups
+        g = plan.group(s)
         row = ranks[g * per_stage : (g + 1) * per_stage]
         if stage.ranks != row:
             raise PlanFormatError(

@@ -38,7 +38,7 @@ from autoplan.planfile.sections import (
     StagePredicted,
 )
 from autoplan.precision import COMPUTE_DTYPES
-from autoplan.schedules import MULTI_STAGE, schedule_refusal
+from autoplan.schedules import MULTI_STAGE, V_SHAPED, schedule_refusal
 from autoplan.solvers.problem import OUTCOMES, SKIPPED, STOPPED, Unproven
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
@@ -146,7 +146,8 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
     if len(stages) != groups and not (interleaved and len(stages) % groups == 0):
         raise doc["stages"].fail(
             "a list of one stage per index of the mesh's pp axis (or one; "
-            f"{' or '.join(MULTI_STAGE)}: several per index, stage s on index s mod {groups})"
+            f"{' or '.join(s for s in MULTI_STAGE if s not in V_SHAPED)}: several per index, "
+            f"stage s on index s mod {groups}; {' or '.join(V_SHAPED)}: two per index, in a V)"
         )
     if pipeline is not None:
         refusal = schedule_refusal(

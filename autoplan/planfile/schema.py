@@ -27,6 +27,7 @@ from autoplan.planfile.sections import (
     SolverInfo,
     Stage,
 )
+from autoplan.schedules import group_stages, stage_group
 
 __all__ = ["Plan"]
 
@@ -61,8 +62,22 @@ class Plan:
     @property
     def virtual_stages(self) -> int:
         """Stages on each device group, a row of the "pp" axis: 2 or more under
-        Interleaved1F1B (stage ``s`` on row ``s mod p``), 1 or more under ZeroBubble, else 1."""
+        Interleaved1F1B (stage ``s`` on row ``s mod p``), 1 or more under ZeroBubble, 2 under
+        ZBV (in a V: `group`), else 1."""
         return len(self.stages) // self.mesh.shape[0] if self.pipeline is not None else 1
+
+    def group(self, s: int) -> int:
+        """The row of the "pp" axis that runs stage ``s`` (`autoplan.schedules.stage_group`)."""
+        if self.pipeline is None:
+            return 0
+        return stage_group(self.pipeline.schedule, len(self.stages), self.virtual_stages, s)
+
+    def group_stages(self, group: int) -> tuple[int, ...]:
+        """The stages row ``group`` of the "pp" axis runs, in stage order."""
+        if self.pipeline is None:
+            return tuple(range(len(self.stages)))
+        schedule = self.pipeline.schedule
+        return group_stages(schedule, len(self.stages), self.virtual_stages, group)
 
     @property
     def stage_axes(self) -> tuple[str, ...]:

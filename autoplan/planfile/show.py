@@ -8,10 +8,9 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
-from autoplan.modes import Schedule
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
-from autoplan.schedules import simulate
+from autoplan.schedules import SPLIT_BACKWARD, V_SHAPED, simulate
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.units import fmt_bytes
 
@@ -182,7 +181,9 @@ def _stage_lines(plan: Plan) -> list[str]:
         f"{fmt_bytes(limit)} allowed)"
     )
     for s, (st, nxt) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
-        if st.sent:
+        if st.sent and nxt.ranks == st.ranks:  # the middle of a V (ZBV, DualPipeV)
+            out.append(f"  stage {s} -> {s + 1} passes {', '.join(st.sent)} on its own ranks")
+        elif st.sent:
             out.append(
                 f"  stage {s} -> {s + 1} sends {', '.join(st.sent)} as [{_fmt(st.boundary)}], "
                 f"rank r to rank r{nxt.ranks[0] - st.ranks[0]:+d}"
@@ -204,7 +205,7 @@ def _left_out(what: str, count: int, limit: int) -> list[str]:
 
 
 def _legend(schedule: str) -> str:
-    if schedule == Schedule.ZERO_BUBBLE:
+    if schedule in SPLIT_BACKWARD:
         return "Fk / Bk / Wk = forward / input / weight gradients"
     return "Fk / Bk = forward / backward"
 
@@ -249,11 +250,12 @@ def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
     labels = [f"stage {s} (ranks {fmt_ranks(st.ranks)})" for s, st in enumerate(plan.stages)]
     v = plan.virtual_stages
     groups = len(plan.stages) // v
+    rule = "in a V" if pipeline.schedule in V_SHAPED else f"stage s on group s mod {groups}"
     placement = (
-        f" on {groups} device groups, {v} each (stage s on group s mod {groups}: "
+        f" on {groups} device groups, {v} each ({rule}: "
         + "; ".join(
             f"ranks {fmt_ranks(plan.stages[g].ranks)} run stages "
-            + ", ".join(map(str, range(g, len(plan.stages), groups)))
+            + ", ".join(map(str, plan.group_stages(g)))
             for g in range(groups)
         )
         + ")"

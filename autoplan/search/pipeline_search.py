@@ -24,10 +24,11 @@ recomputed that fit (`autoplan.search.recompute_choice`), unless the mode was gi
 Variants are added only while some range of balanced length cannot fit at the fewest
 microbatches it could hold in flight.
 
-Interleaved 1F1B (and ZeroBubble interleaved) with ``v`` stages on each of the ``p`` device
-groups is searched the same way (`_interleaved`): the DP splits the layers into ``p v`` stages
-(the layers' plans are the same), for ``v = 2, 3, ...`` while the layers allow and the step
-gets faster; its memory per device group, over all its stages, is checked once priced.
+Interleaved 1F1B (and ZeroBubble interleaved, and ZBV: ``v = 2`` in a V) with ``v`` stages
+on each of the ``p`` device groups is searched the same way (`_interleaved`): the DP splits
+the layers into ``p v`` stages (the layers' plans are the same), for ``v = 2, 3, ...`` while
+the layers allow and the step gets faster; its memory per device group, over all its stages,
+is checked once priced.
 
 The DP minimizes ``sum(t) + (B - 1) * max(t)`` over stage times ``t`` per microbatch, with the
 once-per-step gradient synchronization and optimizer update amortized as ``extra / B``; it

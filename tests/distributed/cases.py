@@ -401,6 +401,39 @@ CASES = [
         pipeline(2, 2, "ZeroBubble", (2,), virtual_stages=2),
         pipelined=True,
     ),
+    # ZBV (torch's ScheduleZBVZeroBubble): 2 stages on each device group in a V, the first
+    # group holding the first and the last stage: 4 groups of one rank (8 stages; stages 3
+    # and 4 pass on in place on rank 3), and 2 groups of (2,)
+    Case(
+        "gpt-zbv-4",
+        "gpt",
+        {"size": "tiny", "num_layers": 8, "batch_size": 8},
+        pipeline(4, 4, "ZBV", virtual_stages=2),
+        pipelined=True,
+    ),
+    Case(
+        "gpt-zbv-2x2",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 8},
+        pipeline(2, 4, "ZBV", (2,), virtual_stages=2),
+        pipelined=True,
+    ),
+    # DualPipeV (torch's ScheduleDualPipeV): the same V, a microbatch or more a stage, one
+    # microbatch's forward paired with another's whole backward
+    Case(
+        "gpt-dualpipev-4",
+        "gpt",
+        {"size": "tiny", "num_layers": 8, "batch_size": 8},
+        pipeline(4, 8, "DualPipeV", virtual_stages=2),
+        pipelined=True,
+    ),
+    Case(
+        "gpt-dualpipev-2x2",
+        "gpt",
+        {"size": "tiny", "num_layers": 4, "batch_size": 8},
+        pipeline(2, 4, "DualPipeV", (2,), virtual_stages=2),
+        pipelined=True,
+    ),
     # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
     Case(
         "gpt-baseline-interleaved-tp",

@@ -1,7 +1,8 @@
 """The sends a pipelined step issues between stages, against those its plan implies: each
 stage sends every tensor its plan lists as ``sent`` to the same position of the next stage's
 ranks once per microbatch, and every floating-point tensor it ``received`` back as a gradient
-(interleaved 1F1B: from each of the rank's stages, ``v`` times 1F1B's sends)."""
+(interleaved 1F1B: from each of the rank's stages, ``v`` times 1F1B's sends; ZBV: but between
+its middle stages, which share their ranks)."""
 
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def planned_sends(runner: PipelineRunner) -> Counter[Send]:
     sends: Counter[Send] = Counter()
     for s, module in zip(runner.indices, runner.modules, strict=True):
         at = plan.stages[s].ranks.index(rank)
-        if s + 1 < len(plan.stages):
+        # ZBV's middle stages, on one rank, pass on in place: no send either way
+        if s + 1 < len(plan.stages) and plan.stages[s + 1].ranks[at] != rank:
             peer = plan.stages[s + 1].ranks[at]
             for meta in module._sent:
                 sends["forward", s, peer, _local_bytes(module, meta)] += count
-        if s > 0:
+        if s > 0 and plan.stages[s - 1].ranks[at] != rank:
             peer = plan.stages[s - 1].ranks[at]
             for _, meta in module._received:
                 if meta.dtype.is_floating_point:
