@@ -308,3 +308,31 @@ def test_bytes_keep_their_unit_at_every_scale() -> None:
     assert fmt_bytes(3.6 * 2**30) == "3.60 GiB"
     assert fmt_bytes(5 * 2**10) == "5.00 KiB"
     assert all(not fmt_bytes(n).startswith("0.00") for n in (1, 1000, 2**20 - 1, 2**30 + 1))
+
+
+def test_constants_of_repeated_layers_share_a_line_as_their_parameters_do(
+    cpu4: autoplan.Cluster,
+) -> None:
+    import dataclasses
+
+    from autoplan.planfile.sections import ParamPlan
+
+    plan = plan_example("mlp", cpu4, (4,))
+    replicated = {a: "R" for a in plan.mesh.axes}
+    # export numbers the constants forward makes across the model: two per layer here
+    constants = {
+        f"blocks.{i}.attn.lifted_tensor_{2 * i + j}": ParamPlan(
+            replicated, replicated, (0,) if j == 0 else (3,), "float32"
+        )
+        for i in range(3)
+        for j in range(2)
+    }
+    lines = summary(dataclasses.replace(plan, params={**plan.params, **constants})).splitlines()
+    shown = [line for line in lines if "lifted_tensor" in line]
+    # of two shapes (no elements, 3): not one line, which would show one shape for both
+    assert len(shown) == 6
+    same_shape = {name: p for name, p in constants.items() if p.shape == (3,)}
+    lines = summary(dataclasses.replace(plan, params={**plan.params, **same_shape})).splitlines()
+    assert [line.split()[0] for line in lines if "lifted_tensor" in line] == [
+        "blocks.*.attn.lifted_tensor_*"
+    ]

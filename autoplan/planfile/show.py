@@ -15,6 +15,9 @@ from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.units import fmt_bytes
 
 _INDEX = re.compile(r"\.(\d+)\.")
+# export numbers the constants forward makes across the model (lifted_tensor_0, _1, ... in
+# each layer): copies of one layer's constants share a line as its parameters do
+_LIFTED = re.compile(r"lifted_tensor_\d+$")
 _GRID_WIDTH = 100  # characters a line of the schedule grid may take before the grid wraps
 _MAX_ROWS = 8  # stages the grid draws; beyond, the first and last halves
 _MAX_SLOTS = 2 * (16 + 8 - 1)  # 1F1B's slots for 16 microbatches on 8 stages; beyond, the ends
@@ -30,14 +33,18 @@ def _fmt(p: Placements) -> str:
 
 def _param_lines(plan: Plan) -> list[str]:
     """One line per parameter; copies of a repeated layer with the same placements share one
-    line, their index written as ``*``."""
+    line, their index (and the number of a constant forward makes) written as ``*``."""
     groups: dict[str, list[str]] = defaultdict(list)
     for name in plan.params:
-        groups[_INDEX.sub(".*.", name, count=1)].append(name)
+        pattern = _INDEX.sub(".*.", name, count=1)
+        groups[_LIFTED.sub("lifted_tensor_*", pattern)].append(name)
     lines = []
     for pattern, names in groups.items():
         first = plan.params[names[0]]
-        same = all(_placed(plan.params[n]) == _placed(first) for n in names)
+        same = all(
+            _placed(plan.params[n]) == _placed(first) and plan.params[n].shape == first.shape
+            for n in names
+        )
         for name in [pattern] if same and len(names) > 1 else names:
             p = plan.params[names[0] if name == pattern and len(names) > 1 else name]
             stored = "" if p.storage == p.placements else f"   stored [{_fmt(p.storage)}]"
