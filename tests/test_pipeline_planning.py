@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import networkx as nx
@@ -18,7 +19,14 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.crossing import crossing_points
-from autoplan.graph.cut import DEFAULT_MAX_LAYERS, Layer, cut_layers, shared_params, stage_graph
+from autoplan.graph.cut import (
+    DEFAULT_MAX_LAYERS,
+    Layer,
+    crossing_tuple,
+    cut_layers,
+    shared_params,
+    stage_graph,
+)
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import NO_RECOMPUTE, chosen
 from autoplan.modes import NodeKind
@@ -387,3 +395,51 @@ def test_stage_sizes_that_cannot_fit_are_not_planned(
     fraction = need / 1000 / cpu4.device.memory_bytes
     with pytest.raises(InfeasiblePlanError, match="no pipeline fits"):
         w.plan(cpu4, dataclasses.replace(options, memory_fraction=fraction, recompute="none"))
+
+
+class _SplitOnce(nn.Module):
+    """Its first block splits a tensor in two, and every later block reads both halves (as
+    GPT-J's layers read one rotary table split into sines and cosines)."""
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h = self.lin(x)
+            a, b = torch.split(h, 8, dim=-1)
+            return h, a, b
+
+    class Later(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.lin(h) * torch.cat([b, a], dim=-1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([self.First(), *(self.Later() for _ in range(3))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, a, b = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            h = block(h, a, b)
+        return h
+
+
+def test_a_tuple_read_across_layers_leaves_the_plan_unpipelined(
+    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    model = _SplitOnce()
+    graph = capture(model, x, nn.functional.mse_loss, y)
+    layers = cut_layers(graph)
+    found = crossing_tuple(graph, layers)
+    assert found is not None and graph.node(found[0]).op == "aten.split.Tensor" and found[1] == 0
+    with caplog.at_level(logging.INFO, logger="autoplan.search.pipeline_search"):
+        plan = autoplan.plan(model, x, cpu4, loss_fn=nn.functional.mse_loss, example_target=y)
+    assert plan.pipeline is None  # planned, as one stage, where it had failed
+    assert "no pipeline: " in caplog.text and "several outputs" in caplog.text

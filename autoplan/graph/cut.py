@@ -129,6 +129,17 @@ def shared_params(graph: Graph, layers: Sequence[Layer]) -> dict[str, tuple[int,
     return shared
 
 
+def crossing_tuple(graph: Graph, layers: Sequence[Layer]) -> tuple[str, int] | None:
+    """An op of several outputs that a later layer reads (GPT-J's ``split`` of its rotary
+    table), with its layer: a stage boundary there would send a tuple, which pipeline stages
+    do not; None if there is none."""
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    for n in graph:
+        if len(n.outputs) > 1 and any(layer_of[u] != layer_of[n.name] for u in graph.users(n.name)):
+            return n.name, layer_of[n.name]
+    return None
+
+
 @dataclass(frozen=True)
 class StageGraph:
     """Layers ``[start, stop)`` as a graph of their own: ``graph`` has an input node for each

@@ -47,7 +47,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import PipelinePlan, SolvedStage, price_stages
 from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError
-from autoplan.graph.cut import cut_layers, shared_params
+from autoplan.graph.cut import crossing_tuple, cut_layers, shared_params
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
 from autoplan.modes import RecomputeMode, Schedule
@@ -160,6 +160,13 @@ def _best_for_count(
     if shared:
         name, readers = next(iter(shared.items()))
         log.info("no pipeline: parameter %s is read by layers %s (tied weights)", name, readers)
+        return None, []
+    if (crossing := crossing_tuple(graph, layers)) is not None:
+        log.info(
+            "no pipeline: %s (layer %d) has several outputs that later layers read; a stage "
+            "sends one tensor at a time",
+            *crossing,
+        )
         return None, []
     if num_stages is not None and num_stages > len(layers):
         raise AutoplanError(
