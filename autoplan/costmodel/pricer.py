@@ -131,10 +131,30 @@ class Pricer:
         transcendental = node.transcendental * itemsize(dtype) / f
         activation = activation_time(self.cluster, transcendental, dtype)
         total = with_overhead(self.cluster, seconds + activation, node.op)
-        if again:  # the forward's compute, and half the activation's
-            forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
-            total += with_overhead(self.cluster, forward + activation / 2, node.op)
+        if again:
+            total += self.forward_time(node, strategy)
         return total
+
+    def forward_time(self, node: Node, strategy: Strategy) -> float:
+        """Of an op's `node_time`, one forward: its forward's FLOPs and bytes under the
+        roofline and half its transcendental work (0 for parameters and inputs)."""
+        if node.kind != "op":
+            return 0.0
+        if node.is_view:
+            return with_overhead(self.cluster, 0.0, "view")
+        f = self.split_factor(strategy)
+        dtype = node.outputs[0].dtype if node.outputs else "float32"
+        forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
+        transcendental = node.transcendental * itemsize(dtype) / f
+        activation = activation_time(self.cluster, transcendental, dtype)
+        return with_overhead(self.cluster, forward + activation / 2, node.op)
+
+    def backward_time(self, node: Node, strategy: Strategy) -> float:
+        """Of an op's `node_time`, what runs in backward: its gradients and, recomputed, its
+        forward again (0 for parameters, whose update runs after backward)."""
+        if node.kind != "op" or not node.needs_grad:
+            return 0.0
+        return max(0.0, self.node_time(node, strategy) - self.forward_time(node, strategy))
 
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where
