@@ -10,10 +10,12 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture, export_step
 from autoplan.modes import NodeKind
+from autoplan.strategies.space import Strategy
 from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 
@@ -290,3 +292,34 @@ def test_factories_of_a_trained_tensor_carry_no_gradient() -> None:
     needs = {n.op: n.needs_grad for n in graph if n.kind == NodeKind.OP}
     assert needs["aten.linear.default"] and needs["aten.slice_scatter.default"]
     assert not needs["aten.new_empty.default"] and not needs["aten.zeros_like.default"]
+
+
+def test_a_cast_is_a_copy_and_a_residual_add_moves_nothing_in_backward(
+    a100: autoplan.Cluster,
+) -> None:
+    class Cast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x.to(torch.bfloat16).float())
+            return h + self.lin(h)
+
+    graph = capture(Cast(), (torch.randn(4, 16),), nn.functional.mse_loss, torch.randn(4, 16))
+    casts = [n for n in graph if n.op == "aten.to.dtype"]
+    # aten.to's schema says it may return its input; a new dtype is a copy all the same
+    assert [n.is_view for n in casts] == [False, False]
+    assert [n.bytes_moved for n in casts] == [4 * 16 * (4 + 2)] * 2
+    (add,) = [n for n in graph if n.op == "aten.add.Tensor"]
+    assert add.needs_grad and (add.flops, add.bwd_flops) == (64.0, 0.0)
+    pricer = Pricer(a100, (1,), "adamw")
+    bandwidth = a100.device.memory_bandwidth * a100.device.memory_efficiency
+    whole = Strategy(("R",), ("R", "R"))
+    # forward: two inputs read, one output written, 4 bytes each; backward: nothing
+    assert pricer.node_time(add, whole) == pytest.approx(3 * 64 * 4 / bandwidth)
+    # a cast's bytes (of the input, which needs no gradient: no backward), not a view's 0
+    cast = Strategy(("R",), ("R",))
+    assert not casts[0].needs_grad
+    assert pricer.node_time(casts[0], cast) == pytest.approx(384 / bandwidth)
+

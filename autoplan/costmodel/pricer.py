@@ -125,8 +125,9 @@ class Pricer:
             return with_overhead(self.cluster, 0.0, "view") * (2 if again else 1)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
-        # backward moves about twice the forward's bytes (grad in, grad out, saved input)
-        moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
+        # backward moves about twice the forward's bytes (grad in, grad out, saved input);
+        # one that computes nothing (a residual add's, graph/flops.py) moves nothing
+        moved = node.bytes_moved * (3.0 if node.needs_grad and node.bwd_flops else 1.0)
         seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
         transcendental = node.transcendental * itemsize(dtype) / f
         activation = activation_time(self.cluster, transcendental, dtype)
