@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -323,3 +324,38 @@ def test_a_cast_is_a_copy_and_a_residual_add_moves_nothing_in_backward(
     assert not casts[0].needs_grad
     assert pricer.node_time(casts[0], cast) == pytest.approx(384 / bandwidth)
 
+
+def test_a_small_matmul_on_a_gpu_pays_for_whole_tiles(a100: autoplan.Cluster) -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(200, 300)
+            self.second = nn.Linear(300, 300)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x))
+
+    graph = capture(Two(), (torch.randn(130, 200),), nn.functional.mse_loss, torch.randn(130, 300))
+    first, second = [n for n in graph if n.op == "aten.linear.default"]
+    pricer = Pricer(a100, (2,), "adamw")
+    whole = Strategy(("R",), ("R", "R", "R"))
+    # forward: the 130 x 300 result in 2 x 3 tiles of 128 x 128 (output rows x columns)
+    assert pricer.tile_share(first, whole, backward=False) == pytest.approx(130 * 300 / (256 * 384))
+    # backward of the first: the weight's gradient alone (the input needs none), 300 x 200
+    fwd, weight = 130 * 300 / (256 * 384), 300 * 200 / (384 * 256)
+    assert pricer.tile_share(first, whole) == pytest.approx(2 / (1 / fwd + 1 / weight))
+    # the second also makes its input's gradient, 130 x 300; split in two along the batch
+    # (65 rows) and the inner dim (150): a shard's own results
+    split = Strategy(("S(0)",), ("S(0)", "R", "R"))
+    fwd, inp, weight = 65 * 300 / (128 * 384), 65 * 300 / (128 * 384), 300 * 300 / 384**2
+    expected = 3 / (1 / fwd + 1 / inp + 1 / weight)
+    assert pricer.tile_share(second, split) == pytest.approx(expected)
+    partial = Strategy(("P",), ("S(1)", "S(1)", "R"))
+    fwd, inp, weight = 130 * 300 / (256 * 384), 130 * 150 / (256 * 256), 150 * 300 / (256 * 384)
+    assert pricer.tile_share(second, partial) == pytest.approx(3 / (1 / fwd + 1 / inp + 1 / weight))
+    # the compute term pays for it; CPU ranks compute no tiles
+    flops = (second.flops + second.bwd_flops) / 2
+    peak = a100.device.peak_flops["float32"] * a100.device.compute_efficiency
+    assert pricer.node_time(second, split) == pytest.approx(flops / (peak * expected))
+    cpu = Pricer(dataclasses.replace(a100, backend="gloo"), (2,), "adamw")
+    assert cpu.tile_share(second, split) == 1.0
