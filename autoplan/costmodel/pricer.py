@@ -126,7 +126,7 @@ class Pricer:
         if node.kind != "op":
             return 0.0
         again = self.recompute.recomputes(node.name)  # its forward runs again in backward
-        if node.is_view:
+        if node.is_view and not node.bytes_moved:  # nothing to do (a cast copies its bytes)
             return with_overhead(self.cluster, 0.0, "view") * (2 if again else 1)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
@@ -148,7 +148,7 @@ class Pricer:
         roofline and half its transcendental work (0 for parameters and inputs)."""
         if node.kind != "op":
             return 0.0
-        if node.is_view:
+        if node.is_view and not node.bytes_moved:  # nothing to do (a cast copies its bytes)
             return with_overhead(self.cluster, 0.0, "view")
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
