@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -10,10 +11,12 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import TraceError
 from autoplan.graph.blocks import block_of, find_sharing
 from autoplan.graph.capture import capture, export_step
 from autoplan.modes import NodeKind
+from autoplan.strategies.space import Strategy
 from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 
@@ -290,3 +293,70 @@ def test_factories_of_a_trained_tensor_carry_no_gradient() -> None:
     needs = {n.op: n.needs_grad for n in graph if n.kind == NodeKind.OP}
     assert needs["aten.linear.default"] and needs["aten.slice_scatter.default"]
     assert not needs["aten.new_empty.default"] and not needs["aten.zeros_like.default"]
+
+
+def test_a_cast_is_a_copy_and_a_residual_add_moves_nothing_in_backward(
+    a100: autoplan.Cluster,
+) -> None:
+    class Cast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x.to(torch.bfloat16).float())
+            return h + self.lin(h)
+
+    graph = capture(Cast(), (torch.randn(4, 16),), nn.functional.mse_loss, torch.randn(4, 16))
+    casts = [n for n in graph if n.op == "aten.to.dtype"]
+    # aten.to's schema says it may return its input (a view, for memory); to a new dtype it
+    # copies all the same, and its bytes are priced
+    assert [n.bytes_moved for n in casts] == [4 * 16 * (4 + 2)] * 2
+    (add,) = [n for n in graph if n.op == "aten.add.Tensor"]
+    assert add.needs_grad and (add.flops, add.bwd_flops) == (64.0, 0.0)
+    pricer = Pricer(a100, (1,), "adamw")
+    bandwidth = a100.device.memory_bandwidth * a100.device.memory_efficiency
+    whole = Strategy(("R",), ("R", "R"))
+    # forward: two inputs read, one output written, 4 bytes each; backward: nothing
+    assert pricer.node_time(add, whole) == pytest.approx(3 * 64 * 4 / bandwidth)
+    # a cast's bytes (of the input, which needs no gradient: no backward), not a view's 0
+    cast = Strategy(("R",), ("R",))
+    assert not casts[0].needs_grad
+    assert pricer.node_time(casts[0], cast) == pytest.approx(384 / bandwidth)
+    assert pricer.forward_time(casts[0], cast) == pytest.approx(384 / bandwidth)
+
+
+def test_a_small_matmul_on_a_gpu_pays_for_whole_tiles(a100: autoplan.Cluster) -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(200, 300)
+            self.second = nn.Linear(300, 300)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x))
+
+    graph = capture(Two(), (torch.randn(130, 200),), nn.functional.mse_loss, torch.randn(130, 300))
+    first, second = [n for n in graph if n.op == "aten.linear.default"]
+    pricer = Pricer(a100, (2,), "adamw")
+    whole = Strategy(("R",), ("R", "R", "R"))
+    # forward: the 130 x 300 result in 2 x 3 tiles of 128 x 128 (output rows x columns)
+    assert pricer.tile_share(first, whole, backward=False) == pytest.approx(130 * 300 / (256 * 384))
+    # backward of the first: the weight's gradient alone (the input needs none), 300 x 200
+    fwd, weight = 130 * 300 / (256 * 384), 300 * 200 / (384 * 256)
+    assert pricer.tile_share(first, whole) == pytest.approx(2 / (1 / fwd + 1 / weight))
+    # the second also makes its input's gradient, 130 x 300; split in two along the batch
+    # (65 rows) and the inner dim (150): a shard's own results
+    split = Strategy(("S(0)",), ("S(0)", "R", "R"))
+    fwd, inp, weight = 65 * 300 / (128 * 384), 65 * 300 / (128 * 384), 300 * 300 / 384**2
+    expected = 3 / (1 / fwd + 1 / inp + 1 / weight)
+    assert pricer.tile_share(second, split) == pytest.approx(expected)
+    partial = Strategy(("P",), ("S(1)", "S(1)", "R"))
+    fwd, inp, weight = 130 * 300 / (256 * 384), 130 * 150 / (256 * 256), 150 * 300 / (256 * 384)
+    assert pricer.tile_share(second, partial) == pytest.approx(3 / (1 / fwd + 1 / inp + 1 / weight))
+    # the compute term pays for it; CPU ranks compute no tiles
+    flops = (second.flops + second.bwd_flops) / 2
+    peak = a100.device.peak_flops["float32"] * a100.device.compute_efficiency
+    assert pricer.node_time(second, split) == pytest.approx(flops / (peak * expected))
+    cpu = Pricer(dataclasses.replace(a100, backend="gloo"), (2,), "adamw")
+    assert cpu.tile_share(second, split) == 1.0

@@ -14,7 +14,12 @@ import pytest
 from autoplan.cluster.hardware import Device, Link
 from autoplan.cluster.mesh import mesh_groups, mesh_shapes
 from autoplan.cluster.model import Cluster
-from autoplan.costmodel.timing import COLLECTIVE_KINDS, collective_time, compute_time
+from autoplan.costmodel.timing import (
+    COLLECTIVE_KINDS,
+    collective_time,
+    compute_time,
+    tile_share,
+)
 from autoplan.errors import ClusterFormatError, MeshShapeError
 
 COSTMODELS = Path(__file__).resolve().parent.parent / "costmodels"
@@ -341,3 +346,16 @@ def test_compute_time_roofline() -> None:
     assert compute_time(cluster, 0, 0, "float32") == 0.0
     with pytest.raises(ValueError):
         compute_time(cluster, -1, 0, "float32")
+    # a quarter of the work useful: 1000 FLOP / (100 FLOP/s * 0.5 * 0.25) = 80 s
+    assert compute_time(cluster, 1000, 10, "float32", 0.25) == pytest.approx(80.0)
+    with pytest.raises(ValueError):
+        compute_time(cluster, 1000, 10, "float32", 0.0)
+
+
+def test_a_matmul_result_is_computed_in_whole_128_x_128_tiles() -> None:
+    assert tile_share(128, 128) == 1.0
+    assert tile_share(4096, 1024) == 1.0
+    # 130 rows take two tiles of 128: 130 / 256 of their work is useful
+    assert tile_share(130, 128) == pytest.approx(130 / 256)
+    assert tile_share(4, 16) == pytest.approx(64 / 128**2)
+    assert tile_share(200, 300) == pytest.approx(200 * 300 / (256 * 384))

@@ -203,7 +203,9 @@ def priced_stage(
     total_flops = flops + backward_flops
     weighted = [n for n in graph if n.kind == NodeKind.OP and n.params and n.needs_grad]
     weight_flops = sum(n.flops for n in weighted)
-    time = step.time_s - extra
+    # a pipeline reduces its gradients after its schedule (`GradientReducer.reduce_now`):
+    # nothing of them hides behind a microbatch's backward
+    time = step.compute_s + step.comm_s - extra
     return SolvedStage(
         start=start,
         stop=stop,

@@ -38,6 +38,7 @@ from autoplan.costmodel.timing import (
     host_overhead,
     redistribute_overhead,
     sync_overhead,
+    tile_share,
     with_overhead,
 )
 from autoplan.graph.ir import Node, TensorInfo, itemsize
@@ -46,16 +47,20 @@ from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
+    P,
     R,
     Spec,
     local_numel,
     redistribute,
     shard_dim,
+    shard_factors,
 )
 from autoplan.strategies.space import Strategy, input_grad
 
 # Optimizer state kept per parameter element, in parameter elements (Adam: exp_avg, exp_avg_sq)
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+# ops whose FLOPs a GPU computes in tensor-core tiles (`tile_share`)
+MATMULS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -121,20 +126,73 @@ class Pricer:
         if node.kind != "op":
             return 0.0
         again = self.recompute.recomputes(node.name)  # its forward runs again in backward
-        if node.is_view:
+        if node.is_view and not node.bytes_moved:  # nothing to do (a cast copies its bytes)
             return with_overhead(self.cluster, 0.0, "view") * (2 if again else 1)
         f = self.split_factor(strategy)
         dtype = node.outputs[0].dtype if node.outputs else "float32"
-        # backward moves about twice the forward's bytes (grad in, grad out, saved input)
-        moved = node.bytes_moved * (3.0 if node.needs_grad else 1.0)
-        seconds = compute_time(self.cluster, (node.flops + node.bwd_flops) / f, moved / f, dtype)
+        # backward moves about twice the forward's bytes (grad in, grad out, saved input);
+        # one that computes nothing (a residual add's, graph/flops.py) moves nothing
+        moved = node.bytes_moved * (3.0 if node.needs_grad and node.bwd_flops else 1.0)
+        useful = self.tile_share(node, strategy)
+        flops = (node.flops + node.bwd_flops) / f
+        seconds = compute_time(self.cluster, flops, moved / f, dtype, useful)
         transcendental = node.transcendental * itemsize(dtype) / f
         activation = activation_time(self.cluster, transcendental, dtype)
         total = with_overhead(self.cluster, seconds + activation, node.op)
-        if again:  # the forward's compute, and half the activation's
-            forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype)
-            total += with_overhead(self.cluster, forward + activation / 2, node.op)
+        if again:
+            total += self.forward_time(node, strategy)
         return total
+
+    def forward_time(self, node: Node, strategy: Strategy) -> float:
+        """Of an op's `node_time`, one forward: its forward's FLOPs and bytes under the
+        roofline and half its transcendental work (0 for parameters and inputs)."""
+        if node.kind != "op":
+            return 0.0
+        if node.is_view and not node.bytes_moved:  # nothing to do (a cast copies its bytes)
+            return with_overhead(self.cluster, 0.0, "view")
+        f = self.split_factor(strategy)
+        dtype = node.outputs[0].dtype if node.outputs else "float32"
+        useful = self.tile_share(node, strategy, backward=False)
+        forward = compute_time(self.cluster, node.flops / f, node.bytes_moved / f, dtype, useful)
+        transcendental = node.transcendental * itemsize(dtype) / f
+        activation = activation_time(self.cluster, transcendental, dtype)
+        return with_overhead(self.cluster, forward + activation / 2, node.op)
+
+    def tile_share(self, node: Node, strategy: Strategy, backward: bool = True) -> float:
+        """Of a matmul's work on a GPU, the share inside its results' tiles
+        (`autoplan.costmodel.timing.tile_share`), weighed by FLOPs: its forward's result
+        (its output shard's rows x columns; a linear's leading dims are its rows) and, in
+        ``backward``, the input's gradient (rows x the inner dim) and the weight's (inner dim
+        x columns); a backward of one matmul makes the weight's where the op reads a
+        parameter, else the input's. 1 for other ops, and on CPU ranks."""
+        name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
+        if self.cluster.backend == "gloo" or name not in MATMULS or len(node.outputs) != 1:
+            return 1.0
+        out = node.output
+        if not node.flops or not out.shape:
+            return 1.0
+        factors = shard_factors(strategy.output, len(out.shape), self.mesh_shape)
+        local = [n // f for n, f in zip(out.shape, factors, strict=True)]
+        rows = local[-2] if name in ("bmm", "baddbmm") else math.prod(local[:-1])
+        cols = local[-1]
+        # the inner dim, split where the output is a partial sum
+        spec = zip(self.mesh_shape, strategy.output, strict=True)
+        partial = math.prod(n for n, p in spec if p == P)
+        inner = max(1, round(node.flops / (2 * out.numel * partial)))
+        shares = [tile_share(rows, cols)]
+        matmuls = round(node.bwd_flops / node.flops) if backward else 0
+        if matmuls >= 2:
+            shares += [tile_share(rows, inner), tile_share(inner, cols)]
+        elif matmuls == 1:
+            shares.append(tile_share(inner, cols) if node.params else tile_share(rows, inner))
+        return len(shares) / sum(1 / s for s in shares)
+
+    def backward_time(self, node: Node, strategy: Strategy) -> float:
+        """Of an op's `node_time`, what runs in backward: its gradients and, recomputed, its
+        forward again (0 for parameters, whose update runs after backward)."""
+        if node.kind != "op" or not node.needs_grad:
+            return 0.0
+        return max(0.0, self.node_time(node, strategy) - self.forward_time(node, strategy))
 
     def host_time(self, node: Node) -> float:
         """On GPUs, the host's work to issue ``node`` (`host_overhead`; 0 on CPU ranks, where

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autoplan.costmodel.overlap import AsyncReduction, backward_timeline, hidden_s
 from autoplan.costmodel.peak import peak_bytes
 from autoplan.costmodel.pricer import Phased, Pricer
 from autoplan.graph.ir import Graph
@@ -42,6 +43,9 @@ class StepRest:
     host_s: float = 0.0  # compute: the host issuing ops past the device's compute (GPUs)
     waits_s: float = 0.0  # communication: the waits for the ranks' skew (`Pricer.sync_s`)
     gradients_s: float = 0.0  # communication: the gradient buckets and syncs, once per step
+    # of gradients_s, what runs while backward computes (`autoplan.costmodel.overlap`): the
+    # step's time leaves it out
+    hidden_s: float = 0.0
     transient_bytes: float = 0.0  # memory: the largest recomputed layer's, in its backward
     # memory, subtracted: what the ops' sum counts that the step never holds at once (the
     # gradients not yet made while backward's tensors are kept; `autoplan.costmodel.peak`)
@@ -64,8 +68,9 @@ class PricedStep:
 
     @property
     def time_s(self) -> float:
-        """The step's time: its compute, then its communication."""
-        return self.compute_s + self.comm_s
+        """The step's time: its compute and its communication, less the gradient
+        synchronization that backward hides (`StepRest.hidden_s`)."""
+        return self.compute_s + self.comm_s - self.rest.hidden_s
 
     @property
     def peak_bytes(self) -> float:
@@ -89,7 +94,9 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     placement. The step waits for the ranks' skew (`Pricer.sync_s`) once per op whose inputs
     are redistributed, once per tensor whose gradient is, and once for the parameters'
     gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
-    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes.
+    issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes, and the
+    gradients' reductions run while the rest of backward computes, as the executor issues
+    them (`autoplan.costmodel.overlap`; not on CPU ranks, whose cores do both).
 
     Recomputed ops (`Pricer.recompute`) keep only the outputs that leave their layer; the
     others are alive only while their layer's backward runs, so the step holds those of its
@@ -97,6 +104,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     to need them are issued again in backward (phase "recompute")."""
     compute = memory = comm = host = 0.0
     recompute = pricer.recompute
+    backward: dict[str, float] = {}  # by node: its backward, with the collectives it blocks on
     # by node: [compute, communication, memory]
     shares: dict[str, list[float]] = {n.name: [0.0, 0.0, 0.0] for n in graph}
     dropped: dict[int, float] = defaultdict(float)  # by recomputed layer
@@ -108,6 +116,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         share = shares[node.name]
         share[0] = pricer.node_time(node, s)
         compute += share[0]
+        backward[node.name] = pricer.backward_time(node, s)
         host += pricer.host_time(node)
         if recompute.drops(node.name):
             dropped[recompute.layer_of[node.name]] += pricer.activation_memory(node, s)
@@ -128,6 +137,12 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
                 needs[key] = (node.name, i, grad)
     syncs: dict[str, list[tuple[str, GradientSync]]] = defaultdict(list)  # in first-use order
     waits: set[tuple[str, str]] = set()  # where the step blocks: (phase, op or tensor)
+
+    def blocks(user: str, seconds: float, wait: tuple[str, str]) -> None:
+        """``seconds`` of collectives that ``user``'s backward waits for."""
+        backward[user] += seconds + (pricer.sync_s if wait not in waits else 0.0)
+        waits.add(wait)
+
     for (name, index, _), (user, i, grad) in needs.items():
         producer, tensor = graph.node(name), graph.node(name).outputs[index]
         seconds, fwd = pricer.forward(tensor, assignment[name], assignment[user], i)
@@ -140,7 +155,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
                 comm += seconds
                 shares[user][1] += seconds
                 found += [(user, name, Phased(c, Phase.RECOMPUTE)) for c in fwd]
-                waits.add(("recompute", user))
+                blocks(user, seconds, ("recompute", user))
         if grad is None:
             continue
         seconds, bwd = pricer.gradient(tensor, grad, assignment[name])
@@ -151,21 +166,32 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         shares[user][1] += seconds
         found += [(user, name, Phased(c, Phase.BACKWARD)) for c in bwd]
         if bwd:
-            waits.add(("backward", name))
+            blocks(user, seconds, ("backward", name))
     # a gradient reduced once, by all-reduces alone, goes into a bucket; the others (ZeRO's
     # reduce-scatters, a parameter used in several placements) are reduced one by one
     bucketed: list[GradientSync] = []
     gradients: list[tuple[str, str, Phased]] = []
+    ends = backward_timeline([n.name for n in graph], backward)
+    issued: list[AsyncReduction] = []  # the reductions as backward issues them
     for name, entries in syncs.items():
         if len(entries) == 1 and entries[0][1].bucket_axes is not None:
             bucketed.append(entries[0][1])
             continue
         for user, sync in entries:
-            gradients += [(user, name, Phased(c, Phase.GRAD_SYNC)) for c in sync.collectives]
+            own = [Phased(c, Phase.GRAD_SYNC) for c in sync.collectives]
+            gradients += [(user, name, p) for p in own]
+            issued.append(AsyncReduction(ends[user], sum(pricer.phased_s(p) for p in own)))
+    ready = 0.0  # a bucket is issued once its gradients are in and the earlier buckets issued
     for i, bucket in enumerate(make_buckets(bucketed[::-1])):
         phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
+        ready = max([ready, *(ends[syncs[p][0][0]] for p in bucket.params)])
+        issued.append(AsyncReduction(ready, pricer.phased_s(phased)))
     synced = pricer.gradients_s([p for _, _, p in gradients])
+    hidden = 0.0
+    if pricer.cluster.backend != "gloo" and graph.nodes:
+        issued.sort(key=lambda c: c.ready_s)  # stable: buckets in plan order
+        hidden = hidden_s(ends[graph.nodes[0].name], issued)
     comm += synced
     found += gradients
     comm += len(waits) * pricer.sync_s
@@ -176,6 +202,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         max(0.0, host - compute),
         len(waits) * pricer.sync_s,
         synced,
+        hidden,
         transient,
         memory + transient - held,
     )

@@ -19,6 +19,13 @@ Measured: each of the two terms separately takes the `matmul` curve (seconds of 
 the `elementwise` curve (seconds of x bytes moved) of the same dtype (after that fallback)
 when x lies inside it, so t = max(matmul(flops), elementwise(bytes_moved)).
 
+Tile quantization (`tile_share`). A GPU's matmul computes its result in whole tiles of
+`TILE` x `TILE` elements, so a result of 130 rows costs as much as one of 256: the compute
+term divides by the share of the tiles' work that falls inside the result (`useful`, from
+`autoplan.costmodel.pricer.Pricer.tile_share`; 1 for everything but matmuls, and on CPU
+ranks, which do not compute in tensor-core tiles). A measured matmul curve, where it covers
+the size, is read as it is: it measured square matmuls, whose tiles are full.
+
 Transcendental work (`activation_time`). An op that evaluates a transcendental function per
 element (GELU, softmax, attention's scores; `autoplan.graph.flops.transcendental`) adds the
 measured time of GELU's forward and backward over that many elements (the `activation` curve, x
@@ -76,27 +83,46 @@ __all__ = [
     "op_overhead_s",
     "redistribute_overhead",
     "sync_overhead",
+    "tile_share",
     "with_overhead",
 ]
 
+# A tensor-core GEMM's output tile, rows and columns: NVIDIA's "Matrix Multiplication
+# Background" guide (docs.nvidia.com/deeplearning/performance) names cuBLAS's tiles 256x128,
+# 128x128, 64x128 and 64x64 and picks large ones for large results; 128 is their middle
+TILE = 128
 
-def compute_time(cluster: Cluster, flops: float, bytes_moved: float, dtype: str) -> float:
+
+def compute_time(
+    cluster: Cluster, flops: float, bytes_moved: float, dtype: str, useful: float = 1.0
+) -> float:
     """Roofline time (s) of one operator on one device of `cluster`: the larger of its
     compute-bound time for `flops` at `dtype` and its memory-bound time for `bytes_moved`,
-    each from the measured curve where it covers the size, else from the constants."""
-    if flops < 0 or bytes_moved < 0:
+    each from the measured curve where it covers the size, else from the constants; of the
+    constants' compute time, only the share ``useful`` does work (a matmul's `tile_share`)."""
+    if flops < 0 or bytes_moved < 0 or not 0 < useful <= 1:
         raise ValueError(
-            f"flops and bytes_moved must be >= 0, got flops={flops!r}, bytes_moved={bytes_moved!r}"
+            f"flops and bytes_moved must be >= 0 and useful in (0, 1], got flops={flops!r}, "
+            f"bytes_moved={bytes_moved!r}, useful={useful!r}"
         )
     device = cluster.device
     key = cluster.dtype_key(dtype)
-    compute_s = flops / (device.peak_flops[key] * device.compute_efficiency)
+    compute_s = flops / (device.peak_flops[key] * device.compute_efficiency * useful)
     memory_s = bytes_moved / (device.memory_bandwidth * device.memory_efficiency)
     curves = cluster.curves
     return max(
         _measured_or(curves.matmul.get(key), flops, compute_s),
         _measured_or(curves.elementwise.get(key), bytes_moved, memory_s),
     )
+
+
+def tile_share(rows: int, cols: int) -> float:
+    """Of a GPU matmul's work on whole `TILE` x `TILE` tiles, the share inside a result of
+    ``rows`` x ``cols``."""
+    if rows < 1 or cols < 1:
+        return 1.0
+    padded = -(-rows // TILE) * TILE * (-(-cols // TILE) * TILE)
+    return rows * cols / padded
 
 
 def activation_time(cluster: Cluster, nbytes: float, dtype: str) -> float:

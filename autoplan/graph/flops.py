@@ -3,7 +3,9 @@
 Matrix-like ops count 2 FLOPs per multiply-add; their backward computes the gradient of each
 differentiable input, each costing about the forward. Everything else is counted as one FLOP
 per output element (forward and backward), which only matters through the roofline's
-memory-bound term anyway.
+memory-bound term anyway; but an add of tensors of its output's shape and dtype (a residual
+add) does nothing in backward, which passes the gradient on unchanged (the cost model prices
+an op with no backward FLOPs as moving no bytes in backward).
 
 Ops that evaluate a transcendental function per element (GELU's erf, SiLU's and softmax's exp)
 are compute-bound where the roofline's one FLOP per element says memory-bound: by hand, GELU's
@@ -48,6 +50,11 @@ def op_flops(
         # per output element: one multiply-add per (in_channels/groups * kernel) weight
         fwd = 2.0 * out_numel * _prod(inputs[1].shape[1:])
         return fwd, fwd * (grads[0] + grads[1])
+    if name == "add" and all(
+        i.shape == o.shape and i.dtype == o.dtype for i in inputs for o in outputs
+    ):
+        # a residual add's backward hands its output's gradient on to both inputs as it is
+        return float(out_numel), 0.0
     return float(out_numel), float(out_numel) if any(grads) else 0.0
 
 

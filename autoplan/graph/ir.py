@@ -82,7 +82,8 @@ class Node:
     target: str  # parameter/buffer FQN of a param, user input name of an input, else ""
     params: tuple[str, ...]  # FQNs of the parameters and buffers this op reads directly
     needs_grad: bool  # a gradient flows to this node's output in backward
-    is_view: bool  # the output aliases an input (no new memory, no compute)
+    # the output aliases an input: no new memory, no compute (but a cast's, `bytes_moved`)
+    is_view: bool
     # elements through which the forward evaluates a transcendental function (graph/flops.py)
     transcendental: float = 0.0
     # of an op: the outputs backward keeps, saved by it or by an op that reads them (views

@@ -345,11 +345,17 @@ def summary(plan: Plan) -> str:
             f"  ({sum(buckets.values())} gradients all-reduced in {len(buckets)} bucket(s), "
             f"up to {fmt_bytes(BUCKET_BYTES)} each, the first {fmt_bytes(FIRST_BUCKET_BYTES)})"
         )
+    # one stage: the gradients' reductions that backward hides (`costmodel.overlap`)
+    hidden = pr.compute_s + pr.comm_s - pr.step_time_s
     out += [
         "",
         f"predicted step time: {fmt_time(pr.step_time_s)}  (compute {fmt_time(pr.compute_s)}, "
         f"communication {fmt_time(pr.comm_s)}"
-        + ("; no overlap assumed)" if plan.pipeline is None else " per microbatch, all stages)"),
+        + (
+            f"; {fmt_time(max(0.0, hidden))} of it hidden behind backward)"
+            if plan.pipeline is None
+            else " per microbatch, all stages)"
+        ),
         f"predicted memory per device: {fmt_bytes(pr.peak_memory_bytes)} of "
         f"{fmt_bytes(pr.memory_limit_bytes)} allowed",
         f"solver: {so.status}, {so.num_groups} decision groups, {so.num_variables} variables, "

@@ -1,0 +1,61 @@
+"""The gradients' reductions that backward hides, as the executor issues them."""
+
+from __future__ import annotations
+
+import pytest
+
+import autoplan
+from autoplan.costmodel.overlap import AsyncReduction, backward_timeline, hidden_s
+from autoplan.costmodel.pricer import Pricer
+from autoplan.costmodel.step_price import PricedStep
+from autoplan.estimate import price_stages_ops
+from autoplan.graph.capture import capture_microbatches
+from tests.conftest import example
+
+
+def test_backward_runs_the_graph_reversed() -> None:
+    ends = backward_timeline(["a", "b", "c"], {"a": 1.0, "b": 2.0, "c": 4.0})
+    assert ends == {"c": 4.0, "b": 6.0, "a": 7.0}
+
+
+def test_collectives_run_one_after_another_and_only_what_outlasts_backward_shows() -> None:
+    # ends at 2 + 3 = 5, then max(5, 4) + 1 = 6, then max(6, 9) + 5 = 14: 4 s past backward
+    issued = [AsyncReduction(2.0, 3.0), AsyncReduction(4.0, 1.0), AsyncReduction(9.0, 5.0)]
+    assert hidden_s(10.0, issued) == pytest.approx(9.0 - 4.0)
+    # queued behind the first: 6, then 11
+    queued = [AsyncReduction(1.0, 5.0), AsyncReduction(2.0, 5.0)]
+    assert hidden_s(10.0, queued) == pytest.approx(9.0)
+    assert hidden_s(10.0, [AsyncReduction(10.0, 2.0)]) == 0.0  # ready as backward ends
+    assert hidden_s(10.0, []) == 0.0
+
+
+def _dp_step(cluster: autoplan.Cluster) -> tuple[PricedStep, Pricer]:
+    w = example("mlp", batch_size=4096, hidden=2048)
+    plan = w.baseline(cluster, dp=8, tp=1)
+    graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    (step,) = price_stages_ops(plan, graph_for, cluster)
+    return step, Pricer(cluster, plan.mesh.shape, "adamw")
+
+
+def test_a_data_parallel_step_on_gpus_hides_all_but_its_last_buckets(
+    a100: autoplan.Cluster,
+) -> None:
+    step, pricer = _dp_step(a100)
+    buckets = [p for _, _, p in step.collectives if p.params]
+    assert len(buckets) > 2  # 16 MB weights: several 25 MB buckets
+    rest = step.rest
+    assert 0.0 < rest.hidden_s < rest.gradients_s
+    assert step.time_s == pytest.approx(step.compute_s + step.comm_s - rest.hidden_s)
+    # the last bucket holds the first layer's weight, whose gradient backward makes last
+    # (its first user, a transpose, does nothing in backward on a GPU): none of it is hidden
+    exposed = rest.gradients_s - rest.hidden_s
+    assert exposed >= pricer.phased_s(buckets[-1]) * (1 - 1e-9)
+    # and an earlier bucket is: each runs while the layers below compute their gradients
+    assert exposed < rest.gradients_s - pricer.phased_s(buckets[0])
+
+
+def test_cpu_ranks_hide_nothing(cpu4: autoplan.Cluster) -> None:
+    step, _ = _dp_step(cpu4.with_nodes(2))
+    assert step.rest.gradients_s > 0.0
+    assert step.rest.hidden_s == 0.0
+    assert step.time_s == step.compute_s + step.comm_s
