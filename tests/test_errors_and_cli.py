@@ -16,7 +16,7 @@ import torch
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import failure
+from autoplan.cli import failure, launch
 from autoplan.cli.launch import _Stderr
 from autoplan.cli.main import main
 from autoplan.errors import (
@@ -263,6 +263,29 @@ def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None
     stalled = "E1127 api.py:882] failed (exitcode: 124) local_rank: 0 (pid: 7) of binary: x\n"
     text, _ = failure.summary(tmp_path, 1, stalled, verbose=False)
     assert "local rank 0 was ended by the watchdog (exit code 124; its message is above)" in text
+
+
+@pytest.mark.parametrize("given", [None, "7"])
+def test_ranks_share_one_string_hash_seed(
+    given: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank traces alike: a model that iterates a set of strings while tracing orders
+    its ops by the string hash (transformers' beam did: ranks traced other graphs than the
+    plan's), so the ranks get one seed; a seed the user gave is kept."""
+    if given is None:
+        monkeypatch.delenv(launch.HASH_SEED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.HASH_SEED_ENV, given)
+    envs: list[dict[str, str]] = []
+    popen = subprocess.Popen
+
+    def started(cmd: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen[bytes]:
+        envs.append(env)  # instead of torchrun, a process that ends at once
+        return popen([sys.executable, "-c", "pass"], env=env, stderr=stderr)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", started)
+    assert launch.torchrun(["run", "w.py"], 4) == 0
+    assert [e[launch.HASH_SEED_ENV] for e in envs] == [given or "0"]
 
 
 def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes]) -> None:
