@@ -140,6 +140,8 @@ def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "aten.to.dtype" in targets  # the casts stay: they change the values' dtype
     assert not [t for t in targets if "_assert" in t]  # their metadata checks do not
+    # nor does the Python assert on values, nor the ops only it read
+    assert targets[0] == "aten.linear.default" and "aten.item.default" not in targets
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
     assert not [n for n in graph if n.kind == NodeKind.OP and "_assert" in n.op]
     constants = [n for n in graph if n.kind == NodeKind.PARAM and "lifted_tensor" in n.target]
