@@ -351,6 +351,36 @@ def test_autoplan_run_reports_a_failure_after_the_start_once(tmp_path: Path) -> 
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
+REFERENCE_DIFFERS = """import os
+from examples.mlp import workload as mlp
+
+def workload(**options):
+    seed = int(os.environ.get("LOADED", "0"))
+    if "RANK" in os.environ:  # loaded again on rank 0 for the check: another start
+        os.environ["LOADED"] = "1"
+    return mlp(seed=seed, **options)
+"""
+
+
+def test_a_run_that_differs_from_one_process_is_told_once(tmp_path: Path) -> None:
+    """A failed ``--check`` is the job's error, told in one block with what to do (it used to
+    end as "failed without an error from any rank")."""
+    (tmp_path / "differs.py").write_text(REFERENCE_DIFFERS)
+    argv = [sys.executable, "-m", "autoplan.cli", "run", str(tmp_path / "differs.py")]
+    argv += ["--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"), "--nproc", "2"]
+    argv += ["--mesh", "2", "--steps", "2", "--check"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(r"^check against one process: .*: FAILED$", proc.stdout, re.MULTILINE)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == (
+        "autoplan: error on rank 0 after step 2 (saving its checkpoint, or checking the run):"
+    ), proc.stderr
+    assert lines[1].startswith("  check against one process: ") and "--lr 0.0001" in lines[1]
+    assert len(lines) == 2 and "without an error from any rank" not in proc.stderr
+
+
 class _LossAndLogits(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

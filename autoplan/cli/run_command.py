@@ -22,7 +22,7 @@ from autoplan.cli.elastic import ONE_NODE, may_restart, nodes, plan_for_world
 from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, CheckError
 from autoplan.execute.checkpoint import check_writable, latest
 from autoplan.graph.capture import capture_microbatches, export_step
 from autoplan.graph.convert import graph_from_export
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rank0 and done:
         assert step.plan is not None
         print("\n".join(["", *summarize(done, step.plan, peak).lines()]), flush=True)
-    code = 0
+    differs = None
     if args.check:
         state = step.state_dict()  # gathers on every rank
         if rank0:
@@ -348,7 +348,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             found = compare(
                 losses, state, (ref_losses[start:], ref_state), initial, precision is not None
             )
-            code = 0 if found.ok else 1
-            print(found)
+            print(found, flush=True)
+            differs = None if found.ok else found
     dist.destroy_process_group()
-    return code
+    if differs is not None:  # told once, as every rank's error is (`autoplan.cli.failure`)
+        raise CheckError(
+            f"{differs}. A model that draws random numbers in training (dropout, drop path) "
+            "draws otherwise on more processes, and Adam moves a weight whose gradient is near "
+            f"zero by a full step either way, so at --lr {args.lr:g} rounding alone may move it "
+            "that far: check with those probabilities 0 or a smaller --lr; if neither explains "
+            "it, please report it"
+        )
+    return 0
