@@ -46,3 +46,7 @@ class BatchSplitError(AutoplanError):
 class CheckpointError(AutoplanError):
     """A checkpoint folder cannot be written, or a checkpoint is missing, damaged or another
     model's."""
+
+
+class CheckError(AutoplanError):
+    """A run checked against one process (``autoplan run --check``) trained otherwise."""

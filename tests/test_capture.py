@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +104,46 @@ def test_untraceable_model_names_the_user_line(cpu4: autoplan.Cluster) -> None:
     assert "torch.where" in message  # says what to do
 
 
+PACKAGED = """import torch
+from torch import nn
+
+
+def padding_mask(ids):
+    mask = ids.eq(0)
+    if not mask.any():  # as FSMT's make_padding_mask
+        mask = None
+    return mask
+
+
+class Packaged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+
+    def forward(self, ids):
+        mask = padding_mask(ids)
+        return self.embed(ids).sum() if mask is None else self.embed(ids * mask).sum()
+"""
+
+
+def test_a_packaged_model_is_refused_at_its_own_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model from an installed package (transformers') has no line in the user's files: the
+    refusal names the innermost line of the model's own folder, not torch's generated code."""
+    source = tmp_path / "site-packages" / "vendor" / "modeling.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(PACKAGED)
+    spec = importlib.util.spec_from_file_location("vendor_modeling", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vendor_modeling", module)
+    spec.loader.exec_module(module)
+    with pytest.raises(TraceError) as info:
+        capture(module.Packaged(), (torch.randint(1, 8, (2, 3)),))
+    assert f"could not trace Packaged at {source}:7 (`if not mask.any():" in str(info.value)
+
+
 def test_loss_without_target_is_a_clear_error(cpu4: autoplan.Cluster) -> None:
     w = example("mlp")
     with pytest.raises(TraceError, match="example_target"):
@@ -143,6 +186,8 @@ def test_export_checks_are_not_ops_and_constants_are_inputs() -> None:
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert "aten.to.dtype" in targets  # the casts stay: they change the values' dtype
     assert not [t for t in targets if "_assert" in t]  # their metadata checks do not
+    # nor does the Python assert on values, nor the ops only it read
+    assert targets[0] == "aten.linear.default" and "aten.item.default" not in targets
     graph = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
     assert not [n for n in graph if n.kind == NodeKind.OP and "_assert" in n.op]
     constants = [n for n in graph if n.kind == NodeKind.PARAM and "lifted_tensor" in n.target]

@@ -16,7 +16,7 @@ import torch
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.cli import failure
+from autoplan.cli import failure, launch
 from autoplan.cli.launch import _Stderr
 from autoplan.cli.main import main
 from autoplan.errors import (
@@ -265,6 +265,29 @@ def test_a_rank_killed_is_told_from_torchruns_exit_codes(tmp_path: Path) -> None
     assert "local rank 0 was ended by the watchdog (exit code 124; its message is above)" in text
 
 
+@pytest.mark.parametrize("given", [None, "7"])
+def test_ranks_share_one_string_hash_seed(
+    given: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank traces alike: a model that iterates a set of strings while tracing orders
+    its ops by the string hash (transformers' beam did: ranks traced other graphs than the
+    plan's), so the ranks get one seed; a seed the user gave is kept."""
+    if given is None:
+        monkeypatch.delenv(launch.HASH_SEED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.HASH_SEED_ENV, given)
+    envs: list[dict[str, str]] = []
+    popen = subprocess.Popen
+
+    def started(cmd: list[str], env: dict[str, str], stderr: int) -> subprocess.Popen[bytes]:
+        envs.append(env)  # instead of torchrun, a process that ends at once
+        return popen([sys.executable, "-c", "pass"], env=env, stderr=stderr)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", started)
+    assert launch.torchrun(["run", "w.py"], 4) == 0
+    assert [e[launch.HASH_SEED_ENV] for e in envs] == [given or "0"]
+
+
 def test_torchruns_report_is_held_back(capsysbinary: pytest.CaptureFixture[bytes]) -> None:
     stderr = _Stderr()
     stderr.feed(b"12:00:01 a rank's warning\n[#---] 10% ILP 1/9\r")
@@ -326,6 +349,36 @@ def test_autoplan_run_reports_a_failure_after_the_start_once(tmp_path: Path) -> 
     ), proc.stderr
     assert len(lines) == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+REFERENCE_DIFFERS = """import os
+from examples.mlp import workload as mlp
+
+def workload(**options):
+    seed = int(os.environ.get("LOADED", "0"))
+    if "RANK" in os.environ:  # loaded again on rank 0 for the check: another start
+        os.environ["LOADED"] = "1"
+    return mlp(seed=seed, **options)
+"""
+
+
+def test_a_run_that_differs_from_one_process_is_told_once(tmp_path: Path) -> None:
+    """A failed ``--check`` is the job's error, told in one block with what to do (it used to
+    end as "failed without an error from any rank")."""
+    (tmp_path / "differs.py").write_text(REFERENCE_DIFFERS)
+    argv = [sys.executable, "-m", "autoplan.cli", "run", str(tmp_path / "differs.py")]
+    argv += ["--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"), "--nproc", "2"]
+    argv += ["--mesh", "2", "--steps", "2", "--check"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(r"^check against one process: .*: FAILED$", proc.stdout, re.MULTILINE)
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == (
+        "autoplan: error on rank 0 after step 2 (saving its checkpoint, or checking the run):"
+    ), proc.stderr
+    assert lines[1].startswith("  check against one process: ") and "--lr 0.0001" in lines[1]
+    assert len(lines) == 2 and "without an error from any rank" not in proc.stderr
 
 
 class _LossAndLogits(torch.nn.Module):

@@ -9,8 +9,17 @@ import pytest
 
 import autoplan
 from autoplan.cli.progress_line import StepLine
+from autoplan.options import TrainOptions
 from autoplan.planfile.sections import Predicted
-from autoplan.training import StepRecord, compute_dtype, mfu, summarize
+from autoplan.training import (
+    Comparison,
+    StepRecord,
+    compute_dtype,
+    float32_rounding,
+    mfu,
+    one_process,
+    summarize,
+)
 from tests.conftest import example, plan_example
 
 
@@ -85,3 +94,30 @@ def test_step_line_redraws_one_line_on_a_terminal(capsys: pytest.CaptureFixture[
     assert out.count("\n") == 1 and out.endswith("\n")
     assert out.startswith("\r[#####...............] step 1/4")
     assert f"\r[##########..........] {_records([0.012, 0.010])[1].line(4)}\x1b[K\n" in out
+
+
+def test_the_check_allows_what_float32_rounding_alone_makes() -> None:
+    """cpmant's 4 ranks against one process (`autoplan run --check`): past 1e-5, but within
+    twice how far one process in float32 is from one in float64 (measured: 7.7e-5, 2.0e-4)."""
+    plain = Comparison(3.81e-6, 9.63e-5, mixed=False)
+    assert not plain.ok and "(tolerance 1e-5): FAILED" in str(plain)
+    rounded = dataclasses.replace(plain, rounding=(7.7e-5, 2.0e-4))
+    assert rounded.ok and rounded.tolerances == (1.54e-4, 4e-4)
+    assert "largest parameter difference 9.63e-05 (tolerance 4.0e-04: twice" in str(rounded)
+    assert not dataclasses.replace(plain, param=5e-4, rounding=(7.7e-5, 2.0e-4)).ok
+    # rounding under 5e-6 leaves the tolerance at 1e-5
+    assert dataclasses.replace(plain, rounding=(1e-7, 2e-6)).tolerances == (1e-5, 1e-5)
+
+
+def test_float32_rounding_is_measured_against_float64() -> None:
+    from tests.models import dropout
+
+    w = example("mlp", batch_size=8, hidden=8)
+    sgd = TrainOptions(optimizer_options={"lr": 1e-2})
+    reference = one_process(lambda: w, 3, "sgd", sgd)
+    found = float32_rounding(lambda: w, 3, "sgd", sgd, reference)
+    assert found is not None and 0 < max(found) < 1e-6  # a plain MLP: float32's own digits
+    # a model that draws random numbers draws others in float64: no measure of rounding
+    random = dropout.workload(batch_size=8, hidden=8, p=0.5)
+    reference = one_process(lambda: random, 2, "sgd", sgd)
+    assert float32_rounding(lambda: random, 2, "sgd", sgd, reference) is None

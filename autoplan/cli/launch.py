@@ -18,6 +18,8 @@ from autoplan.errors import AutoplanError
 
 log = logging.getLogger(__name__)
 
+HASH_SEED_ENV = "PYTHONHASHSEED"  # the ranks' string hash seed, the same on every rank
+
 
 def torchrun(
     argv: Sequence[str],
@@ -45,6 +47,10 @@ def torchrun(
         if a not in ours and prev not in ours and a.partition("=")[0] not in ours
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Every rank traces the model and must get the graph the plan was made for. A model that
+    # iterates a set of strings while tracing (transformers' attention-mask kinds) orders its
+    # ops by the string hash, which differs from process to process unless the seed is fixed.
+    env.setdefault(HASH_SEED_ENV, "0")
     if nodes == ONE_NODE and rdzv_endpoint is None:
         where = ["--standalone"]
     elif rdzv_endpoint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -22,7 +23,7 @@ from autoplan.cli.elastic import ONE_NODE, may_restart, nodes, plan_for_world
 from autoplan.cli.launch import torchrun
 from autoplan.cli.progress_line import ProgressLine, StepLine
 from autoplan.cluster.model import Cluster
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, CheckError
 from autoplan.execute.checkpoint import check_writable, latest
 from autoplan.graph.capture import capture_microbatches, export_step
 from autoplan.graph.convert import graph_from_export
@@ -35,6 +36,7 @@ from autoplan.training import (
     Checkpointing,
     StepRecord,
     compare,
+    float32_rounding,
     one_process,
     summarize,
     train,
@@ -73,8 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--check",
         action="store_true",
         help=(
-            "train the same steps in one process and compare losses and parameters (1e-5; "
-            "in mixed precision against autocast, within bf16's reach: see docs/mixed-precision.md)"
+            "train the same steps in one process and compare losses and parameters (1e-5, or "
+            "twice what float32 rounding alone moves one process from float64 where more; in "
+            "mixed precision against autocast, within bf16's reach: see docs/mixed-precision.md)"
         ),
     )
     r.add_argument(
@@ -331,24 +334,33 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if rank0 and done:
         assert step.plan is not None
         print("\n".join(["", *summarize(done, step.plan, peak).lines()]), flush=True)
-    code = 0
+    differs = None
     if args.check:
         state = step.state_dict()  # gathers on every rank
         if rank0:
             assert step.plan is not None
             precision = step.plan.mixed_precision
-            ref_losses, ref_state = one_process(
-                lambda: load_workload(args.workload, **options),
-                args.steps,
-                planning.optimizer,
-                training,
-                precision,
-            )
+            make = functools.partial(load_workload, args.workload, **options)
+            reference = one_process(make, args.steps, planning.optimizer, training, precision)
+            ref_losses, ref_state = reference
             initial = load_workload(args.workload, **options).model.state_dict()
             found = compare(
                 losses, state, (ref_losses[start:], ref_state), initial, precision is not None
             )
-            code = 0 if found.ok else 1
-            print(found)
+            if not found.ok and precision is None:  # within what rounding alone makes?
+                rounding = float32_rounding(
+                    make, args.steps, planning.optimizer, training, reference
+                )
+                found = dataclasses.replace(found, rounding=rounding)
+            print(found, flush=True)
+            differs = None if found.ok else found
     dist.destroy_process_group()
-    return code
+    if differs is not None:  # told once, as every rank's error is (`autoplan.cli.failure`)
+        raise CheckError(
+            f"{differs}. A model that draws random numbers in training (dropout, drop path) "
+            "draws otherwise on more processes, and Adam moves a weight whose gradient is near "
+            f"zero by a full step either way, so at --lr {args.lr:g} rounding alone may move it "
+            "that far: check with those probabilities 0 or a smaller --lr; if neither explains "
+            "it, please report it"
+        )
+    return 0

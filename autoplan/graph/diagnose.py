@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -42,14 +43,19 @@ def _described(args: tuple[Any, ...]) -> str:
     return ", ".join(one(a) for a in args)
 
 
-def _user_line(frames: Sequence[tuple[str, int, str]]) -> str:
-    """Where the innermost of ``frames`` (file, line number, code) in the user's code (not
-    torch's, autoplan's or another package's) is, as " at file:line (`code`)"; "" if none is."""
+def _user_line(frames: Sequence[tuple[str, int, str]], model: nn.Module) -> str:
+    """Where the innermost of ``frames`` (file, line number, code) in the user's code is, as
+    " at file:line (`code`)"; "" if none is. The user's code: their own files (not torch's,
+    autoplan's, another package's, nor code generated at run time, "<string>"); for a model
+    from a package (transformers'), the files of the model's own folder."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(os.path.dirname(__file__))
-    user = [
-        f for f in frames if not f[0].startswith((torch_dir, here)) and "site-packages" not in f[0]
-    ]
+    real = [f for f in frames if not f[0].startswith((torch_dir, here, "<"))]
+    user = [f for f in real if "site-packages" not in f[0]]
+    if not user:
+        source = getattr(sys.modules.get(type(model).__module__), "__file__", None)
+        folder = os.path.dirname(source or "")
+        user = [f for f in real if folder and os.path.dirname(f[0]) == folder]
     if not user:
         return ""
     filename, lineno, code = user[-1]
@@ -77,7 +83,7 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
     else:
         hint = _inputs_hint(args)
     return (
-        f"could not trace {type(model).__name__}{_user_line(frames)}: {type(e).__name__}: "
+        f"could not trace {type(model).__name__}{_user_line(frames, model)}: {type(e).__name__}: "
         f"{first_line}. {hint}"
     )
 
@@ -100,8 +106,8 @@ def refuse_float_indices(ep: ExportedProgram, model: nn.Module, args: tuple[Any,
         module = module_path(node)
         op = f"{module} ({node.target})" if module else str(node.target)
         raise TraceError(
-            f"could not trace {type(model).__name__}{_user_line(frames)}: {op} takes integer "
-            f"{name} (Long, Int), got {dtype}. {_inputs_hint(args)}"
+            f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} takes "
+            f"integer {name} (Long, Int), got {dtype}. {_inputs_hint(args)}"
         )
 
 
@@ -160,7 +166,7 @@ def refuse_mixed_dtypes(ep: ExportedProgram, model: nn.Module, args: tuple[Any, 
         op = f"{module} ({node.target})" if module else str(node.target)
         got = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for v in tensors)
         raise TraceError(
-            f"could not trace {type(model).__name__}{_user_line(frames)}: {op} computes on "
+            f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} computes on "
             f"tensors of one dtype, got {got}. {_inputs_hint(args)}"
         )
 

@@ -170,12 +170,15 @@ def _is_check(node: torch.fx.Node) -> bool:
 
 
 def drop_checks(ep: ExportedProgram) -> None:
-    """Remove the checks from the exported graph: they carry no data to place or shard, and
-    DTensor has no rule to run them on sharded tensors. Planner and executor both read this
-    graph, so neither sees them."""
+    """Remove the checks from the exported graph, and every op whose result nothing reads
+    and that has no effect (what only a check read; what a Python ``assert
+    x.max().item() <= n`` in forward leaves: ``max``, ``item``, ``le`` on the symbolic
+    scalar): they carry no data to place or shard, and DTensor has no rule to run them on
+    sharded tensors. Planner and executor both read this graph, so neither sees them. Ops
+    that mutate or draw random numbers stay (torch.fx's `Node.is_impure`)."""
     graph = ep.graph_module.graph
     checks = [n for n in graph.nodes if _is_check(n)]
     for node in checks:
         graph.erase_node(node)
-    if checks:
+    if graph.eliminate_dead_code() or checks:
         ep.graph_module.recompile()

@@ -49,7 +49,10 @@ class Provenance:
         return (
             f"the plan was made for another model, input shapes or set of frozen parameters "
             f"(graph fingerprint {self.graph_fingerprint}, this one {fingerprint}); plan again "
-            "for this model"
+            "for this model. If the model did not change, it traces to another graph in each "
+            "process: a model that iterates a set of strings while tracing orders its ops by "
+            "the string hash; give every process that plans or trains the same PYTHONHASHSEED "
+            "(`autoplan run` gives its ranks 0)"
         )
 
 

@@ -1,6 +1,7 @@
 """What models from the wild do that our examples do not: dtype casts (each one leaves a
-metadata check in the exported graph), a tensor made in forward from a Python value (a lifted
-constant), and ops the sharding rules do not cover (planned replicated)."""
+metadata check in the exported graph), a Python ``assert`` on values (Flaubert checks its
+token counts so; it leaves ops on a symbolic scalar), a tensor made in forward from a Python
+value (a lifted constant), and ops the sharding rules do not cover (planned replicated)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class CastingClassifier(nn.Module):
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert (x > -1e9).sum().item() <= x.numel()
         h = F.relu(self.up(x))
         h = h + torch.renorm(h, p=2, dim=1, maxnorm=1.0) * torch.tensor(0.01)  # no rule; a constant
         return self.head(h).double().float()  # casts, as `logits.float()` before a loss
