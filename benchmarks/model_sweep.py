@@ -83,7 +83,8 @@ TINY: dict[str, Any] = {
     "patch_size": 8,
     "num_labels": CLASSES,
 }
-_DROPOUT = re.compile(r"(dropout|_pdrop|dropout_prob|dropout_rate)$")
+# dropout rates, and stochastic depth's (drop path: CvT's, per stage a list)
+_DROPOUT = re.compile(r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_rate|drop_path_rate)$")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
@@ -104,8 +105,11 @@ def tiny_config(model_type: str) -> Any:
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, value)
     for name in list(vars(config)):
-        if _DROPOUT.search(name) and isinstance(getattr(config, name), float):
+        value = getattr(config, name)
+        if _DROPOUT.search(name) and isinstance(value, float):
             setattr(config, name, 0.0)
+        elif _DROPOUT.search(name) and isinstance(value, list | tuple):
+            setattr(config, name, type(value)(0.0 if isinstance(v, float) else v for v in value))
         if name in _TOKEN_IDS and isinstance(getattr(config, name), int):
             setattr(config, name, 0)
     return config
