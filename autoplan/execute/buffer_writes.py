@@ -23,10 +23,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from autoplan.execute.placements import reachable, to_dtensor
+from autoplan.graph.convert import WRAPPED
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import redistribute
-
-_WRAPPED = "model."
 
 
 @dataclass(frozen=True)
@@ -42,10 +41,9 @@ class BufferWrites:
     def __init__(self, ep: ExportedProgram, plan: Plan) -> None:
         specs = ep.graph_signature.output_specs
         (output,) = [n for n in ep.graph.nodes if n.op == "output"]
-        reads = plan.nodes[output.name].inputs if output.name in plan.nodes else ()
+        reads = [to_dtensor(spec, plan.stage_axes) for spec in plan.nodes[output.name].inputs]
         self.writes = tuple(
-            BufferWrite(i, (spec.target or "").removeprefix(_WRAPPED), to_dtensor(reads[i], axes))
-            for axes in [plan.stage_axes]
+            BufferWrite(i, (spec.target or "").removeprefix(WRAPPED), reads[i])
             for i, spec in enumerate(specs)
             if spec.kind == OutputKind.BUFFER_MUTATION
         )

@@ -8,8 +8,8 @@ split dim is a partial sum, `autoplan.strategies.rules`), each all-reduced where
 splits the batch: per channel, the mean, then the mean of the squared deviations from it. The
 plan prices and lists those all-reduces (and their mirror in backward) as it does every
 redistribution, and weighs them against normalizing a gathered batch on every rank. Forward
-and backward are then exactly one process's, up to rounding (the variance two-pass, as
-torch's CPU kernel computes it).
+and backward are then one process's, up to rounding (the variance computed in two passes,
+not as the difference of two means, which cancels).
 
 The running statistics are updated as torch updates them, from the batch's statistics:
 ``(1 - momentum) * running + momentum * statistic``, the variance unbiased (times ``n / (n -
