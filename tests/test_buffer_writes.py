@@ -77,6 +77,22 @@ def test_batch_norm_as_reductions_is_torchs(norm: nn.Module, shape: tuple[int, .
         torch.testing.assert_close(buffers[name], want_buffer, rtol=1e-6, atol=1e-7)
 
 
+def test_batch_norm_under_bf16_autocast_normalizes_in_float32() -> None:
+    # as torch's kernel: a bf16 input (a convolution's, under autocast) normalized in float32,
+    # its output bf16 again; the running statistics float32
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(8, 3, 6, 6)
+    ref = copy.deepcopy(model)
+    traced = export_step(model, (x,), precision="bf16").module()
+    got = traced(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        want = ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+    for name, buffer in ref.named_buffers():
+        torch.testing.assert_close(dict(traced.named_buffers())[f"model.{name}"], buffer)
+
+
 def test_eval_batch_norm_stays_one_op_and_writes_nothing() -> None:
     graph = capture(_cnn().eval(), torch.randn(8, 3, 8, 8))
     assert graph.writes == ()

@@ -32,7 +32,12 @@ def _normalized(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` normalized by its statistics over every dim but the channels' (dim 1), scaled
-    and shifted; with the mean, biased variance and inverse standard deviation (kept dims)."""
+    and shifted; with the mean, biased variance and inverse standard deviation (kept dims).
+    A half-precision ``x`` (bf16 or fp16, under autocast) is normalized in float32 and the
+    output cast back, as torch's kernel accumulates and returns it."""
+    dtype = x.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
     dims = [0, *range(2, x.dim())]
     mean = torch.mean(x, dims, keepdim=True)
     centered = x - mean
@@ -44,7 +49,7 @@ def _normalized(
         out = out * weight.view(channels)
     if bias is not None:
         out = out + bias.view(channels)
-    return out, mean, var, invstd
+    return out.to(dtype), mean, var, invstd
 
 
 def _functional(
