@@ -152,3 +152,4 @@ def test_the_plan_lists_batch_norms_all_reduces_over_the_split_batch() -> None:
     ]
     output = plan.nodes["output"]
     assert all(set(spec.values()) == {"R"} for spec in output.inputs)
+    assert autoplan.Plan.from_json(plan.to_json()) == plan  # the output's reads, all of them
