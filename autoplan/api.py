@@ -16,7 +16,12 @@ from torch import nn
 from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pricer import Pricer
-from autoplan.errors import AutoplanError, InfeasiblePlanError, SolverTimeLimitError
+from autoplan.errors import (
+    AutoplanError,
+    BufferWriteError,
+    InfeasiblePlanError,
+    SolverTimeLimitError,
+)
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, capture_microbatches
 from autoplan.graph.ir import Graph
@@ -104,6 +109,8 @@ def plan_graph(
         raise AutoplanError("a pipeline needs the model to trace microbatches: use autoplan.plan")
     if pipeline and options.pin:
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
+    if pipeline:
+        refuse_pipelined_writes(graph)
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
     single: Searched | InfeasiblePlanError | None = None
@@ -117,7 +124,7 @@ def plan_graph(
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
     # the planner is to be no slower than any conventional plan (tests/test_optimality.py);
     # never against pins, which pipelines do not take
-    auto = not options.pin and cluster.num_devices > 1
+    auto = not options.pin and cluster.num_devices > 1 and not graph.writes
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
@@ -137,6 +144,23 @@ def plan_graph(
     ]
     best = min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
     return _noting_unproven(best, tuple(unproven))
+
+
+def refuse_pipelined_writes(graph: Graph) -> None:
+    """A step that updates buffers in forward trains as one stage on the whole batch: a
+    pipeline runs forward once per microbatch, and each would normalize by (batch norm in
+    training), count and update the buffers with its own part of the batch, not the batch as
+    one process does. The search then weighs no pipelines; one asked for is refused."""
+    if not graph.writes:
+        return
+    names = [w.buffer for w in graph.writes]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise BufferWriteError(
+        f"the model updates buffers in forward ({shown}), which a pipeline's microbatches "
+        "cannot update as one process does (each would see its own part of the batch): plan "
+        "without pipeline stages (PlanOptions(pipeline=False), --no-pipeline), or put the "
+        "modules that update them in eval mode (batch norm: module.eval())"
+    )
 
 
 def _no_plan(

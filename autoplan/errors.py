@@ -39,6 +39,11 @@ class UsageError(AutoplanError):
     """A command was given an option without another one it needs."""
 
 
+class BufferWriteError(AutoplanError):
+    """A model that updates buffers in forward was asked to train in a way that cannot update
+    them as one process does (pipeline stages, microbatches)."""
+
+
 class BatchSplitError(AutoplanError):
     """A batch does not split into the number of equal microbatches asked for."""
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
-from autoplan.api import plan_graph
+from autoplan.api import plan_graph, refuse_pipelined_writes
 from autoplan.cluster.model import Cluster
 from autoplan.errors import (
     AutoplanError,
@@ -215,6 +215,7 @@ class Step:
                 "planning", lambda: plan_graph(graph, self.cluster, self.options, graph_for)
             )
         if plan.pipeline is not None:
+            refuse_pipelined_writes(graph)  # a pipeline given as a plan
             # stages run one microbatch at a time: the step traced at that shape
             ep = export_microbatch(plan.pipeline.num_microbatches)
             graph = graph_from_export(ep, precision)

@@ -94,10 +94,10 @@ TINY: dict[str, Any] = {
 # per-stage lists (vision backbones): every stage gets the tiny value
 TINY_STAGES: dict[str, int] = {"depths": 1, "hidden_sizes": 64, "num_heads": 4, "embed_dims": 64}
 # the probabilities of random drops: of activations (dropout), of residual branches per sample
-# (stochastic depth: ``drop_path_rate``, EfficientNet's ``drop_connect_rate``) and of whole
-# layers (``layerdrop``)
+# (stochastic depth: ``drop_path_rate``, per stage a list in CvT; EfficientNet's
+# ``drop_connect_rate``) and of whole layers (``layerdrop``)
 _DROPOUT = re.compile(
-    r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_path_rate|drop_connect_rate|layerdrop)$"
+    r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_rate|drop_path_rate|drop_connect_rate|layerdrop)$"
 )
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -133,6 +133,8 @@ def _tiny(config: Any) -> Any:
     for name, current in vars(config).items():
         if _DROPOUT.search(name) and isinstance(current, float):
             changes[name] = 0.0
+        elif _DROPOUT.search(name) and isinstance(current, list | tuple):
+            changes[name] = type(current)(0.0 if isinstance(v, float) else v for v in current)
         if name in _TOKEN_IDS and isinstance(current, int):
             changes[name] = 0
         if isinstance(current, transformers.PretrainedConfig):

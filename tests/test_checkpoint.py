@@ -126,6 +126,48 @@ def test_run_saves_then_resumes_under_another_plan(tmp_path: Path) -> None:
     ]
 
 
+def test_buffers_forward_updates_are_saved_and_resumed(tmp_path: Path) -> None:
+    """A router's token counts and a call counter (tests/models/counters.py), written in
+    forward: 2 steps data parallel saved, steps 3-4 resumed under the planner's plan,
+    checked against 4 steps in one process (a counter not restored would stand at 2); the
+    export holds the counts."""
+    run = [
+        sys.executable,
+        "-m",
+        "autoplan.cli",
+        "run",
+        str(ROOT / "tests/models/counters.py"),
+        "--cluster",
+        str(ROOT / "costmodels/cpu-gloo-4.json"),
+        "--nproc",
+        "2",
+        "--set",
+        "batch_size=16",
+        "--checkpoint-dir",
+        "ckpt",
+    ]
+    first = subprocess.run(  # data parallel: each rank counts its half of the batch
+        [*run, "--steps", "2", "--mesh", "2", "--pin", "input:0=S(0)"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run(
+        [*run, "--steps", "4", "--resume", "--no-pipeline", "--check", "--export-to", "m.pt"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    out = second.stdout
+    assert second.returncode == 0, out[-2000:] + second.stderr[-2000:]
+    assert "training steps 3-4 on 2 processes" in out and out.rstrip().endswith("OK")
+    state = torch.load(tmp_path / "m.pt")
+    assert state["calls"].item() == 4 and state["tokens_per_expert"].sum().item() == 4 * 16
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 

@@ -31,6 +31,13 @@ def test_a_tiny_config_keeps_the_defaults_it_does_not_shrink() -> None:
     assert tiny_config("m2m_100").encoder_layerdrop == 0.0
 
 
+def test_a_tiny_config_turns_stochastic_depth_off_too() -> None:
+    # CvT's drop path, a rate per stage: random per sample, as dropout is
+    config = tiny_config("cvt")
+    assert tuple(config.drop_path_rate) == (0.0, 0.0, 0.0)
+    assert tuple(config.drop_rate) == (0.0, 0.0, 0.0)
+
+
 def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
     ok = "step 3/3 ...\ncheck against one process: losses 1e-7, parameters 2e-7: OK\n"
     assert classify(0, ok) == ("exact", "")

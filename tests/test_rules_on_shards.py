@@ -1,8 +1,8 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms), attention masks
-(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter) and a
-cache's concatenation onto an empty tensor. Each rule, run by the executor's local path on two
-ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
+(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter), a cache's
+concatenation onto an empty tensor, and splits. Each rule, run by the executor's local path on
+two ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
 
 from __future__ import annotations
 
@@ -44,9 +44,11 @@ class _Routing(nn.Module):
         buffer = x.new_empty(4, 6, 10)
         buffer[..., :8] = x  # copy + slice_scatter, once made functional
         buffer[..., 8:] = x[..., :1]
+        head, tail = x.split([2, 4], dim=1)  # a class token split off
+        left, right = x.split(4, dim=2)
         return (
             *(values, order, top, picked, spread, added, pooled, counts, halves, steps),
-            *(ones, typed, masked, joined, buffer, ranks),
+            *(ones, typed, masked, joined, buffer, ranks, head, tail, left, right),
         )
 
 
@@ -62,7 +64,8 @@ def _placement(spec: str) -> Placement:
 
 
 def _shard(value: Any, spec: str, rank: int) -> Any:
-    assert spec != "P", "these rules take no partial sums in"
+    if spec == "P":  # partial sums: the value on one rank, zeros on the other
+        return value if rank == 0 else torch.zeros_like(value)
     if spec == "R" or not isinstance(value, torch.Tensor):
         return value
     return value.chunk(2, int(spec[2:-1]))[rank]
@@ -102,6 +105,8 @@ TESTED = {
     "aten.cat.default",
     "aten.copy.default",
     "aten.slice_scatter.default",
+    "aten.split_with_sizes.default",
+    "aten.split.Tensor",
 }
 
 
@@ -145,8 +150,9 @@ def test_rules_are_exact_on_two_shards() -> None:
                 local = [_shard(env[n.name], s, rank) for n, s in zip(reads, specs, strict=True)]
                 a, k = Arguments.of(fx_node, torch.device("cpu"), shape).fill(local)
                 parts.append(call_op(fx_node, a, k))
-            wholes = whole if isinstance(whole, tuple) else (whole,)
-            made = list(zip(*parts, strict=True)) if isinstance(whole, tuple) else [parts]
+            many = isinstance(whole, tuple | list)
+            wholes = whole if many else (whole,)
+            made = list(zip(*parts, strict=True)) if many else [parts]
             for want, got in zip(wholes, made, strict=True):
                 assert _same(_whole(list(got), out), want), (node.op, out, specs)
     # every op met, each with a rule that splits something

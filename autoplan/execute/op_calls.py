@@ -280,13 +280,21 @@ PARTIAL_SUMS = MEANS | {
     _aten.matmul.default,
     _aten.histc.default,
 }
+# splits along a dim that stays whole: linear, so partial sums in are partial sums out; run
+# as DTensor ops, an output that no op reads would get a plain zero gradient in backward, which
+# their backward (a cat) refuses to mix with the others' DTensor gradients (CvT's class token)
+SPLITS = {
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+}
 # a list of tensors, placed alike: sort's and topk's values and indices split along a dim they
-# do not sort
+# do not sort; the pieces of a split
 MULTI_OUTPUT = {
     _aten.broadcast_tensors.default,
     _aten.sort.default,
     _aten.sort.stable,
     _aten.topk.default,
+    *SPLITS,
 }
 # views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
 # global shape: made local from the planned output. A factory's input is read for its dtype
@@ -316,6 +324,8 @@ def runs_locally(
     values = val if node.target in MULTI_OUTPUT else [val]
     if not isinstance(values, list | tuple) or not all(isinstance(v, torch.Tensor) for v in values):
         return False
+    if node.target in SPLITS:
+        return True  # as planned (strategies/rules.py `_split`): each output as its input
     if any(isinstance(p, Partial) for ps in inputs for p in ps):
         return False
     if node.target is CROSS_ENTROPY and node.args[1].meta["val"].is_floating_point():  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.errors import AutoplanError
+from autoplan.execute.buffer_writes import BufferWrites
 from autoplan.execute.interpreter import Local, PlanInterpreter
 from autoplan.execute.placements import to_dtensor
 from autoplan.graph.capture import as_tuple
@@ -64,7 +65,8 @@ def _global_loss(out: Any) -> torch.Tensor:
 class ParallelModule(nn.Module):
     """The user's modules with DTensor parameters placed as the plan stores them; its forward
     runs the traced train step as the plan says and returns the loss, the same value on every
-    rank. Gradients are reduced to each parameter's storage placement as they arrive."""
+    rank. Gradients are reduced to each parameter's storage placement as they arrive; the
+    buffers forward updates are written after forward (`autoplan.execute.buffer_writes`)."""
 
     def __init__(self, model: nn.Module, ep: ExportedProgram, plan: Plan, mesh: DeviceMesh) -> None:
         super().__init__()
@@ -79,13 +81,15 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.interpreter = PlanInterpreter(ep, plan, mesh)
         self.placeholders = Placeholders(ep, plan, mesh)
+        self.writes = BufferWrites(ep, plan)
 
     def forward(self, inputs: Any, target: Any = None) -> torch.Tensor:
         args = as_tuple(inputs) + (() if target is None else (target,))
         self.placeholders.check(args)
         values = self.placeholders.values(self, args)
-        (out,) = self.interpreter.run(values)  # a train step has one output: the loss
-        return _global_loss(out)
+        outputs = self.interpreter.run(values)  # the loss, and the buffers' new values
+        self.writes.write(self, outputs, self.mesh)
+        return _global_loss(outputs[self.writes.loss])
 
 
 def local_leaves(

@@ -6,8 +6,9 @@ real weights is never copied. The ATen graph of the forward (loss included) is k
 level export gives it (``aten.linear``, ``aten.scaled_dot_product_attention`` ...); backward
 costs are derived per op (see `flops`), since the backward of each op mirrors its forward.
 
-This module traces; the exported step then goes through `passes` (regions inlined, checks
-dropped, tied parameters, refusals), `diagnose` explains what could not be traced, and
+This module traces; the exported step then goes through `passes` (regions inlined, made
+functional where it writes, batch norm in training made of its reductions, checks dropped,
+tied parameters, refusals), `diagnose` explains what could not be traced, and
 `convert` makes the IR.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from autoplan.errors import BatchSplitError, TraceError
+from autoplan.graph.batch_norm import trains_batch_norm
 from autoplan.graph.convert import graph_from_export
 from autoplan.graph.diagnose import (
     explain_trace_failure,
@@ -34,7 +36,7 @@ from autoplan.graph.passes import (
     drop_checks,
     inline_regions,
     mutates,
-    refuse_buffer_updates,
+    refuse_other_writes,
     tie_parameters,
 )
 from autoplan.precision import autocast, autocast_device
@@ -162,9 +164,9 @@ def export_step(
     if precision is not None:  # autocast's region inlined, each of its casts an op
         ep = decomposed(ep)
     inline_regions(ep)
-    if mutates(ep):
+    if mutates(ep) or trains_batch_norm(ep.graph):
         ep = decomposed(ep)
-    refuse_buffer_updates(ep)
+    refuse_other_writes(ep)
     refuse_float_indices(ep, model, args)
     refuse_mixed_dtypes(ep, model, args)
     drop_checks(ep)

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoplan.errors import TraceError
 from autoplan.graph.flops import op_flops, transcendental
-from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
+from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, Write
 from autoplan.graph.saved import with_saved
 from autoplan.modes import NodeKind
 
@@ -56,8 +56,27 @@ def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Grap
         node = _convert(fx_node, kinds, done)
         done[node.name] = node
     nodes = tuple(done.values())
-    graph = Graph(nodes=nodes, fingerprint=_fingerprint(nodes, frozen), precision=precision)
+    writes = _writes(ep)
+    graph = Graph(
+        nodes=nodes,
+        fingerprint=_fingerprint(nodes, frozen, writes),
+        precision=precision,
+        writes=writes,
+    )
     return with_saved(graph, _aliases(ep, done))
+
+
+def _writes(ep: ExportedProgram) -> tuple[Write, ...]:
+    """The buffers forward updates, each with the value written (an output of the step)."""
+    (output,) = [n for n in ep.graph.nodes if n.op == "output"]
+    values = output.args[0]
+    assert isinstance(values, tuple | list)
+    specs = ep.graph_signature.output_specs
+    return tuple(
+        Write((spec.target or "").removeprefix(WRAPPED), _to_ir(value))
+        for spec, value in zip(specs, values, strict=True)
+        if spec.kind == OutputKind.BUFFER_MUTATION
+    )
 
 
 def _tensors(val: Any) -> tuple[torch.Tensor, ...]:
@@ -198,14 +217,16 @@ def _aliases(ep: ExportedProgram, done: dict[str, Node]) -> dict[Ref, Ref]:
     return found
 
 
-def _fingerprint(nodes: Sequence[Node], frozen: Sequence[str]) -> str:
-    """A hash of the graph, and of which parameters are frozen, if any (a plan for other
-    trainable parameters reduces other gradients)."""
+def _fingerprint(nodes: Sequence[Node], frozen: Sequence[str], writes: Sequence[Write]) -> str:
+    """A hash of the graph, of which parameters are frozen, if any (a plan for other
+    trainable parameters reduces other gradients), and of the buffers it writes, if any."""
     doc: list[Any] = [
         [n.name, n.kind, n.op, repr(n.args), repr(n.kwargs), repr(n.outputs), n.target]
         for n in nodes
     ]
     if frozen:
         doc.append(["frozen", sorted(frozen)])
+    if writes:
+        doc.append(["writes", [w.buffer for w in writes]])
     text = json.dumps(doc, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

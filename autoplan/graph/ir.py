@@ -1,6 +1,7 @@
 """The graph IR: frozen nodes in graph order, with shapes, FLOPs, bytes and module paths.
 
-The IR is what the planner reads. It is made once by `capture` and never mutated. Tensor
+The IR is what the planner reads. It is made once by `capture` and never mutated; the
+buffers forward updates are its `Write` s, values the output node reads besides the loss. Tensor
 arguments of a node appear in ``args`` as `Ref` to the producing node (``Ref(name, index)``
 where ``index`` picks one output of a multi-output node). `Graph.dataflow` is the same graph as
 a networkx DAG, for the graph algorithms the planner runs on it.
@@ -129,12 +130,23 @@ def _collect_refs(value: Any, found: list[Ref]) -> None:
 
 
 @dataclass(frozen=True)
+class Write:
+    """A buffer that forward updates (batch norm's running statistics, a counter): after
+    forward the step writes ``value`` into it, as one process's forward writes it in place.
+    The value is also an input of the graph's output node, which the plan places replicated."""
+
+    buffer: str  # the buffer's FQN
+    value: Ref
+
+
+@dataclass(frozen=True)
 class Graph:
     """A traced train step (or forward), nodes in topological (graph) order."""
 
     nodes: tuple[Node, ...]
     fingerprint: str
     precision: str | None = None  # the mixed precision traced under (autoplan.precision)
+    writes: tuple[Write, ...] = ()  # the buffers forward updates, in the output's order
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)

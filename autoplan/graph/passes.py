@@ -1,6 +1,7 @@
 """Passes over an exported step before it becomes the graph IR: regions export wraps
-(autocast, no_grad) inlined, functionalized where it mutates, shape checks dropped, tied
-parameters made one, and buffer updates in forward refused."""
+(autocast, no_grad) inlined, functionalized where it mutates (batch norm in training made of
+its reductions), shape checks dropped, tied parameters made one, and writes in forward to
+anything but buffers refused."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from autoplan.errors import TraceError
+from autoplan.graph.batch_norm import DECOMPOSITIONS
 from autoplan.graph.convert import WRAPPED, module_path
 
 
 def decomposed(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` made functional by ``run_decompositions({})``, which keeps composite ops such as
-    ``linear`` whole (see `mutates`) and inlines autocast's regions with their casts.
+    """``ep`` made functional by ``run_decompositions``, which keeps composite ops such as
+    ``linear`` whole (see `mutates`) and inlines autocast's regions with their casts; batch
+    norm in training becomes its reductions (`autoplan.graph.batch_norm`), its running
+    statistics' updates buffer writes.
 
     A region's body is run node by node (an fx ``Interpreter``), so that the ops it becomes
     keep their own module paths: run whole, every op of a step traced under autocast would
@@ -29,7 +33,7 @@ def decomposed(ep: ExportedProgram) -> ExportedProgram:
             body.forward = torch.fx.Interpreter(body).run
     with warnings.catch_warnings():  # torch 2.13 warns about its own pytree internals here
         warnings.simplefilter("ignore", FutureWarning)
-        return ep.run_decompositions({})
+        return ep.run_decompositions(DECOMPOSITIONS)
 
 
 _DETACH_ = torch.ops.aten.detach_.default
@@ -100,21 +104,25 @@ def _detached(graph: torch.fx.Graph, value: Any) -> Any:
     return out
 
 
-def refuse_buffer_updates(ep: ExportedProgram) -> None:
-    """A forward that updates buffers (batch norm's running statistics in training) is not
-    run yet: the step would have to write them back, and a batch norm over a split batch
-    normalizes by each rank's statistics, not the batch's."""
-    updated = sorted(
-        {b.removeprefix(WRAPPED) for b in ep.graph_signature.buffers_to_mutate.values()}
+def refuse_other_writes(ep: ExportedProgram) -> None:
+    """Forward may write buffers (batch norm's running statistics, a counter): the step hands
+    each written value back and the executor writes it into the buffer after forward
+    (`autoplan.graph.ir.Write`). A forward that writes into a parameter or an input in place
+    is refused: its parameters change only in the optimizer's step, and its batch is read on
+    every step anew."""
+    sig = ep.graph_signature
+    written = sorted(
+        {
+            *(p.removeprefix(WRAPPED) for p in sig.parameters_to_mutate.values()),
+            *(f"input {sig.user_inputs.index(i)}" for i in sig.user_inputs_to_mutate.values()),
+        }
     )
-    if updated:
-        shown = ", ".join(updated[:4]) + (
-            f" and {len(updated) - 4} more" if len(updated) > 4 else ""
-        )
+    if written:
         raise TraceError(
-            f"the model updates buffers in forward ({shown}): autoplan does not train models "
-            "whose forward writes buffers yet (batch norm in training mode does); use "
-            "GroupNorm or LayerNorm, or put the batch norms in eval mode (model.eval() on them)"
+            f"the model writes in place into {', '.join(written)} in forward: autoplan trains "
+            "models that write only their buffers in forward; compute a new tensor instead "
+            "(x = x + y rather than x += y), or register what forward updates as a buffer "
+            "(module.register_buffer)"
         )
 
 

@@ -353,6 +353,20 @@ CASES = [
         )
         for model in ("vit", "cnn")
     ],
+    # batch norm in training: its statistics the whole batch's (all-reduced where the batch
+    # is split, SyncBatchNorm's), its running statistics written back after forward; the
+    # parameters compared include every buffer (running statistics, counters)
+    Case("zoo-cnn-train", "zoo", {"model": "cnn-train", "batch_size": 64, "seq_len": 32}, own()),
+    Case(
+        "zoo-cnn-train-baseline-dp",
+        "zoo",
+        {"model": "cnn-train", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=4, tp=1),
+    ),
+    # counters written in forward (tests/models/counters.py): tokens per expert counted over
+    # the split batch, each rank's count a partial sum all-reduced before it is written
+    Case("counters-dp", "counters", {}, lambda w: data_parallel(w, (4,))),
+    Case("counters-dp-2x2", "counters", {}, dp_2x2),
     # interleaved 1F1B: 2 device groups of (2,), each holding 2 stages (blocks 0 and 2, 1 and 3)
     Case(
         "gpt-interleaved-2x2",

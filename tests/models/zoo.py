@@ -22,8 +22,9 @@ so that training can be compared with one process exactly.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
 - cnn: a plain convolutional classifier (convolutions, batch norm, pooling), not from
-  transformers; its batch norms run in eval mode: a forward that updates running statistics
-  is refused by name (tests/test_capture.py).
+  transformers; its batch norms run in eval mode.
+- cnn-train: the same, its batch norms in training mode: they normalize by the batch's
+  statistics and update their running statistics (buffers written in forward).
 """
 
 from __future__ import annotations
@@ -161,10 +162,10 @@ def _vit(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...],
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, classes: int) -> None:
+    def __init__(self, classes: int, bias: bool = True) -> None:
         super().__init__()
-        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.conv2, self.norm2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.BatchNorm2d(8)
+        self.conv2, self.norm2 = nn.Conv2d(8, 16, 3, padding=1, bias=bias), nn.BatchNorm2d(16)
         self.head = nn.Linear(16, classes)
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
@@ -174,12 +175,18 @@ class SmallCNN(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-def _cnn(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _cnn(
+    batch: int, seq: int, layers: int, train: bool = False
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    """The CNN, its batch norms in eval mode, or in training mode (``train``: normalizing by
+    the batch's statistics and updating their running averages)."""
     if layers != 2:
         raise ValueError(f"the CNN has its 2 convolutions, not {layers}")
-    model = SmallCNN(classes=10)
-    model.norm1.eval()
-    model.norm2.eval()
+    # in training a convolution's bias before batch norm cancels out: its gradient is 0 up
+    # to rounding, which Adam would scale up to full steps (so CNNs leave it out)
+    model = SmallCNN(classes=10, bias=not train)
+    model.norm1.train(train)
+    model.norm2.train(train)
     pixels = torch.randn(batch, 3, seq, seq)
     labels = torch.randint(0, 10, (batch,))
     return model, ("pixel_values", "labels"), (pixels, labels)
@@ -198,6 +205,7 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "bart": _bart,
     "vit": _vit,
     "cnn": _cnn,
+    "cnn-train": functools.partial(_cnn, train=True),
 }
 
 
