@@ -99,7 +99,9 @@ def mlp_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
 def gpt_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
     pins: dict[str, Any] = {}
     for n in _params(w):
-        if any(f".{m}." in n for m in ("q", "k", "v", "fc")):
+        if ".qkv." in n:
+            pins[n] = "S(0)x3"  # fused q|k|v: each rank's heads of each, strided
+        elif any(f".{m}." in n for m in ("q", "k", "v", "fc")):
             pins[n] = "S(0)"  # column split: heads / hidden features
         elif ".proj." in n:
             pins[n] = "S(1)" if n.endswith("weight") else {"storage": "R"}  # row split
@@ -184,6 +186,7 @@ MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 # they build in forward (use_cache at its default)
 ZOO = ("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3")
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+GPT_FUSED = {**GPT, "qkv": "fused"}  # one qkv projection, split strided
 BF16 = PlanOptions(mixed_precision="bf16")
 BF16_FP32 = PlanOptions(mixed_precision="bf16", reduce_dtype="fp32")
 
@@ -229,6 +232,7 @@ CASES = [
     Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
     Case("gpt-dp", "gpt", GPT, lambda w: data_parallel(w, (4,))),
     Case("gpt-tp", "gpt", GPT, lambda w: gpt_megatron(w, (4,))),
+    Case("gpt-fused-tp", "gpt", GPT_FUSED, lambda w: gpt_megatron(w, (4,))),
     # the embedding, the head and the loss split along the vocabulary (Megatron's); at a
     # vocabulary of 8192 the loss on the logits' shards beats gathering them
     Case(
