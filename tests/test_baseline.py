@@ -569,6 +569,51 @@ def test_sequence_parallel_baseline_splits_the_sequence_between_regions(
     assert sequence.predicted.peak_memory_bytes < megatron.predicted.peak_memory_bytes
 
 
+def test_fused_qkv_gpt_baseline_splits_strided_as_megatron(cpu4: autoplan.Cluster) -> None:
+    """One qkv linear, then split: Megatron interleaves its weight so that each rank holds
+    its heads of q, k and v. Counted by hand, per block: two all-reduces of the (batch, seq,
+    dim) float32 activations forward (after each row linear) and two backward (each region's
+    input gradient); besides, the embedding's forward and the head's input gradient, and the
+    loss's two; with sequence parallelism each becomes a reduce-scatter / all-gather pair. The
+    same as the separate projections', collective for collective."""
+    layers, tokens = GPT["num_layers"], GPT["batch_size"] * GPT["seq_len"]
+    activation = tokens * 256 * 4  # "small": dim 256, float32
+    fused = example("gpt", **GPT, qkv="fused")
+    assert _regions_by_module(fused)[0] == (["blocks.0.attn.qkv"], ["blocks.0.attn.proj"])
+    for sequence in (False, True):
+        plans = {
+            qkv: example("gpt", **GPT, qkv=qkv).baseline(
+                cpu4, dp=1, tp=4, sequence_parallel=sequence
+            )
+            for qkv in ("separate", "fused")
+        }
+        plan = plans["fused"]
+        assert plan.params["blocks.0.attn.qkv.weight"].storage == {"tp": "S(0)x3"}
+        qkv_linear = next(n for n in plan.nodes.values() if n.module == "blocks.0.attn.qkv")
+        assert qkv_linear.output == {"tp": "S(2)x3"}
+        counted = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives)
+        # the vocabulary-parallel loss: its logits' max and sum of exponentials per token
+        loss = {("forward", "all_reduce", 4 * tokens): 1, ("forward", "all_reduce", 8 * tokens): 1}
+        if sequence:
+            assert counted == {
+                ("forward", "reduce_scatter", activation): 2 * layers + 1,
+                ("forward", "all_gather", activation): 2 * layers + 1,
+                ("backward", "reduce_scatter", activation): 2 * layers + 1,
+                ("backward", "all_gather", activation): 2 * layers + 1,
+                ("backward", "all_gather", activation // 4): 1,  # the loss's token split
+                ("grad_sync", "all_reduce", 10 * 256 * 4): 1,  # the norms' weights and biases
+                **loss,
+            }
+        else:
+            assert counted == {
+                ("forward", "all_reduce", activation): 2 * layers + 1,
+                ("backward", "all_reduce", activation): 2 * layers + 1,
+                **loss,
+            }
+        separate = plans["separate"].collectives
+        assert Counter((c.phase, c.kind, c.bytes) for c in separate) == counted
+
+
 def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
     # a 1.3B GPT's blocks, tensor parallel over 8 A100s: under a budget that Megatron's plan
     # (layer norms and residuals whole on every GPU) exceeds, the planner's fits by splitting

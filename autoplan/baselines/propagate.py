@@ -29,7 +29,7 @@ from autoplan.strategies.float32_grads import (
     check_copies_read_as_placed,
     weight_copies,
 )
-from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+from autoplan.strategies.placement import P, R, Spec, pieces, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
 from autoplan.strategies.zero_state import state_specs
@@ -83,16 +83,19 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
 def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
     """ZeRO-1/2's optimizer state of a parameter stored ``stored`` on mesh `mesh_of`: split
     further along the dp axis (the first) alone, as `autoplan.strategies.zero_state` splits it; None
-    where no dim divides."""
+    where no dim divides, or the parameter is stored strided (a fused projection's: the
+    planner keeps such a state as stored too)."""
+    if any(pieces(p) > 1 for p in stored):
+        return None
     mesh_shape = mesh_of(layout.dp, layout.tp)
     found = state_specs(stored, node.output.shape, mesh_shape)
     return next((s for s in found if s[1:] == stored[1:]), None)
 
 
 def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
-    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp
-    (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to whoever asked for the
-    baseline."""
+    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp, or (ZeRO-1/2)
+    the parameter is stored strided (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to
+    whoever asked for the baseline."""
     on_tp = tp_seeds(graph, layout.tp) if layout.tp > 1 else {}
 
     def whole(node: Node) -> bool:

@@ -24,12 +24,15 @@ read by it alone, or tied to a split head) is split along the vocabulary, ``S(0)
 Megatron's VocabParallelEmbedding: each rank looks up its rows, and the partial sums are
 all-reduced.
 
+A fused projection whose output is split into equal pieces along its features (one ``qkv``
+linear, then ``split`` or ``chunk``; a SwiGLU's gate|up) is split strided, as Megatron
+interleaves it: its weight and bias ``S(0)xk``, each rank's share of each of the ``k`` pieces,
+and every piece then split plainly (`autoplan.strategies.strided`).
+
 Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter or convolutions; a
 parameter read inside a region by anything but its linears breaks the region (a head tied
-to its embedding through mixed precision's casts stays whole); a fused projection chunked
-along its features (one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row
-split of its weight would mix the pieces (Megatron interleaves them); no sequence
-parallelism.
+to its embedding through mixed precision's casts stays whole); a fused projection cut into
+unequal pieces (grouped-query attention's q|k|v) stays replicated.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ import networkx as nx
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
-from autoplan.strategies.placement import P, R, shard, shard_dim
+from autoplan.strategies.placement import P, R, is_valid, pieces, shard, shard_dim, strided
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import axis_rules
+from autoplan.strategies.space import axis_rules, plain_rules
+from autoplan.strategies.strided import marks as fused_marks
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,9 @@ class TpRegion:
 
     columns: tuple[str, ...]  # linear node names, in graph order
     rows: tuple[str, ...]
-    split: tuple[tuple[str, int], ...]  # (node, dim) of every split activation inside
+    # (node, placement) of every split activation inside: "S(d)", or "S(d)xk" for a fused
+    # projection's output of k pieces
+    split: tuple[tuple[str, str], ...]
     losses: tuple[str, ...] = ()  # cross-entropies over the split vocabulary
 
 
@@ -137,20 +143,29 @@ def param_of(graph: Graph, name: str) -> Node | None:
     return source if source.kind == NodeKind.PARAM and graph.users(source.name) == (name,) else None
 
 
-def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
+def _is_row(graph: Graph, node: Node, split: Mapping[str, str]) -> bool:
     """A linear whose only split input is its activation, split along the contracted dim."""
     x = node.refs[0].name
     return (
         node.op == LINEAR
         and [r.name for r in node.refs if r.name in split] == [x]
-        and split[x] == len(graph.node(x).outputs[0].shape) - 1
+        and split[x] == shard(len(graph.node(x).outputs[0].shape) - 1)
         and _own_params(graph, node)
     )
 
 
+def _column_output(graph: Graph, node: Node) -> str:
+    """How a column linear's output is split: along its features, strided where they are
+    cut into equal pieces (one way only) for the ops after it."""
+    last = len(node.output.shape) - 1
+    marks = fused_marks(graph, plain_rules).get(Ref(node.name), frozenset())
+    cut = [num for d, num in marks if d == last]
+    return strided(last, cut[0]) if len(marks) == 1 and cut else shard(last)
+
+
 def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
-    split: dict[str, int] = {}  # activation inside a region -> its split dim
+    split: dict[str, str] = {}  # activation inside a region -> its placement
     columns: set[str] = set()
     regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
     region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
@@ -170,7 +185,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
                 and x.kind != NodeKind.PARAM
                 and (_own_params(graph, node) or tied_embedding(graph, node) is not None)
             ):
-                split[node.name] = len(node.output.shape) - 1
+                split[node.name] = _column_output(graph, node)
                 columns.add(node.name)
                 region_of[node.name] = node.name
             continue
@@ -180,16 +195,15 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             rows.add(node.name)  # its output is replicated again (after the all-reduce)
             region_of[node.name] = region
             continue
-        ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
+        ins = tuple(split.get(r.name, R) for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
-        dim = shard_dim(rule[0]) if rule is not None else None
         if node.op == CROSS_ENTROPY and rule is not None and rule[0] == R:
             losses.add(node.name)  # on the vocabulary's shards, the whole loss out
             region_of[node.name] = region
-        elif dim is None:
+        elif rule is None or shard_dim(rule[0]) is None:
             broken.add(region)
         else:
-            split[node.name] = dim
+            split[node.name] = rule[0]
             region_of[node.name] = region
 
     members: dict[str, list[str]] = {}
@@ -210,23 +224,38 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     return tuple(regions)
 
 
+def _weight_split(region: TpRegion, linear: str) -> str:
+    """How ``region`` splits ``linear``'s weight: a row linear's "S(1)"; a column linear's
+    "S(0)", or strided as its output ("S(0)xk")."""
+    if linear in region.rows:
+        return shard(1)
+    num = pieces(dict(region.split)[linear])
+    return strided(0, num) if num > 1 else shard(0)
+
+
 def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
     """Why ``tp`` cannot split ``region`` evenly (None if it can)."""
-    for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
+    for linear in region.columns + region.rows:
         weight = param_of(graph, graph.node(linear).refs[1].name)
         assert weight is not None  # a split linear's own parameter
-        size = weight.output.shape[dim]
-        if size % tp:
+        placement = _weight_split(region, linear)
+        dim = shard_dim(placement)
+        assert dim is not None
+        if not is_valid((placement,), weight.output.shape, (tp,)):
             kind = "column" if dim == 0 else "row"
+            size, num = weight.output.shape[dim], pieces(placement)
+            what = f"size {size}" if num == 1 else f"{num} pieces of {size // num}"
             return (
-                f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
+                f"tp={tp} does not divide dim {dim} ({what}) of parameter "
                 f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
                 "choose a tp that divides it"
             )
-    for name, dim in region.split:
+    for name, placement in region.split:
         node = graph.node(name)
+        dim = shard_dim(placement)
+        assert dim is not None
         size = node.outputs[0].shape[dim]
-        if size % tp:
+        if not all(is_valid((placement,), out.shape, (tp,)) for out in node.outputs):
             where = node.module_path or "the top-level module"
             return (
                 f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
@@ -300,7 +329,8 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
 
     for region in regions:
         for column in region.columns:
-            seeds.update({name: (shard(0), shard(0)) for name in params(column)})
+            placement = _weight_split(region, column)  # its bias alike
+            seeds.update({name: (placement, placement) for name in params(column)})
         for row in region.rows:
             weight, *bias = params(row)
             seeds[weight] = (shard(1), shard(1))

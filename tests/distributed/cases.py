@@ -251,6 +251,13 @@ CASES = [
     Case("gpt-baseline-2x2", "gpt", {**GPT, "batch_size": 8}, baseline_plan(dp=2, tp=2)),
     Case("gpt-baseline-tp", "gpt", GPT, baseline_plan(dp=1, tp=4)),
     Case("gpt-baseline-sp", "gpt", GPT, baseline_plan(dp=1, tp=4, sequence_parallel=True)),
+    Case("gpt-fused-baseline-tp", "gpt", GPT_FUSED, baseline_plan(dp=1, tp=4)),
+    Case(
+        "gpt-fused-baseline-sp-2x2",
+        "gpt",
+        GPT_FUSED,
+        baseline_plan(dp=2, tp=2, sequence_parallel=True),
+    ),
     Case("gpt-baseline-sp-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, sequence_parallel=True)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
     Case(
