@@ -169,6 +169,10 @@ def _propagated(
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if rule is None and sequence and node.op in _VIEWS:
+            # a view that no rule keeps split (a Conv1D's flattening of batch and sequence)
+            # reads the sequence gathered, as Megatron gathers it before a column linear
+            rule = (R,) * (1 + len(ins))
         if rule is None and node.kind == NodeKind.OP:
             # a whole activation read split is sliced on each rank, with no communication:
             # an attention mask or a label made whole follows the batch as DDP's would
@@ -177,9 +181,23 @@ def _propagated(
         read[node.name] = placed[node.name][0]
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
         if read[node.name] == P and param_of(graph, node.name) is None:
-            split = sequence and len(node.outputs[0].shape) >= 3
-            read[node.name] = shard(1) if split else R
+            read[node.name] = _partial_read(graph, node, sequence)
     return placed
+
+
+_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
+    """How ops read ``node``'s partial sums: all-reduced, or with ``sequence`` reduce-scattered
+    along the sequence (dim 1 of (batch, seq, ...)); a Conv1D's (tokens, features) read by
+    views alone stays partial, to be reduce-scattered once viewed as (batch, seq, features)."""
+    if not sequence:
+        return R
+    if len(node.outputs[0].shape) >= 3:
+        return shard(1)
+    users = graph.users(node.name)
+    return P if users and all(graph.node(u).op in _VIEWS for u in users) else R
 
 
 def baseline_strategies(

@@ -1,9 +1,11 @@
 """Megatron's tensor-parallel regions: which linears a baseline splits on the ``tp`` axis.
 
 On the ``tp`` axis, which linears Megatron splits is found in the traced graph, not from
-parameter names. Activations outside a tensor-parallel *region* are replicated. A region
-starts at *column* linears (``aten.linear`` reading an activation outside any region: the
-residual stream, a normalized activation, an input); their output is split along its last
+parameter names. A linear is ``aten.linear`` of a parameter weight (out, in), or the
+``addmm`` of transformers' Conv1D (GPT-2: bias, activation, a parameter weight (in, out)).
+Activations outside a tensor-parallel *region* are replicated. A region starts at *column*
+linears (linears reading an activation outside any region: the residual stream, a normalized
+activation, an input); their output is split along its last
 dim. The split follows every op that has a rule taking the split inputs, with its other inputs
 replicated, to a split output: views and transposes that keep the split dim whole, attention
 over split heads, activation functions, products of two split tensors. A region ends at *row*
@@ -29,7 +31,7 @@ linear, then ``split`` or ``chunk``; a SwiGLU's gate|up) is split strided, as Me
 interleaves it: its weight and bias ``S(0)xk``, each rank's share of each of the ``k`` pieces,
 and every piece then split plainly (`autoplan.strategies.strided`).
 
-Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter or convolutions; a
+Limits: only linears are split, not ``matmul`` with a parameter or convolutions; a
 parameter read inside a region by anything but its linears breaks the region (a head tied
 to its embedding through mixed precision's casts stays whole); a fused projection cut into
 unequal pieces (grouped-query attention's q|k|v) stays replicated.
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 LINEAR = "aten.linear.default"
 CAST = "aten._to_copy.default"
+ADDMM = "aten.addmm.default"
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
 
@@ -109,12 +112,37 @@ def rule_moving(
     return rules[min(ranked)[2]] if ranked else None
 
 
-def _own_params(graph: Graph, node: Node, refs: Sequence[Ref] | None = None) -> bool:
-    """The linear's weight (and bias), or ``refs``, are parameters that no other op reads
-    (in mixed precision, each through its own cast)."""
+@dataclass(frozen=True)
+class Projection:
+    """A linear's tensors: its activation, its weight and bias (parameters, or their casts)."""
+
+    x: Ref
+    weight: Ref
+    bias: Ref | None
+    out_dim: int  # the weight's dim of output features: 0 (out, in), 1 for a Conv1D's (in, out)
+
+    @property
+    def params(self) -> tuple[Ref, ...]:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+
+def projection(graph: Graph, node: Node) -> Projection | None:
+    """``node`` as a linear (``aten.linear``, or a Conv1D's plain ``addmm`` of a 1-dim bias and
+    a weight, both parameters), else None."""
+    if node.op == LINEAR and len(node.refs) in (2, 3):
+        return Projection(node.refs[0], node.refs[1], (node.refs[2:] or [None])[0], 0)
+    if node.op != ADDMM or len(node.refs) != 3 or node.kwargs or len(node.args) != 3:
+        return None  # beta or alpha given: not a Conv1D
+    bias, x, weight = node.refs
+    params = param_of(graph, bias.name) is not None and param_of(graph, weight.name) is not None
+    return Projection(x, weight, bias, 1) if params and len(graph.tensor(bias).shape) == 1 else None
+
+
+def _own_params(graph: Graph, node: Node, refs: Sequence[Ref]) -> bool:
+    """``refs`` (a linear's weight and bias) are parameters that no other op reads (in mixed
+    precision, each through its own cast)."""
     return all(
-        param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,)
-        for r in (node.refs[1:] if refs is None else refs)
+        param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,) for r in refs
     )
 
 
@@ -145,12 +173,14 @@ def param_of(graph: Graph, name: str) -> Node | None:
 
 def _is_row(graph: Graph, node: Node, split: Mapping[str, str]) -> bool:
     """A linear whose only split input is its activation, split along the contracted dim."""
-    x = node.refs[0].name
+    found = projection(graph, node)
+    if found is None:
+        return False
+    x = found.x.name
     return (
-        node.op == LINEAR
-        and [r.name for r in node.refs if r.name in split] == [x]
-        and split[x] == shard(len(graph.node(x).outputs[0].shape) - 1)
-        and _own_params(graph, node)
+        [r.name for r in node.refs if r.name in split] == [x]
+        and split[x] == shard(len(graph.tensor(found.x).shape) - 1)
+        and _own_params(graph, node, found.params)
     )
 
 
@@ -178,12 +208,14 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             continue
         inside = [r.name for r in node.refs if r.name in split]
         if not inside:
-            x = graph.node(node.refs[0].name) if node.refs else None
+            found = projection(graph, node) if node.kind == NodeKind.OP else None
             if (
-                node.op == LINEAR
-                and x is not None
-                and x.kind != NodeKind.PARAM
-                and (_own_params(graph, node) or tied_embedding(graph, node) is not None)
+                found is not None
+                and graph.node(found.x.name).kind != NodeKind.PARAM
+                and (
+                    _own_params(graph, node, found.params)
+                    or tied_embedding(graph, node) is not None
+                )
             ):
                 split[node.name] = _column_output(graph, node)
                 columns.add(node.name)
@@ -224,25 +256,31 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     return tuple(regions)
 
 
-def _weight_split(region: TpRegion, linear: str) -> str:
-    """How ``region`` splits ``linear``'s weight: a row linear's "S(1)"; a column linear's
-    "S(0)", or strided as its output ("S(0)xk")."""
+def _features(dim: int, num: int) -> str:
+    return strided(dim, num) if num > 1 else shard(dim)
+
+
+def _weight_split(graph: Graph, region: TpRegion, linear: str) -> tuple[Projection, str]:
+    """``linear``'s tensors, and how ``region`` splits its weight: a row linear's along its
+    input features; a column linear's along its output features, strided as its output
+    ("S(0)xk") where that is cut into pieces."""
+    found = projection(graph, graph.node(linear))
+    assert found is not None  # a split linear
     if linear in region.rows:
-        return shard(1)
-    num = pieces(dict(region.split)[linear])
-    return strided(0, num) if num > 1 else shard(0)
+        return found, shard(1 - found.out_dim)
+    return found, _features(found.out_dim, pieces(dict(region.split)[linear]))
 
 
 def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
     """Why ``tp`` cannot split ``region`` evenly (None if it can)."""
     for linear in region.columns + region.rows:
-        weight = param_of(graph, graph.node(linear).refs[1].name)
+        found, placement = _weight_split(graph, region, linear)
+        weight = param_of(graph, found.weight.name)
         assert weight is not None  # a split linear's own parameter
-        placement = _weight_split(region, linear)
         dim = shard_dim(placement)
         assert dim is not None
         if not is_valid((placement,), weight.output.shape, (tp,)):
-            kind = "column" if dim == 0 else "row"
+            kind = "column" if linear in region.columns else "row"
             size, num = weight.output.shape[dim], pieces(placement)
             what = f"size {size}" if num == 1 else f"{num} pieces of {size // num}"
             return (
@@ -324,18 +362,20 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     )
     seeds = {}
 
-    def params(node: str, refs: slice = slice(1, None)) -> list[str]:
-        return [param_of(graph, r.name).name for r in graph.node(node).refs[refs]]  # type: ignore[union-attr]
+    def param(ref: Ref) -> str:
+        return param_of(graph, ref.name).name  # type: ignore[union-attr]
 
     for region in regions:
-        for column in region.columns:
-            placement = _weight_split(region, column)  # its bias alike
-            seeds.update({name: (placement, placement) for name in params(column)})
-        for row in region.rows:
-            weight, *bias = params(row)
-            seeds[weight] = (shard(1), shard(1))
-            seeds.update({b: (R, P) for b in bias})  # added on one rank: a partial sum
+        for linear in region.columns + region.rows:
+            found, placement = _weight_split(graph, region, linear)
+            seeds[param(found.weight)] = (placement, placement)
+            if found.bias is None:
+                continue
+            if linear in region.rows:
+                seeds[param(found.bias)] = (R, P)  # added on one rank: a partial sum
+            else:  # split as the output features
+                bias = _features(0, pieces(placement))
+                seeds[param(found.bias)] = (bias, bias)
     if embedding is not None:
-        (table,) = params(embedding.name, slice(0, 1))
-        seeds[table] = (shard(0), shard(0))  # its lookup a partial sum, all-reduced
+        seeds[param(embedding.refs[0])] = (shard(0), shard(0))  # its lookup a partial sum
     return seeds

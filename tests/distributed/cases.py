@@ -340,18 +340,22 @@ CASES = [
     ],
     # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
     # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
-    # head tied to its embedding, the one weight split alike for both
+    # head tied to its embedding, the one weight split alike for both; attention split by
+    # heads (their 2 key-value heads on tp=2, as Megatron's query groups); GPT-2's fused
+    # Conv1D qkv strided; with sequence parallelism, reduce-scatters and all-gathers
     *[
         Case(
             f"zoo-{model}-baseline-{name}",
             "zoo",
             {"model": model, "batch_size": 64, "seq_len": 32},
-            baseline_plan(dp=dp, tp=tp),
+            baseline_plan(dp=dp, tp=tp, sequence_parallel=name.endswith("sp")),
         )
         for model, name, dp, tp in (
-            ("llama", "tp", 1, 4),
             ("llama", "2x2", 2, 2),
-            ("gemma3", "tp", 1, 4),
+            ("llama", "2x2-sp", 2, 2),
+            ("gemma3", "2x2", 2, 2),
+            ("gpt2", "tp", 1, 4),
+            ("gpt2", "2x2-sp", 2, 2),
         )
     ],
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
