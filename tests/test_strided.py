@@ -39,12 +39,14 @@ def test_strided_redistribution_by_hand() -> None:
     assert redistribute(("S(0)x3",), ("R",), shape, 4, mesh) == (
         Collective("all_gather", (0,), full),
     )
-    # strided and plain splits of one dim hold different rows: moved as S(i) -> S(j)
-    assert redistribute(("S(0)x3",), ("S(0)",), shape, 4, mesh) == (
-        Collective("all_to_all", (0,), full // 4),
-    )
+    # strided and plain splits of one dim hold different rows: DTensor (measured with
+    # CommDebugMode) gathers the whole tensor, and reduces partial sums whole, then slices
+    for src, dst in (("S(0)x3", "S(0)"), ("S(0)", "S(0)x3")):
+        assert redistribute((src,), (dst,), shape, 4, mesh) == (
+            Collective("all_gather", (0,), full),
+        )
     assert redistribute(("P",), ("S(0)x3",), shape, 4, mesh) == (
-        Collective("reduce_scatter", (0,), full),
+        Collective("all_reduce", (0,), full),
     )
 
 
@@ -105,3 +107,39 @@ def test_strided_shard_is_each_ranks_share_of_every_piece() -> None:
     whole = torch.arange(12)
     shards = [placement._split_tensor(whole, 2, with_padding=False)[0][r] for r in range(2)]
     assert [s.tolist() for s in shards] == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
+
+
+def test_strided_redistributions_are_what_dtensor_issues() -> None:
+    """Each move to or from a strided split is priced as the collectives DTensor issues for
+    it (counted by CommDebugMode on 4 simulated ranks), and keeps the values."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoplan.execute.placements import to_dtensor
+
+    names = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather"}
+    names |= {"reduce_scatter_tensor": "reduce_scatter"}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with LocalTensorMode(4):  # each simulated rank's own copy of what is made in it
+            whole = torch.arange(24.0).reshape(24, 1)
+            mesh = init_device_mesh("cpu", (4,))
+            for src, dst in [("P", "S(0)x3"), ("S(0)x3", "S(0)"), ("S(0)", "S(0)x3"),
+                             ("S(0)x3", "R"), ("R", "S(0)x3")]:  # fmt: skip
+                a, b = to_dtensor({"x": src}, ["x"]), to_dtensor({"x": dst}, ["x"])
+                if src == "P":
+                    placed = DTensor.from_local(whole / 4, mesh, a, run_check=False)
+                else:
+                    placed = distribute_tensor(whole, mesh, a)
+                with CommDebugMode() as comms:
+                    moved = placed.redistribute(mesh, b)
+                issued = sorted(names[str(op).rpartition(".")[2]] for op in comms.get_comm_counts())
+                priced = sorted(c.kind for c in redistribute((src,), (dst,), (24, 1), 4, (4,)))
+                assert issued == priced, (src, dst)
+                assert torch.equal(moved.full_tensor(), whole), (src, dst)
+    finally:
+        dist.destroy_process_group()

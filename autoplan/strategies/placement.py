@@ -146,13 +146,17 @@ def _transition(
 ) -> Collective | None:
     """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes."""
     axes = (axis,)
+    # DTensor (2.13) moves to and from a strided split whole: P -> "S(d)xk" all-reduces, then
+    # slices; "S(d)xk" <-> "S(d)" gathers, then slices
+    plain = pieces(a) == 1 and pieces(b) == 1
     if a == P:
-        return Collective("all_reduce" if shard_dim(b) is None else "reduce_scatter", axes, before)
+        split = shard_dim(b) is not None and plain
+        return Collective("reduce_scatter" if split else "all_reduce", axes, before)
     if a == R:
         return None  # R -> S slices, R -> P keeps one copy: both local
     if shard_dim(b) is None:
         return Collective("all_gather", axes, after)
-    if all_to_all:
+    if all_to_all and plain:
         return Collective("all_to_all", axes, before)
     return Collective("all_gather", axes, before * mesh_shape[axis])  # gloo: gather, then chunk
 
