@@ -79,6 +79,31 @@ def test_gpt2_conv1d_projection_is_marked_through_addmm_and_view() -> None:
     assert marks[Ref("p_model_transformer_h_0_attn_c_attn_bias")] == {(0, 3)}
 
 
+class _FusedSwiGLU(torch.nn.Module):
+    """A SwiGLU's gate and up in one linear, then ``chunk``; and a GQA-like projection cut
+    into pieces of unequal widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Linear(8, 32, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+        self.qkv = torch.nn.Linear(8, 24, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        q, k, v = self.qkv(x).split_with_sizes([16, 4, 4], dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up) + q[..., :8] * (k * v).sum()
+
+
+def test_chunked_swiglu_is_marked_and_unequal_pieces_are_not() -> None:
+    graph = capture(_FusedSwiGLU(), (torch.randn(4, 6, 8),))
+    marks = strided.marks(graph, plain_rules)
+    # the gate|up weight's rows and the linear's output; not the 16 | 4 | 4 projection
+    assert marks == {Ref("p_model_gate_up_weight"): {(0, 2)}, Ref("linear"): {(2, 2)}}
+    chunk = strategy_space(graph, (2,))["chunk"].strategies
+    assert (("S(2)",), (("S(2)x2",),)) in {(s.output, s.inputs) for s in chunk}
+
+
 def test_fused_and_separate_qkv_priced_alike_at_tp8(a100: autoplan.Cluster) -> None:
     """4 blocks of d 4096, 32 heads, batch 1, 2048 tokens, bf16 on one 8-GPU node, mesh (8,):
     split strided, the fused projection's plan costs what the separate projections' does
