@@ -258,6 +258,8 @@ CASES = [
         GPT_FUSED,
         baseline_plan(dp=2, tp=2, sequence_parallel=True),
     ),
+    # ZeRO-3 on dp beside the strided split on tp: the qkv weight stored (S(1), S(0)x3)
+    Case("gpt-fused-baseline-zero3-2x2", "gpt", GPT_FUSED, baseline_plan(dp=2, tp=2, zero_stage=3)),
     Case("gpt-baseline-sp-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, sequence_parallel=True)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
     Case(
