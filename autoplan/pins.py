@@ -44,7 +44,7 @@ def _spec(value: str | Sequence[str], param: str) -> Spec:
     if not spec or bad:
         raise AutoplanError(
             f'pin for {param!r}: {value!r} is not a placement; write one of "R", "S(<dim>)" '
-            'per mesh axis, e.g. ("R", "S(0)") on a 2-D mesh'
+            '(or "S(<dim>)x<pieces>", strided) per mesh axis, e.g. ("R", "S(0)") on a 2-D mesh'
         )
     return spec
 

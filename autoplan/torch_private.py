@@ -13,6 +13,8 @@ the torch at hand has rather than comparing version numbers.
   decomposition into ops it has rules for); the executor runs the others on local tensors.
 - `register_single_dim_strategy` / `RuntimeSchemaInfo`: teach DTensor the CPU flash-attention
   op, which torch 2.13 has no rule for.
+- `StridedShard` (``_StridedShard(d, split_factor=k)``): a strided split "S(d)xk", each rank's
+  share of every one of ``k`` pieces (execute/placements.py).
 - `_MaskPartial`: the masked partial of a row-split embedding, which the planner must skip.
 - `from_local`: `DTensor.from_local` whose backward places the gradient as asked, which torch
   2.13 on takes as `grad_placements=` and torch 2.11 does not: there an autograd function of
@@ -86,6 +88,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -102,6 +105,7 @@ __all__ = [
     "MaskPartial",
     "RuntimeSchemaInfo",
     "ShardingPlaceholder",
+    "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
     "all_gather_single",

@@ -30,6 +30,7 @@ class GPTConfig:
     vocab_size: int
     seq_len: int
     eager_attention: bool = False  # separate ops, not F.scaled_dot_product_attention
+    fused_qkv: bool = False  # one qkv projection, then split (nanoGPT, HF GPT-2)
 
 
 # GPT-3 paper sizes (Brown et al. 2020, table 2.1); vocabulary padded to a multiple of 64
@@ -57,18 +58,22 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.eager = cfg.eager_attention
-        # separate projections (as in torchtitan's Llama) so heads split evenly across ranks;
+        # separate projections (as in torchtitan's Llama), or one fused as nanoGPT writes it
+        # (``qkv="fused"``: split by heads only as a strided split, docs/parallelisms.md);
         # no biases: the key bias has an exactly zero gradient (softmax ignores a constant
         # added to every key), whose rounding noise Adam would amplify into real updates
-        self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False) if cfg.fused_qkv else None
+        if self.qkv is None:
+            self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         shape = (b, t, self.num_heads, c // self.num_heads)
-        q, k, v = (f(x).view(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
+        qkv = self.qkv(x).split(c, dim=2) if self.qkv else (self.q(x), self.k(x), self.v(x))
+        q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)
         if self.eager:
             scores = q @ k.transpose(-2, -1) * (c // self.num_heads) ** -0.5
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
@@ -135,11 +140,14 @@ def workload(
     dtype: str = "float32",
     seed: int = 0,
     attention: str = "fused",
+    qkv: str = "separate",
 ) -> Workload:
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
     if attention not in ("fused", "eager"):
         raise ValueError(f"attention must be 'fused' or 'eager', got {attention!r}")
+    if qkv not in ("separate", "fused"):
+        raise ValueError(f"qkv must be 'separate' or 'fused', got {qkv!r}")
     cfg = SIZES[size]
     cfg = GPTConfig(
         num_layers=num_layers or cfg.num_layers,
@@ -148,6 +156,7 @@ def workload(
         vocab_size=vocab_size or cfg.vocab_size,
         seq_len=seq_len or cfg.seq_len,
         eager_attention=attention == "eager",
+        fused_qkv=qkv == "fused",
     )
     torch.manual_seed(seed)
     with torch.device(device):

@@ -569,6 +569,98 @@ def test_sequence_parallel_baseline_splits_the_sequence_between_regions(
     assert sequence.predicted.peak_memory_bytes < megatron.predicted.peak_memory_bytes
 
 
+def test_fused_qkv_gpt_baseline_splits_strided_as_megatron(cpu4: autoplan.Cluster) -> None:
+    """One qkv linear, then split: Megatron interleaves its weight so that each rank holds
+    its heads of q, k and v. Counted by hand, per block: two all-reduces of the (batch, seq,
+    dim) float32 activations forward (after each row linear) and two backward (each region's
+    input gradient); besides, the embedding's forward and the head's input gradient, and the
+    loss's two; with sequence parallelism each becomes a reduce-scatter / all-gather pair. The
+    same as the separate projections', collective for collective."""
+    layers, tokens = GPT["num_layers"], GPT["batch_size"] * GPT["seq_len"]
+    activation = tokens * 256 * 4  # "small": dim 256, float32
+    fused = example("gpt", **GPT, qkv="fused")
+    assert _regions_by_module(fused)[0] == (["blocks.0.attn.qkv"], ["blocks.0.attn.proj"])
+    for sequence in (False, True):
+        plans = {
+            qkv: example("gpt", **GPT, qkv=qkv).baseline(
+                cpu4, dp=1, tp=4, sequence_parallel=sequence
+            )
+            for qkv in ("separate", "fused")
+        }
+        plan = plans["fused"]
+        assert plan.params["blocks.0.attn.qkv.weight"].storage == {"tp": "S(0)x3"}
+        qkv_linear = next(n for n in plan.nodes.values() if n.module == "blocks.0.attn.qkv")
+        assert qkv_linear.output == {"tp": "S(2)x3"}
+        counted = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives)
+        # the vocabulary-parallel loss: its logits' max and sum of exponentials per token
+        loss = {("forward", "all_reduce", 4 * tokens): 1, ("forward", "all_reduce", 8 * tokens): 1}
+        if sequence:
+            assert counted == {
+                ("forward", "reduce_scatter", activation): 2 * layers + 1,
+                ("forward", "all_gather", activation): 2 * layers + 1,
+                ("backward", "reduce_scatter", activation): 2 * layers + 1,
+                ("backward", "all_gather", activation): 2 * layers + 1,
+                ("backward", "all_gather", activation // 4): 1,  # the loss's token split
+                ("grad_sync", "all_reduce", 10 * 256 * 4): 1,  # the norms' weights and biases
+                **loss,
+            }
+        else:
+            assert counted == {
+                ("forward", "all_reduce", activation): 2 * layers + 1,
+                ("backward", "all_reduce", activation): 2 * layers + 1,
+                **loss,
+            }
+        separate = plans["separate"].collectives
+        assert Counter((c.phase, c.kind, c.bytes) for c in separate) == counted
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_megatron_baseline_of_transformers_models_counted_by_hand(
+    cpu4: autoplan.Cluster, model: str
+) -> None:
+    """Megatron on dp=2 x tp=2 of transformers' Llama (separate q, k, v of 4 heads and 2
+    key-value heads, a mask given to attention, SwiGLU) and GPT-2 (Conv1D ``addmm``
+    projections, q|k|v fused: split strided). On the tp axis, per block: two all-reduces of
+    the (batch, seq, 64) float32 activations forward and two backward; besides, the word
+    embedding's forward, the head's input gradient, the loss's max and sum of exponentials;
+    with sequence parallelism, each all-reduce a reduce-scatter and an all-gather."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=8, seq_len=32)
+    layers, tokens = 2, 4 * 32  # a dp group's half of the batch
+    activation = tokens * 64 * 4
+    loss = {("forward", "all_reduce", 4 * tokens): 1, ("forward", "all_reduce", 8 * tokens): 1}
+    regions = _regions_by_module(w)
+    assert len(regions) == 2 * layers + 1  # attention and MLP of each block, the head
+    plan = w.baseline(cpu4, dp=2, tp=2)
+    if model == "gpt2":
+        c_attn = "transformer.h.0.attn.c_attn"
+        assert regions[0] == ([c_attn], ["transformer.h.0.attn.c_proj"])
+        assert plan.params[f"{c_attn}.weight"].storage == {"dp": "R", "tp": "S(1)x3"}
+        assert plan.params[f"{c_attn}.bias"].storage == {"dp": "R", "tp": "S(0)x3"}
+    else:
+        assert regions[0][1] == ["model.layers.0.self_attn.o_proj"]
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
+    assert on_tp == {
+        ("forward", "all_reduce", activation): 2 * layers + 1,
+        ("backward", "all_reduce", activation): 2 * layers + 1,
+        **loss,
+    }
+    sequence = w.baseline(cpu4, dp=2, tp=2, sequence_parallel=True)
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in sequence.collectives if c.axes == ("tp",))
+    forward = {
+        ("forward", "reduce_scatter", activation): 2 * layers + 1,
+        ("forward", "all_gather", activation): 2 * layers + 1,
+        **loss,
+    }
+    if model == "llama":
+        assert on_tp == {
+            **forward,
+            ("backward", "all_gather", activation): 2 * layers + 1,
+            ("backward", "reduce_scatter", activation): 2 * layers + 1,
+        }
+    else:  # backward, a Conv1D's gathered input gradient is all-reduced (docs/baselines.md)
+        assert {k: n for k, n in on_tp.items() if k[0] == "forward"} == forward
+
+
 def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
     # a 1.3B GPT's blocks, tensor parallel over 8 A100s: under a budget that Megatron's plan
     # (layer norms and residuals whole on every GPU) exceeds, the planner's fits by splitting

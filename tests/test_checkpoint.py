@@ -168,6 +168,34 @@ def test_buffers_forward_updates_are_saved_and_resumed(tmp_path: Path) -> None:
     assert state["calls"].item() == 4 and state["tokens_per_expert"].sum().item() == 4 * 16
 
 
+def test_a_strided_checkpoint_loads_under_another_plan_and_back(tmp_path: Path) -> None:
+    """A fused qkv stored strided ("S(0)x3": each rank's heads of q, k and v) is saved as the
+    logical tensor: 2 steps so, steps 3-4 resumed with it replicated, steps 5-6 resumed
+    strided again, each as many steps in one process (--check)."""
+    run = [
+        sys.executable, "-m", "autoplan.cli", "run", str(ROOT / "examples/gpt.py"),
+        "--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"), "--nproc", "2", "--mesh", "2",
+        "--set", "size=tiny", "--set", "num_layers=1", "--set", "batch_size=4",
+        "--set", "qkv=fused", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2",
+    ]  # fmt: skip
+    qkv = "blocks.0.attn.qkv.weight"
+    for steps, placement in ((2, "S(0)x3"), (4, "R"), (6, "S(0)x3")):
+        resume = ["--resume", "--check"] if steps > 2 else []
+        done = subprocess.run(
+            [*run, "--steps", str(steps), "--pin", f"{qkv}={placement}", *resume],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
+        out = done.stdout
+        assert done.returncode == 0, out[-2000:] + done.stderr[-2000:]
+        assert re.search(rf"{re.escape(qkv)} .*\[tp={re.escape(placement)}\]", out), out
+        if resume:
+            assert f"training steps {steps - 1}-{steps} on 2 processes" in out
+            assert out.rstrip().endswith("OK")
+
+
 def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 

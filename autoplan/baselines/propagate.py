@@ -29,7 +29,7 @@ from autoplan.strategies.float32_grads import (
     check_copies_read_as_placed,
     weight_copies,
 )
-from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+from autoplan.strategies.placement import P, R, Spec, pieces, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
 from autoplan.strategies.zero_state import state_specs
@@ -83,16 +83,19 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
 def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
     """ZeRO-1/2's optimizer state of a parameter stored ``stored`` on mesh `mesh_of`: split
     further along the dp axis (the first) alone, as `autoplan.strategies.zero_state` splits it; None
-    where no dim divides."""
+    where no dim divides, or the parameter is stored strided (a fused projection's: the
+    planner keeps such a state as stored too)."""
+    if any(pieces(p) > 1 for p in stored):
+        return None
     mesh_shape = mesh_of(layout.dp, layout.tp)
     found = state_specs(stored, node.output.shape, mesh_shape)
     return next((s for s in found if s[1:] == stored[1:]), None)
 
 
 def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
-    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp
-    (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to whoever asked for the
-    baseline."""
+    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp, or (ZeRO-1/2)
+    the parameter is stored strided (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to
+    whoever asked for the baseline."""
     on_tp = tp_seeds(graph, layout.tp) if layout.tp > 1 else {}
 
     def whole(node: Node) -> bool:
@@ -166,6 +169,10 @@ def _propagated(
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if rule is None and sequence and node.op in _VIEWS:
+            # a view that no rule keeps split (a Conv1D's flattening of batch and sequence)
+            # reads the sequence gathered, as Megatron gathers it before a column linear
+            rule = (R,) * (1 + len(ins))
         if rule is None and node.kind == NodeKind.OP:
             # a whole activation read split is sliced on each rank, with no communication:
             # an attention mask or a label made whole follows the batch as DDP's would
@@ -174,9 +181,23 @@ def _propagated(
         read[node.name] = placed[node.name][0]
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
         if read[node.name] == P and param_of(graph, node.name) is None:
-            split = sequence and len(node.outputs[0].shape) >= 3
-            read[node.name] = shard(1) if split else R
+            read[node.name] = _partial_read(graph, node, sequence)
     return placed
+
+
+_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
+    """How ops read ``node``'s partial sums: all-reduced, or with ``sequence`` reduce-scattered
+    along the sequence (dim 1 of (batch, seq, ...)); a Conv1D's (tokens, features) read by
+    views alone stays partial, to be reduce-scattered once viewed as (batch, seq, features)."""
+    if not sequence:
+        return R
+    if len(node.outputs[0].shape) >= 3:
+        return shard(1)
+    users = graph.users(node.name)
+    return P if users and all(graph.node(u).op in _VIEWS for u in users) else R
 
 
 def baseline_strategies(

@@ -1,9 +1,11 @@
 """Megatron's tensor-parallel regions: which linears a baseline splits on the ``tp`` axis.
 
 On the ``tp`` axis, which linears Megatron splits is found in the traced graph, not from
-parameter names. Activations outside a tensor-parallel *region* are replicated. A region
-starts at *column* linears (``aten.linear`` reading an activation outside any region: the
-residual stream, a normalized activation, an input); their output is split along its last
+parameter names. A linear is ``aten.linear`` of a parameter weight (out, in), or the
+``addmm`` of transformers' Conv1D (GPT-2: bias, activation, a parameter weight (in, out)).
+Activations outside a tensor-parallel *region* are replicated. A region starts at *column*
+linears (linears reading an activation outside any region: the residual stream, a normalized
+activation, an input); their output is split along its last
 dim. The split follows every op that has a rule taking the split inputs, with its other inputs
 replicated, to a split output: views and transposes that keep the split dim whole, attention
 over split heads, activation functions, products of two split tensors. A region ends at *row*
@@ -24,12 +26,15 @@ read by it alone, or tied to a split head) is split along the vocabulary, ``S(0)
 Megatron's VocabParallelEmbedding: each rank looks up its rows, and the partial sums are
 all-reduced.
 
-Limits: only ``aten.linear`` is split, not ``matmul`` with a parameter or convolutions; a
+A fused projection whose output is split into equal pieces along its features (one ``qkv``
+linear, then ``split`` or ``chunk``; a SwiGLU's gate|up) is split strided, as Megatron
+interleaves it: its weight and bias ``S(0)xk``, each rank's share of each of the ``k`` pieces,
+and every piece then split plainly (`autoplan.strategies.strided`).
+
+Limits: only linears are split, not ``matmul`` with a parameter or convolutions; a
 parameter read inside a region by anything but its linears breaks the region (a head tied
-to its embedding through mixed precision's casts stays whole); a fused projection chunked
-along its features (one ``qkv`` linear, then ``chunk``) stays replicated, since a plain row
-split of its weight would mix the pieces (Megatron interleaves them); no sequence
-parallelism.
+to its embedding through mixed precision's casts stays whole); a fused projection cut into
+unequal pieces (grouped-query attention's q|k|v) stays replicated.
 """
 
 from __future__ import annotations
@@ -43,14 +48,16 @@ import networkx as nx
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
-from autoplan.strategies.placement import P, R, shard, shard_dim
+from autoplan.strategies.placement import P, R, is_valid, pieces, shard, shard_dim, strided
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import axis_rules
+from autoplan.strategies.space import axis_rules, plain_rules
+from autoplan.strategies.strided import marks as fused_marks
 
 log = logging.getLogger(__name__)
 
 LINEAR = "aten.linear.default"
 CAST = "aten._to_copy.default"
+ADDMM = "aten.addmm.default"
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
 
@@ -61,7 +68,9 @@ class TpRegion:
 
     columns: tuple[str, ...]  # linear node names, in graph order
     rows: tuple[str, ...]
-    split: tuple[tuple[str, int], ...]  # (node, dim) of every split activation inside
+    # (node, placement) of every split activation inside: "S(d)", or "S(d)xk" for a fused
+    # projection's output of k pieces
+    split: tuple[tuple[str, str], ...]
     losses: tuple[str, ...] = ()  # cross-entropies over the split vocabulary
 
 
@@ -103,12 +112,37 @@ def rule_moving(
     return rules[min(ranked)[2]] if ranked else None
 
 
-def _own_params(graph: Graph, node: Node, refs: Sequence[Ref] | None = None) -> bool:
-    """The linear's weight (and bias), or ``refs``, are parameters that no other op reads
-    (in mixed precision, each through its own cast)."""
+@dataclass(frozen=True)
+class Projection:
+    """A linear's tensors: its activation, its weight and bias (parameters, or their casts)."""
+
+    x: Ref
+    weight: Ref
+    bias: Ref | None
+    out_dim: int  # the weight's dim of output features: 0 (out, in), 1 for a Conv1D's (in, out)
+
+    @property
+    def params(self) -> tuple[Ref, ...]:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+
+def projection(graph: Graph, node: Node) -> Projection | None:
+    """``node`` as a linear (``aten.linear``, or a Conv1D's plain ``addmm`` of a 1-dim bias and
+    a weight, both parameters), else None."""
+    if node.op == LINEAR and len(node.refs) in (2, 3):
+        return Projection(node.refs[0], node.refs[1], (node.refs[2:] or [None])[0], 0)
+    if node.op != ADDMM or len(node.refs) != 3 or node.kwargs or len(node.args) != 3:
+        return None  # beta or alpha given: not a Conv1D
+    bias, x, weight = node.refs
+    params = param_of(graph, bias.name) is not None and param_of(graph, weight.name) is not None
+    return Projection(x, weight, bias, 1) if params and len(graph.tensor(bias).shape) == 1 else None
+
+
+def _own_params(graph: Graph, node: Node, refs: Sequence[Ref]) -> bool:
+    """``refs`` (a linear's weight and bias) are parameters that no other op reads (in mixed
+    precision, each through its own cast)."""
     return all(
-        param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,)
-        for r in (node.refs[1:] if refs is None else refs)
+        param_of(graph, r.name) is not None and graph.users(r.name) == (node.name,) for r in refs
     )
 
 
@@ -137,20 +171,31 @@ def param_of(graph: Graph, name: str) -> Node | None:
     return source if source.kind == NodeKind.PARAM and graph.users(source.name) == (name,) else None
 
 
-def _is_row(graph: Graph, node: Node, split: Mapping[str, int]) -> bool:
+def _is_row(graph: Graph, node: Node, split: Mapping[str, str]) -> bool:
     """A linear whose only split input is its activation, split along the contracted dim."""
-    x = node.refs[0].name
+    found = projection(graph, node)
+    if found is None:
+        return False
+    x = found.x.name
     return (
-        node.op == LINEAR
-        and [r.name for r in node.refs if r.name in split] == [x]
-        and split[x] == len(graph.node(x).outputs[0].shape) - 1
-        and _own_params(graph, node)
+        [r.name for r in node.refs if r.name in split] == [x]
+        and split[x] == shard(len(graph.tensor(found.x).shape) - 1)
+        and _own_params(graph, node, found.params)
     )
+
+
+def _column_output(graph: Graph, node: Node) -> str:
+    """How a column linear's output is split: along its features, strided where they are
+    cut into equal pieces (one way only) for the ops after it."""
+    last = len(node.output.shape) - 1
+    marks = fused_marks(graph, plain_rules).get(Ref(node.name), frozenset())
+    cut = [num for d, num in marks if d == last]
+    return strided(last, cut[0]) if len(marks) == 1 and cut else shard(last)
 
 
 def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
-    split: dict[str, int] = {}  # activation inside a region -> its split dim
+    split: dict[str, str] = {}  # activation inside a region -> its placement
     columns: set[str] = set()
     regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
     region_of: dict[str, str] = {}  # split activation or row linear -> a column of its region
@@ -163,14 +208,16 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             continue
         inside = [r.name for r in node.refs if r.name in split]
         if not inside:
-            x = graph.node(node.refs[0].name) if node.refs else None
+            found = projection(graph, node) if node.kind == NodeKind.OP else None
             if (
-                node.op == LINEAR
-                and x is not None
-                and x.kind != NodeKind.PARAM
-                and (_own_params(graph, node) or tied_embedding(graph, node) is not None)
+                found is not None
+                and graph.node(found.x.name).kind != NodeKind.PARAM
+                and (
+                    _own_params(graph, node, found.params)
+                    or tied_embedding(graph, node) is not None
+                )
             ):
-                split[node.name] = len(node.output.shape) - 1
+                split[node.name] = _column_output(graph, node)
                 columns.add(node.name)
                 region_of[node.name] = node.name
             continue
@@ -180,16 +227,15 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             rows.add(node.name)  # its output is replicated again (after the all-reduce)
             region_of[node.name] = region
             continue
-        ins = tuple(shard(split[r.name]) if r.name in split else R for r in node.refs)
+        ins = tuple(split.get(r.name, R) for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
-        dim = shard_dim(rule[0]) if rule is not None else None
         if node.op == CROSS_ENTROPY and rule is not None and rule[0] == R:
             losses.add(node.name)  # on the vocabulary's shards, the whole loss out
             region_of[node.name] = region
-        elif dim is None:
+        elif rule is None or shard_dim(rule[0]) is None:
             broken.add(region)
         else:
-            split[node.name] = dim
+            split[node.name] = rule[0]
             region_of[node.name] = region
 
     members: dict[str, list[str]] = {}
@@ -210,23 +256,44 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     return tuple(regions)
 
 
+def _features(dim: int, num: int) -> str:
+    return strided(dim, num) if num > 1 else shard(dim)
+
+
+def _weight_split(graph: Graph, region: TpRegion, linear: str) -> tuple[Projection, str]:
+    """``linear``'s tensors, and how ``region`` splits its weight: a row linear's along its
+    input features; a column linear's along its output features, strided as its output
+    ("S(0)xk") where that is cut into pieces."""
+    found = projection(graph, graph.node(linear))
+    assert found is not None  # a split linear
+    if linear in region.rows:
+        return found, shard(1 - found.out_dim)
+    return found, _features(found.out_dim, pieces(dict(region.split)[linear]))
+
+
 def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
     """Why ``tp`` cannot split ``region`` evenly (None if it can)."""
-    for linear, dim in [(c, 0) for c in region.columns] + [(r, 1) for r in region.rows]:
-        weight = param_of(graph, graph.node(linear).refs[1].name)
+    for linear in region.columns + region.rows:
+        found, placement = _weight_split(graph, region, linear)
+        weight = param_of(graph, found.weight.name)
         assert weight is not None  # a split linear's own parameter
-        size = weight.output.shape[dim]
-        if size % tp:
-            kind = "column" if dim == 0 else "row"
+        dim = shard_dim(placement)
+        assert dim is not None
+        if not is_valid((placement,), weight.output.shape, (tp,)):
+            kind = "column" if linear in region.columns else "row"
+            size, num = weight.output.shape[dim], pieces(placement)
+            what = f"size {size}" if num == 1 else f"{num} pieces of {size // num}"
             return (
-                f"tp={tp} does not divide dim {dim} (size {size}) of parameter "
+                f"tp={tp} does not divide dim {dim} ({what}) of parameter "
                 f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
                 "choose a tp that divides it"
             )
-    for name, dim in region.split:
+    for name, placement in region.split:
         node = graph.node(name)
+        dim = shard_dim(placement)
+        assert dim is not None
         size = node.outputs[0].shape[dim]
-        if size % tp:
+        if not all(is_valid((placement,), out.shape, (tp,)) for out in node.outputs):
             where = node.module_path or "the top-level module"
             return (
                 f"tp={tp} does not divide dim {dim} (size {size}) of {node.op} in {where}, "
@@ -295,17 +362,20 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     )
     seeds = {}
 
-    def params(node: str, refs: slice = slice(1, None)) -> list[str]:
-        return [param_of(graph, r.name).name for r in graph.node(node).refs[refs]]  # type: ignore[union-attr]
+    def param(ref: Ref) -> str:
+        return param_of(graph, ref.name).name  # type: ignore[union-attr]
 
     for region in regions:
-        for column in region.columns:
-            seeds.update({name: (shard(0), shard(0)) for name in params(column)})
-        for row in region.rows:
-            weight, *bias = params(row)
-            seeds[weight] = (shard(1), shard(1))
-            seeds.update({b: (R, P) for b in bias})  # added on one rank: a partial sum
+        for linear in region.columns + region.rows:
+            found, placement = _weight_split(graph, region, linear)
+            seeds[param(found.weight)] = (placement, placement)
+            if found.bias is None:
+                continue
+            if linear in region.rows:
+                seeds[param(found.bias)] = (R, P)  # added on one rank: a partial sum
+            else:  # split as the output features
+                bias = _features(0, pieces(placement))
+                seeds[param(found.bias)] = (bias, bias)
     if embedding is not None:
-        (table,) = params(embedding.name, slice(0, 1))
-        seeds[table] = (shard(0), shard(0))  # its lookup a partial sum, all-reduced
+        seeds[param(embedding.refs[0])] = (shard(0), shard(0))  # its lookup a partial sum
     return seeds

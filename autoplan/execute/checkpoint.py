@@ -25,6 +25,11 @@ verifies the newest checkpoint against its manifest; a damaged one is reported (
 naming the file) and the newest intact one before it is loaded instead.
 Every rank reads and writes the same directory: on several nodes it must be on a shared file
 system (as DCP's own file writer assumes).
+
+DCP writes each rank's shard as one block of the logical tensor, and refuses a strided split
+(a fused projection's "S(d)xk": torch 2.13 sees overlapping chunks). Such a tensor is saved
+redistributed to the plain split of the same dim, and loaded so, then redistributed back
+(`_unstrided`, `_restrided`): the checkpoint holds the logical tensor, as under any plan.
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import AutoplanError, CheckpointError
 from autoplan.execute.manifest import PROGRESS, damage, write_manifest
+from autoplan.torch_private import StridedShard
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +194,33 @@ def _local(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not v.is_meta}
 
 
+def _strided(value: Any) -> bool:
+    return isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements)
+
+
+def _unstrided(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each DTensor split strided redistributed to plain splits of its dims
+    (a new tensor; the others as they are)."""
+    found = {}
+    for key, value in state.items():
+        if _strided(value):
+            plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
+            value = value.redistribute(value.device_mesh, plain)
+        found[key] = value
+    return found
+
+
+def _restrided(loaded: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
+    """``loaded`` (`_unstrided` of ``like``, loaded into) with each tensor split strided in
+    ``like`` placed so again."""
+    return {
+        key: value.redistribute(value.device_mesh, like[key].placements)
+        if _strided(like[key])
+        else value
+        for key, value in loaded.items()
+    }
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
@@ -243,9 +277,9 @@ def save(
         (tmp / PROGRESS).write_text(progress)
 
     _rank0_then_all(start)
-    state: dict[str, Any] = {"model": _local(_model_state(model))}
+    state: dict[str, Any] = {"model": _unstrided(_local(_model_state(model)))}
     if optimizer.state:  # before the first step there is nothing to save (nor to init)
-        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state["optim"] = _unstrided(get_optimizer_state_dict(model, optimizer, options=_FLAT))
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     except dcp.CheckpointException as e:  # a BaseException: a user's `except Exception` misses it
@@ -322,13 +356,14 @@ def load(
             f"({type(e).__name__}: {e}); remove {path} to resume from the checkpoint before it"
         ) from None
     whole = _model_state(model)
-    state: dict[str, Any] = {"model": _local(whole)}
+    held = _local(whole)
+    state: dict[str, Any] = {"model": _unstrided(held)}
     template: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
     if any(k.startswith("optim.") for k in saved):
         template = get_optimizer_state_dict(model, optimizer, options=_FLAT)
-        state["optim"] = {
-            k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION
-        }
+        optim = {k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION}
+        state["optim"] = _unstrided(optim)
     # every stage's shapes are checked on every rank (a pipeline rank has meta tensors of the
     # others')
     wanted = {f"model.{k}": v for k, v in whole.items()}
@@ -339,8 +374,13 @@ def load(
         dcp.load(state, storage_reader=reader)
     except dcp.CheckpointException as e:
         raise CheckpointError(f"loading checkpoint {path} failed ({_failures(e)})") from None
+    with torch.no_grad():  # the parameters loaded in place, those split strided here
+        for key, value in _restrided(state["model"], held).items():
+            if _strided(value):
+                held[key].copy_(value)
     if template:
-        set_optimizer_state_dict(model, optimizer, {**template, **state["optim"]}, options=_FLAT)
+        loaded = _restrided(state["optim"], optim)
+        set_optimizer_state_dict(model, optimizer, {**template, **loaded}, options=_FLAT)
     _set_rng_state(progress["rng"])
     log.info("loaded checkpoint %s (step %d)", path, progress["step"])
     return Restored(progress["step"], progress["extra"], path, progress.get("world_size"))

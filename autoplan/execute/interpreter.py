@@ -35,12 +35,14 @@ from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
     SIZED,
+    SPLITS,
     Summed,
     call_op,
     class_weights,
     local_cross_entropy,
     local_embedding,
     local_shape,
+    local_split,
     local_total_weight,
     reduction,
     runs_locally,
@@ -126,10 +128,9 @@ class Arguments:
     slots: tuple[int | str, ...] | None
 
     @classmethod
-    def of(
-        cls, node: torch.fx.Node, device: torch.device, shape: list[int] | None = None
-    ) -> Arguments:
-        """``shape``: a local view's or factory's size argument, in place of the traced one."""
+    def of(cls, node: torch.fx.Node, device: torch.device, shape: Any = None) -> Arguments:
+        """``shape``: a local view's or factory's size argument, or a local split's pieces, in
+        place of the traced one."""
         args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
         # graphs traced on the meta device carry device=meta in factory calls
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
@@ -210,6 +211,8 @@ class PlanInterpreter:
                 self.local.add(name)
                 if fx_node.target in SIZED:  # a local view's or factory's size argument
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
+                elif fx_node.target in SPLITS:  # a local split's pieces
+                    shape = local_split(fx_node, self.inputs[name][0], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
         # local embeddings and cross-entropies with the vocabulary split: this rank's piece
         self.vocab: dict[str, VocabShard] = {

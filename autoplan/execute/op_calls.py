@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.execute.placements import split_dim
 from autoplan.execute.vocab import (
     CROSS_ENTROPY,
     EMBEDDING,
@@ -280,21 +281,18 @@ PARTIAL_SUMS = MEANS | {
     _aten.matmul.default,
     _aten.histc.default,
 }
-# splits along a dim that stays whole: linear, so partial sums in are partial sums out; run
-# as DTensor ops, an output that no op reads would get a plain zero gradient in backward, which
-# their backward (a cat) refuses to mix with the others' DTensor gradients (CvT's class token)
-SPLITS = {
-    _aten.split.Tensor,
-    _aten.split_with_sizes.default,
-}
+# splits into pieces, their size argument (args[1]) made local (`local_split`): linear, so
+# partial sums in are partial sums out; run as DTensor ops, an output that no op reads would
+# get a plain zero gradient in backward, which their backward (a cat) refuses to mix with the
+# others' DTensor gradients (CvT's class token)
+SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.chunk.default}
 # a list of tensors, placed alike: sort's and topk's values and indices split along a dim they
-# do not sort; the pieces of a split
-MULTI_OUTPUT = {
+# do not sort; a split's pieces
+MULTI_OUTPUT = SPLITS | {
     _aten.broadcast_tensors.default,
     _aten.sort.default,
     _aten.sort.stable,
     _aten.topk.default,
-    *SPLITS,
 }
 # views, and factories of a tensor's dtype and device, whose size argument (args[1]) is the
 # global shape: made local from the planned output. A factory's input is read for its dtype
@@ -369,6 +367,25 @@ def local_shape(
     """This rank's shape of ``node``'s output (a view's size argument, made local)."""
     shape = list(node.meta["val"].shape)
     for placement, size in zip(output, mesh_shape, strict=True):
-        if isinstance(placement, Shard):
-            shape[placement.dim] //= size
+        d = split_dim(placement)
+        if d is not None:
+            shape[d] //= size
     return shape
+
+
+def local_split(
+    node: torch.fx.Node, input_placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> Any:
+    """A split's size argument for this rank's shard of its input: the pieces' sizes along a
+    dim the input is split along (strided: each rank holds its share of every piece), made
+    local; a chunk's count as it is."""
+    dim = int(_arg(node, 2, "dim", 0)) % node.args[0].meta["val"].dim()  # type: ignore[union-attr]
+    parts = math.prod(
+        size for p, size in zip(input_placements, mesh_shape, strict=True) if split_dim(p) == dim
+    )
+    sizes: Any = node.args[1]
+    if node.target is _aten.chunk.default:
+        return sizes
+    if isinstance(sizes, list | tuple):
+        return [int(s) // parts for s in sizes]
+    return int(sizes) // parts

@@ -1,4 +1,7 @@
-"""Between plan placements ("R", "S(d)", "P") and DTensor placements."""
+"""Between plan placements ("R", "S(d)", "S(d)xk", "P") and DTensor placements: a strided
+split "S(d)xk" is DTensor's ``_StridedShard(d, split_factor=k)``, whose shard of a tensor of
+``k`` pieces is rank r's share of each (torch 2.13: distributed, redistributed to and from
+"R" and "S(d)", made from a local shard)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autoplan.strategies.placement import P, R, fitted, shard, shard_dim
+from autoplan.strategies.placement import P, R, fitted, pieces, shard, shard_dim, strided
+from autoplan.torch_private import StridedShard
 
 
 def to_dtensor(spec: Mapping[str, str], axes: Sequence[str]) -> tuple[Placement, ...]:
@@ -32,6 +36,8 @@ def boundary_placements(
 @functools.cache
 def _placement(text: str) -> Placement:
     d = shard_dim(text)
+    if d is not None and pieces(text) > 1:
+        return StridedShard(d, split_factor=pieces(text))
     if d is not None:
         return Shard(d)
     return Partial() if text == P else Replicate()
@@ -40,7 +46,9 @@ def _placement(text: str) -> Placement:
 def from_dtensor(placements: Sequence[Placement]) -> tuple[str, ...]:
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if isinstance(p, StridedShard):
+            out.append(strided(p.dim, int(p.split_factor)))
+        elif isinstance(p, Shard):
             out.append(shard(p.dim))
         elif isinstance(p, Partial):
             out.append(P)
@@ -60,3 +68,9 @@ def reachable(current: Sequence[Placement], target: Sequence[Placement]) -> tupl
         (c if isinstance(c, Partial) else Partial()) if isinstance(t, Partial) else t
         for c, t in zip(current, target, strict=True)
     )
+
+
+def split_dim(placement: Placement) -> int | None:
+    """The tensor dim ``placement`` splits, plainly or strided; None for a whole or partial
+    tensor."""
+    return placement.dim if isinstance(placement, Shard | StridedShard) else None

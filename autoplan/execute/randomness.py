@@ -19,8 +19,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.execute.placements import split_dim
 
 
 def is_random(node: torch.fx.Node) -> bool:
@@ -35,7 +36,7 @@ def shard_index(mesh: DeviceMesh, placements: Sequence[Placement]) -> int | None
     assert coordinate is not None, "this rank is not in the mesh"
     index, split = 0, False
     for placement, at, size in zip(placements, coordinate, mesh.shape, strict=True):
-        if isinstance(placement, Shard):
+        if split_dim(placement) is not None:
             index, split = index * size + at, True
     return index if split else None
 

@@ -186,7 +186,7 @@ def _check_param_placements(plan: Plan) -> None:
                 if field in ("storage", "state") and d is None and placement != R:
                     raise PlanFormatError(
                         f"{what} is {placement} on axis {axis}: a parameter is stored split "
-                        '("S(d)") or whole ("R"), not as partial sums'
+                        '("S(d)", "S(d)xk") or whole ("R"), not as partial sums'
                     )
                 if d is not None and d >= len(p.shape):
                     raise PlanFormatError(

@@ -364,7 +364,7 @@ def _placements(f: JsonField, axes: tuple[str, ...]) -> Placements:
             raise f.problem(f"{axis!r} is not a mesh axis; the mesh has {', '.join(axes)}")
         text = placement.text()
         if not is_placement(text):
-            raise placement.fail('a placement: "R", "P" or "S(<dim>)"')
+            raise placement.fail('a placement: "R", "P", "S(<dim>)" or "S(<dim>)x<pieces>"')
         found[axis] = text
     if set(found) != set(axes):
         raise f.fail(f"a placement for every mesh axis ({', '.join(axes)})")

@@ -1,7 +1,7 @@
 """The plan: a versioned, human-readable record of every decision and its predicted cost.
 
 Plans are plain frozen data made of the sections in `autoplan.planfile.sections`. Placements
-are keyed by mesh-axis name and written as "R", "P" or "S(d)". `Plan.to_json`, `Plan.save`
+are keyed by mesh-axis name and written as "R", "P", "S(d)" or "S(d)xk". `Plan.to_json`, `Plan.save`
 and `Plan.from_json` turn a plan into canonical JSON and back through `autoplan.planfile.io`,
 which validates every field, builds the sections and returns the plan's fields; the reader
 never imports this module, so the imports run one way.

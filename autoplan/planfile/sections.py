@@ -1,9 +1,9 @@
 """The sections of a plan (`autoplan.planfile.schema.Plan`): its provenance, mesh, stages,
 pipeline, parameters, nodes, collectives and predictions, each a plain frozen dataclass.
 
-Placements are keyed by mesh-axis name and written as "R", "P" or "S(d)". The sections live
-apart from `Plan` so that the plan file's reader (`autoplan.planfile.io`) can build them
-without importing the plan, which imports the reader.
+Placements are keyed by mesh-axis name and written as "R", "P", "S(d)" or "S(d)xk" (strided).
+The sections live apart from `Plan` so that the plan file's reader (`autoplan.planfile.io`)
+can build them without importing the plan, which imports the reader.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PLAN_VERSION = 5
 # the phases issued once per step, not per microbatch
 ONCE_PER_STEP = (Phase.GRAD_SYNC, Phase.UPDATE)
 
-Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)"
+Placements = Mapping[str, str]  # mesh-axis name -> "R" | "P" | "S(d)" | "S(d)xk"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
 """Placements of a tensor over a logical mesh, and the collectives that change them.
 
 A placement on one mesh axis is "R" (replicated), "P" (partial sums: the value is the sum over
-the axis) or "S(d)" (split along tensor dim ``d``). A `Spec` is one placement per mesh axis.
+the axis), "S(d)" (split along tensor dim ``d``) or "S(d)xk", a strided split: dim ``d`` is
+``k`` equal pieces side by side (a fused projection's q|k|v) and each rank holds its share of
+every piece, rank r of n the rows [j*w + r*w/n, j*w + (r+1)*w/n) of piece j of width w
+(Megatron's interleaved layout; DTensor's ``_StridedShard(d, split_factor=k)``). Chunked into
+its pieces, each piece is plainly "S(d)", with no communication. A `Spec` is one placement per
+mesh axis.
 """
 
 from __future__ import annotations
@@ -15,17 +20,30 @@ Spec = tuple[str, ...]
 
 R = "R"
 P = "P"
-_SHARD = re.compile(r"^S\((\d+)\)$")
+_SHARD = re.compile(r"^S\((\d+)\)(?:x([2-9]|[1-9]\d+))?$")
 
 
 def shard(dim: int) -> str:
     return f"S({dim})"
 
 
+def strided(dim: int, pieces: int) -> str:
+    """The strided split of dim ``dim`` made of ``pieces`` equal pieces."""
+    return f"S({dim})x{pieces}"
+
+
 @functools.cache  # a handful of distinct placements, asked about millions of times
 def shard_dim(placement: str) -> int | None:
+    """The dim ``placement`` splits, plainly or strided; None for "R" and "P"."""
     m = _SHARD.match(placement)
     return int(m.group(1)) if m else None
+
+
+@functools.cache
+def pieces(placement: str) -> int:
+    """How many pieces a strided split takes its share of; 1 for any other placement."""
+    m = _SHARD.match(placement)
+    return int(m.group(2)) if m and m.group(2) else 1
 
 
 def is_placement(text: str) -> bool:
@@ -61,12 +79,16 @@ def shard_factors(spec: Spec, ndim: int, mesh_shape: tuple[int, ...]) -> list[in
 
 @functools.lru_cache(maxsize=2**16)
 def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
-    """Every split dim exists and divides evenly (uneven shards are not planned)."""
-    for placement in spec:
-        d = shard_dim(placement)
-        if d is not None and d >= len(shape):
-            return False
+    """Every split dim exists and divides evenly (uneven shards are not planned); a strided
+    split's every piece divides evenly, and no other mesh axis splits its dim."""
+    dims = [shard_dim(placement) for placement in spec]
+    if any(d is not None and d >= len(shape) for d in dims):
+        return False
     factors = shard_factors(spec, len(shape), mesh_shape)
+    for placement, d in zip(spec, dims, strict=True):
+        k = pieces(placement)
+        if k > 1 and (dims.count(d) > 1 or shape[d] % (k * factors[d])):  # type: ignore[index]
+            return False
     return all(s % f == 0 for s, f in zip(shape, factors, strict=True))
 
 
@@ -124,13 +146,17 @@ def _transition(
 ) -> Collective | None:
     """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes."""
     axes = (axis,)
+    # DTensor (2.13) moves to and from a strided split whole: P -> "S(d)xk" all-reduces, then
+    # slices; "S(d)xk" <-> "S(d)" gathers, then slices
+    plain = pieces(a) == 1 and pieces(b) == 1
     if a == P:
-        return Collective("all_reduce" if shard_dim(b) is None else "reduce_scatter", axes, before)
+        split = shard_dim(b) is not None and plain
+        return Collective("reduce_scatter" if split else "all_reduce", axes, before)
     if a == R:
         return None  # R -> S slices, R -> P keeps one copy: both local
     if shard_dim(b) is None:
         return Collective("all_gather", axes, after)
-    if all_to_all:
+    if all_to_all and plain:
         return Collective("all_to_all", axes, before)
     return Collective("all_gather", axes, before * mesh_shape[axis])  # gloo: gather, then chunk
 

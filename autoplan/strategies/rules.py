@@ -18,9 +18,7 @@ Rule = Callable[[Node, Sequence[TensorInfo]], list[AxisRule]]
 
 
 def _arg(node: Node, index: int, name: str, default: object) -> object:
-    if len(node.args) > index:
-        return node.args[index]
-    return dict(node.kwargs).get(name, default)
+    return node.args[index] if len(node.args) > index else dict(node.kwargs).get(name, default)
 
 
 def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -38,11 +36,13 @@ def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # q, k, v: (..., heads, seq, head_dim); any dim before seq (batch, heads) may be split.
+    # q, k, v: (..., heads, seq, head_dim); any dim before seq (batch, heads) may be split, and
+    # a mask's with it, but where the mask is broadcast (one for every head: whole)
     q = ins[0]
     rules: list[AxisRule] = []
     for d in range(len(q.shape) - 2):
-        rules.append((shard(d), *[shard(d) if len(t.shape) == len(q.shape) else R for t in ins]))
+        split = [len(t.shape) == len(q.shape) and t.shape[d] == q.shape[d] for t in ins]
+        rules.append((shard(d), *[shard(d) if s else R for s in split]))
     return rules
 
 

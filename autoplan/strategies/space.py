@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.modes import NodeKind
-from autoplan.strategies import dtensor_rules
+from autoplan.strategies import dtensor_rules, strided
 from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
@@ -26,6 +26,7 @@ from autoplan.strategies.placement import (
     grad_spec,
     is_valid,
     on_mesh,
+    pieces,
     replicated,
     shard,
     without_partial,
@@ -77,12 +78,14 @@ class NodeStrategies:
     source: str  # "ours" | "dtensor" | "replicated" | "storage" | "data" | "output"
 
 
-def _all_shardings(shape: tuple[int, ...]) -> list[str]:
-    return [R, *(shard(d) for d in range(len(shape)) if shape[d] > 1)]
+def _all_shardings(shape: tuple[int, ...], strided_options: Sequence[str] = ()) -> list[str]:
+    return [R, *(shard(d) for d in range(len(shape)) if shape[d] > 1), *strided_options]
 
 
-def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    options = _all_shardings(info.shape)
+def _storage_strategies(
+    info: TensorInfo, mesh_shape: tuple[int, ...], strided_options: Sequence[str] = ()
+) -> list[Strategy]:
+    options = _all_shardings(info.shape, strided_options)
     per_axis = [options if size > 1 else [R] for size in mesh_shape]
     return [
         Strategy(spec, ())
@@ -94,12 +97,14 @@ def _storage_strategies(info: TensorInfo, mesh_shape: tuple[int, ...]) -> list[S
 def _zero_strategies(
     node: Node, stored: Sequence[Strategy], mesh_shape: tuple[int, ...]
 ) -> list[Strategy]:
-    """A trained parameter's ZeRO-1 and ZeRO-2 candidates for each storage candidate."""
+    """A trained parameter's ZeRO-1 and ZeRO-2 candidates for each storage candidate (none
+    for a strided one)."""
     if not node.needs_grad:
         return []
     return [
         Strategy(s.output, (), grad, state)
         for s in stored
+        if all(pieces(p) == 1 for p in s.output)
         for state in state_specs(s.output, node.output.shape, mesh_shape)
         for grad in (None, state)
     ]
@@ -132,10 +137,16 @@ def _searched(s: Strategy, mesh_shape: tuple[int, ...]) -> bool:
 
 
 def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
-    """``node``'s rules on one mesh axis (ours, else DTensor's, else none: "replicated") and
-    where they came from."""
+    """``node``'s rules on one mesh axis (ours, else DTensor's, else none: "replicated"), with
+    their strided twins where a fused projection's pieces may split strided
+    (`autoplan.strategies.strided`), and where they came from."""
     rules, source = _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))
-    return list(rules), source
+    return [*rules, *strided.twin_rules(node, graph, plain_rules)], source
+
+
+def plain_rules(node: Node, graph: Graph) -> tuple[AxisRule, ...]:
+    """``node``'s rules on one mesh axis without their strided twins."""
+    return _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))[0]
 
 
 # a node's rules depend on it and its inputs alone; baselines and the planner ask for them
@@ -184,7 +195,8 @@ def _expand(
 def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> NodeStrategies:
     num_axes = len(mesh_shape)
     if node.kind == NodeKind.PARAM:
-        stored = _storage_strategies(node.output, mesh_shape)
+        options = strided.storage_options(node, graph, plain_rules)
+        stored = _storage_strategies(node.output, mesh_shape, options)
         zero = _zero_strategies(node, stored, mesh_shape)
         return NodeStrategies(node.name, (*stored, *zero), "storage")
     if node.kind == NodeKind.INPUT:
@@ -217,7 +229,10 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
     if len(strategy.output) != len(mesh_shape):
         return False
     if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
-        options = _all_shardings(node.output.shape)
+        strided_options = (
+            strided.storage_options(node, graph, plain_rules) if node.kind == NodeKind.PARAM else []
+        )
+        options = _all_shardings(node.output.shape, strided_options)
         placed = zip(strategy.output, mesh_shape, strict=True)
         return (
             not strategy.inputs

@@ -99,7 +99,9 @@ def mlp_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
 def gpt_megatron(w: Workload, mesh: Mesh = None) -> PlanOptions:
     pins: dict[str, Any] = {}
     for n in _params(w):
-        if any(f".{m}." in n for m in ("q", "k", "v", "fc")):
+        if ".qkv." in n:
+            pins[n] = "S(0)x3"  # fused q|k|v: each rank's heads of each, strided
+        elif any(f".{m}." in n for m in ("q", "k", "v", "fc")):
             pins[n] = "S(0)"  # column split: heads / hidden features
         elif ".proj." in n:
             pins[n] = "S(1)" if n.endswith("weight") else {"storage": "R"}  # row split
@@ -184,6 +186,7 @@ MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 # they build in forward (use_cache at its default)
 ZOO = ("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3")
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+GPT_FUSED = {**GPT, "qkv": "fused"}  # one qkv projection, split strided
 BF16 = PlanOptions(mixed_precision="bf16")
 BF16_FP32 = PlanOptions(mixed_precision="bf16", reduce_dtype="fp32")
 
@@ -229,6 +232,7 @@ CASES = [
     Case("gpt-own", "gpt", {**GPT, "batch_size": 2, "seq_len": 256}, own()),
     Case("gpt-dp", "gpt", GPT, lambda w: data_parallel(w, (4,))),
     Case("gpt-tp", "gpt", GPT, lambda w: gpt_megatron(w, (4,))),
+    Case("gpt-fused-tp", "gpt", GPT_FUSED, lambda w: gpt_megatron(w, (4,))),
     # the embedding, the head and the loss split along the vocabulary (Megatron's); at a
     # vocabulary of 8192 the loss on the logits' shards beats gathering them
     Case(
@@ -247,6 +251,15 @@ CASES = [
     Case("gpt-baseline-2x2", "gpt", {**GPT, "batch_size": 8}, baseline_plan(dp=2, tp=2)),
     Case("gpt-baseline-tp", "gpt", GPT, baseline_plan(dp=1, tp=4)),
     Case("gpt-baseline-sp", "gpt", GPT, baseline_plan(dp=1, tp=4, sequence_parallel=True)),
+    Case("gpt-fused-baseline-tp", "gpt", GPT_FUSED, baseline_plan(dp=1, tp=4)),
+    Case(
+        "gpt-fused-baseline-sp-2x2",
+        "gpt",
+        GPT_FUSED,
+        baseline_plan(dp=2, tp=2, sequence_parallel=True),
+    ),
+    # ZeRO-3 on dp beside the strided split on tp: the qkv weight stored (S(1), S(0)x3)
+    Case("gpt-fused-baseline-zero3-2x2", "gpt", GPT_FUSED, baseline_plan(dp=2, tp=2, zero_stage=3)),
     Case("gpt-baseline-sp-2x2", "gpt", GPT, baseline_plan(dp=2, tp=2, sequence_parallel=True)),
     Case("mlp-baseline-zero3", "mlp", MLP_LARGE_BATCH, baseline_plan(dp=4, tp=1, zero_stage=3)),
     Case(
@@ -329,18 +342,22 @@ CASES = [
     ],
     # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
     # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
-    # head tied to its embedding, the one weight split alike for both
+    # head tied to its embedding, the one weight split alike for both; attention split by
+    # heads (their 2 key-value heads on tp=2, as Megatron's query groups); GPT-2's fused
+    # Conv1D qkv strided; with sequence parallelism, reduce-scatters and all-gathers
     *[
         Case(
             f"zoo-{model}-baseline-{name}",
             "zoo",
             {"model": model, "batch_size": 64, "seq_len": 32},
-            baseline_plan(dp=dp, tp=tp),
+            baseline_plan(dp=dp, tp=tp, sequence_parallel=name.endswith("sp")),
         )
         for model, name, dp, tp in (
-            ("llama", "tp", 1, 4),
             ("llama", "2x2", 2, 2),
-            ("gemma3", "tp", 1, 4),
+            ("llama", "2x2-sp", 2, 2),
+            ("gemma3", "2x2", 2, 2),
+            ("gpt2", "tp", 1, 4),
+            ("gpt2", "2x2-sp", 2, 2),
         )
     ],
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
