@@ -1,9 +1,10 @@
 """Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for.
 
-export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention, the losses) that
-DTensor only sees decomposed, and view ops whose DTensor rules need a live mesh. Each rule
-returns, for one mesh axis, tuples ``(output, input 0, input 1, ...)`` over the node's tensor
-inputs (`Node.refs` order). The all-replicated tuple is added by the caller.
+export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention: its own module,
+`autoplan.strategies.attention`; the losses) that DTensor only sees decomposed, and view ops
+whose DTensor rules need a live mesh. Each rule returns, for one mesh axis, tuples
+``(output, input 0, input 1, ...)`` over the node's tensor inputs (`Node.refs` order). The
+all-replicated tuple is added by the caller.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
+from autoplan.strategies.attention import attention
 from autoplan.strategies.placement import P, R, shard
 
 AxisRule = tuple[str, ...]
@@ -34,15 +36,6 @@ def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     rules.append((shard(last), R, shard(0), *([shard(0)] if has_bias else [])))
     # row split: contraction dim split, partial sums out; bias added on one rank only
     rules.append((P, shard(last), shard(1), *([P] if has_bias else [])))
-    return rules
-
-
-def _attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # q, k, v: (..., heads, seq, head_dim); any dim before seq (batch, heads) may be split.
-    q = ins[0]
-    rules: list[AxisRule] = []
-    for d in range(len(q.shape) - 2):
-        rules.append((shard(d), *[shard(d) if len(t.shape) == len(q.shape) else R for t in ins]))
     return rules
 
 
@@ -390,10 +383,10 @@ def _no_inputs(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 _RULES: dict[str, Rule] = {
     "linear": _linear,
-    "scaled_dot_product_attention": _attention,
-    "_scaled_dot_product_flash_attention_for_cpu": _attention,
-    "_scaled_dot_product_flash_attention": _attention,
-    "_scaled_dot_product_efficient_attention": _attention,
+    "scaled_dot_product_attention": attention,
+    "_scaled_dot_product_flash_attention_for_cpu": attention,
+    "_scaled_dot_product_flash_attention": attention,
+    "_scaled_dot_product_efficient_attention": attention,
     "layer_norm": _layer_norm,
     "cross_entropy_loss": _cross_entropy,
     "embedding": _embedding,
