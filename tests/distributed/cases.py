@@ -34,6 +34,7 @@ class Case:
     recompute: tuple[str, ...] = ()  # the modes of its recomputed layers; () recomputes none
     recomputed: tuple[str, ...] | None = None  # exactly these layers recompute (the planner's)
     recompute_collectives: bool = False  # forward collectives issued again in backward
+    context_parallel: bool = False  # attention split along the sequence (the plan says)
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
         """The layout, in the case's precision (and gradient reductions')."""
@@ -184,6 +185,7 @@ MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 # they build in forward (use_cache at its default)
 ZOO = ("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3")
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
+GPT_CP = {"size": "tiny", "num_layers": 2, "batch_size": 1, "seq_len": 512, "num_heads": 1}
 BF16 = PlanOptions(mixed_precision="bf16")
 BF16_FP32 = PlanOptions(mixed_precision="bf16", reduce_dtype="fp32")
 
@@ -239,6 +241,9 @@ CASES = [
     ),
     Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
     Case("gpt-zero3", "gpt", GPT, lambda w: zero3(w, (4,))),
+    # one head, one sequence of 512 tokens: the planner splits attention along the sequence
+    # (context parallelism), each rank's causal block of queries against the gathered keys
+    Case("gpt-cp-own", "gpt", GPT_CP, own(), context_parallel=True),
     # a hand edit: its gather, reduce-scatter and bucket derived from the placements
     Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
