@@ -14,6 +14,7 @@ from torch import nn
 import autoplan
 from autoplan import PlanOptions
 from autoplan.costmodel.pricer import Pricer
+from autoplan.errors import AutoplanError
 from autoplan.execute.context import shifted_causal
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import capture, graph_from_export
@@ -159,9 +160,54 @@ def test_planner_splits_long_attention_along_the_sequence() -> None:
     assert attention and all(context_axes(s.inputs, 4) == (0,) for s in attention)
     assert with_cp < without
     plan = long.plan(h100, PlanOptions(mesh_shape=(8,), pipeline=False))
-    assert "attention split along the sequence 8 ways on tp" in summary(plan)
+    assert "2 of 2 attention(s) split along the sequence 8 ways on cp" in summary(plan)
     short = example("gpt", **sizes, batch_size=1, seq_len=2048, dtype="bfloat16")
     plan = short.plan(h100, PlanOptions(mesh_shape=(8,), pipeline=False))
     chosen = [n for n in plan.nodes.values() if n.op == SDPA]
-    assert chosen and all(n.output["tp"] != "S(2)" for n in chosen)
+    assert chosen and all("S(2)" not in n.output.values() for n in chosen)
     assert "split along the sequence" not in summary(plan)
+
+
+def test_baseline_splits_every_op_along_the_sequence_on_cp() -> None:
+    """baseline(cp=2) beside dp=2: the inputs split along the batch on dp and the sequence on
+    cp; every attention takes its block of queries against the gathered keys; parameters
+    whole on cp, their gradients all-reduced over dp and cp together."""
+    cpu4 = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
+    w = example("gpt", size="tiny", num_layers=2, batch_size=4, seq_len=64)
+    plan = w.baseline(cpu4, dp=2, tp=1, cp=2)
+    assert plan.mesh.axes == ("dp", "cp") and plan.mesh.shape == (2, 2)
+    assert plan.nodes["args_0"].output == {"dp": "S(0)", "cp": "S(1)"}
+    attention = [n for n in plan.nodes.values() if n.op == SDPA]
+    assert [n.inputs[:3] for n in attention] == [
+        ({"dp": "S(0)", "cp": "S(2)"}, {"dp": "S(0)", "cp": "R"}, {"dp": "S(0)", "cp": "R"})
+    ] * 2
+    assert all(p.placements == {"dp": "R", "cp": "R"} for p in plan.params.values())
+    gathered = {(c.phase, c.kind) for c in plan.collectives if c.node.startswith("scaled_dot")}
+    assert gathered == {("forward", "all_gather"), ("backward", "reduce_scatter")}
+    assert {c.axes for c in plan.collectives if c.phase == "grad_sync"} == {("dp", "cp")}
+    assert "2 of 2 attention(s) split along the sequence 2 ways on cp" in summary(plan)
+
+
+def test_baseline_cp_refusals() -> None:
+    cpu4 = autoplan.Cluster.load(ROOT / "costmodels" / "cpu-gloo-4.json")
+    w = example("gpt", size="tiny", num_layers=2, batch_size=4, seq_len=6)
+    with pytest.raises(AutoplanError, match=r"cp=4 does not divide the sequence"):
+        w.baseline(cpu4, dp=1, tp=1, cp=4)
+    with pytest.raises(AutoplanError, match=r"cp=2 with pp=2.*use pp=1"):
+        w.baseline(cpu4, dp=1, tp=1, pp=2, cp=2)
+    with pytest.raises(AutoplanError, match=r"dp \* tp \* pp \* cp = 1 \* 1 \* 1 \* 2"):
+        w.baseline(cpu4, dp=1, tp=1, cp=2)
+
+
+class _Cache(nn.Module):
+    def forward(self, k: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k.new_empty(0), k], dim=-2)
+
+
+def test_keys_joined_to_an_empty_cache_stay_split_along_the_sequence() -> None:
+    ep = torch.export.export(_Cache(), (torch.randn(2, 4, 8, 16),))
+    graph = graph_from_export(ep)
+    (cat,) = [n for n in graph if n.op == "aten.cat.default"]
+    rule = own_rule(cat.op)
+    assert rule is not None
+    assert ("S(2)", "R", "S(2)") in rule(cat, [graph.tensor(r) for r in cat.refs])

@@ -140,8 +140,8 @@ def _context_words(plan: Plan, sizes: dict[str, int]) -> list[str]:
         )
         if count:
             lines.append(
-                f"  attention split along the sequence {sizes[axis]} ways on {axis} (context "
-                f"parallelism, keys and values all-gathered): {count} of {len(attention)}"
+                f"  {count} of {len(attention)} attention(s) split along the sequence "
+                f"{sizes[axis]} ways on {axis} (context parallelism)"
             )
     return lines
 

@@ -324,7 +324,11 @@ def _slice(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _cat(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    return _other_dims(node, ins, 1)  # cat(tensors, dim)
+    # cat(tensors, dim); one tensor joined to empty ones (a cache's first keys) is itself,
+    # split along ``dim`` too (by the sequence, context parallelism's keys)
+    ndim, real = len(node.outputs[0].shape), [t.shape != (0,) for t in ins]
+    whole = [(shard(d), *[shard(d) if r else R for r in real]) for d in range(ndim)]
+    return whole if sum(real) == 1 and ndim > 1 else _other_dims(node, ins, 1)
 
 
 def _expand(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:

@@ -244,6 +244,14 @@ CASES = [
     # one head, one sequence of 512 tokens: the planner splits attention along the sequence
     # (context parallelism), each rank's causal block of queries against the gathered keys
     Case("gpt-cp-own", "gpt", GPT_CP, own(), context_parallel=True),
+    # the conventional context parallelism: every op split along the sequence on cp, alone,
+    # beside data parallelism, and beside Megatron's heads split on tp
+    *[
+        Case(
+            f"gpt-baseline-{name}", "gpt", GPT, baseline_plan(dp, tp, cp=cp), context_parallel=True
+        )
+        for name, dp, tp, cp in (("cp", 1, 1, 4), ("cp-dp", 2, 1, 2), ("cp-tp", 1, 2, 2))
+    ],
     # a hand edit: its gather, reduce-scatter and bucket derived from the placements
     Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
@@ -348,6 +356,15 @@ CASES = [
             ("gemma3", "tp", 1, 4),
         )
     ],
+    # context parallelism of a model nobody here wrote: its causal mask split with the
+    # queries, its keys joined to an empty cache
+    Case(
+        "zoo-llama-baseline-cp",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=1, tp=1, cp=4),
+        context_parallel=True,
+    ),
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
     *[
         Case(
