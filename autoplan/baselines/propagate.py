@@ -162,16 +162,18 @@ def _cp_seeds(graph: Graph, cp: int) -> dict[str, tuple[str, str]]:
 
 
 def _propagate(
-    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False, size: int = 1
 ) -> Mapping[str, AxisRule]:
     """`_propagated`, once per graph and axis (most conventional plans of a step share their
     axes: the dp axis for all tp degrees, the tp axis for all dp degrees and ZeRO stages)."""
-    key = ("propagated", frozenset(seeds.items()), sequence, move)
-    return graph.memo(key, lambda: _propagated(graph, seeds, sequence=sequence, move=move))
+    key = ("propagated", frozenset(seeds.items()), sequence, move, size)
+    return graph.memo(
+        key, lambda: _propagated(graph, seeds, sequence=sequence, move=move, size=size)
+    )
 
 
 def _propagated(
-    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False, size: int = 1
 ) -> dict[str, AxisRule]:
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
     partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,
@@ -180,7 +182,8 @@ def _propagated(
     one that only slices whole activations (free), else runs replicated, or, with ``move``,
     as the rule that keeps its parameters as seeded and moves the fewest activations
     (`rule_moving`: gathered for a column linear under sequence parallelism, sent to their
-    experts by all-to-all under expert parallelism)."""
+    experts by all-to-all under expert parallelism) among those whose splits ``size`` divides
+    (the cp axis's: a label padded along the sequence is gathered, not split by a batch of one)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
@@ -193,7 +196,7 @@ def _propagated(
         if rule is None and node.kind == NodeKind.OP:
             # a whole activation read split is sliced on each rank, with no communication:
             # an attention mask or a label made whole follows the batch as DDP's would
-            rule = rule_moving(node, graph, ins, most=None if move else 0)
+            rule = rule_moving(node, graph, ins, most=None if move else 0, size=size)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
@@ -216,7 +219,8 @@ def baseline_strategies(
         seeds = _dp_seeds(graph, layout, on_tp)
         per_axis.append(_propagate(graph, seeds, move=layout.ep > 1))
     if layout.cp > 1:
-        per_axis.append(_propagate(graph, _cp_seeds(graph, layout.cp), move=True))
+        seeds = _cp_seeds(graph, layout.cp)
+        per_axis.append(_propagate(graph, seeds, move=True, size=layout.cp))
     if tp > 1:
         sequence = layout.sequence_parallel
         per_axis.append(_propagate(graph, on_tp, sequence=sequence, move=sequence))

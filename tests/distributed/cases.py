@@ -252,6 +252,15 @@ CASES = [
         )
         for name, dp, tp, cp in (("cp", 1, 1, 4), ("cp-dp", 2, 1, 2), ("cp-tp", 1, 2, 2))
     ],
+    # two sequences on 4 cp ranks: the flattened tokens' loss cannot follow the sequence's
+    # split; the logits move to a split of the vocabulary, the targets gathered
+    Case(
+        "gpt-baseline-cp-2-sequences",
+        "gpt",
+        {**GPT, "batch_size": 2},
+        baseline_plan(1, 1, cp=4),
+        context_parallel=True,
+    ),
     # a hand edit: its gather, reduce-scatter and bucket derived from the placements
     Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
