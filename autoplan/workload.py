@@ -81,6 +81,7 @@ class Workload:
         zero_stage: int = 0,
         sequence_parallel: bool = False,
         ep: int = 1,
+        cp: int = 1,
         recompute: str = RecomputeMode.NONE,
         options: PlanOptions | None = None,
     ) -> Plan:
@@ -96,6 +97,7 @@ class Workload:
             zero_stage=zero_stage,
             sequence_parallel=sequence_parallel,
             ep=ep,
+            cp=cp,
             recompute=recompute,
             loss_fn=self.loss_fn,
             example_target=self.example_target,

@@ -136,6 +136,7 @@ def workload(
     seq_len: int | None = None,
     num_layers: int | None = None,
     vocab_size: int | None = None,
+    num_heads: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
     seed: int = 0,
@@ -152,7 +153,7 @@ def workload(
     cfg = GPTConfig(
         num_layers=num_layers or cfg.num_layers,
         dim=cfg.dim,
-        num_heads=cfg.num_heads,
+        num_heads=num_heads or cfg.num_heads,
         vocab_size=vocab_size or cfg.vocab_size,
         seq_len=seq_len or cfg.seq_len,
         eager_attention=attention == "eager",

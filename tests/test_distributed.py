@@ -135,6 +135,8 @@ def test_trains_like_one_process_and_as_planned(
         assert r["recomputed"] == [] and r["regions"] == 0, r
     if case.recompute_collectives:  # the tensor-parallel blocks' forward collectives, again
         assert r["recompute_collectives"] > 0, r
+    if case.context_parallel:
+        assert r["context_parallel"], r
     if case.pipelined:
         assert r["stages"] >= 2 and r["axes"][0] == "pp" and r["num_sends"] > 0, r
     else:

@@ -76,6 +76,7 @@ def _check_options(
     pp: int,
     zero_stage: int,
     options: PlanOptions,
+    cp: int = 1,
 ) -> None:
     searched = {
         "mesh_shape": options.mesh_shape,
@@ -90,14 +91,22 @@ def _check_options(
                 f"leave PlanOptions.{name} unset (it is {value!r})"
             )
     num_microbatches = options.num_microbatches
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise AutoplanError(f"{name} must be a positive integer, got {value!r}")
-    if dp * tp * pp != cluster.num_devices:
+    if dp * tp * pp * cp != cluster.num_devices:
+        names, values = (
+            "dp * tp * pp" + " * cp" * (cp > 1),
+            f"{dp} * {tp} * {pp}" + f" * {cp}" * (cp > 1),
+        )
         raise AutoplanError(
-            f"dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp}, but cluster {cluster.name!r} "
-            f"has {cluster.num_devices} devices; choose degrees whose product is "
-            f"{cluster.num_devices}"
+            f"{names} = {values} = {dp * tp * pp * cp}, but cluster {cluster.name!r} has "
+            f"{cluster.num_devices} devices; choose degrees whose product is {cluster.num_devices}"
+        )
+    if cp > 1 and pp > 1:
+        raise AutoplanError(
+            f"cp={cp} with pp={pp}: a baseline splits the sequence on one stage only; use pp=1 "
+            "(the planner may still choose both)"
         )
     if pp == 1 and num_microbatches not in (None, 1):
         raise AutoplanError(
@@ -191,7 +200,7 @@ def _one_stage(
     graph: Graph, cluster: Cluster, layout: Layout, optimizer: str, limit: float
 ) -> Plan:
     space = baseline_strategies(graph, layout)
-    mesh_shape = mesh_of(layout.dp, layout.tp)
+    mesh_shape = layout.mesh_shape
     recompute = chosen(graph, DEFAULT_MAX_LAYERS, layout.recompute)
     pricer = Pricer(cluster, mesh_shape, optimizer, recompute)
     assignment = assignment_of(space)
@@ -292,6 +301,7 @@ def baseline(
     zero_stage: int = 0,
     sequence_parallel: bool = False,
     ep: int = 1,
+    cp: int = 1,
     recompute: RecomputeMode | str = RecomputeMode.NONE,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
@@ -319,6 +329,12 @@ def baseline(
     are stored and used split by expert, and tokens go to their experts' devices and back
     by all-to-all.
 
+    ``cp=n`` adds context parallelism on a ``cp`` axis of ``n`` devices (Megatron's mesh
+    order: dp, cp, tp): the inputs and target split along dim 1, the sequence, and every op
+    following them; attention takes its block of queries against the keys and values
+    all-gathered (`autoplan.strategies.attention`), parameters are whole on cp and their
+    gradients all-reduced over it. One stage only (``pp=1``).
+
     ``recompute="full"`` recomputes every layer's blocks in backward (Megatron's full
     activation recomputation, `autoplan.graph.recompute`), ``recompute="selective"`` only
     their attention cores (Megatron's selective recomputation); so does ``options.recompute``.
@@ -331,21 +347,21 @@ def baseline(
     ``options`` also give the optimizer and the memory budget; what the planner would search
     (mesh, pins, stages) must be left unset.
 
-    ``dp * tp * pp`` must equal the cluster's device count. Time and memory are predicted by
+    ``dp * tp * pp * cp`` must equal the cluster's device count. Time and memory are predicted by
     the planner's cost model; a baseline that does not fit in ``options.memory_fraction`` of
     device memory raises `InfeasiblePlanError`.
     """
     if not isinstance(cluster, Cluster):
         cluster = Cluster.load(cluster)
     options = options or PlanOptions()
-    _check_options(cluster, dp, tp, pp, zero_stage, options)
+    _check_options(cluster, dp, tp, pp, zero_stage, options, cp)
     if ep not in (1, dp) or (ep > 1 and zero_stage == 3):
         raise AutoplanError(
             f"ep={ep}: experts are split along the whole dp axis (GShard), so ep must be 1 or "
             f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
         )
     mode = parse_mode(RecomputeMode, recompute, "recompute")
-    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, mode)
+    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, mode, cp=cp)
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches
@@ -390,9 +406,8 @@ def baseline_of_graph(
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
     limit = cluster.device.memory_bytes * memory_fraction
-    degrees = f"dp={dp} tp={tp}" + f" recompute={layout.recompute}" * (
-        layout.recompute != RecomputeMode.NONE
-    )
+    degrees = f"dp={dp} tp={tp}" + f" cp={layout.cp}" * (layout.cp > 1)
+    degrees += f" recompute={layout.recompute}" * (layout.recompute != RecomputeMode.NONE)
 
     def refuse_unless_fits(need: float) -> None:
         if need > limit:

@@ -7,12 +7,13 @@ replicated on that axis (its inputs gathered, partial sums all-reduced), unless 
 them with whole activations sliced, which costs no communication. On the ``dp`` axis
 the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
 gathered before use; ZeRO-1/2: their optimizer state split, `zero_state`), so every op follows
-the batch and the loss ends as partial sums. On
-the ``tp`` axis the seeds are the split linears' parameters (`autoplan.baselines.regions`).
+the batch and the loss ends as partial sums. On the ``cp`` axis (context parallelism) the
+inputs are split along dim 1, the sequence, and parameters replicated (`_cp_seeds`). On the
+``tp`` axis the seeds are the split linears' parameters (`autoplan.baselines.regions`).
 
-The axes combine into one strategy per node on mesh `mesh_of(dp, tp)`; it must be one of the
-node's own strategies on that mesh (`node_strategies`: every split divides evenly), else the
-degrees are refused.
+The axes combine into one strategy per node on mesh `mesh_of(dp, tp, cp)`; it must be one of
+the node's own strategies on that mesh (`node_strategies`: every split divides evenly), else
+the degrees are refused.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class Layout:
     recompute: RecomputeMode = RecomputeMode.NONE
     # every gradient reduced in float32 (`autoplan.strategies.float32_grads`)
     float32_grads: bool = False
+    cp: int = 1  # context parallelism: every op split along the sequence on a cp axis
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return mesh_of(self.dp, self.tp, self.cp)
 
 
 def expert_weights(graph: Graph) -> list[Node]:
@@ -87,7 +93,7 @@ def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
     planner keeps such a state as stored too)."""
     if any(pieces(p) > 1 for p in stored):
         return None
-    mesh_shape = mesh_of(layout.dp, layout.tp)
+    mesh_shape = layout.mesh_shape
     found = state_specs(stored, node.output.shape, mesh_shape)
     return next((s for s in found if s[1:] == stored[1:]), None)
 
@@ -140,17 +146,37 @@ def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str
     return seeds
 
 
+def _cp_seeds(graph: Graph, cp: int) -> dict[str, tuple[str, str]]:
+    """The cp axis: every input of two or more dims (token ids, targets) split along the
+    sequence (dim 1), as Megatron's context parallelism hands each rank its part of every
+    sequence. Propagated so, every op follows the sequence, an attention takes its queries'
+    part against keys and values gathered (the rule that moves the fewest activations)."""
+    seeds = {}
+    for i, node in enumerate(n for n in graph if n.kind == NodeKind.INPUT):
+        if len(node.output.shape) < 2:
+            continue
+        if node.output.shape[1] % cp:
+            raise AutoplanError(
+                f"cp={cp} does not divide the sequence (dim 1) of input {i} ({node.target!r}, "
+                f"shape {node.output.shape}); use a sequence length that is a multiple of {cp}"
+            )
+        seeds[node.name] = (shard(1), shard(1))
+    return seeds
+
+
 def _propagate(
-    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False, size: int = 1
 ) -> Mapping[str, AxisRule]:
     """`_propagated`, once per graph and axis (most conventional plans of a step share their
     axes: the dp axis for all tp degrees, the tp axis for all dp degrees and ZeRO stages)."""
-    key = ("propagated", frozenset(seeds.items()), sequence, move)
-    return graph.memo(key, lambda: _propagated(graph, seeds, sequence=sequence, move=move))
+    key = ("propagated", frozenset(seeds.items()), sequence, move, size)
+    return graph.memo(
+        key, lambda: _propagated(graph, seeds, sequence=sequence, move=move, size=size)
+    )
 
 
 def _propagated(
-    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False
+    graph: Graph, seeds: Seeds, *, sequence: bool = False, move: bool = False, size: int = 1
 ) -> dict[str, AxisRule]:
     """One mesh axis: every node's (output, input...) placements, from the seeds. Ops read
     partial sums all-reduced (Megatron's all-reduce after a row linear, the loss's on dp), or,
@@ -159,7 +185,8 @@ def _propagated(
     one that only slices whole activations (free), else runs replicated, or, with ``move``,
     as the rule that keeps its parameters as seeded and moves the fewest activations
     (`rule_moving`: gathered for a column linear under sequence parallelism, sent to their
-    experts by all-to-all under expert parallelism)."""
+    experts by all-to-all under expert parallelism) among those whose splits ``size`` divides
+    (the cp axis's: a label padded along the sequence is gathered, not split by a batch of one)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
     for node in graph:
@@ -176,7 +203,7 @@ def _propagated(
         if rule is None and node.kind == NodeKind.OP:
             # a whole activation read split is sliced on each rank, with no communication:
             # an attention mask or a label made whole follows the batch as DDP's would
-            rule = rule_moving(node, graph, ins, most=None if move else 0)
+            rule = rule_moving(node, graph, ins, most=None if move else 0, size=size)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
@@ -203,7 +230,7 @@ def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
 def baseline_strategies(
     graph: Graph, layout: Layout, sent: Collection[str] = ()
 ) -> dict[str, NodeStrategies]:
-    """Each node's one strategy in the baseline, on mesh `mesh_of(dp, tp)`. On a pipeline
+    """Each node's one strategy in the baseline, on mesh `Layout.mesh_shape`. On a pipeline
     stage's graph, the tensors received are inputs (seeded as the batch is: the `boundary`
     placement) and the output reads those ``sent`` on in the `boundary` placement."""
     dp, tp = layout.dp, layout.tp
@@ -212,11 +239,14 @@ def baseline_strategies(
     if dp > 1:
         seeds = _dp_seeds(graph, layout, on_tp)
         per_axis.append(_propagate(graph, seeds, move=layout.ep > 1))
+    if layout.cp > 1:
+        seeds = _cp_seeds(graph, layout.cp)
+        per_axis.append(_propagate(graph, seeds, move=True, size=layout.cp))
     if tp > 1:
         sequence = layout.sequence_parallel
         per_axis.append(_propagate(graph, on_tp, sequence=sequence, move=sequence))
     per_axis = per_axis or [_propagate(graph, {})]  # one device: all replicated
-    mesh_shape = mesh_of(dp, tp)
+    mesh_shape = layout.mesh_shape
     space = {}
     for node in graph:
         rules = [placed[node.name] for placed in per_axis]
@@ -259,9 +289,10 @@ def _text(*specs: Spec) -> str:
     return ", ".join("(" + ", ".join(s) + ")" for s in specs)
 
 
-def mesh_of(dp: int, tp: int) -> tuple[int, ...]:
-    """``(dp, tp)`` when both are > 1, else the one that is (``(1,)`` on a single device)."""
-    return tuple(n for n in (dp, tp) if n > 1) or (1,)
+def mesh_of(dp: int, tp: int, cp: int = 1) -> tuple[int, ...]:
+    """``(dp, cp, tp)`` less the axes of one device (``(1,)`` on a single device), the
+    axes in Megatron's order."""
+    return tuple(n for n in (dp, cp, tp) if n > 1) or (1,)
 
 
 def boundary(dp: int, tp: int) -> Spec:

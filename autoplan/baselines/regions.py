@@ -84,21 +84,32 @@ def rule_for(node: Node, graph: Graph, inputs: tuple[str, ...]) -> AxisRule | No
 
 
 def rule_moving(
-    node: Node, graph: Graph, inputs: tuple[str, ...], most: int | None = None
+    node: Node, graph: Graph, inputs: tuple[str, ...], most: int | None = None, size: int = 1
 ) -> AxisRule | None:
     """The rule of ``node`` that keeps its parameters as placed and moves the fewest of its
     activations (a whole one is sliced for free; a split one is gathered, or re-split by an
     all-to-all), preferring an output without partial sums; with ``most``, moving at most
-    that many (0: only slicing whole ones). None if every rule needs a parameter placed
-    otherwise."""
+    that many (0: only slicing whole ones); only rules whose splits ``size`` devices divide
+    (an axis's, where given). None if every rule needs a parameter placed otherwise."""
     rules, _ = axis_rules(node, graph)
     params = [graph.node(r.name).kind == NodeKind.PARAM for r in node.refs]
+    shapes = [node.outputs[0].shape, *(graph.tensor(r).shape for r in node.refs)]
+    rules = [
+        rule
+        for rule in rules
+        if all(
+            (d := shard_dim(p)) is None or d >= len(shape) or shape[d] % size == 0
+            for p, shape in zip(rule, shapes, strict=True)
+        )
+    ]
 
     def moves(rule: AxisRule) -> int | None:
         count = 0
         for want, have, param in zip(rule[1:], inputs, params, strict=True):
             if want == have or (have == R and not param):
                 continue
+            if want == P:
+                return None  # no collective makes a split tensor partial sums
             if param:
                 return None
             count += 1

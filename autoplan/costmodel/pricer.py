@@ -11,6 +11,7 @@
   parameter as stored, its gradient as kept, and the shard's state and master copy.
 * An op's memory is the shard of each of its outputs that backward keeps (saved by it or a
   reader; `autoplan.graph.saved`) and of what its backward saves besides; views keep nothing.
+  An attention split along the sequence keeps its keys and values gathered (`keys_memory`).
 * A recomputed op (`autoplan.graph.recompute`) runs its forward twice, and keeps its output
   only where it leaves its layer; the rest the ILP counts at the recomputation's share (a
   mode given for every layer; where the ILP chooses, `autoplan.search.recompute_ilp`).
@@ -44,6 +45,7 @@ from autoplan.costmodel.timing import (
 from autoplan.graph.ir import Node, TensorInfo, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase
+from autoplan.strategies.attention import context_axes
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
@@ -363,7 +365,11 @@ class Pricer:
             * itemsize(node.outputs[j].dtype)
             for j in kept
         )
-        return float(saved) + self.saved_extra_memory(node, strategy)
+        return (
+            float(saved)
+            + self.saved_extra_memory(node, strategy)
+            + self.keys_memory(node, strategy)
+        )
 
     def saved_extra_memory(self, node: Node, strategy: Strategy) -> float:
         """What an op's backward saves that is none of its inputs and outputs (a norm's
@@ -377,6 +383,20 @@ class Pricer:
             n for n, p in zip(self.mesh_shape, spec, strict=True) if shard_dim(p) is not None
         )
         return node.kept_extra_bytes / split
+
+    def keys_memory(self, node: Node, strategy: Strategy) -> float:
+        """Under context parallelism (`autoplan.strategies.attention`), the keys and values
+        an attention's backward keeps as gathered: whole along the axes that split its
+        queries by the sequence, split as they are read on the others (`Node.keys_bytes`)."""
+        if len(strategy.inputs) < 2 or not node.keys_bytes:
+            return 0.0
+        if not context_axes(strategy.inputs, len(node.outputs[0].shape)):
+            return 0.0
+        keys = strategy.inputs[1]
+        split = math.prod(
+            n for n, p in zip(self.mesh_shape, keys, strict=True) if shard_dim(p) is not None
+        )
+        return node.keys_bytes / split
 
     # ------------------------------------------------------------------ edges
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.execute.checkpointed import RecomputedRegion, checkpointed, gathered, with_regions
+from autoplan.execute.context import causal_offsets, shifted_causal
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
@@ -220,6 +221,7 @@ class PlanInterpreter:
             for n in self.graph.nodes
             if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
         }
+        self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
 
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
@@ -434,6 +436,8 @@ class PlanInterpreter:
             out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
         elif name in self.vocab:
             out = local_embedding(node, args, self.vocab[name])
+        elif name in self.offsets:
+            out = shifted_causal(args, kwargs, self.offsets[name])
         else:
             out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)

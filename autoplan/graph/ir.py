@@ -93,6 +93,9 @@ class Node:
     kept_by: str = ""  # the op whose backward frees them (the first to save them); "": itself
     kept_extra_bytes: float = 0.0  # what its backward saves that is no input or output, whole
     kept_extra_like: int = -1  # split as its tensor input of this index (-1: its output)
+    # of an attention: its keys' and values' bytes, whole (kept gathered by the ranks that
+    # split its queries along the sequence: context parallelism, `strategies.attention`)
+    keys_bytes: float = 0.0
 
     def __hash__(self) -> int:
         # nodes key the planner's rule caches, asked a million times for a large model: the

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo
+from autoplan.graph.recompute import FUSED_ATTENTION
 from autoplan.modes import NodeKind
 from autoplan.torch_private import FakeTensorMode
 
@@ -151,6 +152,13 @@ def _largest_input(graph: Graph, node: Node) -> int:
     return found
 
 
+def _keys_bytes(graph: Graph, node: Node) -> int:
+    """An attention's keys' and values' bytes (`Node.keys_bytes`); 0 for other ops."""
+    if not node.op.startswith(FUSED_ATTENTION):
+        return 0
+    return sum(graph.tensor(r).nbytes for r in node.refs[1:3])
+
+
 def with_saved(graph: Graph, aliases: Mapping[Ref, Ref]) -> Graph:
     """``graph`` with each op's `Node.kept`, `Node.kept_by` and `Node.kept_extra_bytes`;
     ``aliases``: each op output that is a view of an input, as traced -> that input."""
@@ -188,6 +196,7 @@ def with_saved(graph: Graph, aliases: Mapping[Ref, Ref]) -> Graph:
                 kept_by=by,
                 kept_extra_bytes=extra.get(n.name, 0),
                 kept_extra_like=_largest_input(graph, n) if n.name in extra else -1,
+                keys_bytes=_keys_bytes(graph, n),
             )
         nodes.append(n)
     return replace(graph, nodes=tuple(nodes))

@@ -10,7 +10,7 @@ from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import PipelinePlan, SolverStats, own_decisions
 from autoplan.costmodel.step_price import PricedStep
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
+from autoplan.graph.recompute import FUSED_ATTENTION, NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import (
@@ -28,6 +28,7 @@ from autoplan.planfile.sections import (
     StagePredicted,
 )
 from autoplan.search.intra_op import IntraOpResult
+from autoplan.strategies.attention import context_axes
 from autoplan.strategies.placement import Spec, shard_dim
 from autoplan.strategies.space import Strategy
 from autoplan.version import __version__, torch_release
@@ -36,13 +37,21 @@ from autoplan.version import __version__, torch_release
 def axis_names(
     graph: Graph, assignment: Mapping[str, Strategy], mesh_shape: tuple[int, ...]
 ) -> tuple[str, ...]:
-    """Name each mesh axis by its role: "dp" if the most expensive op splits its batch (dim 0)
-    on that axis, else "tp"; repeated names get their axis index ("dp0", "dp1")."""
-    ops = (n for n in graph if n.kind == NodeKind.OP and n.name in assignment)
+    """Name each mesh axis by its role: "cp" if an attention splits its queries along the
+    sequence on it (context parallelism), else "dp" if the most expensive op splits its batch
+    (dim 0) on that axis, else "tp"; repeated names get their axis index ("dp0", "dp1")."""
+    ops = [n for n in graph if n.kind == NodeKind.OP and n.name in assignment]
     heaviest = max(ops, key=lambda n: n.flops, default=None)
     spec = assignment[heaviest.name].output if heaviest else ()
+    context = {
+        axis
+        for n in ops
+        if n.op.startswith(FUSED_ATTENTION)
+        for axis in context_axes(assignment[n.name].inputs, len(n.outputs[0].shape))
+    }
     names = [
-        "dp" if spec and shard_dim(spec[axis]) == 0 else "tp" for axis in range(len(mesh_shape))
+        "cp" if axis in context else "dp" if spec and shard_dim(spec[axis]) == 0 else "tp"
+        for axis in range(len(mesh_shape))
     ]
     if len(set(names)) < len(names):
         names = [f"{n}{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]

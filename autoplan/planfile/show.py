@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
+from autoplan.graph.recompute import FUSED_ATTENTION
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
 from autoplan.schedules import SPLIT_BACKWARD, V_SHAPED, simulate
@@ -115,7 +116,7 @@ def _words(plan: Plan) -> list[str]:
                     f"  {count} of {len(norms)} norms split along the {what} on {axis}, between "
                     "the weights' tensor-parallel splits (sequence parallelism)"
                 )
-    return lines + _vocabulary_words(plan, sizes)
+    return lines + _vocabulary_words(plan, sizes) + _context_words(plan, sizes)
 
 
 def _vocabulary_words(plan: Plan, sizes: dict[str, int]) -> list[str]:
@@ -129,6 +130,24 @@ def _vocabulary_words(plan: Plan, sizes: dict[str, int]) -> list[str]:
             lines.append(
                 f"  vocabulary split {sizes[axis]} ways on {axis}: {lookups} embedding(s) "
                 f"looked up by rows, {losses} loss(es) on the logits' shards (Megatron's)"
+            )
+    return lines
+
+
+def _context_words(plan: Plan, sizes: dict[str, int]) -> list[str]:
+    """Attention split along the sequence (context parallelism), by mesh axis: its queries
+    split where its keys are whole (its other rules split both alike)."""
+    lines = []
+    attention = [n for n in plan.nodes.values() if n.op.startswith(FUSED_ATTENTION)]
+    for axis in plan.mesh.axes:
+        count = sum(
+            n.inputs[0].get(axis, "R") not in ("R", "P") and n.inputs[1].get(axis) == "R"
+            for n in attention
+        )
+        if count:
+            lines.append(
+                f"  {count} of {len(attention)} attention(s) split along the sequence "
+                f"{sizes[axis]} ways on {axis} (context parallelism)"
             )
     return lines
 

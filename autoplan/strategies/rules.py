@@ -1,9 +1,10 @@
 """Our own per-mesh-axis sharding rules, for ops DTensor has no single-dim rule for.
 
-export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention, the losses) that
-DTensor only sees decomposed, and view ops whose DTensor rules need a live mesh. Each rule
-returns, for one mesh axis, tuples ``(output, input 0, input 1, ...)`` over the node's tensor
-inputs (`Node.refs` order). The all-replicated tuple is added by the caller.
+export keeps composite ops (``aten.linear``, ``aten.layer_norm``, attention: its own module,
+`autoplan.strategies.attention`; the losses) that DTensor only sees decomposed, and view ops
+whose DTensor rules need a live mesh. Each rule returns, for one mesh axis, tuples
+``(output, input 0, input 1, ...)`` over the node's tensor inputs (`Node.refs` order). The
+all-replicated tuple is added by the caller.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
+from autoplan.strategies.attention import attention
 from autoplan.strategies.placement import P, R, shard
 
 AxisRule = tuple[str, ...]
@@ -32,17 +34,6 @@ def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     rules.append((shard(last), R, shard(0), *([shard(0)] if has_bias else [])))
     # row split: contraction dim split, partial sums out; bias added on one rank only
     rules.append((P, shard(last), shard(1), *([P] if has_bias else [])))
-    return rules
-
-
-def _attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # q, k, v: (..., heads, seq, head_dim); any dim before seq (batch, heads) may be split, and
-    # a mask's with it, but where the mask is broadcast (one for every head: whole)
-    q = ins[0]
-    rules: list[AxisRule] = []
-    for d in range(len(q.shape) - 2):
-        split = [len(t.shape) == len(q.shape) and t.shape[d] == q.shape[d] for t in ins]
-        rules.append((shard(d), *[shard(d) if s else R for s in split]))
     return rules
 
 
@@ -331,7 +322,11 @@ def _slice(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _cat(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    return _other_dims(node, ins, 1)  # cat(tensors, dim)
+    # cat(tensors, dim); one tensor joined to empty ones (a cache's first keys) is itself,
+    # split along ``dim`` too (by the sequence, context parallelism's keys)
+    ndim, real = len(node.outputs[0].shape), [t.shape != (0,) for t in ins]
+    whole = [(shard(d), *[shard(d) if r else R for r in real]) for d in range(ndim)]
+    return whole if sum(real) == 1 and ndim > 1 else _other_dims(node, ins, 1)
 
 
 def _expand(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -390,10 +385,10 @@ def _no_inputs(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 _RULES: dict[str, Rule] = {
     "linear": _linear,
-    "scaled_dot_product_attention": _attention,
-    "_scaled_dot_product_flash_attention_for_cpu": _attention,
-    "_scaled_dot_product_flash_attention": _attention,
-    "_scaled_dot_product_efficient_attention": _attention,
+    "scaled_dot_product_attention": attention,
+    "_scaled_dot_product_flash_attention_for_cpu": attention,
+    "_scaled_dot_product_flash_attention": attention,
+    "_scaled_dot_product_efficient_attention": attention,
     "layer_norm": _layer_norm,
     "cross_entropy_loss": _cross_entropy,
     "embedding": _embedding,

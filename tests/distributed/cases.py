@@ -34,6 +34,7 @@ class Case:
     recompute: tuple[str, ...] = ()  # the modes of its recomputed layers; () recomputes none
     recomputed: tuple[str, ...] | None = None  # exactly these layers recompute (the planner's)
     recompute_collectives: bool = False  # forward collectives issued again in backward
+    context_parallel: bool = False  # attention split along the sequence (the plan says)
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
         """The layout, in the case's precision (and gradient reductions')."""
@@ -187,6 +188,7 @@ MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
 ZOO = ("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3")
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
 GPT_FUSED = {**GPT, "qkv": "fused"}  # one qkv projection, split strided
+GPT_CP = {"size": "tiny", "num_layers": 2, "batch_size": 1, "seq_len": 512, "num_heads": 1}
 BF16 = PlanOptions(mixed_precision="bf16")
 BF16_FP32 = PlanOptions(mixed_precision="bf16", reduce_dtype="fp32")
 
@@ -243,6 +245,26 @@ CASES = [
     ),
     Case("gpt-2x2", "gpt", {**GPT, "batch_size": 8}, own((2, 2))),
     Case("gpt-zero3", "gpt", GPT, lambda w: zero3(w, (4,))),
+    # one head, one sequence of 512 tokens: the planner splits attention along the sequence
+    # (context parallelism), each rank's causal block of queries against the gathered keys
+    Case("gpt-cp-own", "gpt", GPT_CP, own(), context_parallel=True),
+    # the conventional context parallelism: every op split along the sequence on cp, alone,
+    # beside data parallelism, and beside Megatron's heads split on tp
+    *[
+        Case(
+            f"gpt-baseline-{name}", "gpt", GPT, baseline_plan(dp, tp, cp=cp), context_parallel=True
+        )
+        for name, dp, tp, cp in (("cp", 1, 1, 4), ("cp-dp", 2, 1, 2), ("cp-tp", 1, 2, 2))
+    ],
+    # two sequences on 4 cp ranks: the flattened tokens' loss cannot follow the sequence's
+    # split; the logits move to a split of the vocabulary, the targets gathered
+    Case(
+        "gpt-baseline-cp-2-sequences",
+        "gpt",
+        {**GPT, "batch_size": 2},
+        baseline_plan(1, 1, cp=4),
+        context_parallel=True,
+    ),
     # a hand edit: its gather, reduce-scatter and bucket derived from the placements
     Case("gpt-dp-edited", "gpt", GPT, head_stored_split),
     Case("mlp-dp-2", "mlp", MLP_LARGE_BATCH, lambda w: data_parallel(w, (2,)), 2),
@@ -360,6 +382,15 @@ CASES = [
             ("gpt2", "2x2-sp", 2, 2),
         )
     ],
+    # context parallelism of a model nobody here wrote: its causal mask split with the
+    # queries, its keys joined to an empty cache
+    Case(
+        "zoo-llama-baseline-cp",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=1, tp=1, cp=4),
+        context_parallel=True,
+    ),
     # the planner keeps ViT and the CNN on the flat mesh: forced onto (2, 2), as the others chose
     *[
         Case(

@@ -31,6 +31,7 @@ from autoplan.execute.checkpointed import RecomputedRegion  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
+from autoplan.planfile.show import summary  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
@@ -148,6 +149,10 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         "recomputed": [layer.layer for layer in step.plan.recompute],
         "recompute_modes": [layer.mode for layer in step.plan.recompute],
         "recompute_collectives": sum(c.phase == "recompute" for c in step.plan.collectives),
+        # what `autoplan show` says of attention split along the sequence
+        "context_parallel": [
+            line.strip() for line in summary(step.plan).splitlines() if "along the seq" in line
+        ],
         "regions": _regions(step),
     }
 

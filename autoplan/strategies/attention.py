@@ -1,0 +1,77 @@
+"""Attention's per-mesh-axis rules, context parallelism among them.
+
+``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, ...)`` over
+``q (..., L, E)``, ``k (..., S, E)``, ``v (..., S, Ev)``, out ``(..., L, Ev)``, on one mesh
+axis:
+
+* any dim before the sequence (batch, heads) split in every tensor alike (a mask broadcast
+  along it whole);
+* context parallelism: the queries split along the sequence (dim ``-2``), the keys and values
+  whole, the output split along the sequence with the queries, a mask along its query dim
+  (whole where it broadcasts over the queries). The keys and values come whole by an
+  all-gather along the axis (the input's redistribution, priced as any other), and their
+  gradients go back as partial sums, reduce-scattered (`grad_spec`: a whole input of a split
+  output). Each rank computes its block of queries against every key: a causal mask shifted
+  to its block's first position (`query_offset`; the executor's `execute/context.py`), so the
+  result is exact, with the work of a full square block however many keys the mask hides
+  (no ring, no load balancing: the first rank's queries see fewest keys, all ranks compute
+  all). With dropout, the draws of each rank's block would not be those of one process:
+  not offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autoplan.graph.ir import Node, TensorInfo
+from autoplan.strategies.placement import R, Spec, shard, shard_dim
+
+AxisRule = tuple[str, ...]  # (output, tensor input 0, ...) on one mesh axis, as in rules.py
+
+
+def _arg(node: Node, index: int, name: str, default: object) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return dict(node.kwargs).get(name, default)
+
+
+def attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    q = ins[0]
+    ndim = len(q.shape)
+    rules: list[AxisRule] = []
+    for d in range(ndim - 2):
+        # a mask broadcast along the dim (one for every head) stays whole
+        split = [len(t.shape) == ndim and t.shape[d] == q.shape[d] for t in ins]
+        rules.append((shard(d), *[shard(d) if s else R for s in split]))
+    if q.shape[-2] > 1 and not _arg(node, 4, "dropout_p", 0.0):
+        masks = [
+            R if len(t.shape) < 2 or t.shape[-2] == 1 else shard(len(t.shape) - 2) for t in ins[3:]
+        ]
+        rules.append((shard(ndim - 2), shard(ndim - 2), R, R, *masks))
+    return rules
+
+
+def context_axes(inputs: Sequence[Spec], q_ndim: int) -> tuple[int, ...]:
+    """The mesh axes on which an attention placed ``inputs`` (q, k, v, ...) splits its
+    queries along the sequence with its keys whole: context parallelism."""
+    seq = q_ndim - 2
+    q, k = inputs[0], inputs[1]
+    return tuple(a for a, p in enumerate(q) if shard_dim(p) == seq and k[a] == R)
+
+
+def query_offset(
+    inputs: Sequence[Spec],
+    q_shape: tuple[int, ...],
+    coordinate: Sequence[int],
+    mesh_shape: Sequence[int],
+) -> int:
+    """The position in the whole sequence of this rank's first query (at ``coordinate`` on a
+    mesh of ``mesh_shape``): its block's index along the sequence, the axes that split it
+    nested outer first (as DTensor nests them), times the block's length."""
+    axes = context_axes(inputs, len(q_shape))
+    block = q_shape[-2]
+    index = 0
+    for a in axes:
+        index = index * mesh_shape[a] + coordinate[a]
+        block //= mesh_shape[a]
+    return index * block
