@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.tiles import matmul_tile_share
 from autoplan.costmodel.timing import (
     activation_time,
     collective_time,
@@ -39,7 +40,6 @@ from autoplan.costmodel.timing import (
     host_overhead,
     redistribute_overhead,
     sync_overhead,
-    tile_share,
     with_overhead,
 )
 from autoplan.graph.ir import Node, TensorInfo, itemsize
@@ -49,20 +49,16 @@ from autoplan.strategies.attention import context_axes
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientSync
 from autoplan.strategies.placement import (
     Collective,
-    P,
     R,
     Spec,
     local_numel,
     redistribute,
     shard_dim,
-    shard_factors,
 )
 from autoplan.strategies.space import Strategy, input_grad
 
 # Optimizer state kept per parameter element, in parameter elements (Adam: exp_avg, exp_avg_sq)
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
-# ops whose FLOPs a GPU computes in tensor-core tiles (`tile_share`)
-MATMULS = frozenset({"linear", "mm", "addmm", "matmul", "bmm", "baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -161,33 +157,11 @@ class Pricer:
         return with_overhead(self.cluster, forward + activation / 2, node.op)
 
     def tile_share(self, node: Node, strategy: Strategy, backward: bool = True) -> float:
-        """Of a matmul's work on a GPU, the share inside its results' tiles
-        (`autoplan.costmodel.timing.tile_share`), weighed by FLOPs: its forward's result
-        (its output shard's rows x columns; a linear's leading dims are its rows) and, in
-        ``backward``, the input's gradient (rows x the inner dim) and the weight's (inner dim
-        x columns); a backward of one matmul makes the weight's where the op reads a
-        parameter, else the input's. 1 for other ops, and on CPU ranks."""
-        name = node.op.split(".")[1] if node.op.startswith("aten.") else ""
-        if self.cluster.backend == "gloo" or name not in MATMULS or len(node.outputs) != 1:
+        """Of ``node``'s work, the share inside its results' GPU tiles (`matmul_tile_share`);
+        1 on CPU ranks."""
+        if self.cluster.backend == "gloo":
             return 1.0
-        out = node.output
-        if not node.flops or not out.shape:
-            return 1.0
-        factors = shard_factors(strategy.output, len(out.shape), self.mesh_shape)
-        local = [n // f for n, f in zip(out.shape, factors, strict=True)]
-        rows = local[-2] if name in ("bmm", "baddbmm") else math.prod(local[:-1])
-        cols = local[-1]
-        # the inner dim, split where the output is a partial sum
-        spec = zip(self.mesh_shape, strategy.output, strict=True)
-        partial = math.prod(n for n, p in spec if p == P)
-        inner = max(1, round(node.flops / (2 * out.numel * partial)))
-        shares = [tile_share(rows, cols)]
-        matmuls = round(node.bwd_flops / node.flops) if backward else 0
-        if matmuls >= 2:
-            shares += [tile_share(rows, inner), tile_share(inner, cols)]
-        elif matmuls == 1:
-            shares.append(tile_share(inner, cols) if node.params else tile_share(rows, inner))
-        return len(shares) / sum(1 / s for s in shares)
+        return matmul_tile_share(node, strategy, self.mesh_shape, backward)
 
     def backward_time(self, node: Node, strategy: Strategy) -> float:
         """Of an op's `node_time`, what runs in backward: its gradients and, recomputed, its
