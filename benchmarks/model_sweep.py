@@ -89,10 +89,10 @@ TINY: dict[str, Any] = {
     **dict.fromkeys(["kv_lora_rank", "q_lora_rank"], 32),
     "image_size": IMAGE,
     "patch_size": 8,
-    "num_labels": CLASSES,
 }
-# per-stage lists (vision backbones): every stage gets the tiny value
-TINY_STAGES: dict[str, int] = {"depths": 1, "hidden_sizes": 64, "num_heads": 4, "embed_dims": 64}
+# per-stage lists (vision backbones): every stage gets the tiny value (their widths stay: a
+# width also sets a group norm's channels, which BiT divides into 32 groups)
+TINY_STAGES: dict[str, int] = {"depths": 1, "num_heads": 4, "embed_dims": 64}
 # the probabilities of random drops: of activations (dropout), of residual branches per sample
 # (stochastic depth: ``drop_path_rate``, per stage a list in CvT; EfficientNet's
 # ``drop_connect_rate``) and of whole layers (``layerdrop``)
@@ -115,7 +115,10 @@ def architectures() -> dict[str, tuple[str, str]]:
 def tiny_config(model_type: str) -> Any:
     """The model type's default config made tiny (`TINY`), dropout off, sub-configs (a
     multimodal model's text and vision configs) alike."""
-    return _tiny(transformers.CONFIG_MAPPING[model_type]())
+    config = _tiny(transformers.CONFIG_MAPPING[model_type]())
+    # a property of every config (the size of its id2label), taken as an argument by none
+    config.num_labels = CLASSES
+    return config
 
 
 def _tiny(config: Any) -> Any:

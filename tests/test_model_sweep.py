@@ -67,3 +67,7 @@ def test_a_tiny_config_is_built_by_its_class_so_derived_widths_follow() -> None:
     nested = tiny_config("gemma3")  # a multimodal config: its text and vision configs shrink
     assert (nested.text_config.hidden_size, nested.text_config.num_hidden_layers) == (64, 2)
     assert nested.vision_config.hidden_size == 64
+
+
+def test_a_tiny_image_classifier_has_the_sweeps_classes() -> None:
+    assert tiny_config("cvt").num_labels == 10  # its labels are drawn from 10 classes
