@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,13 @@ def cpu4() -> autoplan.Cluster:
 @pytest.fixture(scope="session")
 def a100() -> autoplan.Cluster:
     return autoplan.Cluster.load(ROOT / "costmodels" / "dgx-a100-80gb.json")
+
+
+@pytest.fixture(scope="session")
+def h100_quad_nodes() -> autoplan.Cluster:
+    """H100s in nodes of 4: the pipeline schedules' tests plan 4 device groups of one GPU."""
+    h100 = autoplan.Cluster.load(ROOT / "costmodels" / "h100-sxm-8.json")
+    return dataclasses.replace(h100, devices_per_node=4)
 
 
 @pytest.fixture

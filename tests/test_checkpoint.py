@@ -37,6 +37,14 @@ def _complete(path: Path) -> Path:
     return path
 
 
+def _ran(command: list[str], cwd: Path) -> str:
+    """``command`` (an ``autoplan run``) run to its end in ``cwd``: its output, once it has
+    succeeded."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
 def test_latest_is_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     assert latest(tmp_path / "absent") is None
     assert latest(tmp_path) is None
@@ -96,25 +104,11 @@ def test_run_saves_then_resumes_under_another_plan(tmp_path: Path) -> None:
         "--checkpoint-dir",
         "ckpt",
     ]
-    first = subprocess.run(
-        [*run, "--steps", "2", "--mesh", "2", "--checkpoint-every", "1", "--checkpoint-keep", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    save = ["--checkpoint-every", "1", "--checkpoint-keep", "1"]
+    _ran([*run, "--steps", "2", "--mesh", "2", *save], tmp_path)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002"]
     resume = ["--steps", "4", "--resume", "--pipeline", "--stages", "2", "--check"]
-    second = subprocess.run(
-        [*run, *resume, "--export-to", "model.pt"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    out = second.stdout
-    assert second.returncode == 0, out[-2000:] + second.stderr[-2000:]
+    out = _ran([*run, *resume, "--export-to", "model.pt"], tmp_path)
     assert "stage 1" in out and "training steps 3-4 on 2 processes" in out
     assert "step 2/4  loss" not in out and "step 4/4  loss" in out
     assert "check against one process" in out and out.rstrip().endswith("OK")
@@ -146,23 +140,10 @@ def test_buffers_forward_updates_are_saved_and_resumed(tmp_path: Path) -> None:
         "--checkpoint-dir",
         "ckpt",
     ]
-    first = subprocess.run(  # data parallel: each rank counts its half of the batch
-        [*run, "--steps", "2", "--mesh", "2", "--pin", "input:0=S(0)"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = subprocess.run(
-        [*run, "--steps", "4", "--resume", "--no-pipeline", "--check", "--export-to", "m.pt"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    out = second.stdout
-    assert second.returncode == 0, out[-2000:] + second.stderr[-2000:]
+    # data parallel: each rank counts its half of the batch
+    _ran([*run, "--steps", "2", "--mesh", "2", "--pin", "input:0=S(0)"], tmp_path)
+    resume = ["--steps", "4", "--resume", "--no-pipeline", "--check", "--export-to", "m.pt"]
+    out = _ran([*run, *resume], tmp_path)
     assert "training steps 3-4 on 2 processes" in out and out.rstrip().endswith("OK")
     state = torch.load(tmp_path / "m.pt")
     assert state["calls"].item() == 4 and state["tokens_per_expert"].sum().item() == 4 * 16
@@ -181,15 +162,7 @@ def test_a_strided_checkpoint_loads_under_another_plan_and_back(tmp_path: Path) 
     qkv = "blocks.0.attn.qkv.weight"
     for steps, placement in ((2, "S(0)x3"), (4, "R"), (6, "S(0)x3")):
         resume = ["--resume", "--check"] if steps > 2 else []
-        done = subprocess.run(
-            [*run, "--steps", str(steps), "--pin", f"{qkv}={placement}", *resume],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=tmp_path,
-        )
-        out = done.stdout
-        assert done.returncode == 0, out[-2000:] + done.stderr[-2000:]
+        out = _ran([*run, "--steps", str(steps), "--pin", f"{qkv}={placement}", *resume], tmp_path)
         assert re.search(rf"{re.escape(qkv)} .*\[tp={re.escape(placement)}\]", out), out
         if resume:
             assert f"training steps {steps - 1}-{steps} on 2 processes" in out

@@ -150,21 +150,14 @@ def test_activations_stay_until_w_with_the_output_gradients() -> None:
     assert peak_in_flight(order, lambda _: 1.0, lambda _: 0.5) == 3.5
 
 
-@pytest.fixture(scope="module")
-def cluster() -> autoplan.Cluster:
-    return dataclasses.replace(
-        autoplan.Cluster.load("costmodels/h100-sxm-8.json"), devices_per_node=4
-    )
-
-
-def test_the_planner_chooses_zbv_where_fastest(cluster: autoplan.Cluster) -> None:
+def test_the_planner_chooses_zbv_where_fastest(h100_quad_nodes: autoplan.Cluster) -> None:
     # 4 device groups of one GPU, 7 microbatches of a GPT whose compute outweighs its sends:
     # 8 stages in a V beat 4 under ZeroBubble (a smaller bubble) and 8 interleaved (one send
     # fewer, the middle stages sharing their GPU); DualPipeV needs 8 microbatches
     w = example("gpt", size="small", num_layers=8, batch_size=224, device="meta")
     options = PlanOptions(num_stages=4, num_microbatches=7)
-    plan = w.plan(cluster, options)
-    zb = w.plan(cluster, dataclasses.replace(options, schedule="ZeroBubble"))
+    plan = w.plan(h100_quad_nodes, options)
+    zb = w.plan(h100_quad_nodes, dataclasses.replace(options, schedule="ZeroBubble"))
     assert plan.pipeline is not None and zb.pipeline is not None
     assert plan.pipeline.schedule == ZBV and plan.virtual_stages == 2
     assert plan.predicted.step_time_s < zb.predicted.step_time_s
@@ -185,23 +178,23 @@ def test_the_planner_chooses_zbv_where_fastest(cluster: autoplan.Cluster) -> Non
     assert "  stage 7 (ranks 0)   .  .  .  .  .  .  . F0 B0 W0 F1 B1 W1 F2 B2 W2" in shown
 
 
-def test_the_planner_chooses_dualpipev_where_fastest(cluster: autoplan.Cluster) -> None:
+def test_the_planner_chooses_dualpipev_where_fastest(h100_quad_nodes: autoplan.Cluster) -> None:
     # the same GPT in 8 microbatches: DualPipeV's order, its last stage heavier than the
     # others (the head), ends sooner than ZBV's
     w = example("gpt", size="small", num_layers=8, batch_size=256, device="meta")
-    plan = w.plan(cluster, PlanOptions(num_stages=4, num_microbatches=8))
+    plan = w.plan(h100_quad_nodes, PlanOptions(num_stages=4, num_microbatches=8))
     assert plan.pipeline is not None
     assert plan.pipeline.schedule == DUALPIPE_V and plan.virtual_stages == 2
 
 
-def test_dualpipev_is_planned_and_shown_when_asked(cluster: autoplan.Cluster) -> None:
+def test_dualpipev_is_planned_and_shown_when_asked(h100_quad_nodes: autoplan.Cluster) -> None:
     w = example("gpt", size="tiny", num_layers=4, batch_size=8, device="meta")
     options = PlanOptions(num_stages=2, num_microbatches=4, schedule="DualPipeV")
-    plan = w.plan(cluster, options)
+    plan = w.plan(h100_quad_nodes, options)
     assert plan.pipeline is not None and plan.pipeline.schedule == DUALPIPE_V
     assert [st.ranks for st in plan.stages] == [(0, 1), (2, 3), (2, 3), (0, 1)]
     assert autoplan.Plan.from_json(plan.to_json()) == plan
     shown = summary(plan)
     assert "schedule DualPipeV" in shown and "(in a V: ranks 0-1 run stages 0, 3;" in shown
     with pytest.raises(AutoplanError, match="at least as many microbatches as stages"):
-        w.plan(cluster, dataclasses.replace(options, num_microbatches=2))
+        w.plan(h100_quad_nodes, dataclasses.replace(options, num_microbatches=2))

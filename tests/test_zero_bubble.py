@@ -95,19 +95,12 @@ def test_activations_stay_until_w_with_the_output_gradients() -> None:
     assert peak_in_flight(order, lambda _: 1.0, lambda _: 0.5) == 6.0
 
 
-@pytest.fixture(scope="module")
-def cluster() -> autoplan.Cluster:
-    return dataclasses.replace(
-        autoplan.Cluster.load("costmodels/h100-sxm-8.json"), devices_per_node=4
-    )
-
-
-def test_the_planner_chooses_zero_bubble_where_fastest(cluster: autoplan.Cluster) -> None:
+def test_the_planner_chooses_zero_bubble_where_fastest(h100_quad_nodes: autoplan.Cluster) -> None:
     # 4 stages of one GPU, 4 microbatches: 1F1B idles half the step
     w = example("gpt", size="tiny", num_layers=4, batch_size=8, device="meta")
     options = PlanOptions(num_stages=4, num_microbatches=4)
-    one = w.plan(cluster, dataclasses.replace(options, schedule="1F1B"))
-    plan = w.plan(cluster, options)
+    one = w.plan(h100_quad_nodes, dataclasses.replace(options, schedule="1F1B"))
+    plan = w.plan(h100_quad_nodes, options)
     assert one.pipeline is not None and plan.pipeline is not None
     assert plan.pipeline.schedule == ZB and plan.virtual_stages == 1
     assert plan.predicted.step_time_s < one.predicted.step_time_s
@@ -119,12 +112,12 @@ def test_the_planner_chooses_zero_bubble_where_fastest(cluster: autoplan.Cluster
     assert "  stage 3 (ranks 3)   .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3" in shown
 
 
-def test_virtual_stages_keep_zero_bubble(cluster: autoplan.Cluster) -> None:
+def test_virtual_stages_keep_zero_bubble(h100_quad_nodes: autoplan.Cluster) -> None:
     options = PlanOptions(schedule="zerobubble", virtual_stages=2)
     assert options.schedules == (ZB,) and options.virtual_stages == 2
     # and the plan keeps them, though a conventional plan of one stage a group is faster
     w = example("gpt", size="small", num_layers=8, batch_size=16, device="meta")
     forced = dataclasses.replace(options, num_stages=4, num_microbatches=4)
-    plan = w.plan(cluster, forced)
+    plan = w.plan(h100_quad_nodes, forced)
     assert plan.pipeline is not None and plan.pipeline.schedule == ZB
     assert plan.virtual_stages == 2 and len(plan.stages) == 8
