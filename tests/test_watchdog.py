@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -103,3 +104,39 @@ def test_a_stopped_rank_ends_the_job(tmp_path: Path) -> None:
         message,
     ), message[-3000:]
     assert not any(_running(pid) for pid in [torchrun, *ranks.values()])
+
+
+_EXIT_CHECK = """
+import atexit, os, threading
+import torch.distributed as dist
+from autoplan.execute import watchdog
+
+def report():  # registered first, so it runs after the watchdog's own exit handler
+    alive = [t.name for t in threading.enumerate() if t.name == "autoplan-watchdog"]
+    print("watchdog alive at exit:", bool(alive), flush=True)
+
+atexit.register(report)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+store = dist.TCPStore("127.0.0.1", int(os.environ["PORT"]), is_master=True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+watchdog._Monitor.ensure_running()
+dist.destroy_process_group()
+"""
+
+
+def test_the_monitor_thread_ends_before_the_interpreter_does() -> None:
+    """A daemon thread still inside the store's C++ call when Python finalizes is ended
+    mid-call, which aborts the process: the monitor stops at exit instead."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PORT": str(port)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "watchdog alive at exit: False" in run.stdout

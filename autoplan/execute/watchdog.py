@@ -20,6 +20,7 @@ checkpoint I/O are not watched.
 
 from __future__ import annotations
 
+import atexit
 import json
 import linecache
 import os
@@ -124,15 +125,24 @@ class _Monitor:
         self.tick_s = 1.0
         self.store = _job_store()
         self._beat()  # at once: a rank stopped before its first tick is known too
-        thread = threading.Thread(target=self._run, name="autoplan-watchdog", daemon=True)
-        thread.start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autoplan-watchdog", daemon=True)
+        self._thread.start()
+        # Stopped before the interpreter finalizes: a daemon thread still inside the store's
+        # C++ call then would be ended mid-call, which aborts the process (SIGABRT at exit).
+        atexit.register(self._stop_thread)
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15.0)
 
     def _run(self) -> None:
         while True:
             a = _activity
             if a.since is not None:
                 self.tick_s = min(1.0, max(0.1, a.limit_s / 10))
-            time.sleep(self.tick_s)
+            if self._stop.wait(self.tick_s):
+                return
             self._beat()
             if self.under_torchrun and os.getppid() != self.parent:
                 self._end(f"autoplan: rank {self.rank}: its launcher (pid {self.parent}) is gone")
