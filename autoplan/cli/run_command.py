@@ -76,8 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help=(
             "train the same steps in one process and compare losses and parameters (1e-5, or "
-            "twice what float32 rounding alone moves one process from float64 where more; in "
-            "mixed precision against autocast, within bf16's reach: see docs/mixed-precision.md)"
+            "twice what rounding alone moves one process, in float64 or its batch reversed, where "
+            "more; in mixed precision against autocast, within bf16's reach: see "
+            "docs/mixed-precision.md)"
         ),
     )
     r.add_argument(
