@@ -113,6 +113,19 @@ def workload():
     w = gpt()
     return Workload(w.model, (w.example_inputs[0].float(),), w.loss_fn, w.example_target)
 """
+FLEX_ATTENTION = """import torch
+import transformers
+from autoplan import Workload
+
+def workload():
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, attn_implementation="flex_attention",
+    )
+    ids = torch.randint(0, 64, (4, 16))
+    return Workload(transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids})
+"""
+
 INT_INPUTS = """from autoplan import Workload
 from examples.mlp import workload as mlp
 
@@ -393,6 +406,13 @@ CASES = [
         "untraceable-run",
         lambda d: run(workload=written(d, "floatids2.py", FLOAT_IDS)),
         r"could not trace GPT at .*gpt\.py:\d+ .*Long, Int",
+    ),
+    Bad(
+        "flex-attention",  # torch's limit on CPU, told with what to use instead
+        lambda d: plan(written(d, "flex.py", FLEX_ATTENTION)),
+        r"could not trace LlamaForCausalLM at .*modeling_llama\.py:\d+ .*FlexAttention does "
+        r"not support backward on CPU.*choose another attention for the model \(transformers: "
+        r'attn_implementation="sdpa"',
     ),
     Bad(
         "float-token-ids",  # a dtype the model cannot take: no advice about control flow

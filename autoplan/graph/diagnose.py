@@ -62,6 +62,13 @@ def _user_line(frames: Sequence[tuple[str, int, str]], model: nn.Module) -> str:
     return f" at {filename}:{lineno} (`{code.strip()}`)"
 
 
+def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
+    """Whether the failure was raised inside torch's FlexAttention."""
+    return any(
+        f[0].replace(os.sep, "/").endswith("/nn/attention/flex_attention.py") for f in frames
+    )
+
+
 def _inputs_hint(args: tuple[Any, ...]) -> str:
     return (
         f"It was called on the example inputs (then the target): {_described(args)}; "
@@ -74,7 +81,14 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
         (f.filename, f.lineno or 0, f.line or "") for f in traceback.extract_tb(e.__traceback__)
     ]
     first_line = next((ln for ln in str(e).strip().splitlines() if ln.strip()), type(e).__name__)
-    if data_dependent(e):
+    if _flex_attention(frames):
+        hint = (
+            "FlexAttention runs its backward on GPUs only and traces on no meta device (torch's "
+            "limits, not autoplan's), so autoplan cannot plan or train it here: choose another "
+            'attention for the model (transformers: attn_implementation="sdpa", which autoplan '
+            "plans as attention; or your own scaled_dot_product_attention with the same mask)."
+        )
+    elif data_dependent(e):
         hint = (
             "autoplan traces the model with torch.export on fake tensors: replace Python "
             "control flow that depends on tensor values with tensor ops (torch.where, masks), "
@@ -84,7 +98,7 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
         hint = _inputs_hint(args)
     return (
         f"could not trace {type(model).__name__}{_user_line(frames, model)}: {type(e).__name__}: "
-        f"{first_line}. {hint}"
+        f"{first_line.rstrip('.')}. {hint}"
     )
 
 
