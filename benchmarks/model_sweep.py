@@ -87,6 +87,7 @@ TINY: dict[str, Any] = {
     **dict.fromkeys(["qk_nope_head_dim"], 8),
     **dict.fromkeys(["v_head_dim"], 16),
     **dict.fromkeys(["kv_lora_rank", "q_lora_rank"], 32),
+    "first_k_dense_replace": 1,  # DeepSeek's dense layers before the experts: one of the two
     "image_size": IMAGE,
     "patch_size": 8,
 }
@@ -129,6 +130,7 @@ def _tiny(config: Any) -> Any:
     for name, value in TINY.items():
         if isinstance(getattr(config, name, None), int):
             changes[name] = value
+    changes.update(_kept_ratios(config, changes))
     for name, value in TINY_STAGES.items():
         stages = getattr(config, name, None)
         if isinstance(stages, list) and stages and all(isinstance(v, int) for v in stages):
@@ -153,6 +155,27 @@ def _tiny(config: Any) -> Any:
             with contextlib.suppress(AttributeError, ValueError, TypeError):
                 setattr(config, name, value)
         return config
+
+
+def _kept_ratios(config: Any, changes: dict[str, Any]) -> dict[str, int]:
+    """Counts that must divide others, kept consistent at the tiny sizes: as many key and
+    value heads as heads where the default has as many (multi-head and latent attention;
+    grouped-query attention keeps `TINY`'s 2), and routing groups to experts and chosen groups
+    to groups in the default's ratios (DeepSeek's grouped top-k)."""
+    found = {}
+    heads, kv = (
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "num_key_value_heads", None),
+    )
+    if isinstance(heads, int) and heads == kv and "num_attention_heads" in changes:
+        found["num_key_value_heads"] = changes["num_attention_heads"]
+    groups, experts = getattr(config, "n_group", None), getattr(config, "n_routed_experts", None)
+    if isinstance(groups, int) and isinstance(experts, int) and "n_routed_experts" in changes:
+        found["n_group"] = max(1, changes["n_routed_experts"] * groups // max(experts, 1))
+        chosen = getattr(config, "topk_group", None)
+        if isinstance(chosen, int):
+            found["topk_group"] = max(1, found["n_group"] * chosen // max(groups, 1))
+    return found
 
 
 def workload(model: str = "llama", batch_size: int = 8, seq_len: int = SEQ) -> Workload:

@@ -64,6 +64,12 @@ def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
 def test_a_tiny_config_is_built_by_its_class_so_derived_widths_follow() -> None:
     latent = tiny_config("deepseek_v3")  # its head width is derived from the rotary width
     assert latent.head_dim == latent.qk_rope_head_dim == 8
+    # latent attention has as many key/value heads as heads; routing groups divide the
+    # experts; one dense layer, then experts
+    assert latent.num_key_value_heads == latent.num_attention_heads == 4
+    assert latent.n_routed_experts % latent.n_group == 0 and latent.topk_group <= latent.n_group
+    assert latent.first_k_dense_replace < latent.num_hidden_layers
+    assert tiny_config("mistral").num_key_value_heads == 2  # grouped-query attention stays
     nested = tiny_config("gemma3")  # a multimodal config: its text and vision configs shrink
     assert (nested.text_config.hidden_size, nested.text_config.num_hidden_layers) == (64, 2)
     assert nested.vision_config.hidden_size == 64
