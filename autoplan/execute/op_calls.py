@@ -223,6 +223,9 @@ LOCAL_OPS = {
     _aten.slice.Tensor,
     _aten.cat.default,
     _aten.select.int,
+    # a gather by index tensors (a mixture of experts' rows sorted by expert): its rules split
+    # the indices, the data whole, or a data dim the indices leave alone
+    _aten.index.Tensor,
     # reductions: over a split dim, a partial sum (`PARTIAL_SUMS`)
     _aten.mean.dim,
     _aten.mean.default,

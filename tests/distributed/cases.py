@@ -360,7 +360,7 @@ CASES = [
             {"model": model, "batch_size": 64, "seq_len": 32},
             baseline_plan(dp=4, tp=1),
         )
-        for model in ("gpt2", "llama")
+        for model in ("gpt2", "llama", "mixtral")
     ],
     # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
     # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
@@ -381,6 +381,18 @@ CASES = [
             ("gpt2", "tp", 1, 4),
             ("gpt2", "2x2-sp", 2, 2),
         )
+    ],
+    # expert parallelism of index-routed mixtures of experts nobody here wrote (Mixtral's 4
+    # experts, one a rank; Qwen3-MoE's 8, two a rank): each rank stores, updates and multiplies
+    # only its experts, its grouped matmul's other rows zero, the partial sums reduced
+    *[
+        Case(
+            f"zoo-{model}-baseline-ep",
+            "zoo",
+            {"model": model, "batch_size": 16, "seq_len": 16},
+            baseline_plan(dp=4, tp=1, ep=4),
+        )
+        for model in ("mixtral", "qwen3-moe")
     ],
     # context parallelism of a model nobody here wrote: its causal mask split with the
     # queries, its keys joined to an empty cache
