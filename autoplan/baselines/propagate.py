@@ -66,7 +66,7 @@ class Layout:
 def expert_weights(graph: Graph) -> list[Node]:
     """The experts' weights: parameters of three or more dims, the experts along dim 0, that
     only einsums read (as GShard writes them: "emh" for expert, model, hidden) or grouped
-    matmuls as their weights (transformers' index-routed experts, `strategies.experts`),
+    matmuls as their weights (transformers' index-routed experts, `strategies.grouped_mm`),
     through casts and transposes that keep dim 0."""
     found = []
     for node in graph.params:

@@ -1,5 +1,5 @@
 """Expert parallelism on this rank's experts: the grouped matmul of index-routed mixtures of
-experts (its rule: `autoplan.strategies.experts`).
+experts (its rule: `autoplan.strategies.grouped_mm`).
 
 With the experts' weights split along dim 0, a rank holds experts ``first .. first + E/n``.
 The rows are sorted by expert and the offsets are the running counts of rows per expert, so
@@ -13,7 +13,7 @@ experts get exactly their rows' gradients, and the rows' gradient is again a par
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,15 +46,15 @@ def first_experts(
         index = 0
         for a in axes:
             index = index * mesh.size(a) + coordinate[a]
-        experts = node.args[1].meta["val"].shape[0]  # type: ignore[union-attr]
+        experts = node.args[1].meta["val"].shape[0]
         found[node.name] = index * (experts // math.prod(mesh.size(a) for a in axes))
     return found
 
 
 def local_grouped_mm(
-    node: torch.fx.Node, args: Sequence[Any], kwargs: dict[str, Any], first: int
+    op: Callable[..., torch.Tensor], args: Sequence[Any], kwargs: dict[str, Any], first: int
 ) -> torch.Tensor:
-    """``node``'s grouped matmul of the rows routed to this rank's experts (``first`` on, as
+    """A grouped matmul ``op`` of the rows routed to this rank's experts (``first`` on, as
     many as its weights hold), the other rows zero: a partial sum over the ranks."""
     x, weight, *rest = args
     named = dict(kwargs)
@@ -62,5 +62,5 @@ def local_grouped_mm(
     ends = offs[first : first + weight.shape[0]]
     start = int(offs[first - 1]) if first else 0
     stop = int(ends[-1])
-    mine = node.target(x[start:stop], weight, *rest, offs=ends - start, **named)  # type: ignore[operator]
+    mine = op(x[start:stop], weight, *rest, offs=ends - start, **named)
     return F.pad(mine, (0, 0, start, x.shape[0] - stop))

@@ -440,7 +440,7 @@ class PlanInterpreter:
         elif name in self.offsets:
             out = shifted_causal(args, kwargs, self.offsets[name])
         elif name in self.experts:
-            out = local_grouped_mm(node, args, kwargs, self.experts[name])
+            out = local_grouped_mm(node.target, args, kwargs, self.experts[name])  # type: ignore[arg-type]
         else:
             out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)

@@ -21,7 +21,7 @@ from autoplan.graph.ir import TensorInfo
 
 # a mixture of experts' grouped matmul, ``(x (S, K), w (E, K, N), offs (E,)) -> (S, N)``, as
 # transformers traces it: torch's in bfloat16, else its own fallback (a custom op);
-# strategies/experts.py has their rule
+# strategies/grouped_mm.py has their rule
 GROUPED_MMS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 

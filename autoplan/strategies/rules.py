@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
 from autoplan.strategies.attention import attention
-from autoplan.strategies.experts import RULES as EXPERT_RULES
+from autoplan.strategies.grouped_mm import RULES as EXPERT_RULES
 from autoplan.strategies.placement import P, R, shard
 
 AxisRule = tuple[str, ...]
