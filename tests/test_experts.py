@@ -2,7 +2,8 @@
 DeepSeek-V3): the grouped matmul's expert split (strategies/grouped_mm.py, execute/experts.py).
 
 Training under it is checked against one process on 4 gloo ranks in tests/test_distributed.py
-(zoo-mixtral-baseline-ep, zoo-qwen3-moe-baseline-ep)."""
+(zoo-mixtral-baseline-ep, zoo-qwen3-moe-baseline-ep, zoo-deepseek-v3-baseline-ep,
+zoo-mixtral-baseline-ep-2x2)."""
 
 from __future__ import annotations
 
