@@ -2,14 +2,15 @@
 published widths (`benchmarks/real_models.py`: 256 routed experts of which 8 are used, one
 shared expert, multi-head latent attention; its first 3 layers dense) with fewer layers, on
 simulated H100 nodes, planned by autoplan and compared with the conventional plans, all priced
-by the same cost model: data parallelism, ZeRO-3, and `baseline(dp=N, tp=1, ep=N)` (the
-experts split over all GPUs, each multiplying the rows routed to its experts).
+by the same cost model: the batch split as far as it goes (dp), Megatron's tensor parallelism
+over the rest (tp), with the experts replicated, stored by ZeRO-3, or split along dp
+(`baseline(dp, tp, ep=dp)`: each rank multiplying the rows routed to its experts).
 
 Prints, and writes to benchmarks/results/plan_experts.json and .md: planning time, the chosen
 mesh and stages, how the routed experts' weights are stored, and each plan's predicted step
 time and memory per GPU.
 
-    python benchmarks/plan_experts.py [--gpus 256] [--layers 5] [--batch 128]
+    python benchmarks/plan_experts.py [--gpus 256] [--layers 4] [--batch 128]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.planfile.show import fmt_bytes  # noqa: E402
 from benchmarks.plan_moe import COLUMNS, priced, shown  # noqa: E402
 from benchmarks.real_models import MODELS  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
@@ -54,10 +56,14 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
     plan = w.plan(cluster, options)
     rows.append({"plan": "autoplan", "plan_s": round(time.perf_counter() - start, 1)})
     rows[-1].update(priced(plan, EXPERTS))
+    rows[-1]["limit"] = plan.predicted.memory_limit_bytes
+    # the batch split as far as it goes, tensor parallelism over the rest of the GPUs
+    dp = min(gpus, batch)
+    tp = gpus // dp
     for name, degrees in (
-        (f"experts split (dp={gpus}, ep={gpus})", {"dp": gpus, "tp": 1, "ep": gpus}),
-        (f"data parallel (dp={gpus})", {"dp": gpus, "tp": 1}),
-        (f"ZeRO-3 (dp={gpus})", {"dp": gpus, "tp": 1, "zero_stage": 3}),
+        (f"experts split (dp={dp}, tp={tp}, ep={dp})", {"dp": dp, "tp": tp, "ep": dp}),
+        (f"data parallel (dp={dp}, tp={tp})", {"dp": dp, "tp": tp}),
+        (f"ZeRO-3 (dp={dp}, tp={tp})", {"dp": dp, "tp": tp, "zero_stage": 3}),
     ):
         row: dict[str, object] = {"plan": name, "plan_s": "-"}
         try:
@@ -72,7 +78,7 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args()
     rows = run(args.gpus, args.layers, args.batch)
@@ -88,6 +94,7 @@ def main() -> None:
         f"--batch {args.batch}",
         "machine": f"{platform.machine()}, {platform.python_version()}",
         "torch": torch.__version__,
+        "memory limit per GPU": fmt_bytes(float(rows[0]["limit"])),  # type: ignore[arg-type]
         "note": "predictions are analytic (published link and peak figures), not measured",
     }
     write_results("plan_experts", title, meta, table, COLUMNS)
