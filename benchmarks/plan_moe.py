@@ -30,11 +30,13 @@ from autoplan.workload import load_workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 
 
-def _priced(plan: autoplan.Plan) -> dict[str, object]:
+def priced(plan: autoplan.Plan, experts_weight: str = "w_in") -> dict[str, object]:
+    """A plan's row: its mesh, stages, how a weight of the experts (the first parameter whose
+    name ends so) is stored, its predicted step time and memory per GPU."""
     experts = {
         axis: placement
         for name, p in plan.params.items()
-        if name.endswith("w_in")
+        if name.endswith(experts_weight)
         for axis, placement in p.storage.items()
     }
     return {
@@ -62,14 +64,14 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
     start = time.perf_counter()
     plan = w.plan(cluster)
     rows.append({"plan": "autoplan", "plan_s": round(time.perf_counter() - start, 1)})
-    rows[-1].update(_priced(plan))
+    rows[-1].update(priced(plan))
     for name, degrees in (
         (f"GShard (dp={gpus}, ep={gpus})", {"dp": gpus, "tp": 1, "ep": gpus}),
         (f"data parallel (dp={gpus})", {"dp": gpus, "tp": 1}),
     ):
         row: dict[str, object] = {"plan": name, "plan_s": "-"}
         try:
-            row.update(_priced(w.baseline(cluster, **degrees)))
+            row.update(priced(w.baseline(cluster, **degrees)))
         except AutoplanError as e:
             row.update({"mesh": "-", "stages": "-", "experts": "-", "step_s": None, "memory": None})
             row["error"] = str(e).split(";")[0][:120]
@@ -80,7 +82,8 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
 COLUMNS = ["plan", "planning", "mesh", "stages", "experts stored", "predicted step", "memory/GPU"]
 
 
-def _shown(r: dict[str, object]) -> dict[str, object]:
+def shown(r: dict[str, object]) -> dict[str, object]:
+    """A row as the results table shows it."""
     step, memory = r["step_s"], r["memory"]
     return {
         "plan": r["plan"],
@@ -104,8 +107,8 @@ def main() -> None:
         f"64-expert GPT ({args.layers} layers, top-2, batch {args.batch} x 2048, bf16) on "
         f"{args.gpus} simulated A100s"
     )
-    shown = [_shown(r) for r in rows]
-    for r in shown:
+    table = [shown(r) for r in rows]
+    for r in table:
         print(" | ".join(str(r[c]) for c in COLUMNS))
     meta = {
         "command": f"python benchmarks/plan_moe.py --gpus {args.gpus} --layers {args.layers} "
@@ -113,7 +116,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {platform.python_version()}",
         "torch": torch.__version__,
     }
-    write_results("plan_moe", title, meta, shown, COLUMNS)
+    write_results("plan_moe", title, meta, table, COLUMNS)
 
 
 if __name__ == "__main__":

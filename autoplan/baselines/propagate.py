@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 from autoplan.baselines.regions import param_of, rule_for, rule_moving, tp_seeds
 from autoplan.errors import AutoplanError
-from autoplan.graph.ir import Graph, Node
+from autoplan.graph.flops import GROUPED_MMS
+from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind, RecomputeMode
 from autoplan.strategies.float32_grads import (
     baseline_copy,
@@ -36,6 +37,7 @@ from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, so
 from autoplan.strategies.zero_state import state_specs
 
 EINSUM = "aten.einsum.default"
+CAST, TRANSPOSE = "aten._to_copy.default", "aten.transpose.int"
 
 Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
 
@@ -62,13 +64,32 @@ class Layout:
 
 
 def expert_weights(graph: Graph) -> list[Node]:
-    """The experts' weights: parameters of three or more dims that only einsums read, the
-    experts along dim 0 (as GShard writes them: "emh" for expert, model, hidden)."""
+    """The experts' weights: parameters of three or more dims, the experts along dim 0, that
+    only einsums read (as GShard writes them: "emh" for expert, model, hidden) or grouped
+    matmuls as their weights (transformers' index-routed experts, `strategies.grouped_mm`),
+    through casts and transposes that keep dim 0."""
     found = []
     for node in graph.params:
-        users = [graph.node(u) for u in graph.users(node.name)]
-        if len(node.output.shape) >= 3 and users and all(u.op == EINSUM for u in users):
+        readers = _readers(graph, node.name)
+        experts = all(u.op == EINSUM or u.op in GROUPED_MMS for u, _ in readers)
+        weights = all(u.op not in GROUPED_MMS or u.refs.index(read) == 1 for u, read in readers)
+        if len(node.output.shape) >= 3 and readers and experts and weights:
             found.append(node)
+    return found
+
+
+def _readers(graph: Graph, name: str) -> list[tuple[Node, Ref]]:
+    """The ops that read tensor ``name`` (as which of their inputs), casts and transposes of
+    dims other than 0 looked through."""
+    found = []
+    for user in graph.users(name):
+        node = graph.node(user)
+        ndim = len(node.outputs[0].shape) if node.outputs else 0
+        moved = {int(a) % ndim for a in node.args[1:3]} if node.op == TRANSPOSE and ndim else {0}
+        if node.op == CAST or (node.op == TRANSPOSE and 0 not in moved):
+            found += _readers(graph, user)
+        else:
+            found += [(node, r) for r in node.refs if r.name == name]
     return found
 
 
@@ -134,7 +155,8 @@ def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str
         if not experts:
             raise AutoplanError(
                 f"ep={layout.ep} splits experts, but the model has none (parameters of three or "
-                "more dims read only by einsums, the experts along dim 0); use ep=1"
+                "more dims read only by einsums or grouped matmuls, the experts along dim 0); "
+                "use ep=1"
             )
         for node in experts:
             if node.output.shape[0] % layout.ep:

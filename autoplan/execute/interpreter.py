@@ -10,10 +10,10 @@ plan's collectives list then misses that move, which the fidelity tests catch.
 The ops `execute/op_calls.py` finds local (no partial sums, the local result the local shard of
 the result) run on this rank's shards as plain torch: DTensor would only add its dispatch to
 them; so do the replicated ops that keep their output's gradient partial (the plan's
-``grad``), and cross-entropy, whose targets' total weight is all-reduced as soon as they are
-there. A run of such ops stays local; it meets DTensor where a tensor must be redistributed or
-a DTensor op reads it (``from_local``/``to_local``, whose backward places each gradient as
-the planner's `grad_spec` says).
+``grad``), cross-entropy (its targets' total weight all-reduced as soon as they are there)
+and the grouped matmul of split experts (execute/experts.py). A run of such ops stays local;
+it meets DTensor where a tensor must be redistributed or a DTensor op reads it
+(``from_local``/``to_local``, whose backward places each gradient as `grad_spec` says).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.export import ExportedProgram
 
 from autoplan.execute.checkpointed import RecomputedRegion, checkpointed, gathered, with_regions
 from autoplan.execute.context import causal_offsets, shifted_causal
+from autoplan.execute.experts import first_experts, local_grouped_mm
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
@@ -222,6 +223,7 @@ class PlanInterpreter:
             if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
         }
         self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
+        self.experts = first_experts(self.graph, self.inputs, self.local, mesh)  # experts split
 
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
@@ -399,8 +401,7 @@ class PlanInterpreter:
             for n, p in zip(self._weight_inputs(loss), self.inputs[loss.name][1:], strict=False)
         )
         local = local_total_weight(loss, target, weights[0] if weights else None)
-        placements = self.inputs[loss.name][1]
-        axes = [a for a, p in enumerate(placements) if isinstance(p, Shard)]
+        axes = [a for a, p in enumerate(self.inputs[loss.name][1]) if isinstance(p, Shard)]
         return Summed(local, [self.mesh.get_group(a) for a in axes])
 
     def _call_local(
@@ -438,6 +439,8 @@ class PlanInterpreter:
             out = local_embedding(node, args, self.vocab[name])
         elif name in self.offsets:
             out = shifted_causal(args, kwargs, self.offsets[name])
+        elif name in self.experts:
+            out = local_grouped_mm(node.target, args, kwargs, self.experts[name])  # type: ignore[arg-type]
         else:
             out = self._call_op(node, args, kwargs, placements)
         kept = self.kept.get(node.name)

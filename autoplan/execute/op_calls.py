@@ -9,9 +9,10 @@ split batch: an element-wise loss's local sum over the global element count, and
 cross-entropy's over the global total weight of its targets, are partial sums along the axes
 their inputs are split on. So do the vocabulary's split ops (execute/vocab.py): an embedding
 of a weight split by rows (its masked lookup a partial sum) and a cross-entropy of logits
-split along the classes (Megatron's parallel cross-entropy). An op DTensor cannot run at all
-(``lift_fresh_copy``, the functional ``copy`` of a slice assignment) runs locally too, placed
-as the plan says: only that way does it run, not raise on the ranks.
+split along the classes (Megatron's parallel cross-entropy); so does a mixture of experts'
+grouped matmul, each rank multiplying its experts' rows (execute/experts.py). An op DTensor
+cannot run at all (``lift_fresh_copy``, the functional ``copy`` of a slice assignment) runs
+locally too, placed as the plan says: only that way does it run, not raise on the ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from autoplan.execute.vocab import (
     masked_embedding,
     vocab_parallel_cross_entropy,
 )
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.torch_private import dtensor_runs
 
 NONE, MEAN, SUM = 0, 1, 2  # torch's Reduction
@@ -223,6 +225,9 @@ LOCAL_OPS = {
     _aten.slice.Tensor,
     _aten.cat.default,
     _aten.select.int,
+    # a gather by index tensors (a mixture of experts' rows sorted by expert): its rules split
+    # the indices, the data whole, or a data dim the indices leave alone
+    _aten.index.Tensor,
     # reductions: over a split dim, a partial sum (`PARTIAL_SUMS`)
     _aten.mean.dim,
     _aten.mean.default,
@@ -316,6 +321,10 @@ def runs_locally(
     output: Sequence[Placement],
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
+    if str(node.target) in GROUPED_MMS:
+        # experts split or whole, rows whole (execute/experts.py): DTensor's rule for torch's
+        # grouped matmul would place it otherwise
+        return True
     if node.target not in LOCAL_OPS | SIZED | LOSSES | MULTI_OUTPUT:
         return _replicated(node, inputs, output) or _without_dtensor(node)
     val = node.meta.get("val")

@@ -19,6 +19,11 @@ from collections.abc import Sequence
 
 from autoplan.graph.ir import TensorInfo
 
+# a mixture of experts' grouped matmul, ``(x (S, K), w (E, K, N), offs (E,)) -> (S, N)``, as
+# transformers traces it: torch's in bfloat16, else its own fallback (a custom op);
+# strategies/grouped_mm.py has their rule
+GROUPED_MMS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+
 
 def _prod(xs: Sequence[int]) -> int:
     n = 1
@@ -33,9 +38,10 @@ def op_flops(
     """(forward, backward) FLOPs; ``grads[i]`` says whether input ``i`` receives a gradient."""
     name = op.split(".")[1] if op.startswith("aten.") else op
     out_numel = sum(o.numel for o in outputs)
-    if name in ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm"):
+    if name in ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm") or op in GROUPED_MMS:
         # the two matrix operands (addmm's first input is the bias); each needing a gradient
-        # costs one more matmul of the forward's size
+        # costs one more matmul of the forward's size. A grouped matmul (x (S, K), experts'
+        # w (E, K, N), offsets) multiplies each of its S rows by one expert's (K, N)
         a = 1 if name in ("addmm", "baddbmm") else 0
         fwd = 2.0 * out_numel * inputs[a].shape[-1]
         return fwd, fwd * (grads[a] + grads[a + 1])

@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.recompute import FUSED_ATTENTION
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
@@ -100,7 +101,7 @@ def _words(plan: Plan) -> list[str]:
                 experts[axis][_INDEX.sub(".*.", name, count=1)] = None
     lines = _zero_words(plan)
     lines += [
-        f"  experts split {sizes[axis]} ways on {axis} (all-to-alls carry the tokens): "
+        f"  experts split {sizes[axis]} ways on {axis} ({_moves_tokens(plan, axis)}): "
         + ", ".join(names)
         for axis, names in experts.items()
     ]
@@ -117,6 +118,15 @@ def _words(plan: Plan) -> list[str]:
                     "the weights' tensor-parallel splits (sequence parallelism)"
                 )
     return lines + _vocabulary_words(plan, sizes) + _context_words(plan, sizes)
+
+
+def _moves_tokens(plan: Plan, axis: str) -> str:
+    """How a mixture of experts split on ``axis`` brings the tokens to their experts: an
+    index-routed one's grouped matmuls (strategies/grouped_mm.py), else GShard's all-to-alls."""
+    grouped = [n for n in plan.nodes.values() if n.op in GROUPED_MMS]
+    if not any(n.inputs[1].get(axis) == "S(0)" for n in grouped):
+        return "all-to-alls carry the tokens"
+    return "each rank multiplies the rows routed to its experts, the partial sums reduced"
 
 
 def _vocabulary_words(plan: Plan, sizes: dict[str, int]) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
 from autoplan.strategies.attention import attention
+from autoplan.strategies.grouped_mm import RULES as EXPERT_RULES
 from autoplan.strategies.placement import P, R, shard
 
 AxisRule = tuple[str, ...]
@@ -488,8 +489,8 @@ _RULES: dict[str, Rule] = {
 
 def own_rule(op: str) -> Rule | None:
     """Our rule for ``op`` ("aten.<name>.<overload>"): one for that overload, else one for
-    every overload of the name, else None."""
+    every overload of the name, else None; for another library's op, its full name's."""
     parts = op.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        return None
+    if op in EXPERT_RULES or len(parts) != 3 or parts[0] != "aten":
+        return EXPERT_RULES.get(op)
     return _RULES.get(f"{parts[1]}.{parts[2]}", _RULES.get(parts[1]))

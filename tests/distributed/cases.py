@@ -360,7 +360,7 @@ CASES = [
             {"model": model, "batch_size": 64, "seq_len": 32},
             baseline_plan(dp=4, tp=1),
         )
-        for model in ("gpt2", "llama")
+        for model in ("gpt2", "llama", "mixtral")
     ],
     # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
     # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
@@ -382,6 +382,26 @@ CASES = [
             ("gpt2", "2x2-sp", 2, 2),
         )
     ],
+    # expert parallelism of index-routed mixtures of experts nobody here wrote (Mixtral's 4
+    # experts, one a rank; Qwen3-MoE's and DeepSeek-V3's 8, two a rank, DeepSeek-V3's shared
+    # expert a dense MLP beside them): each rank stores, updates and multiplies only its
+    # experts, its grouped matmul's other rows zero, the partial sums reduced
+    *[
+        Case(
+            f"zoo-{model}-baseline-ep",
+            "zoo",
+            {"model": model, "batch_size": 16, "seq_len": 16},
+            baseline_plan(dp=4, tp=1, ep=4),
+        )
+        for model in ("mixtral", "qwen3-moe", "deepseek-v3")
+    ],
+    # the experts split over 2 ranks (dp of a (2, 2) mesh), attention split by heads on tp
+    Case(
+        "zoo-mixtral-baseline-ep-2x2",
+        "zoo",
+        {"model": "mixtral", "batch_size": 16, "seq_len": 16},
+        baseline_plan(dp=2, tp=2, ep=2),
+    ),
     # context parallelism of a model nobody here wrote: its causal mask split with the
     # queries, its keys joined to an empty cache
     Case(

@@ -18,6 +18,9 @@ so that training can be compared with one process exactly.
   mixture of experts (grouped top-k routing, one shared expert) after one dense layer.
   These four build a ``DynamicCache`` in forward (``use_cache`` left at its default, as users
   train them).
+- mixtral: a mixture of 4 experts (top 2) in every layer, routed by index: ``topk``,
+  ``sort``, ``histc`` and transformers' grouped matmul of the experts' 3-dim weights.
+- qwen3-moe: the same routing, 8 experts (top 2), query and key norms.
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
@@ -120,6 +123,29 @@ def _deepseek_v3(
     return _causal(config, transformers.DeepseekV3ForCausalLM, batch, seq)
 
 
+def _mixtral(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.MixtralConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+        max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.MixtralForCausalLM, batch, seq)
+
+
+def _qwen3_moe(
+    batch: int, seq: int, layers: int
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.Qwen3MoeConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=seq, bos_token_id=0,
+        eos_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    return _causal(config, transformers.Qwen3MoeForCausalLM, batch, seq)
+
+
 def _bert(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.BertConfig(
         num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -201,6 +227,8 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "deepseek-v3": _deepseek_v3,
+    "mixtral": _mixtral,
+    "qwen3-moe": _qwen3_moe,
     "bert": _bert,
     "bart": _bart,
     "vit": _vit,
