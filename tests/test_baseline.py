@@ -719,3 +719,56 @@ def test_data_parallel_baseline_of_a_transformers_model_is_ddp(
     assert sum(k for (phase, *_), k in counted.items() if phase == "grad_sync") >= 1
     assert all(kind == "all_reduce" for (_, kind, _) in counted)
     assert sum(k for (phase, *_), k in counted.items() if phase == "backward") == backward
+
+
+def test_torchtitan_llama_plan_counted_by_hand(cpu4: autoplan.Cluster) -> None:
+    """torchtitan's ``parallelize_llama`` on dp=2 x tp=2 of transformers' Llama (2 blocks,
+    dim 64, 4 heads of 16 and 2 key-value heads, MLP 128, vocabulary 128), counted by hand.
+    On tp (``apply_tp``, sequence parallel): per block, the attention's and the MLP's
+    inputs all-gathered along the sequence and their row linears' outputs reduce-scattered;
+    the embedding's lookup (RowwiseParallel: along the vocabulary) reduce-scattered, the
+    head's input gathered; backward the mirror image; the loss on the vocabulary's shards
+    (``loss_parallel``): its max and sum of exponentials; and each RMSNorm weight's gradient,
+    partial over the sequence's parts, all-reduced. On dp (``fully_shard``): every weight
+    gathered once, before use, from its dp shard, and its gradient reduce-scattered."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=32)
+    plan = w.baseline(cpu4, dp=2, tp=2, style="torchtitan")
+    tokens = 4 * 32  # a dp group's half of the batch
+    activation = tokens * 64 * 4
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
+    assert on_tp == {
+        ("forward", "all_gather", activation): 5,
+        ("forward", "reduce_scatter", activation): 5,
+        ("backward", "all_gather", activation): 5,
+        ("backward", "reduce_scatter", activation): 5,
+        ("forward", "all_reduce", 4 * tokens): 1,
+        ("forward", "all_reduce", 8 * tokens): 1,
+        ("grad_sync", "all_reduce", 64 // 2 * 4): 5,  # 5 norms' weights, each a dp half
+    }
+    # each weight's tp share, gathered whole on dp: q, o (64, 64) and k, v (32, 64) split by
+    # heads; gate, up, down (128, 64); embedding and head (128, 64); the five norms (64,)
+    layers, half = 2, 4 // 2
+    shares = Counter(
+        {64 * 64 * half: 2 * layers, 32 * 64 * half: 2 * layers, 128 * 64 * half: 3 * layers + 2}
+    ) + Counter({64 * 4: 2 * layers + 1})
+    on_dp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("dp",))
+    gathered = {("forward", "all_gather", b): n for b, n in shares.items()}
+    scattered = {("grad_sync", "reduce_scatter", b): n for b, n in shares.items()}
+    assert on_dp == {**gathered, **scattered, ("forward", "all_reduce", 4): 2}  # loss, count
+    params = plan.params
+    assert params["model.embed_tokens.weight"].placements == {"dp": "R", "tp": "S(0)"}
+    assert params["lm_head.weight"].placements == {"dp": "R", "tp": "S(0)"}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        read = "S(1)" if name == "o_proj" else "S(0)"
+        p = params[f"model.layers.0.self_attn.{name}.weight"]
+        assert p.placements == {"dp": "R", "tp": read} and p.storage["dp"] != "R", name
+    norms = [n for n in plan.nodes.values() if n.module.endswith(("layernorm", "model.norm"))]
+    assert len(norms) == 8 * (2 * layers + 1)  # RMSNorm's 8 ops, each split along the sequence
+    assert all(n.output == {"dp": "S(0)", "tp": "S(1)"} for n in norms)
+    # the same plan as Megatron's with sequence parallelism and ZeRO-3
+    same = w.baseline(cpu4, dp=2, tp=2, zero_stage=3, sequence_parallel=True)
+    assert same.collectives == plan.collectives and same.predicted == plan.predicted
+    with pytest.raises(AutoplanError, match=r"style='torchtitan' sets FSDP .* zero_stage \(3\)"):
+        w.baseline(cpu4, dp=2, tp=2, zero_stage=3, style="torchtitan")
+    with pytest.raises(AutoplanError, match="style 'deepspeed' is not known"):
+        w.baseline(cpu4, dp=2, tp=2, style="deepspeed")

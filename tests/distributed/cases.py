@@ -382,6 +382,15 @@ CASES = [
             ("gpt2", "2x2-sp", 2, 2),
         )
     ],
+    # torchtitan's Llama plan: Megatron's tensor parallelism with sequence parallelism and
+    # the loss on the vocabulary's shards, FSDP over dp (parameters gathered, gradients
+    # reduce-scattered)
+    Case(
+        "zoo-llama-baseline-torchtitan",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=2, tp=2, style="torchtitan"),
+    ),
     # context parallelism of a model nobody here wrote: its causal mask split with the
     # queries, its keys joined to an empty cache
     Case(
