@@ -302,6 +302,8 @@ def _gathered_views(
     for node in graph:
         if node.op not in RESHAPES or graph.fan_out(node.refs[0]) != 1:
             continue
+        if len(graph.tensor(node.refs[0]).shape) < 3:  # no (batch, sequence, ...) to gather
+            continue
         strategy = space[node.name].strategies[0]
         producer = space[node.refs[0].name].strategies[0]
         if strategy.output[-1] != R or producer.output[-1] != shard(1):
