@@ -664,7 +664,7 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
         kept = {n.module: n.grad for n in sequence.nodes.values() if n.grad}
         blocks = ("transformer.h.0", "transformer.h.1")
         modules = [f"{b}.{m}" for b in blocks for m in ("attn.c_attn", "mlp.c_fc")]
-        assert kept == dict.fromkeys(modules, {"dp": "S(0)", "tp": "P"})
+        assert kept == {module: {"dp": "S(0)", "tp": "P"} for module in modules}
         assert _estimate(sequence, w, cpu4) == sequence
     assert on_tp == {**forward, **backward}
 
@@ -780,3 +780,49 @@ def test_torchtitan_llama_plan_counted_by_hand(cpu4: autoplan.Cluster) -> None:
         w.baseline(cpu4, dp=2, tp=2, zero_stage=3, style="torchtitan")
     with pytest.raises(AutoplanError, match="style 'deepspeed' is not known"):
         w.baseline(cpu4, dp=2, tp=2, style="deepspeed")
+
+
+class FusedGQA(nn.Module):
+    """One q|k|v linear of 8 query heads and 2 key-value heads, split into unequal pieces."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, kv_heads: int = 2, mlp: bool = True) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp = SwiGLU(dim) if mlp else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=2)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
+        return self.mlp(x) if self.mlp is not None else x
+
+
+def test_a_fused_projection_cut_into_unequal_pieces_stays_whole_and_says_so(
+    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Grouped-query attention's fused q|k|v (widths 64, 16, 16) has no strided split of
+    equal pieces: the baseline keeps it whole, says so, and splits the rest."""
+    x, target = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
+    alone = _workload(FusedGQA(mlp=False), x, target)
+    with pytest.raises(AutoplanError, match=r"\(qkv cut into unequal pieces stays whole\)"):
+        alone.baseline(cpu4, dp=2, tp=2)
+    w = _workload(FusedGQA(), x, target)
+    with caplog.at_level("WARNING", logger="autoplan.baselines.regions"):
+        plan = w.baseline(cpu4, dp=2, tp=2)
+    assert "qkv cut into unequal pieces" in caplog.text
+    storage = {n: p.storage["tp"] for n, p in plan.params.items() if n.endswith("weight")}
+    assert storage == {
+        "qkv.weight": "R",
+        "proj.weight": "R",
+        "mlp.norm.weight": "R",
+        "mlp.w1.weight": "S(0)",
+        "mlp.w3.weight": "S(0)",
+        "mlp.w2.weight": "S(1)",
+    }
