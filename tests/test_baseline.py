@@ -636,6 +636,11 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
         assert regions[0] == ([c_attn], ["transformer.h.0.attn.c_proj"])
         assert plan.params[f"{c_attn}.weight"].storage == {"dp": "R", "tp": "S(1)x3"}
         assert plan.params[f"{c_attn}.bias"].storage == {"dp": "R", "tp": "S(0)x3"}
+        # ZeRO-3 splits the strided weight along its other dim; the bias, strided along its
+        # only dim, stays whole on dp
+        zero3 = w.baseline(cpu4, dp=2, tp=2, zero_stage=3).params
+        assert zero3[f"{c_attn}.weight"].storage == {"dp": "S(0)", "tp": "S(1)x3"}
+        assert zero3[f"{c_attn}.bias"].storage == {"dp": "R", "tp": "S(0)x3"}
     else:
         assert regions[0][1] == ["model.layers.0.self_attn.o_proj"]
     on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))

@@ -83,13 +83,14 @@ def expert_weights(graph: Graph) -> list[Node]:
 def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
     """How ZeRO-3 stores a parameter on the dp axis: split along a dim the tp split leaves
     whole if one divides by dp (so a gather on dp alone restores what tp reads), else along
-    the tp-split dim if it divides by dp * tp, else replicated."""
+    the tp-split dim if it divides by dp * tp and tp splits it plainly (not strided: a fused
+    projection's bias), else replicated."""
     shape = node.output.shape
     tp_dim = shard_dim(tp_storage)
     for d, size in enumerate(shape):
         if d != tp_dim and size % dp == 0:
             return shard(d)
-    if tp_dim is not None and shape[tp_dim] % (dp * tp) == 0:
+    if tp_dim is not None and pieces(tp_storage) == 1 and shape[tp_dim] % (dp * tp) == 0:
         return shard(tp_dim)
     return R
 

@@ -391,6 +391,13 @@ CASES = [
         {"model": "llama", "batch_size": 64, "seq_len": 32},
         baseline_plan(dp=2, tp=2, style="torchtitan"),
     ),
+    # the same plan of GPT-2: its fused qkv's bias, strided on tp, kept whole on dp
+    Case(
+        "zoo-gpt2-baseline-torchtitan",
+        "zoo",
+        {"model": "gpt2", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=2, tp=2, style="torchtitan"),
+    ),
     # context parallelism of a model nobody here wrote: its causal mask split with the
     # queries, its keys joined to an empty cache
     Case(
