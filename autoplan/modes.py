@@ -41,6 +41,14 @@ class RecomputeMode(Mode):
     SELECTIVE = "selective"  # only the attention core runs again (Megatron's selective)
 
 
+class BaselineStyle(Mode):
+    """Whose hand-written plan a baseline is (`autoplan.baseline`)."""
+
+    MEGATRON = "megatron"  # Megatron-LM: its tp, sequence parallelism and ZeRO as asked
+    # torchtitan's Llama plan: tp with sequence parallelism and loss parallelism, FSDP over dp
+    TORCHTITAN = "torchtitan"
+
+
 class Precision(Mode):
     """The dtype a mixed-precision step computes in (`autoplan.precision`)."""
 

@@ -21,7 +21,7 @@ from autoplan.errors import AutoplanError
 from autoplan.estimate import estimate
 from autoplan.graph.capture import TrainStep, capture, keywords, microbatch, step_args
 from autoplan.graph.ir import Graph
-from autoplan.modes import RecomputeMode
+from autoplan.modes import BaselineStyle, RecomputeMode
 from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step, parallelize
 from autoplan.planfile.schema import Plan
@@ -83,6 +83,7 @@ class Workload:
         ep: int = 1,
         cp: int = 1,
         recompute: str = RecomputeMode.NONE,
+        style: str = BaselineStyle.MEGATRON,
         options: PlanOptions | None = None,
     ) -> Plan:
         """`autoplan.baseline` of this workload."""
@@ -99,6 +100,7 @@ class Workload:
             ep=ep,
             cp=cp,
             recompute=recompute,
+            style=style,
             loss_fn=self.loss_fn,
             example_target=self.example_target,
             options=options,

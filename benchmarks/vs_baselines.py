@@ -9,14 +9,18 @@ the mesh pinned to each one-stage baseline's mesh (one stage only), against the 
 that mesh. ``ratio`` is the planner's step time over the best conventional one: at most
 1.001 everywhere is the claim (tests/test_optimality.py checks a few cases in CI).
 
-Prints, and writes to benchmarks/results/vs_baselines.json and .md.
+Prints, and writes to benchmarks/results/vs_baselines.json and .md; with ``--update``, the
+rows of the cases and clusters run replace theirs in those files, the others kept (the
+commands of both runs written).
 
     python benchmarks/vs_baselines.py [--cases mlp-large,gpt-small] [--clusters cpu4,a100x8]
+        [--update]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -38,7 +42,7 @@ from autoplan.baselines.grid import (  # noqa: E402
 )
 from autoplan.baselines.propagate import mesh_of  # noqa: E402
 from autoplan.workload import Workload, load_workload  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import RESULTS, write_results  # noqa: E402
 from tests.models.zoo import workload as zoo  # noqa: E402
 
 TOLERANCE = 1.001
@@ -124,20 +128,36 @@ def compare(case: str, cluster_name: str) -> list[dict[str, object]]:
     return rows
 
 
+def _earlier(rows: list[dict[str, object]]) -> tuple[list[dict[str, object]], str]:
+    """``rows`` in place of the earlier results' rows of their cases and clusters, the
+    others kept, in the order of `CLUSTERS` and `CASES`; and the earlier results' command."""
+    earlier = json.loads((RESULTS / "vs_baselines.json").read_text())
+    ran = {(r["case"], r["cluster"]) for r in rows}
+    merged = [r for r in earlier["rows"] if (r["case"], r["cluster"]) not in ran] + rows
+    order = {name: i for i, name in enumerate([*CLUSTERS, *CASES])}
+    merged.sort(key=lambda r: (order[str(r["cluster"])], order[str(r["case"])]))
+    return merged, earlier["meta"]["command"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
+    parser.add_argument("--update", action="store_true", help="keep the other cases' rows")
     args = parser.parse_args()
     rows = []
     for cluster_name in args.clusters.split(","):
         for case in args.cases.split(","):
             rows += compare(case, cluster_name)
+    command = "python benchmarks/vs_baselines.py " + " ".join(sys.argv[1:])
+    if args.update:
+        kept, earlier = _earlier(rows)
+        rows, command = kept, f"{earlier}; then {command}"
     slower = sum(1 for r in rows if r.get("verdict") == "SLOWER")
     kept = sum(1 for r in rows if r["found_by"] == "conventional")
     compared = sum(1 for r in rows if "ratio" in r)
     meta = {
-        "command": "python benchmarks/vs_baselines.py " + " ".join(sys.argv[1:]),
+        "command": command,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "clusters": ", ".join(

@@ -636,6 +636,11 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
         assert regions[0] == ([c_attn], ["transformer.h.0.attn.c_proj"])
         assert plan.params[f"{c_attn}.weight"].storage == {"dp": "R", "tp": "S(1)x3"}
         assert plan.params[f"{c_attn}.bias"].storage == {"dp": "R", "tp": "S(0)x3"}
+        # ZeRO-3 splits the strided weight along its other dim; the bias, strided along its
+        # only dim, stays whole on dp
+        zero3 = w.baseline(cpu4, dp=2, tp=2, zero_stage=3).params
+        assert zero3[f"{c_attn}.weight"].storage == {"dp": "S(0)", "tp": "S(1)x3"}
+        assert zero3[f"{c_attn}.bias"].storage == {"dp": "R", "tp": "S(0)x3"}
     else:
         assert regions[0][1] == ["model.layers.0.self_attn.o_proj"]
     on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
@@ -651,14 +656,22 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
         ("forward", "all_gather", activation): 2 * layers + 1,
         **loss,
     }
-    if model == "llama":
-        assert on_tp == {
-            **forward,
-            ("backward", "all_gather", activation): 2 * layers + 1,
-            ("backward", "reduce_scatter", activation): 2 * layers + 1,
-        }
-    else:  # backward, a Conv1D's gathered input gradient is all-reduced (docs/baselines.md)
-        assert {k: n for k, n in on_tp.items() if k[0] == "forward"} == forward
+    # backward, each all-gather's gradient reduce-scattered (a Conv1D's too, through the
+    # flattening view that reads the sequence gathered) and each reduce-scatter's gathered
+    backward = {
+        ("backward", "all_gather", activation): 2 * layers + 1,
+        ("backward", "reduce_scatter", activation): 2 * layers + 1,
+    }
+    if model == "gpt2":  # and the learned positions' gradient (32 x 64), gathered whole
+        backward[("backward", "all_gather", 32 * 64 * 4)] = 1
+        # the views that flatten the gathered sequence for c_attn and c_fc keep the partial
+        # gradient partial; the plan so written is checked and priced again alike
+        kept = {n.module: n.grad for n in sequence.nodes.values() if n.grad}
+        blocks = ("transformer.h.0", "transformer.h.1")
+        modules = [f"{b}.{m}" for b in blocks for m in ("attn.c_attn", "mlp.c_fc")]
+        assert kept == {module: {"dp": "S(0)", "tp": "P"} for module in modules}
+        assert _estimate(sequence, w, cpu4) == sequence
+    assert on_tp == {**forward, **backward}
 
 
 def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
@@ -719,3 +732,102 @@ def test_data_parallel_baseline_of_a_transformers_model_is_ddp(
     assert sum(k for (phase, *_), k in counted.items() if phase == "grad_sync") >= 1
     assert all(kind == "all_reduce" for (_, kind, _) in counted)
     assert sum(k for (phase, *_), k in counted.items() if phase == "backward") == backward
+
+
+def test_torchtitan_llama_plan_counted_by_hand(cpu4: autoplan.Cluster) -> None:
+    """torchtitan's ``parallelize_llama`` on dp=2 x tp=2 of transformers' Llama (2 blocks,
+    dim 64, 4 heads of 16 and 2 key-value heads, MLP 128, vocabulary 128), counted by hand.
+    On tp (``apply_tp``, sequence parallel): per block, the attention's and the MLP's
+    inputs all-gathered along the sequence and their row linears' outputs reduce-scattered;
+    the embedding's lookup (RowwiseParallel: along the vocabulary) reduce-scattered, the
+    head's input gathered; backward the mirror image; the loss on the vocabulary's shards
+    (``loss_parallel``): its max and sum of exponentials; and each RMSNorm weight's gradient,
+    partial over the sequence's parts, all-reduced. On dp (``fully_shard``): every weight
+    gathered once, before use, from its dp shard, and its gradient reduce-scattered."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=32)
+    plan = w.baseline(cpu4, dp=2, tp=2, style="torchtitan")
+    tokens = 4 * 32  # a dp group's half of the batch
+    activation = tokens * 64 * 4
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
+    assert on_tp == {
+        ("forward", "all_gather", activation): 5,
+        ("forward", "reduce_scatter", activation): 5,
+        ("backward", "all_gather", activation): 5,
+        ("backward", "reduce_scatter", activation): 5,
+        ("forward", "all_reduce", 4 * tokens): 1,
+        ("forward", "all_reduce", 8 * tokens): 1,
+        ("grad_sync", "all_reduce", 64 // 2 * 4): 5,  # 5 norms' weights, each a dp half
+    }
+    # each weight's tp share, gathered whole on dp: q, o (64, 64) and k, v (32, 64) split by
+    # heads; gate, up, down (128, 64); embedding and head (128, 64); the five norms (64,)
+    layers, half = 2, 4 // 2
+    shares = Counter(
+        {64 * 64 * half: 2 * layers, 32 * 64 * half: 2 * layers, 128 * 64 * half: 3 * layers + 2}
+    ) + Counter({64 * 4: 2 * layers + 1})
+    on_dp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("dp",))
+    gathered = {("forward", "all_gather", b): n for b, n in shares.items()}
+    scattered = {("grad_sync", "reduce_scatter", b): n for b, n in shares.items()}
+    assert on_dp == {**gathered, **scattered, ("forward", "all_reduce", 4): 2}  # loss, count
+    params = plan.params
+    assert params["model.embed_tokens.weight"].placements == {"dp": "R", "tp": "S(0)"}
+    assert params["lm_head.weight"].placements == {"dp": "R", "tp": "S(0)"}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        read = "S(1)" if name == "o_proj" else "S(0)"
+        p = params[f"model.layers.0.self_attn.{name}.weight"]
+        assert p.placements == {"dp": "R", "tp": read} and p.storage["dp"] != "R", name
+    norms = [n for n in plan.nodes.values() if n.module.endswith(("layernorm", "model.norm"))]
+    assert len(norms) == 8 * (2 * layers + 1)  # RMSNorm's 8 ops, each split along the sequence
+    assert all(n.output == {"dp": "S(0)", "tp": "S(1)"} for n in norms)
+    # the same plan as Megatron's with sequence parallelism and ZeRO-3
+    same = w.baseline(cpu4, dp=2, tp=2, zero_stage=3, sequence_parallel=True)
+    assert same.collectives == plan.collectives and same.predicted == plan.predicted
+    with pytest.raises(AutoplanError, match=r"style='torchtitan' sets FSDP .* zero_stage \(3\)"):
+        w.baseline(cpu4, dp=2, tp=2, zero_stage=3, style="torchtitan")
+    with pytest.raises(AutoplanError, match="style 'deepspeed' is not known"):
+        w.baseline(cpu4, dp=2, tp=2, style="deepspeed")
+
+
+class FusedGQA(nn.Module):
+    """One q|k|v linear of 8 query heads and 2 key-value heads, split into unequal pieces."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, kv_heads: int = 2, mlp: bool = True) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp = SwiGLU(dim) if mlp else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=2)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, -1))
+        return self.mlp(x) if self.mlp is not None else x
+
+
+def test_a_fused_projection_cut_into_unequal_pieces_stays_whole_and_says_so(
+    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Grouped-query attention's fused q|k|v (widths 64, 16, 16) has no strided split of
+    equal pieces: the baseline keeps it whole, says so, and splits the rest."""
+    x, target = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
+    alone = _workload(FusedGQA(mlp=False), x, target)
+    with pytest.raises(AutoplanError, match=r"\(qkv cut into unequal pieces stays whole\)"):
+        alone.baseline(cpu4, dp=2, tp=2)
+    w = _workload(FusedGQA(), x, target)
+    with caplog.at_level("WARNING", logger="autoplan.baselines.regions"):
+        plan = w.baseline(cpu4, dp=2, tp=2)
+    assert "qkv cut into unequal pieces" in caplog.text
+    storage = {n: p.storage["tp"] for n, p in plan.params.items() if n.endswith("weight")}
+    assert storage == {
+        "qkv.weight": "R",
+        "proj.weight": "R",
+        "mlp.norm.weight": "R",
+        "mlp.w1.weight": "S(0)",
+        "mlp.w3.weight": "S(0)",
+        "mlp.w2.weight": "S(1)",
+    }

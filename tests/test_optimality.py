@@ -139,6 +139,11 @@ def test_the_reported_mlp_plans_data_parallel_on_a_flat_mesh(a100: autoplan.Clus
         ),
         ("gpt", lambda: example("gpt", size="small", batch_size=8, device="meta"), 4, None),
         ("zoo gpt2", lambda: zoo("gpt2", batch_size=16, seq_len=16), 4, None),
+        # transformers' models against the faithful baselines: Megatron's split of GPT-2's
+        # fused Conv1D qkv and of Llama's grouped-query attention, torchtitan's Llama plan
+        ("zoo llama", lambda: zoo("llama", batch_size=16, seq_len=16), 4, None),
+        ("zoo gpt2", lambda: zoo("gpt2", batch_size=16, seq_len=16), 8, None),
+        ("zoo llama", lambda: zoo("llama", batch_size=16, seq_len=16), 8, None),
         (
             "mlp small batch",
             lambda: example("mlp", hidden=1024, batch_size=16, device="meta"),
@@ -175,6 +180,10 @@ def test_the_planner_is_no_slower_than_any_conventional_plan(
     w = make()
     plans = _conventional(w, on, precision)
     assert len(plans) > 1 and all(p.mixed_precision == precision for _, p in plans)
+    if name.startswith("zoo"):  # Megatron's and torchtitan's splits over tp=2 among them
+        written = {replace(d, recompute=RecomputeMode.NONE) for d, _ in plans}
+        dp = on.num_devices // 2
+        assert {Degrees(dp, 2), Degrees(dp, 2, zero_stage=3, sequence_parallel=True)} <= written
     degrees, best = _fastest(plans)
     planned = w.plan(on, PlanOptions(mixed_precision=precision))
     ratio = planned.predicted.step_time_s / best.predicted.step_time_s

@@ -56,7 +56,7 @@ from autoplan.graph.cut import (
 )
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
-from autoplan.modes import NodeKind, RecomputeMode, Schedule, parse_mode
+from autoplan.modes import BaselineStyle, NodeKind, RecomputeMode, Schedule, parse_mode
 from autoplan.options import PlanOptions
 from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan
 from autoplan.planfile.schema import Plan
@@ -175,6 +175,26 @@ def _check_batches(
                 f"{num_microbatches} microbatches of {batch // num_microbatches}); use a batch "
                 f"that is a multiple of dp * num_microbatches = {dp * num_microbatches}"
             )
+
+
+def _torchtitan(
+    dp: int, tp: int, zero_stage: int, sequence_parallel: bool, ep: int, cp: int
+) -> Layout:
+    """torchtitan's Llama plan (``parallelize_llama``) as a layout: its ``apply_tp`` splits
+    what Megatron splits (q, k, v and the MLP's gate and up ColwiseParallel, the attention's
+    output and the MLP's down RowwiseParallel, the embedding RowwiseParallel, that is along
+    the vocabulary, the head ColwiseParallel with its logits left split for the loss,
+    ``loss_parallel``) with sequence parallelism (its default: the norms SequenceParallel,
+    each block's inputs gathered, each row linear's output reduce-scattered), and
+    ``fully_shard`` stores every parameter split over dp, gathers it before use and
+    reduce-scatters its gradient (ZeRO-3)."""
+    if zero_stage or sequence_parallel or ep > 1 or cp > 1:
+        raise AutoplanError(
+            f"style='torchtitan' sets FSDP over dp and sequence parallelism itself and has no "
+            f"ep or cp here; leave zero_stage ({zero_stage}), sequence_parallel "
+            f"({sequence_parallel}), ep ({ep}) and cp ({cp}) at their defaults"
+        )
+    return Layout(dp, tp, zero_stage=3 if dp > 1 else 0, sequence_parallel=tp > 1)
 
 
 def _split_layers(graph: Graph, pp: int, virtual_stages: int = 1) -> list[tuple[Layer, ...]]:
@@ -303,6 +323,7 @@ def baseline(
     ep: int = 1,
     cp: int = 1,
     recompute: RecomputeMode | str = RecomputeMode.NONE,
+    style: BaselineStyle | str = BaselineStyle.MEGATRON,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     example_target: Any = None,
     options: PlanOptions | None = None,
@@ -347,6 +368,13 @@ def baseline(
     ``options`` also give the optimizer and the memory budget; what the planner would search
     (mesh, pins, stages) must be left unset.
 
+    ``style="torchtitan"`` is torchtitan's Llama plan (`_torchtitan`): the same tensor
+    parallelism, always with sequence parallelism, and FSDP over dp, which is
+    ``zero_stage=3`` (so ``zero_stage``, ``sequence_parallel``, ``ep`` and ``cp`` are left
+    out). Unlike FSDP2 by default, the parameters gathered in forward are kept for backward
+    (torchtitan's ``fsdp_reshard_after_forward="never"``, its default under pipelines), and
+    each is split along a dim its tp split leaves whole, not always dim 0 (the same bytes).
+
     ``dp * tp * pp * cp`` must equal the cluster's device count. Time and memory are predicted by
     the planner's cost model; a baseline that does not fit in ``options.memory_fraction`` of
     device memory raises `InfeasiblePlanError`.
@@ -361,7 +389,11 @@ def baseline(
             f"dp={dp}, and without ZeRO-3 (zero_stage={zero_stage})"
         )
     mode = parse_mode(RecomputeMode, recompute, "recompute")
-    layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, mode, cp=cp)
+    if parse_mode(BaselineStyle, style, "style") == BaselineStyle.TORCHTITAN:
+        layout = replace(_torchtitan(dp, tp, zero_stage, sequence_parallel, ep, cp), recompute=mode)
+        zero_stage = layout.zero_stage
+    else:
+        layout = Layout(dp, tp, zero_stage, sequence_parallel, ep, mode, cp=cp)
     count = 1
     if pp > 1:
         count = pp if options.num_microbatches is None else options.num_microbatches

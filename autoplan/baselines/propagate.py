@@ -29,11 +29,19 @@ from autoplan.modes import NodeKind, RecomputeMode
 from autoplan.strategies.float32_grads import (
     baseline_copy,
     check_copies_read_as_placed,
+    kept_where_whole,
     weight_copies,
 )
 from autoplan.strategies.placement import P, R, Spec, pieces, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import NodeStrategies, Strategy, is_candidate, source_of
+from autoplan.strategies.space import (
+    RESHAPES,
+    NodeStrategies,
+    Strategy,
+    input_grad,
+    is_candidate,
+    source_of,
+)
 from autoplan.strategies.zero_state import state_specs
 
 EINSUM = "aten.einsum.default"
@@ -96,13 +104,14 @@ def _readers(graph: Graph, name: str) -> list[tuple[Node, Ref]]:
 def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
     """How ZeRO-3 stores a parameter on the dp axis: split along a dim the tp split leaves
     whole if one divides by dp (so a gather on dp alone restores what tp reads), else along
-    the tp-split dim if it divides by dp * tp, else replicated."""
+    the tp-split dim if it divides by dp * tp and tp splits it plainly (not strided: a fused
+    projection's bias), else replicated."""
     shape = node.output.shape
     tp_dim = shard_dim(tp_storage)
     for d, size in enumerate(shape):
         if d != tp_dim and size % dp == 0:
             return shard(d)
-    if tp_dim is not None and shape[tp_dim] % (dp * tp) == 0:
+    if tp_dim is not None and pieces(tp_storage) == 1 and shape[tp_dim] % (dp * tp) == 0:
         return shard(tp_dim)
     return R
 
@@ -218,7 +227,7 @@ def _propagated(
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
-        if rule is None and sequence and node.op in _VIEWS:
+        if rule is None and sequence and node.op in RESHAPES:
             # a view that no rule keeps split (a Conv1D's flattening of batch and sequence)
             # reads the sequence gathered, as Megatron gathers it before a column linear
             rule = (R,) * (1 + len(ins))
@@ -234,9 +243,6 @@ def _propagated(
     return placed
 
 
-_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
-
-
 def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
     """How ops read ``node``'s partial sums: all-reduced, or with ``sequence`` reduce-scattered
     along the sequence (dim 1 of (batch, seq, ...)); a Conv1D's (tokens, features) read by
@@ -246,7 +252,7 @@ def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
     if len(node.outputs[0].shape) >= 3:
         return shard(1)
     users = graph.users(node.name)
-    return P if users and all(graph.node(u).op in _VIEWS for u in users) else R
+    return P if users and all(graph.node(u).op in RESHAPES for u in users) else R
 
 
 def baseline_strategies(
@@ -294,12 +300,47 @@ def baseline_strategies(
                 f"which does not split evenly on mesh {mesh_shape}; choose other dp/tp degrees"
             )
         space[node.name] = NodeStrategies(node.name, (strategy,), source_of(node, graph))
+    if layout.sequence_parallel and tp > 1:
+        for name, kept in _gathered_views(graph, space, mesh_shape).items():
+            space[name] = replace(space[name], strategies=(kept,))
     if layout.float32_grads:
         for name in weight_copies(graph):
             kept = baseline_copy(graph.node(name), space[name].strategies[0], mesh_shape)
             space[name] = replace(space[name], strategies=(kept,))
         check_copies_read_as_placed(space, graph, mesh_shape)
     return space
+
+
+def _gathered_views(
+    graph: Graph, space: Mapping[str, NodeStrategies], mesh_shape: tuple[int, ...]
+) -> dict[str, Strategy]:
+    """Under sequence parallelism, the views that read the sequence gathered on the tp axis
+    (the last; a Conv1D's flattening of batch and sequence, see `_propagated`) and hand it to
+    column linears only, each the only reader of what it views: each strategy keeping its
+    output's gradient partial where the output is whole (`kept_where_whole`), as the column
+    linears hand it back. So their partial sums pass back through the view to be
+    reduce-scattered along the sequence, as Megatron's backward of its all-gather does, not
+    all-reduced and then sliced."""
+    found = {}
+    for node in graph:
+        if node.op not in RESHAPES or graph.fan_out(node.refs[0]) != 1:
+            continue
+        if len(graph.tensor(node.refs[0]).shape) < 3:  # no (batch, sequence, ...) to gather
+            continue
+        strategy = space[node.name].strategies[0]
+        producer = space[node.refs[0].name].strategies[0]
+        if strategy.output[-1] != R or producer.output[-1] != shard(1):
+            continue
+        kept = kept_where_whole(strategy, mesh_shape)
+        reads = [
+            input_grad(graph.node(u), space[u].strategies[0], i)
+            for u in graph.users(node.name)
+            for i, r in enumerate(graph.node(u).refs)
+            if r.name == node.name
+        ]
+        if reads and all(grad == kept.grad for grad in reads):
+            found[node.name] = kept
+    return found
 
 
 def assignment_of(space: Mapping[str, NodeStrategies]) -> dict[str, Strategy]:

@@ -50,7 +50,7 @@ from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
 from autoplan.strategies.placement import P, R, is_valid, pieces, shard, shard_dim, strided
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import axis_rules, plain_rules
+from autoplan.strategies.space import RESHAPES, axis_rules, plain_rules
 from autoplan.strategies.strided import marks as fused_marks
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ CAST = "aten._to_copy.default"
 ADDMM = "aten.addmm.default"
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
+SPLIT_WITH_SIZES = "aten.split_with_sizes.default"
 
 
 @dataclass(frozen=True)
@@ -349,14 +350,42 @@ def word_embedding(graph: Graph, tp: int, tied: Collection[str] = ()) -> Node | 
     return table if rows % tp == 0 and vocab_split in axis_rules(table, graph)[0] else None
 
 
+def unequal_fused(graph: Graph) -> list[str]:
+    """The modules of linears whose output is cut into unequal pieces along its features (a
+    fused q|k|v of grouped-query attention; through a Conv1D's view too), which a baseline
+    leaves whole where Megatron splits them by query groups."""
+    found = []
+    for node in graph:
+        if node.op != SPLIT_WITH_SIZES or len(set(node.args[1])) == 1:
+            continue
+        source = graph.node(node.refs[0].name)
+        if source.op in RESHAPES:
+            source = graph.node(source.refs[0].name)
+        last = len(graph.tensor(node.refs[0]).shape) - 1
+        dim = int(node.args[2]) % (last + 1) if len(node.args) > 2 else 0
+        if dim == last and projection(graph, source) is not None:
+            found.append(source.module_path or source.name)
+    return found
+
+
 def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     """The ``tp`` axis's seeds (parameter -> stored, read placements) from the regions of
     ``graph`` and its word embedding, checked to split evenly over ``tp`` devices."""
     regions = _split_regions(graph, tp)
+    unequal = unequal_fused(graph)
     if not regions:
+        fused = f" ({', '.join(unequal)} cut into unequal pieces stays whole)" if unequal else ""
         raise AutoplanError(
             f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
-            "reaches only other linears, through element-wise ops, views or attention); use tp=1"
+            f"reaches only other linears, through element-wise ops, views or attention){fused}; "
+            "use tp=1"
+        )
+    if unequal:
+        log.warning(
+            "tp=%d: %s cut into unequal pieces (grouped-query attention's q|k|v) stay whole, "
+            "where Megatron splits them by query groups",
+            tp,
+            ", ".join(unequal),
         )
     heads = [graph.node(c) for r in regions for c in r.columns]
     tied = {e.name for head in heads if (e := tied_embedding(graph, head)) is not None}

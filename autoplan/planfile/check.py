@@ -40,7 +40,7 @@ from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
 from autoplan.strategies.float32_grads import kept_where_whole, weight_copies
 from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
-from autoplan.strategies.space import Strategy, node_strategies
+from autoplan.strategies.space import RESHAPES, Strategy, node_strategies
 from autoplan.version import torch_release
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,9 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
             )
         strategy = _strategy(plan, node)
         candidates = node_strategies(node, graph, shape).strategies
-        if strategy in candidates or _kept_weight_copy(strategy, node, graph, shape, candidates):
+        if strategy in candidates or _kept_partial_where_whole(
+            strategy, node, graph, shape, candidates
+        ):
             continue
         if strategy.state is not None:
             _refuse_state(node, strategy, candidates, axes)
@@ -365,17 +367,18 @@ def _check_strategies(plan: Plan, graph: Graph) -> None:
         )
 
 
-def _kept_weight_copy(
+def _kept_partial_where_whole(
     strategy: Strategy,
     node: Node,
     graph: Graph,
     shape: tuple[int, ...],
     candidates: Collection[Strategy],
 ) -> bool:
-    """Whether ``strategy`` is a weight copy's candidate keeping its gradient partial where its
-    output is whole, as plans that reduce every gradient in float32 place them
-    (`autoplan.strategies.float32_grads`)."""
-    if strategy.grad is None or node.name not in weight_copies(graph):
+    """Whether ``strategy`` is a weight copy's or a reshape's candidate keeping its gradient
+    partial where its output is whole, as plans that reduce every gradient in float32 place
+    weight copies (`autoplan.strategies.float32_grads`) and sequence-parallel baselines the
+    views that read the sequence gathered (`autoplan.baselines.propagate`)."""
+    if strategy.grad is None or (node.op not in RESHAPES and node.name not in weight_copies(graph)):
         return False
     placed = replace(strategy, grad=None)
     return placed in candidates and strategy == kept_where_whole(placed, shape)

@@ -43,6 +43,7 @@ from autoplan.solvers.problem import OUTCOMES, SKIPPED, STOPPED, Unproven
 from autoplan.strategies.buckets import GRADIENTS
 from autoplan.strategies.float32_grads import SPLIT_COPIES
 from autoplan.strategies.placement import is_placement
+from autoplan.strategies.space import RESHAPES
 from autoplan.version import torch_release
 
 __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
@@ -98,7 +99,9 @@ def _check_kept_gradient(f: JsonField, node: NodePlan) -> None:
     """A gradient may be kept partial only on axes where the op is replicated (each rank runs
     it whole on the same values), and elsewhere kept as the output is placed, which only a
     cast runs exactly on its shards (a weight copy under float32 gradient reduction,
-    `autoplan.strategies.float32_grads`): anything else would train on wrong gradients."""
+    `autoplan.strategies.float32_grads`), and a reshape (`RESHAPES`: a sequence-parallel
+    baseline's flattening of the gathered sequence): anything else would train on wrong
+    gradients."""
     if not node.output or set(node.grad) != set(node.output) or "P" not in node.grad.values():
         raise f["grad"].fail('"P" on some axes and as the output is placed on the others, or {}')
     for axis, kept in node.grad.items():
@@ -110,9 +113,10 @@ def _check_kept_gradient(f: JsonField, node: NodePlan) -> None:
             )
         if kept != "P" and kept != node.output[axis].replace("P", "R"):
             raise f["grad"].fail('"P" on some axes and as the output is placed on the others')
-        if kept != "R" and kept != "P" and node.op not in SPLIT_COPIES:
+        if kept not in ("R", "P") and node.op not in SPLIT_COPIES and node.op not in RESHAPES:
             raise f["grad"].problem(
-                f"only a cast keeps its gradient partial while split (axis {axis!r}); make it {{}}"
+                f"only a cast or a reshape keeps its gradient partial while split (axis "
+                f"{axis!r}); make it {{}}"
             )
 
 

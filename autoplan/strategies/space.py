@@ -263,6 +263,11 @@ def source_of(node: Node, graph: Graph) -> str:
     return sources[node.kind] if node.kind in sources else axis_rules(node, graph)[1]
 
 
+# reshapes: their backward is a reshape of the gradient, so wherever their output is whole
+# it may run on partial sums and keep them partial (`autoplan.planfile.check` allows it; a
+# baseline so reads the sequence gathered under sequence parallelism)
+RESHAPES = frozenset({"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"})
+
 # ops whose result depends on a random generator: run replicated, each rank would draw its own
 _RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rrelu"}
 

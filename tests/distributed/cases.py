@@ -402,6 +402,22 @@ CASES = [
         {"model": "mixtral", "batch_size": 16, "seq_len": 16},
         baseline_plan(dp=2, tp=2, ep=2),
     ),
+    # torchtitan's Llama plan: Megatron's tensor parallelism with sequence parallelism and
+    # the loss on the vocabulary's shards, FSDP over dp (parameters gathered, gradients
+    # reduce-scattered)
+    Case(
+        "zoo-llama-baseline-torchtitan",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=2, tp=2, style="torchtitan"),
+    ),
+    # the same plan of GPT-2: its fused qkv's bias, strided on tp, kept whole on dp
+    Case(
+        "zoo-gpt2-baseline-torchtitan",
+        "zoo",
+        {"model": "gpt2", "batch_size": 64, "seq_len": 32},
+        baseline_plan(dp=2, tp=2, style="torchtitan"),
+    ),
     # context parallelism of a model nobody here wrote: its causal mask split with the
     # queries, its keys joined to an empty cache
     Case(
