@@ -152,3 +152,29 @@ def test_pipeline_layers_stopped_with_a_plan_are_listed_with_their_gap(
     # one line a configuration, its layers counted, the largest gap of their ILPs
     assert all(re.search(r", \d+ layer ILPs$", u.part) and u.gap == 0.02 for u in unproven)
     assert len({u.part for u in unproven}) == len(unproven)
+
+
+def test_a_mesh_whose_priced_peak_is_over_the_limit_is_skipped(
+    mlp: Workload,
+    cpu4: autoplan.Cluster,
+    proven: autoplan.Plan,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The ILP counts memory as a sum over ops; the plan's peak is priced over time
+    (`price_step`). Where the two disagree and the peak is over the limit, the mesh's plan is
+    no plan: the search takes another mesh instead of a plan that would not fit."""
+    price = intra_op.price_step
+
+    def over_on_2x2(*args: Any) -> Any:
+        step = price(*args)
+        if args[2].mesh_shape == (2, 2):
+            return dataclasses.replace(step, memory_bytes=step.memory_bytes + 2**50)
+        return step
+
+    monkeypatch.setattr(intra_op, "price_step", over_on_2x2)
+    with caplog.at_level(logging.WARNING, logger=intra_op.__name__):
+        plan = mlp.plan(cpu4, ONE_STAGE)
+    assert proven.mesh.shape == (2, 2) and plan.mesh.shape == (4,)
+    assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
+    assert re.search(r"mesh \(2, 2\): the ILP's plan is priced at .* over the limit", caplog.text)

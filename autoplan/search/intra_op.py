@@ -54,6 +54,7 @@ from autoplan.strategies.space import (
     searched,
     strategy_space,
 )
+from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -442,4 +443,15 @@ def solve_mesh(
     rules = {n.name: space[layers.rep(n.name)].source for n in graph}
     with timed("pricing"):
         step = price_step(graph, result.assignment, pricer)
+    if step.peak_bytes > memory_limit:
+        # the ILP's memory (`build_problem`) was within the limit and the priced peak is not:
+        # a plan that does not fit is none, whatever the ILP estimated
+        log.warning(
+            "mesh %s: the ILP's plan is priced at %s per device, over the limit of %s; "
+            "this mesh is skipped",
+            mesh,
+            fmt_bytes(step.peak_bytes),
+            fmt_bytes(memory_limit),
+        )
+        return step.peak_bytes
     return MeshPlan(result, pricer, step, rules)
