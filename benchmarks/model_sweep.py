@@ -274,6 +274,14 @@ def counts(rows: Iterable[dict[str, object]]) -> str:
     return ", ".join(f"{k} {n}" for k, n in found.most_common())
 
 
+def exact_share(rows: Iterable[dict[str, object]]) -> str:
+    """``"88 of 94 (93.6%)"``: the rows that trained exactly, of those whose model was made
+    tiny (every row but "not tiny")."""
+    results = [str(r["result"]) for r in rows if r["result"] != "not tiny"]
+    exact = results.count("exact")
+    return f"{exact} of {len(results)} ({100 * exact / max(len(results), 1):.1f}%)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", help="model types, comma-separated (default: every one)")
@@ -315,6 +323,7 @@ def _write(rows: list[dict[str, object]], planned: int) -> None:
         "swept": f"{len(rows)} of the {len(architectures())} model types with a head swept "
         f"({planned} in this run)",
         "counts": counts(rows),
+        "exact of those made tiny": exact_share(rows),
         "run": "autoplan run benchmarks/model_sweep.py --set model=M --cluster "
         "costmodels/cpu-gloo-4.json --steps 3 --check (4 gloo ranks against one process)",
     }
