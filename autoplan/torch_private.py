@@ -36,6 +36,10 @@ the torch at hand has rather than comparing version numbers.
   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
   (their ``_calculate_single_rank_operations``), computed without stages or a process group,
   so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
+- `fake_world`: the "fake" process group (torch's test-suite store) of any size in one
+  process, with DTensor's caches cleared when it ends: they compare meshes by value and would
+  hand the next world's equal mesh the specs of this one, whose groups are gone
+  (execute/dry_run.py).
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -53,9 +57,10 @@ the torch at hand has rather than comparing version numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,7 +91,10 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder as ShardingPlaceholder,
 )
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._redistribute import (
+    clear_redistribute_planner_cache,
+    redistribute_local_tensor,
+)
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
@@ -442,3 +450,18 @@ def _steps(actions: Sequence[Any]) -> list[tuple[str, int, int]]:
             for kind in kinds[action.computation_type]:
                 found.append((kind, action.stage_index, action.microbatch_index))
     return found
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a job of ``world_size`` on the "fake" process group (its
+    collectives return at once, their outputs unwritten)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        clear_redistribute_planner_cache()
