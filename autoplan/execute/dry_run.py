@@ -10,8 +10,8 @@ here, named, instead of in the first step on some rank.
 
 Ranks differ only by their mesh coordinate, and two coordinates whose every mesh axis is split
 the same number of ways run the same code on shards of the same shapes: `roles` keeps one
-rank per pipeline row and per pattern of first/other positions (a shard's offset is the one
-thing a coordinate changes: the first block of a split is checked against the others).
+rank per pipeline row and per pattern of first/middle/last positions on the other axes (a
+shard's offset, and the size of an uneven split's last block, are what a coordinate changes).
 `check_plan` runs them all in one process on the "fake" process group at the plan's world
 size; `check_rank` runs the rank a job's process group gives, inside that job.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import multiprocessing
 import time
 import traceback
@@ -70,20 +71,23 @@ def meta_shell(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def roles(plan: Plan) -> list[int]:
-    """One rank per distinct role of ``plan``: its pipeline row (stage group) and, on each of
-    the other mesh axes, whether it holds the first block of a split or another (every other
-    position gets shards of the same shapes at another offset). At most ``2**axes`` ranks per
-    pipeline row, whatever the world size."""
-    shape, axes = plan.mesh.shape, plan.mesh.axes
+def roles(shape: tuple[int, ...], axes: tuple[str, ...]) -> list[int]:
+    """One rank per distinct role on a mesh of ``shape`` with ``axes``: its pipeline row
+    (stage group) and, on each of the other axes, whether it holds the first block of a
+    split, the last (the short one of an uneven split) or one between (those get shards of
+    the same shapes at other offsets). At most ``3**axes`` ranks per pipeline row, whatever
+    the world size."""
     seen: dict[tuple[int, ...], int] = {}
-    for rank in range(len(plan.mesh.ranks)):
+    for rank in range(math.prod(shape)):
         coordinate, rest = [], rank
         for size in reversed(shape):
             coordinate.append(rest % size)
             rest //= size
         coordinate.reverse()
-        key = tuple(c if a == "pp" else min(c, 1) for c, a in zip(coordinate, axes, strict=True))
+        key = tuple(
+            c if a == "pp" else (0 if c == 0 else 2 if c == size - 1 else 1)
+            for c, a, size in zip(coordinate, axes, shape, strict=True)
+        )
         seen.setdefault(key, rank)
     return sorted(seen.values())
 
@@ -150,7 +154,7 @@ def check_plan(
             "this process has joined a job; call it before init_process_group (or let each "
             "rank check its own step: parallelize does)"
         )
-    checked = roles(plan) if ranks is None else ranks
+    checked = roles(plan.mesh.shape, plan.mesh.axes) if ranks is None else ranks
     start = time.perf_counter()
     for rank in checked:
         check = functools.partial(
@@ -202,12 +206,12 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
     """What failed where: the op and module the interpreter was running (forward), or the
     op torch names (backward, the optimizer), and what to do."""
     node = _failing_node(error)
-    first = next((line for line in str(error).splitlines() if line.strip()), "")
+    first = next((line for line in str(error).splitlines() if line.strip()), "").rstrip(".")
     what = f"{type(error).__name__}: {first}"
     if node is not None:
         placed = plan.nodes.get(node.name)
         where = (
-            f"op {node.target} ({node.name}) in module {module_path(node) or '(top level)'}, "
+            f"op {node.target} ({node.name}) in module {module_path(node) or '(top level)'!r}, "
             f"placed inputs {placed.inputs if placed else '?'} -> "
             f"{placed.output if placed else '?'}"
         )
@@ -216,9 +220,9 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
     return (
         f"rank {rank} of the plan cannot run its step: {where}: {what}. The check ran the "
         "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
-        "step to skip it). What to do: pin that module's parameters replicated "
-        "(PlanOptions.pins, --pin) so that the op runs whole, or report the op to autoplan "
-        "with this message"
+        "step to skip it). What to do: pin what that module reads replicated "
+        "(PlanOptions.pins, --pin: its parameters, or \"input:0\" for the batch) so that the "
+        "op runs whole on every rank, or report the op to autoplan with this message"
     )
 
 
