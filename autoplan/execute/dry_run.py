@@ -221,7 +221,7 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
         f"rank {rank} of the plan cannot run its step: {where}: {what}. The check ran the "
         "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
         "step to skip it). What to do: pin what that module reads replicated "
-        "(PlanOptions.pins, --pin: its parameters, or \"input:0\" for the batch) so that the "
+        '(PlanOptions.pins, --pin: its parameters, or "input:0" for the batch) so that the '
         "op runs whole on every rank, or report the op to autoplan with this message"
     )
 
