@@ -234,14 +234,17 @@ class Step:
                 f"launch with --nproc {len(plan.mesh.ranks)} or plan for {world} devices"
             )
         gradless = frozenset(n.name for n in graph if not n.needs_grad)
+        mesh = plan_mesh(plan, _device_type(self.cluster))
         if self.train.check_step:  # each rank its own step, on fake tensors; all agree
-            check = functools.partial(
-                check_rank, self._model, ep, plan, example_inputs, example_target
-            )
             agree_on_check(
                 functools.partial(
-                    check,
-                    device_type=_device_type(self.cluster),
+                    check_rank,
+                    self._model,
+                    ep,
+                    plan,
+                    example_inputs,
+                    example_target,
+                    mesh=mesh,
                     optimizer=self.options.optimizer,
                     train=self.train,
                     gradless=gradless,
@@ -251,7 +254,7 @@ class Step:
             self._model,
             ep,
             plan,
-            plan_mesh(plan, _device_type(self.cluster)),
+            mesh,
             self.options.optimizer,
             self.train,
             self._init_fn,

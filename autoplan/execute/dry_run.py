@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
@@ -99,33 +100,29 @@ def check_rank(
     example_inputs: Any,
     example_target: Any,
     *,
-    device_type: str,
+    mesh: DeviceMesh,
     optimizer: str,
     train: TrainOptions,
     gradless: frozenset[str] = frozenset(),
 ) -> None:
-    """Run one train step of this process's rank (the default process group's) on fake
-    tensors, as the job would; an op it cannot run raises `UnsupportedOpError` naming the
-    rank, the op and the module. ``ep``: the step traced at the shape a stage runs (one
-    microbatch for pipelined plans); the example batch is the whole batch."""
-    rank = dist.get_rank()
-    mesh = plan_mesh(plan, device_type)
+    """Run one train step of this process's rank on ``mesh`` (`plan_mesh`: the job's, which
+    the step then trains on) on fake tensors, as the job would; an op it cannot run raises
+    `UnsupportedOpError` naming the rank, the op and the module. ``ep``: the step traced at
+    the shape a stage runs (one microbatch for pipelined plans); the example batch is the
+    whole batch."""
+    shell = meta_shell(model)
     with _FakeValues(allow_non_fake_inputs=True) as mode:
-        shell = meta_shell(model)
         try:
             run = build_runtime(shell, ep, plan, mesh, optimizer, train, _keep, gradless=gradless)
-            fake = mode.from_tensor
-            inputs = tree_map(
-                lambda t: fake(t) if isinstance(t, torch.Tensor) else t, example_inputs
-            )
-            target = tree_map(
-                lambda t: fake(t) if isinstance(t, torch.Tensor) else t, example_target
+            inputs, target = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                (example_inputs, example_target),
             )
             train_step(run, inputs, target, train.max_grad_norm)
         except AutoplanError:
             raise
         except Exception as e:  # whatever torch raises: one clear error naming where
-            raise UnsupportedOpError(_refusal(rank, plan, e)) from e
+            raise UnsupportedOpError(_refusal(dist.get_rank(), plan, e)) from e
 
 
 def _keep(model: nn.Module) -> None:
@@ -164,12 +161,11 @@ def check_plan(
             plan,
             example_inputs,
             example_target,
-            device_type="cpu",
             optimizer=optimizer,
             train=train or TrainOptions(),
             gradless=gradless,
         )
-        _forked(rank, len(plan.mesh.ranks), check)
+        _forked(rank, plan, check)
     log.info(
         "the planned step ran on fake tensors for %d of %d ranks (one per role) in %.1f s",
         len(checked),
@@ -236,11 +232,13 @@ def _failing_node(error: BaseException) -> torch.fx.Node | None:
     return found
 
 
-def _forked(rank: int, world_size: int, check: Callable[[], None]) -> None:
-    """Run ``check`` as ``rank`` of a fake world in a forked child: each rank's world is made
+def _forked(rank: int, plan: Plan, check: Callable[..., None]) -> None:
+    """Run ``check(mesh=...)`` as ``rank`` of a fake world of ``plan``'s size in a forked
+    child: each rank's world is made
     and ended in a process of its own, so that no cache of torch's (DTensor's compare meshes
     by value, and hold the process groups of the mesh they saw first) carries one rank's
     groups to the next. The child's error is raised here, of its class."""
+    world_size = len(plan.mesh.ranks)
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
 
@@ -249,7 +247,7 @@ def _forked(rank: int, world_size: int, check: Callable[[], None]) -> None:
         outcome: tuple[str, str] | None = None
         try:
             with fake_world(rank, world_size):
-                check()
+                check(mesh=plan_mesh(plan, "cpu"))
         except Exception as e:  # sent to the parent, which raises it
             outcome = (type(e).__name__, str(e) if isinstance(e, AutoplanError) else repr(e))
         send.send(outcome)
