@@ -104,3 +104,27 @@ def test_zoo_plans_run_on_fake_tensors(model: str, world: int) -> None:
     # ZeRO-3 where the parameters split evenly (gpt2's fused attention bias does not)
     plan = w.baseline(cluster, dp=world // 2, tp=2, zero_stage=0 if model == "gpt2" else 3)
     assert _check(w, plan) == roles(plan.mesh.shape, plan.mesh.axes)
+
+
+@pytest.mark.slow
+def test_a_llama_built_on_meta_runs_on_fake_tensors() -> None:
+    """Llama as benchmarks/real_models.py builds it (on the meta device, transformers'
+    defaults): its traced step moves a buffer to ``meta`` by a positional device and detaches
+    its empty key-value cache in place, which the executor's first step would have failed on;
+    the check found both (Llama 3 8B at 64 GPUs)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (8, 16), device="meta")
+    w = Workload(model, {"input_ids": ids, "labels": ids})
+    cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
+    plan = w.baseline(cluster, dp=4, tp=2)
+    ep = export_step(w.model, w.example_inputs)
+    ops = {n.target for n in ep.graph.nodes}
+    assert torch.ops.aten.detach_.default in ops and torch.ops.aten.to.device in ops
+    assert _check(w, plan) == roles(plan.mesh.shape, plan.mesh.axes)
