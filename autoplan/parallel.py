@@ -23,6 +23,7 @@ from autoplan.errors import (
     InfeasiblePlanError,
     MeshShapeError,
     PlanFormatError,
+    error_class,
 )
 from autoplan.estimate import derive
 from autoplan.execute import checkpoint
@@ -99,8 +100,7 @@ def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status != "ok":
-        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(status, AutoplanError)
-        raise error(f"{what} failed on rank 0: {payload}")
+        raise error_class(status)(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
-from autoplan.errors import AutoplanError, UnsupportedOpError
+from autoplan.errors import AutoplanError, UnsupportedOpError, error_class
 from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
 from autoplan.graph.convert import module_path
 from autoplan.options import TrainOptions
@@ -185,17 +185,19 @@ def agree_on_check(check: Callable[[], None]) -> None:
         check()
     except AutoplanError as e:
         outcome = (type(e).__name__, str(e))
+    except Exception as e:  # the check's own failure: told on every rank, not a hang
+        outcome = (
+            "AutoplanError",
+            f"the check of the planned step failed on rank {dist.get_rank()}: {e!r}; "
+            "TrainOptions(check_step=False) (--no-check-step) skips it",
+        )
     outcomes: list[tuple[str, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     failed = [o for o in outcomes if o is not None]
     if failed:
-        _raise(*failed[0])
+        kind, message = failed[0]
+        raise error_class(kind)(message)
     log.info("the planned step ran on fake tensors in %.1f s", time.perf_counter() - start)
-
-
-def _raise(kind: str, message: str) -> None:
-    error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(kind, AutoplanError)
-    raise error(message)
 
 
 def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
@@ -262,8 +264,7 @@ def _forked(rank: int, plan: Plan, check: Callable[..., None]) -> None:
     process.join()
     if outcome is not None:
         kind, message = outcome
-        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(kind, AutoplanError)
-        raise error(
+        raise error_class(kind)(
             message
             or f"the check of rank {rank} ended without an answer (exit code "
             f"{process.exitcode}); run again with TrainOptions(check_step=False) to skip it"
