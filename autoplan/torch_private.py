@@ -39,7 +39,8 @@ the torch at hand has rather than comparing version numbers.
 - `fake_world`: the "fake" process group (torch's test-suite store) of any size in one
   process, with DTensor's caches cleared when it ends: they compare meshes by value and would
   hand the next world's equal mesh the specs of this one, whose groups are gone
-  (execute/dry_run.py).
+  (execute/dry_run.py). `FakeValues`: ``FakeTensorMode`` that answers a read of a value
+  (``.item()``, ``float(t)``) with zero, where the step reads one.
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -465,3 +466,14 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
         clear_redistribute_planner_cache()
+
+
+class FakeValues(FakeTensorMode):
+    """Fake tensors whose values, where the step reads one (a random draw's seed, the
+    gradients' norm, fp16's overflow flag), are zero: the step then takes the path of finite
+    gradients within the clipping norm, and the shapes are what a real step has."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype is torch.bool else 0
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
@@ -41,23 +40,12 @@ from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
 from autoplan.graph.convert import module_path
 from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
-from autoplan.torch_private import fake_world
+from autoplan.torch_private import FakeValues, fake_world
 
 log = logging.getLogger(__name__)
 
 # the interpreter's frames that hold the op being run (`PlanInterpreter._step` and below)
 _OP_FRAMES = ("_step", "_call", "_call_local", "_call_op", "call_op")
-
-
-class _FakeValues(FakeTensorMode):
-    """Fake tensors whose values, where the step reads one (a random draw's seed, the
-    gradients' norm, fp16's overflow flag), are zero: the step then takes the path of finite
-    gradients within the clipping norm, and the shapes are what a real step has."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return False if args[0].dtype is torch.bool else 0
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def meta_shell(model: nn.Module) -> nn.Module:
@@ -111,7 +99,7 @@ def check_rank(
     the shape a stage runs (one microbatch for pipelined plans); the example batch is the
     whole batch."""
     shell = meta_shell(model)
-    with _FakeValues(allow_non_fake_inputs=True) as mode:
+    with FakeValues(allow_non_fake_inputs=True) as mode:
         try:
             run = build_runtime(shell, ep, plan, mesh, optimizer, train, _keep, gradless=gradless)
             inputs, target = tree_map(
