@@ -36,6 +36,7 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from autoplan.errors import AutoplanError, UnsupportedOpError, error_class
+from autoplan.execute import interpreter, op_calls
 from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
 from autoplan.graph.convert import module_path
 from autoplan.options import TrainOptions
@@ -44,8 +45,8 @@ from autoplan.torch_private import FakeValues, fake_world
 
 log = logging.getLogger(__name__)
 
-# the interpreter's frames that hold the op being run (`PlanInterpreter._step` and below)
-_OP_FRAMES = ("_step", "_call", "_call_local", "_call_op", "call_op")
+# the executor's modules whose frames hold the op being run (`PlanInterpreter._step` and below)
+_OP_MODULES = (interpreter.__file__, op_calls.__file__)
 
 
 def meta_shell(model: nn.Module) -> nn.Module:
@@ -139,9 +140,8 @@ def check_plan(
     optimizer: str = "adamw",
     train: TrainOptions | None = None,
     gradless: frozenset[str] = frozenset(),
-    ranks: list[int] | None = None,
 ) -> list[int]:
-    """Run the planned step of every role of ``plan`` (`roles`, or the ``ranks`` given) in
+    """Run the planned step of every role of ``plan`` (`roles`) in
     this process, on fake tensors and the "fake" process group at the plan's world size
     (none may be initialized here); returns the ranks checked. Raises `UnsupportedOpError`
     at the first rank that cannot run its step."""
@@ -153,7 +153,7 @@ def check_plan(
         )
     if not checkable(plan):
         return []
-    checked = roles(plan.mesh.shape, plan.mesh.axes) if ranks is None else ranks
+    checked = roles(plan.mesh.shape, plan.mesh.axes)
     start = time.perf_counter()
     for rank in checked:
         check = functools.partial(
@@ -216,7 +216,7 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
             f"{placed.output if placed else '?'}"
         )
     else:
-        where = "backward or the optimizer step (outside the traced forward)"
+        where = "building the step, backward or the optimizer step (outside the traced forward)"
     return (
         f"rank {rank} of the plan cannot run its step: {where}: {what}. The check ran the "
         "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
@@ -231,7 +231,7 @@ def _failing_node(error: BaseException) -> torch.fx.Node | None:
     found = None
     for frame, _ in traceback.walk_tb(error.__traceback__):
         node = frame.f_locals.get("node")
-        if frame.f_code.co_name in _OP_FRAMES and isinstance(node, torch.fx.Node):
+        if frame.f_code.co_filename in _OP_MODULES and isinstance(node, torch.fx.Node):
             found = node
     return found
 
