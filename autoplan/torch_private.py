@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
@@ -100,6 +100,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
 C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default  # (tensors, boxed group, op, ...)
@@ -471,9 +472,14 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 class FakeValues(FakeTensorMode):
     """Fake tensors whose values, where the step reads one (a random draw's seed, the
     gradients' norm, fp16's overflow flag), are zero: the step then takes the path of finite
-    gradients within the clipping norm, and the shapes are what a real step has."""
+    gradients within the clipping norm, and the shapes are what a real step has. An op of
+    real tensors alone (a mesh's ranks, which a process group is made of) runs for real."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **(kwargs or {}))
         if func is torch.ops.aten._local_scalar_dense.default:
             return False if args[0].dtype is torch.bool else 0
         return super().__torch_dispatch__(func, types, args, kwargs)

@@ -91,6 +91,16 @@ def test_a_planners_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> None:
     assert _check(w, plan) == [0, 1, 2, 3]
 
 
+def test_a_sequence_parallel_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> None:
+    """Its gradient buckets reduce over both axes, in a group made from the mesh's ranks:
+    real values, computed for real under the fake mode (zeros would make a group of rank 0
+    four times, which new_group refuses)."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=16)
+    plan = w.baseline(cpu4, dp=2, tp=2, sequence_parallel=True)
+    assert any(len(c.axes) == 2 and c.params for c in plan.collectives)
+    assert _check(w, plan) == [0, 1, 2, 3]
+
+
 def test_pipelined_plans_are_not_checked_yet(cpu4: autoplan.Cluster) -> None:
     """Their stages exchange shapes in pickled messages (torch's PipelineStage), which fake
     tensors cannot carry: no rank is checked, rather than every one refused."""
