@@ -55,3 +55,9 @@ class CheckpointError(AutoplanError):
 
 class CheckError(AutoplanError):
     """A run checked against one process (``autoplan run --check``) trained otherwise."""
+
+
+def error_class(name: str) -> type[AutoplanError]:
+    """The error class of that name (one rank's error raised again on the others, which
+    receive its name), `AutoplanError` for a name it does not know."""
+    return {c.__name__: c for c in AutoplanError.__subclasses__()}.get(name, AutoplanError)

@@ -219,6 +219,13 @@ class TrainOptions:
     """fp16 plans' dynamic loss scaling starts at this scale (torch's ``GradScaler``
     semantics and its other defaults)."""
 
+    check_step: bool = True
+    """Before the first step, each rank runs its planned step once on fake tensors
+    (`autoplan.execute.dry_run`: no memory, no communication), and every rank refuses the plan
+    with the same `UnsupportedOpError` if an op cannot run on some rank's placements (its
+    seconds are logged, shown with -v; pipelined plans are not checked yet). False skips it
+    (`autoplan run --no-check-step`)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "optimizer_options", types.MappingProxyType(dict(self.optimizer_options))

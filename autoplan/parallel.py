@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -22,14 +23,22 @@ from autoplan.errors import (
     InfeasiblePlanError,
     MeshShapeError,
     PlanFormatError,
+    error_class,
 )
 from autoplan.estimate import derive
 from autoplan.execute import checkpoint
 from autoplan.execute.checkpoint import Restored
-from autoplan.execute.pipeline import PipelineRunner, batch_args
-from autoplan.execute.runtime import Runtime, build_runtime
+from autoplan.execute.dry_run import agree_on_check, check_rank
+from autoplan.execute.pipeline import PipelineRunner
+from autoplan.execute.runtime import (
+    Runtime,
+    build_runtime,
+    clip_gradients,
+    plan_mesh,
+    train_step,
+)
 from autoplan.execute.step import ParallelModule
-from autoplan.execute.watchdog import note, watched
+from autoplan.execute.watchdog import watched
 from autoplan.graph.capture import export_step, keywords, microbatch
 from autoplan.graph.convert import graph_from_export
 from autoplan.graph.diagnose import refuse_non_loss
@@ -38,7 +47,6 @@ from autoplan.options import PlanOptions, TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.precision import LossScaler
 from autoplan.search.pipeline_search import GraphForMicrobatches
-from autoplan.torch_private import wait_collective
 from autoplan.units import fmt_bytes
 from autoplan.version import torch_release
 
@@ -92,8 +100,7 @@ def _agree_on_plan(what: str, make: Callable[[], Plan]) -> Plan:
     dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status != "ok":
-        error = {c.__name__: c for c in AutoplanError.__subclasses__()}.get(status, AutoplanError)
-        raise error(f"{what} failed on rank 0: {payload}")
+        raise error_class(status)(f"{what} failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 
@@ -226,15 +233,32 @@ class Step:
                 f"the plan is for {len(plan.mesh.ranks)} devices but this job has {world} ranks; "
                 f"launch with --nproc {len(plan.mesh.ranks)} or plan for {world} devices"
             )
+        gradless = frozenset(n.name for n in graph if not n.needs_grad)
+        mesh = plan_mesh(plan, _device_type(self.cluster))
+        if self.train.check_step:  # each rank its own step, on fake tensors; all agree
+            agree_on_check(
+                functools.partial(
+                    check_rank,
+                    self._model,
+                    ep,
+                    plan,
+                    example_inputs,
+                    example_target,
+                    mesh=mesh,
+                    optimizer=self.options.optimizer,
+                    train=self.train,
+                    gradless=gradless,
+                )
+            )
         self._runtime = build_runtime(
             self._model,
             ep,
             plan,
-            _device_type(self.cluster),
+            mesh,
             self.options.optimizer,
             self.train,
             self._init_fn,
-            gradless=frozenset(n.name for n in graph if not n.needs_grad),
+            gradless=gradless,
             flops=flops,
         )
 
@@ -247,67 +271,15 @@ class Step:
                 f"the step was traced with inputs {self._keywords or 'by position'}, got "
                 f"{keywords(inputs) or 'inputs by position'}; pass the batch as it was traced"
             )
-        scaler = run.loss_scaler
-        scale = 1.0 if scaler is None else scaler.scale
         with watched(self.steps_done + 1, "forward", run.step_limit_s):
-            if run.pipeline is not None:
-                args = batch_args(inputs, target)
-                run.placeholders.check(args, batches=run.pipeline.num_microbatches)
-                run.pipeline.loss_scale = scale
-                loss = run.pipeline.run(args)
-            else:
-                assert run.module is not None
-                loss = run.module(inputs, target)
-                note("backward")
-                # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
-                # all-reduce, which is only read after the optimizer step; the loss scale
-                # seeds backward as GradScaler's scaled loss does
-                loss.backward(torch.full(loss.shape, scale, dtype=loss.dtype, device=loss.device))
-            finite = True
-            if scaler is not None:
-                note("unscaling the gradients (and the all-reduce of their overflow)")
-                finite = scaler.unscale(self._gradients())
-                scaler.update(finite)
-            if self.train.max_grad_norm is not None and finite:
-                note("gradient clipping (the gradients' norm)")
-                self.clip_gradients(self.train.max_grad_norm)
-            if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
-                note("the optimizer step (it waits for gradients still being reduced)")
-                run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            note("the loss's all-reduce")
-            # long done by now; waited for here so that no step leaves a collective behind
-            loss = wait_collective(loss.detach())
+            loss = train_step(run, inputs, target, self.train.max_grad_norm)
         self.steps_done += 1
         return loss
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that their global norm is at most ``max_norm`` (as
-        ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before.
-
-        torch computes the norm of DTensor gradients (its collectives reduce over the stage's
-        mesh); across pipeline stages, which hold different parameters, the squared norms are
-        summed by hand on the "pp" axis: no DTensor spans stages.
-        """
-        run = self.runtime
-        grads = self._gradients()
-        norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if run.pipeline is not None:
-            squared = norm.detach() ** 2
-            dist.all_reduce(squared, group=run.mesh["pp"].get_group())
-            norm = squared.sqrt()
-        scale = max_norm / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
-        if scale < 1.0:
-            for grad in grads:
-                grad.mul_(scale)
-        return norm
-
-    def _gradients(self) -> list[torch.Tensor]:
-        """The gradients of this rank's parameters that have one."""
-        params = [p for group in self.runtime.optimizer.param_groups for p in group["params"]]
-        return [p.grad for p in params if p.grad is not None]
+        """Scale the gradients so that their global norm is at most ``max_norm``; returns
+        the norm before (`autoplan.execute.runtime.clip_gradients`)."""
+        return clip_gradients(self.runtime, max_norm)
 
     def save(self, directory: str | Path, *, keep: int | None = None, extra: Any = None) -> Path:
         """Save a checkpoint on every rank (`autoplan.execute.checkpoint`): each rank writes its

@@ -36,6 +36,11 @@ the torch at hand has rather than comparing version numbers.
   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
   (their ``_calculate_single_rank_operations``), computed without stages or a process group,
   so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
+- `fake_world`: the "fake" process group (torch's test-suite store) of any size in one
+  process, with DTensor's caches cleared when it ends: they compare meshes by value and would
+  hand the next world's equal mesh the specs of this one, whose groups are gone
+  (execute/dry_run.py). `FakeValues`: ``FakeTensorMode`` that answers a read of a value
+  (``.item()``, ``float(t)``) with zero, where the step reads one.
 - `AsyncCollectiveTensor.wait`: the plain tensor behind a functional collective's result, so a
   bucket is waited for once rather than at each of its gradients' slices.
 - `functional_all_reduce`: the functional all-reduce DTensor's redistribute issues, called
@@ -53,14 +58,15 @@ the torch at hand has rather than comparing version numbers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
@@ -86,11 +92,15 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder as ShardingPlaceholder,
 )
 from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._redistribute import (
+    clear_redistribute_planner_cache,
+    redistribute_local_tensor,
+)
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
 C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default  # (tensors, boxed group, op, ...)
@@ -442,3 +452,34 @@ def _steps(actions: Sequence[Any]) -> list[tuple[str, int, int]]:
             for kind in kinds[action.computation_type]:
                 found.append((kind, action.stage_index, action.microbatch_index))
     return found
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a job of ``world_size`` on the "fake" process group (its
+    collectives return at once, their outputs unwritten)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        clear_redistribute_planner_cache()
+
+
+class FakeValues(FakeTensorMode):
+    """Fake tensors whose values, where the step reads one (a random draw's seed, the
+    gradients' norm, fp16's overflow flag), are zero: the step then takes the path of finite
+    gradients within the clipping norm, and the shapes are what a real step has. An op of
+    real tensors alone (a mesh's ranks, which a process group is made of) runs for real."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype is torch.bool else 0
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -76,3 +76,25 @@ def test_factory_calls_traced_on_meta_run_on_the_device() -> None:
     (arange,) = [n for n in graph.nodes if n.target is torch.ops.aten.arange.default]
     args, kwargs = Arguments.of(arange, torch.device("cpu")).fill([])
     assert kwargs["device"] == torch.device("cpu") and args == tuple(arange.args)
+
+
+def test_moves_traced_on_meta_run_on_the_device() -> None:
+    """Llama's rotary embedding moves its buffer to the input's device (``aten.to.device``,
+    the device positional): traced on meta, it runs on the mesh's device (the fake-tensor
+    check of Llama 3 8B found it, `autoplan.execute.dry_run`)."""
+
+    class _Moved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale.to(x.device, torch.float32)
+
+    with torch.device("meta"):
+        module = _Moved()
+    graph = torch.export.export(module, (torch.randn(2, 3, device="meta"),)).graph
+    (move,) = [n for n in graph.nodes if n.target is torch.ops.aten.to.device]
+    assert torch.device("meta") in move.args
+    args, _ = Arguments.of(move, torch.device("cpu")).fill(["scale"])
+    assert args[1:] == (torch.device("cpu"), torch.float32)

@@ -42,7 +42,7 @@ which are checked where those are at hand.
   `on_progress` is a flag of `autoplan plan` and `autoplan run` (their `--help` shows each
   field's first sentence).
 - `autoplan.TrainOptions`: how a parallel step trains (`autoplan.parallelize`,
-  `Workload.parallelize`; `autoplan run` sets it from `--lr` and `--timeout`).
+  `Workload.parallelize`; `autoplan run` sets it from `--lr`, `--timeout` and `--no-check-step`).
 
 The last section lists every flag of every subcommand, as `autoplan SUBCOMMAND --help`
 states it.

@@ -109,6 +109,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="end the job if a step takes longer than S seconds, e.g. a rank stopped or stuck "
         "(default: 10x the plan's predicted step time, at least 60)",
     )
+    r.add_argument(
+        "--no-check-step",
+        dest="check_step",
+        action="store_false",
+        help="skip running each rank's planned step on fake tensors before training "
+        "(TrainOptions.check_step)",
+    )
     e = r.add_argument_group(
         "nodes and restarts",
         "run the same command on each node; a restart resumes from the newest intact "
@@ -198,7 +205,9 @@ def _check_restarts(args: argparse.Namespace) -> None:
 
 
 def _train_options(args: argparse.Namespace) -> TrainOptions:
-    return TrainOptions(optimizer_options={"lr": args.lr}, timeout_s=args.timeout)
+    return TrainOptions(
+        optimizer_options={"lr": args.lr}, timeout_s=args.timeout, check_step=args.check_step
+    )
 
 
 def _checkpointing(args: argparse.Namespace) -> Checkpointing:

@@ -134,7 +134,9 @@ class Arguments:
         """``shape``: a local view's or factory's size argument, or a local split's pieces, in
         place of the traced one."""
         args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
-        # graphs traced on the meta device carry device=meta in factory calls
+        # graphs traced on the meta device carry device=meta in factory calls, and in a move
+        # the model makes (``inv_freq.to(x.device)``: aten.to.device's positional device)
+        args = tuple(device if isinstance(v, torch.device) else v for v in args)
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
         places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
         if any(not isinstance(v, torch.fx.Node) and _nodes_in(v) for _, v in places):

@@ -137,6 +137,11 @@ def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return _mean_as_sum(node, args[0], kwargs.get("dtype"))
     if target is _aten.copy.default:
         return _copy(*args, **kwargs)
+    if target is _aten.detach_.default and node.args[0].op == "placeholder":  # type: ignore[union-attr]
+        # a constant or input detached in place (transformers' empty key-value cache before
+        # its cat): its local tensor is a view of the DTensor's, which autograd refuses to
+        # detach in place; out of place it is the same value, and no gradient reaches it
+        return args[0].detach()
     if target is _aten.view.default and type(args[0]) is torch.Tensor:
         # a view of strides that the trace's fake kernel gave and the real one need not
         # (CPU's float16 attention returns its heads transposed in memory): a copy then,

@@ -47,9 +47,10 @@ class Draws:
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
         self.cuda = mesh.device_type == "cuda"
-        state = [self._get()]
-        dist.broadcast_object_list(state, src=0)  # rank 0's, on every rank
-        self.state: torch.Tensor = state[0]
+        # rank 0's, on every rank (a tensor of one size everywhere; NCCL sends from the GPU)
+        state = self._get().to(mesh.device_type)
+        dist.broadcast(state, src=0)
+        self.state: torch.Tensor = state.cpu()
 
     def _get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state() if self.cuda else torch.get_rng_state()

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.export import ExportedProgram
 
 from autoplan.execute.gradients import GradientReducer
-from autoplan.execute.pipeline import PipelineRunner
+from autoplan.execute.pipeline import PipelineRunner, batch_args
 from autoplan.execute.sharded_state import ShardedState
 from autoplan.execute.step import (
     ParallelModule,
@@ -24,11 +27,12 @@ from autoplan.execute.step import (
     make_optimizer,
     materialize,
 )
-from autoplan.execute.watchdog import step_timeout
+from autoplan.execute.watchdog import note, step_timeout
 from autoplan.modes import Precision
 from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.precision import LossScaler
+from autoplan.torch_private import wait_collective
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,17 @@ class Runtime:
     flops: float = 0.0  # the model's in one step, forward and backward, of the whole batch
 
 
+def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The device mesh of ``plan`` on this job's ranks (made with real tensors: a mesh's
+    ranks are read from them)."""
+    return init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
+
+
 def build_runtime(
     model: nn.Module,
     ep: ExportedProgram,
     plan: Plan,
-    device_type: str,
+    mesh: DeviceMesh,
     optimizer: str,
     train: TrainOptions,
     init_fn: Callable[[nn.Module], None] | None,
@@ -60,11 +70,11 @@ def build_runtime(
     flops: float = 0.0,
 ) -> Runtime:
     """Place ``model``'s parameters as ``plan`` says (in place, as DTensors) and build what
-    its step runs with; ``ep`` is the step traced at the shape a stage runs (one microbatch
-    for pipelined plans), ``optimizer`` the name `PlanOptions.optimizer` gives; ``gradless``
-    names the traced step's nodes that need no gradient (a stage detaches what it receives
-    of them); ``flops`` are the whole batch's step's, for MFU."""
-    mesh = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
+    its step runs with on ``mesh`` (`plan_mesh`); ``ep`` is the step traced at the shape a
+    stage runs (one microbatch for pipelined plans), ``optimizer`` the name
+    `PlanOptions.optimizer` gives; ``gradless`` names the traced step's nodes that need no
+    gradient (a stage detaches what it receives of them); ``flops`` are the whole batch's
+    step's, for MFU."""
     module: ParallelModule | None = None
     pipeline: PipelineRunner | None = None
     if plan.pipeline is not None:
@@ -112,3 +122,67 @@ def build_runtime(
         loss_scaler=LossScaler(init_scale=train.init_scale) if fp16 else None,
         flops=flops,
     )
+
+
+def train_step(run: Runtime, inputs: Any, target: Any, max_grad_norm: float | None) -> torch.Tensor:
+    """Forward, backward and the optimizer step of one batch on this rank, as the plan says
+    (the watchdog's `watched` goes around it); returns the loss, the same on every rank."""
+    scaler = run.loss_scaler
+    scale = 1.0 if scaler is None else scaler.scale
+    if run.pipeline is not None:
+        args = batch_args(inputs, target)
+        run.placeholders.check(args, batches=run.pipeline.num_microbatches)
+        run.pipeline.loss_scale = scale
+        loss = run.pipeline.run(args)
+    else:
+        assert run.module is not None
+        loss = run.module(inputs, target)
+        note("backward")
+        # an explicit seed: autograd's own (ones_like(loss)) would wait for the loss's
+        # all-reduce, which is only read after the optimizer step; the loss scale seeds
+        # backward as GradScaler's scaled loss does
+        loss.backward(torch.full(loss.shape, scale, dtype=loss.dtype, device=loss.device))
+    finite = True
+    if scaler is not None:
+        note("unscaling the gradients (and the all-reduce of their overflow)")
+        finite = scaler.unscale(gradients(run))
+        scaler.update(finite)
+    if max_grad_norm is not None and finite:
+        note("gradient clipping (the gradients' norm)")
+        clip_gradients(run, max_grad_norm)
+    if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
+        note("the optimizer step (it waits for gradients still being reduced)")
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    note("the loss's all-reduce")
+    # long done by now; waited for here so that no step leaves a collective behind
+    return wait_collective(loss.detach())
+
+
+def clip_gradients(run: Runtime, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before.
+
+    torch computes the norm of DTensor gradients (its collectives reduce over the stage's
+    mesh); across pipeline stages, which hold different parameters, the squared norms are
+    summed by hand on the "pp" axis: no DTensor spans stages.
+    """
+    grads = gradients(run)
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if run.pipeline is not None:
+        squared = norm.detach() ** 2
+        dist.all_reduce(squared, group=run.mesh["pp"].get_group())
+        norm = squared.sqrt()
+    scale = max_norm / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
+    if scale < 1.0:
+        for grad in grads:
+            grad.mul_(scale)
+    return norm
+
+
+def gradients(run: Runtime) -> list[torch.Tensor]:
+    """The gradients of this rank's parameters that have one."""
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    return [p.grad for p in params if p.grad is not None]

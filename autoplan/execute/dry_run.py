@@ -1,0 +1,273 @@
+"""The planned step run once on fake tensors, before any process trains.
+
+A rank's step is built and run here exactly as training builds and runs it (`build_runtime`,
+then `train_step`: forward, backward, gradient clipping, the optimizer step), but on a shell
+of the model whose parameters are meta tensors, under ``FakeTensorMode``: every op runs its
+shape function only, and the collectives do not reach the process group (c10d's ops on fake
+tensors return at once on the calling rank, torch 2.13.0), so no memory is allocated, no
+rank waits for another, and an op the executor cannot run on this rank's placements raises
+here, named, instead of in the first step on some rank.
+
+Ranks differ only by their mesh coordinate, and two coordinates whose every mesh axis is split
+the same number of ways run the same code on shards of the same shapes: `roles` keeps one
+rank per pipeline row and per pattern of first/middle/last positions on the other axes (a
+shard's offset, and the size of an uneven split's last block, are what a coordinate changes).
+`check_plan` runs them all in one process on the "fake" process group at the plan's world
+size; `check_rank` runs the rank a job's process group gives, inside that job.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+import multiprocessing
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.export import ExportedProgram
+from torch.utils._pytree import tree_map
+
+from autoplan.errors import AutoplanError, UnsupportedOpError, error_class
+from autoplan.execute import interpreter, op_calls
+from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
+from autoplan.graph.convert import module_path
+from autoplan.options import TrainOptions
+from autoplan.planfile.schema import Plan
+from autoplan.torch_private import FakeValues, fake_world
+
+log = logging.getLogger(__name__)
+
+# the executor's modules whose frames hold the op being run (`PlanInterpreter._step` and below)
+_OP_MODULES = (interpreter.__file__, op_calls.__file__)
+
+
+def meta_shell(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes
+    (nothing of their data is copied; tied parameters stay tied)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = tensor.detach().to("meta")
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = meta
+    return copy.deepcopy(model, memo)
+
+
+def roles(shape: tuple[int, ...], axes: tuple[str, ...]) -> list[int]:
+    """One rank per distinct role on a mesh of ``shape`` with ``axes``: its pipeline row
+    (stage group) and, on each of the other axes, whether it holds the first block of a
+    split, the last (the short one of an uneven split) or one between (those get shards of
+    the same shapes at other offsets). At most ``3**axes`` ranks per pipeline row, whatever
+    the world size."""
+    seen: dict[tuple[int, ...], int] = {}
+    for rank in range(math.prod(shape)):
+        coordinate, rest = [], rank
+        for size in reversed(shape):
+            coordinate.append(rest % size)
+            rest //= size
+        coordinate.reverse()
+        key = tuple(
+            c if a == "pp" else (0 if c == 0 else 2 if c == size - 1 else 1)
+            for c, a, size in zip(coordinate, axes, shape, strict=True)
+        )
+        seen.setdefault(key, rank)
+    return sorted(seen.values())
+
+
+def check_rank(
+    model: nn.Module,
+    ep: ExportedProgram,
+    plan: Plan,
+    example_inputs: Any,
+    example_target: Any,
+    *,
+    mesh: DeviceMesh,
+    optimizer: str,
+    train: TrainOptions,
+    gradless: frozenset[str] = frozenset(),
+) -> None:
+    """Run one train step of this process's rank on ``mesh`` (`plan_mesh`: the job's, which
+    the step then trains on) on fake tensors, as the job would; an op it cannot run raises
+    `UnsupportedOpError` naming the rank, the op and the module. ``ep``: the step traced at
+    the shape a stage runs (one microbatch for pipelined plans); the example batch is the
+    whole batch."""
+    if not checkable(plan):
+        return
+    shell = meta_shell(model)
+    with FakeValues(allow_non_fake_inputs=True) as mode:
+        try:
+            run = build_runtime(shell, ep, plan, mesh, optimizer, train, _keep, gradless=gradless)
+            inputs, target = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+                (example_inputs, example_target),
+            )
+            train_step(run, inputs, target, train.max_grad_norm)
+        except AutoplanError:
+            raise
+        except Exception as e:  # whatever torch raises: one clear error naming where
+            raise UnsupportedOpError(_refusal(dist.get_rank(), plan, e)) from e
+
+
+def checkable(plan: Plan) -> bool:
+    """Whether the check runs ``plan``'s step: not yet a pipeline's, whose stages exchange
+    their tensors' shapes in pickled messages before the first microbatch
+    (``PipelineStage``'s metadata inference, torch 2.13.0), which fake tensors cannot carry."""
+    if plan.pipeline is None:
+        return True
+    log.info("the planned step is not run on fake tensors: pipelined plans are not checked yet")
+    return False
+
+
+def _keep(model: nn.Module) -> None:
+    """The shell's parameters are left as they are made (their values are never read)."""
+
+
+def check_plan(
+    model: nn.Module,
+    ep: ExportedProgram,
+    plan: Plan,
+    example_inputs: Any,
+    example_target: Any = None,
+    *,
+    optimizer: str = "adamw",
+    train: TrainOptions | None = None,
+    gradless: frozenset[str] = frozenset(),
+) -> list[int]:
+    """Run the planned step of every role of ``plan`` (`roles`) in
+    this process, on fake tensors and the "fake" process group at the plan's world size
+    (none may be initialized here); returns the ranks checked. Raises `UnsupportedOpError`
+    at the first rank that cannot run its step."""
+    if dist.is_initialized():
+        raise AutoplanError(
+            "check_plan runs every rank's step in this process on a fake process group, but "
+            "this process has joined a job; call it before init_process_group (or let each "
+            "rank check its own step: parallelize does)"
+        )
+    if not checkable(plan):
+        return []
+    checked = roles(plan.mesh.shape, plan.mesh.axes)
+    start = time.perf_counter()
+    for rank in checked:
+        check = functools.partial(
+            check_rank,
+            model,
+            ep,
+            plan,
+            example_inputs,
+            example_target,
+            optimizer=optimizer,
+            train=train or TrainOptions(),
+            gradless=gradless,
+        )
+        _forked(rank, plan, check)
+    log.info(
+        "the planned step ran on fake tensors for %d of %d ranks (one per role) in %.1f s",
+        len(checked),
+        len(plan.mesh.ranks),
+        time.perf_counter() - start,
+    )
+    return checked
+
+
+def agree_on_check(check: Callable[[], None]) -> None:
+    """Run ``check`` (`check_rank` of this job's rank) on every rank of the job; if it fails
+    on any, every rank raises the first failing rank's error, of its class (never a rank
+    left waiting in the first step for one that stopped). Its seconds are logged."""
+    start = time.perf_counter()
+    outcome: tuple[str, str] | None = None
+    try:
+        check()
+    except AutoplanError as e:
+        outcome = (type(e).__name__, str(e))
+    except Exception as e:  # the check's own failure: told on every rank, not a hang
+        outcome = (
+            "AutoplanError",
+            f"the check of the planned step failed on rank {dist.get_rank()}: {e!r}; "
+            "TrainOptions(check_step=False) (--no-check-step) skips it",
+        )
+    outcomes: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    failed = [o for o in outcomes if o is not None]
+    if failed:
+        kind, message = failed[0]
+        raise error_class(kind)(message)
+    log.info("the planned step ran on fake tensors in %.1f s", time.perf_counter() - start)
+
+
+def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
+    """What failed where: the op and module the interpreter was running (forward), or the
+    op torch names (backward, the optimizer), and what to do."""
+    node = _failing_node(error)
+    first = next((line for line in str(error).splitlines() if line.strip()), "").rstrip(".")
+    what = f"{type(error).__name__}: {first}"
+    if node is not None:
+        placed = plan.nodes.get(node.name)
+        where = (
+            f"op {node.target} ({node.name}) in module {module_path(node) or '(top level)'!r}, "
+            f"placed inputs {placed.inputs if placed else '?'} -> "
+            f"{placed.output if placed else '?'}"
+        )
+    else:
+        where = "building the step, backward or the optimizer step (outside the traced forward)"
+    return (
+        f"rank {rank} of the plan cannot run its step: {where}: {what}. The check ran the "
+        "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
+        "step to skip it). What to do: pin what that module reads replicated "
+        '(PlanOptions.pins, --pin: its parameters, or "input:0" for the batch) so that the '
+        "op runs whole on every rank, or report the op to autoplan with this message"
+    )
+
+
+def _failing_node(error: BaseException) -> torch.fx.Node | None:
+    """The fx node the interpreter was running when ``error`` was raised (innermost)."""
+    found = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        node = frame.f_locals.get("node")
+        if frame.f_code.co_filename in _OP_MODULES and isinstance(node, torch.fx.Node):
+            found = node
+    return found
+
+
+def _forked(rank: int, plan: Plan, check: Callable[..., None]) -> None:
+    """Run ``check(mesh=...)`` as ``rank`` of a fake world of ``plan``'s size in a forked
+    child: each rank's world is made
+    and ended in a process of its own, so that no cache of torch's (DTensor's compare meshes
+    by value, and hold the process groups of the mesh they saw first) carries one rank's
+    groups to the next. The child's error is raised here, of its class."""
+    world_size = len(plan.mesh.ranks)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        torch.set_num_threads(1)  # a forked child's first op may hang on the parent's OpenMP
+        outcome: tuple[str, str] | None = None
+        try:
+            with fake_world(rank, world_size):
+                check(mesh=plan_mesh(plan, "cpu"))
+        except Exception as e:  # sent to the parent, which raises it
+            outcome = (type(e).__name__, str(e) if isinstance(e, AutoplanError) else repr(e))
+        send.send(outcome)
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:  # the child ended without a word (killed)
+        outcome = ("AutoplanError", "")
+    process.join()
+    if outcome is not None:
+        kind, message = outcome
+        raise error_class(kind)(
+            message
+            or f"the check of rank {rank} ended without an answer (exit code "
+            f"{process.exitcode}); run again with TrainOptions(check_step=False) to skip it"
+        )
