@@ -8,12 +8,11 @@ the plan, the output is moved to the plan's placement and the difference is logg
 plan's collectives list then misses that move, which the fidelity tests catch.
 
 The ops `execute/op_calls.py` finds local (no partial sums, the local result the local shard of
-the result) run on this rank's shards as plain torch: DTensor would only add its dispatch to
-them; so do the replicated ops that keep their output's gradient partial (the plan's
-``grad``), cross-entropy (its targets' total weight all-reduced as soon as they are there)
-and the grouped matmul of split experts (execute/experts.py). A run of such ops stays local;
-it meets DTensor where a tensor must be redistributed or a DTensor op reads it
-(``from_local``/``to_local``, whose backward places each gradient as `grad_spec` says).
+the result) run on this rank's shards as plain torch, as do the replicated ops that keep their
+output's gradient partial (the plan's ``grad``), cross-entropy (its targets' total weight
+all-reduced as soon as they are there) and the grouped matmul of split experts
+(execute/experts.py). A run of such ops meets DTensor where a tensor must be redistributed or
+a DTensor op reads it (``from_local``/``to_local``: backward places gradients by `grad_spec`).
 """
 
 from __future__ import annotations
@@ -134,8 +133,7 @@ class Arguments:
         """``shape``: a local view's or factory's size argument, or a local split's pieces, in
         place of the traced one."""
         args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
-        # graphs traced on the meta device carry device=meta in factory calls, and in a move
-        # the model makes (``inv_freq.to(x.device)``: aten.to.device's positional device)
+        # graphs traced on meta carry device=meta in factories and moves (inv_freq.to(x.device))
         args = tuple(device if isinstance(v, torch.device) else v for v in args)
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
         places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]

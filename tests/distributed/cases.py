@@ -35,6 +35,9 @@ class Case:
     recomputed: tuple[str, ...] | None = None  # exactly these layers recompute (the planner's)
     recompute_collectives: bool = False  # forward collectives issued again in backward
     context_parallel: bool = False  # attention split along the sequence (the plan says)
+    # each rank runs its planned step on fake tensors before training (execute/dry_run.py;
+    # on by default for users; here in the zoo's planned cases only, for the suite's time)
+    check_step: bool = False
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
         """The layout, in the case's precision (and gradient reductions')."""
@@ -349,7 +352,13 @@ CASES = [
     Case("regions-dp", "regions", {}, lambda w: data_parallel(w, (4,))),
     # models nobody here wrote (tests/models/zoo.py), each with its own loss, as planned
     *[
-        Case(f"zoo-{model}", "zoo", {"model": model, "batch_size": 64, "seq_len": 32}, own())
+        Case(
+            f"zoo-{model}",
+            "zoo",
+            {"model": model, "batch_size": 64, "seq_len": 32},
+            own(),
+            check_step=True,
+        )
         for model in ZOO
     ],
     # the data-parallel baseline of models nobody here wrote: DDP's split of the batch

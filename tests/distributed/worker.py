@@ -79,6 +79,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
             optimizer_options={"lr": LR},
             max_grad_norm=case.max_grad_norm,
             init_scale=case.init_scale,
+            check_step=case.check_step,
         ),
         **layout_keyword(case.plan_layout(w)),
     )
