@@ -18,6 +18,12 @@ so that training can be compared with one process exactly.
   mixture of experts (grouped top-k routing, one shared expert) after one dense layer.
   These four build a ``DynamicCache`` in forward (``use_cache`` left at its default, as users
   train them).
+- qwen2, qwen3, gpt-neox, phi3, opt, mixtral, qwen3-moe, falcon, convnext, swin: the model
+  sweep's tiny configs (benchmarks/model_sweep.py's `tiny_config`: depth, widths, heads,
+  vocabulary and experts made small, dropout off, every other setting the model's default,
+  ``use_cache`` included), with its inputs (token ids as labels, or 32-pixel images).
+- torchtitan-llama3, torchtitan-deepseek-v3: torchtitan's own models (tests/models/titan.py),
+  called as torchtitan calls them: ``model(tokens)``, then its loss on the logits.
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
@@ -39,6 +45,7 @@ import transformers
 from torch import nn
 
 from autoplan import Workload
+from benchmarks import model_sweep
 
 VOCAB = 128
 NO_DROPOUT = {"attention_dropout": 0.0}
@@ -161,6 +168,26 @@ def _vit(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...],
     return model, ("pixel_values", "labels"), (pixels, labels)
 
 
+def _swept(
+    model_type: str,
+) -> Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]:
+    """The model sweep's tiny model of ``model_type`` and its inputs."""
+
+    def build(
+        batch: int, seq: int, layers: int
+    ) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+        if layers != 2:
+            raise ValueError(f"the sweep's tiny {model_type} has 2 layers, not {layers}")
+        w = model_sweep.tiny_workload(model_type, batch, seq)
+        return w.model, tuple(w.example_inputs), tuple(w.example_inputs.values())
+
+    return build
+
+
+SWEPT = ("qwen2", "qwen3", "gpt-neox", "phi3", "opt", "mixtral", "qwen3-moe", "falcon")
+SWEPT_IMAGES = ("convnext", "swin")
+
+
 class SmallCNN(nn.Module):
     def __init__(self, classes: int, bias: bool = True) -> None:
         super().__init__()
@@ -206,15 +233,25 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "vit": _vit,
     "cnn": _cnn,
     "cnn-train": functools.partial(_cnn, train=True),
+    **{name: _swept(name.replace("-", "_")) for name in SWEPT + SWEPT_IMAGES},
 }
+
+
+TORCHTITAN = ("torchtitan-llama3", "torchtitan-deepseek-v3")
+NAMES = (*MODELS, *TORCHTITAN)
 
 
 def workload(
     model: str = "gpt2", batch_size: int = 8, seq_len: int = 16, seed: int = 0, num_layers: int = 2
 ) -> Workload:
-    if model not in MODELS:
-        raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(MODELS)}")
+    if model not in NAMES:
+        raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(NAMES)}")
     torch.manual_seed(seed)
+    if model in TORCHTITAN:
+        # imported here: torchtitan takes seconds to import, which every other model spares
+        from tests.models import titan
+
+        return titan.workload(model.removeprefix("torchtitan-"), batch_size, seq_len, num_layers)
     module, names, batch = MODELS[model](batch_size, seq_len, num_layers)
     # called as users call them, ``model(input_ids=..., labels=...)``: a ``ModelOutput`` whose
     # ``loss`` autoplan trains (no ``loss_fn``)
