@@ -323,8 +323,10 @@ def _write(rows: list[dict[str, object]], planned: int) -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "swept": f"{len(rows)} of the {len(architectures())} model types with a head swept "
-        f"({planned} in this run)",
+        "swept": f"{sum(r['model'] not in TORCHTITAN for r in rows)} of the "
+        f"{len(architectures())} model types with a head swept, and "
+        f"{sum(r['model'] in TORCHTITAN for r in rows)} of torchtitan's {len(TORCHTITAN)} "
+        f"models ({planned} in this run)",
         "counts": counts(rows),
         "run": "autoplan run benchmarks/model_sweep.py --set model=M --cluster "
         "costmodels/cpu-gloo-4.json --steps 3 --check (4 gloo ranks against one process)",
