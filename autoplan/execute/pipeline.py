@@ -150,6 +150,10 @@ class StageModule(nn.Module):
                 received = pipeline_received(local, meta.dtype)
                 if name in self._gradless:
                     received = received.detach()  # the library sends back zeros for it
+                elif received.requires_grad:
+                    # its gradient is sent back as it comes: contiguous, as a send needs
+                    # (a permuted one, ConvNeXt's or Swin's, is not)
+                    received.register_hook(torch.Tensor.contiguous)
                 values[name] = Local(received, self._placements(meta))
         out = self.interpreter.run(values)
         if self.is_last:
