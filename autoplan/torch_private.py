@@ -19,11 +19,12 @@ the torch at hand has rather than comparing version numbers.
 - `from_local`: `DTensor.from_local` whose backward places the gradient as asked, which torch
   2.13 on takes as `grad_placements=` and torch 2.11 does not: there an autograd function of
   our own does what 2.13's does (execute/interpreter.py).
-- `redistribute`: `DTensor.redistribute` that also makes a replicated tensor partial where a
-  plan says so (DTensor's public `redistribute` refuses a partial target: only its op rules
-  make partials, and which operand of an op they move differs between releases: 2.13's add of
-  a replicated and a partial tensor makes the replicated one partial, 2.11's all-reduces the
-  partial one).
+- `redistribute`: `DTensor.redistribute`, its gradient made contiguous (DTensor labels the
+  gradient it redistributes with the strides of the one it came from), that also makes a
+  replicated tensor partial where a plan says so (DTensor's public `redistribute` refuses a
+  partial target: only its op rules make partials, and which operand of an op they move
+  differs between releases: 2.13's add of a replicated and a partial tensor makes the
+  replicated one partial, 2.11's all-reduces the partial one).
 - `all_gather_single` / `reduce_scatter_single`: torch 2.13's names for
   `all_gather_into_tensor` / `reduce_scatter_tensor`, the only ones torch 2.11 has (2.13 warns
   at the old names); the profiler times them (profile/ops.py).
@@ -314,10 +315,29 @@ def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
     )
     if whole != tuple(tensor.placements):
         tensor = tensor.redistribute(mesh, whole)
+        if tensor.requires_grad:
+            tensor.register_hook(_contiguous)
     if whole == placements or not (tensor.is_floating_point() or tensor.is_complex()):
         return tensor
     partial: DTensor = _Partitioned.apply(tensor, placements)
     return partial
+
+
+def _contiguous(grad: DTensor) -> DTensor:
+    """``grad`` with its local part and its label contiguous. DTensor's backward of a
+    redistribution labels the gradient it gathers or reduces (its local part contiguous) with
+    the strides of the incoming one: a permuted one (ConvNeXt's channels-last blocks) makes the
+    label and the local part differ; permuted back, the label says contiguous where the local
+    part is not, and a view of it fails. Local, and so no collective: DTensor's own
+    ``contiguous`` of a partial gradient would all-reduce it."""
+    contiguous = torch.empty(grad.shape, device="meta").stride()
+    if grad._local_tensor.is_contiguous() and grad.stride() == contiguous:
+        return grad
+    local = grad._local_tensor.contiguous()
+    return DTensor.from_local(
+        local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
+        stride=contiguous,
+    )  # fmt: skip
 
 
 class _Partitioned(torch.autograd.Function):

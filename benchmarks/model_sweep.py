@@ -17,7 +17,10 @@ training started), not tiny (no tiny config could be built, or the tiny model di
 one process), over time.
 
     python benchmarks/model_sweep.py [--models llama,gpt2,...] [--limit N] [--timeout 300]
-        [--keep] [--skip-done]
+        [--keep] [--skip-done] [--torchtitan]
+
+``--torchtitan`` sweeps torchtitan's model families instead (rows ``torchtitan/llama3``,
+``torchtitan/deepseek-v3``: tests/models/titan.py, torchtitan's modules at tiny widths).
 
 Writes benchmarks/results/model_sweep.json and .md; with ``--keep`` the rows already there for
 model types not swept now are kept, so a sweep can run in parts (``--skip-done`` sweeps only
@@ -91,8 +94,8 @@ TINY: dict[str, Any] = {
     "image_size": IMAGE,
     "patch_size": 8,
 }
-# per-stage lists (vision backbones): every stage gets the tiny value (their widths stay: a
-# width also sets a group norm's channels, which BiT divides into 32 groups)
+# per-stage lists or tuples (vision backbones): every stage gets the tiny value (their widths
+# stay: a width also sets a group norm's channels, which BiT divides into 32 groups)
 TINY_STAGES: dict[str, int] = {"depths": 1, "num_heads": 4, "embed_dims": 64}
 # the probabilities of random drops: of activations (dropout), of residual branches per sample
 # (stochastic depth: ``drop_path_rate``, per stage a list in CvT; EfficientNet's
@@ -101,6 +104,9 @@ _DROPOUT = re.compile(
     r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_rate|drop_path_rate|drop_connect_rate|layerdrop)$"
 )
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+# torchtitan's model families, swept with ``--torchtitan`` (tests/models/titan.py: torchtitan
+# 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
+TORCHTITAN = ("torchtitan/llama3", "torchtitan/deepseek-v3")
 
 
 def architectures() -> dict[str, tuple[str, str]]:
@@ -133,8 +139,22 @@ def _tiny(config: Any) -> Any:
     changes.update(_kept_ratios(config, changes))
     for name, value in TINY_STAGES.items():
         stages = getattr(config, name, None)
-        if isinstance(stages, list) and stages and all(isinstance(v, int) for v in stages):
-            changes[name] = [value] * len(stages)
+        if isinstance(stages, list | tuple) and stages and all(isinstance(v, int) for v in stages):
+            changes[name] = type(stages)([value] * len(stages))
+    if "depths" in changes:
+        # a backbone of stages halves the image after each: from 32 pixels the sweep's 8-pixel
+        # patches leave its fourth stage none, its own (ConvNeXt's 4) one pixel. A windowed one
+        # (Swin) takes patches and windows of 2, so that each stage holds whole windows
+        # (transformers' Swin sizes its position bias for the configured window, not for one
+        # shrunk to a smaller stage), and 2 blocks a stage: the second shifts its windows
+        changes.pop("patch_size", None)
+        if isinstance(getattr(config, "window_size", None), int):
+            depths = changes["depths"]
+            changes |= {
+                "patch_size": 2,
+                "window_size": 2,
+                "depths": type(depths)([2] * len(depths)),
+            }
     for name, current in vars(config).items():
         if _DROPOUT.search(name) and isinstance(current, float):
             changes[name] = 0.0
@@ -179,13 +199,24 @@ def _kept_ratios(config: Any, changes: dict[str, Any]) -> dict[str, int]:
 
 
 def workload(model: str = "llama", batch_size: int = 8, seq_len: int = SEQ) -> Workload:
-    """The tiny model of type ``model``, called as users call its head, with labels."""
+    """The tiny model of type ``model``, called as users call its head, with labels, drawn
+    from seed 0; or torchtitan's (`TORCHTITAN`), with its loss."""
+    torch.manual_seed(0)
+    if model in TORCHTITAN:
+        # imported here: torchtitan takes seconds to import, which the other rows spare
+        from tests.models import titan
+
+        return titan.workload(model.removeprefix("torchtitan/"), batch_size, seq_len)
+    return tiny_workload(model, batch_size, seq_len)
+
+
+def tiny_workload(model: str, batch_size: int, seq_len: int) -> Workload:
+    """`workload`, its weights and inputs drawn from torch's generator as it stands."""
     known = architectures()
     if model not in known:
         raise AutoplanError(f"model type {model!r} is not swept; use one of {', '.join(known)}")
     head, cls_name = known[model]
     config = tiny_config(model)
-    torch.manual_seed(0)
     built = getattr(transformers, cls_name)(config)
     if head == "image-classification":
         channels = getattr(config, "num_channels", 3)
@@ -232,7 +263,7 @@ def sweep_one(model: str, timeout_s: float) -> dict[str, object]:
     """Plan and train ``model`` (`workload`) on 4 gloo ranks against one process, once its
     tiny model has run in one process (`probe`, in a process of its own: a config that stays
     large is not swept)."""
-    head, _ = architectures()[model]
+    head = "causal-lm" if model in TORCHTITAN else architectures()[model][0]
     row: dict[str, object] = {"model": model, "head": head}
     try:
         probed = subprocess.run(
@@ -289,12 +320,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a model may take")
     parser.add_argument("--keep", action="store_true", help="keep the other rows already written")
     parser.add_argument("--skip-done", action="store_true", help="sweep model types with no row")
+    parser.add_argument("--torchtitan", action="store_true", help="torchtitan's models instead")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # `probe`, in this process
     args = parser.parse_args()
     if args.probe:
         probe(args.probe)
         return
     models = args.models.split(",") if args.models else list(architectures())
+    if args.torchtitan:
+        models = list(TORCHTITAN)
     kept = _written() if args.keep or args.skip_done else {}
     if args.skip_done:
         models = [m for m in models if m not in kept]
@@ -320,8 +354,10 @@ def _write(rows: list[dict[str, object]], planned: int) -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "swept": f"{len(rows)} of the {len(architectures())} model types with a head swept "
-        f"({planned} in this run)",
+        "swept": f"{sum(r['model'] not in TORCHTITAN for r in rows)} of the "
+        f"{len(architectures())} model types with a head swept, and "
+        f"{sum(r['model'] in TORCHTITAN for r in rows)} of torchtitan's {len(TORCHTITAN)} "
+        f"models ({planned} in this run)",
         "counts": counts(rows),
         "exact of those made tiny": exact_share(rows),
         "run": "autoplan run benchmarks/model_sweep.py --set model=M --cluster "

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
-from tests.models.zoo import MODELS, workload  # noqa: E402
+from tests.models.zoo import NAMES, workload  # noqa: E402
 
 BATCH = {"batch_size": 64, "seq_len": 32}  # what the distributed tests train
 CLUSTERS = {"cpu4": ("cpu-gloo-4.json", 1), "a100x8": ("dgx-a100-80gb.json", 1)}
@@ -69,7 +69,7 @@ def _trained(model: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(NAMES))
     parser.add_argument("--no-train", action="store_true", help="plan only")
     args = parser.parse_args()
     rows = []

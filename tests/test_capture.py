@@ -397,3 +397,25 @@ def test_a_small_matmul_on_a_gpu_pays_for_whole_tiles(a100: autoplan.Cluster) ->
     assert pricer.node_time(second, split) == pytest.approx(flops / (peak * expected))
     cpu = Pricer(dataclasses.replace(a100, backend="gloo"), (2,), "adamw")
     assert cpu.tile_share(second, split) == 1.0
+
+
+def test_complex_tensors_carry_gradients_and_eight_bytes_an_element() -> None:
+    """torchtitan's rotary embeddings rotate queries as complex numbers: the complex tensors
+    between ``view_as_complex`` and ``view_as_real`` have gradients (the planner prices their
+    backward collectives) and 8 bytes an element (complex64)."""
+
+    class Rotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("turn", torch.polar(torch.ones(2), torch.tensor([0.3, 0.7])))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pairs = torch.view_as_complex(self.fc(x).view(8, 2, 2))
+            return torch.view_as_real(pairs * self.turn).sum()
+
+    graph = capture(Rotated(), torch.randn(8, 4))
+    ops = {n.op: n for n in graph if n.kind == NodeKind.OP}
+    rotated = ops["aten.mul.Tensor"]
+    assert rotated.output.dtype == "complex64" and rotated.output.nbytes == 8 * 2 * 8
+    assert rotated.needs_grad and ops["aten.view_as_real.default"].needs_grad

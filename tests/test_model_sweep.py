@@ -77,3 +77,16 @@ def test_a_tiny_config_is_built_by_its_class_so_derived_widths_follow() -> None:
 
 def test_a_tiny_image_classifier_has_the_sweeps_classes() -> None:
     assert tiny_config("cvt").num_labels == 10  # its labels are drawn from 10 classes
+
+
+def test_a_tiny_backbone_of_stages_keeps_an_image_for_each_stage() -> None:
+    # its per-stage tuples shrink as lists do; from 32 pixels, its own 4-pixel patches leave
+    # the fourth stage one pixel (the sweep's 8 would leave none)
+    convnext = tiny_config("convnext")
+    assert (convnext.depths, convnext.patch_size, convnext.image_size) == ((1, 1, 1, 1), 4, 32)
+    # a windowed one: patches and windows of 2, its fourth stage one whole window (2 x 2), 2
+    # blocks a stage (the second's windows shifted)
+    swin = tiny_config("swin")
+    assert (swin.depths, swin.num_heads) == ((2, 2, 2, 2), (4, 4, 4, 4))
+    assert (swin.patch_size, swin.window_size, swin.embed_dim) == (2, 2, 64)
+    assert 32 // swin.patch_size // 2**3 == swin.window_size

@@ -13,13 +13,15 @@ import pytest
 
 import autoplan
 from autoplan.workload import load_workload
-from tests.models.zoo import MODELS
+from tests.models.zoo import NAMES, SWEPT, SWEPT_IMAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(MODELS))
+# the model sweep's are planned on 4 CPUs by their training cases (tests/test_distributed.py);
+# planned here too they would cost minutes (Swin's alone, 8 windowed blocks: 4.6 beside other work)
+@pytest.mark.parametrize("model", sorted(set(NAMES) - set(SWEPT + SWEPT_IMAGES)))
 def test_zoo_model_plans_on_eight_a100s(model: str) -> None:
     cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
     w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=512, seq_len=128)

@@ -116,6 +116,6 @@ def _output_bytes(node: Node, strategy: Strategy, pricer: Pricer, floats: bool) 
         sum(
             local_numel(strategy.output, o.shape, pricer.mesh_shape) * itemsize(o.dtype)
             for o in node.outputs
-            if o.is_float or not floats
+            if o.is_differentiable or not floats
         )
     )

@@ -25,7 +25,7 @@ reduced after the schedule as under every schedule (`GradientReducer.reduce_now`
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -150,6 +150,10 @@ class StageModule(nn.Module):
                 received = pipeline_received(local, meta.dtype)
                 if name in self._gradless:
                     received = received.detach()  # the library sends back zeros for it
+                elif received.requires_grad:
+                    # its gradient is sent back as it comes: contiguous, as a send needs
+                    # (a permuted one, ConvNeXt's or Swin's, is not)
+                    received.register_hook(torch.Tensor.contiguous)
                 values[name] = Local(received, self._placements(meta))
         out = self.interpreter.run(values)
         if self.is_last:
@@ -294,7 +298,7 @@ class PipelineRunner:
         out = {}
         device = self.mesh.device_type
         for fqn, tensor in self.module.model.state_dict().items():
-            s = owner[fqn]
+            s = _owner(owner, fqn)
             if s in self.indices:
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 whole = whole.detach().to(device).contiguous()
@@ -307,3 +311,18 @@ class PipelineRunner:
 
 def batch_args(inputs: Any, target: Any) -> tuple[Any, ...]:
     return as_tuple(inputs) + (() if target is None else (target,))
+
+
+def _owner(owner: Mapping[str, int], fqn: str) -> int:
+    """The stage that holds state-dict entry ``fqn``. An entry a module's state-dict hook
+    makes (torchtitan saves its fused q|k|v projection as ``wq``, ``wk``, ``wv``) is the
+    stage's of that module's own parameters."""
+    if fqn in owner:
+        return owner[fqn]
+    parts = fqn.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end]) + "."
+        stages = {s for name, s in owner.items() if name.startswith(prefix)}
+        if len(stages) == 1:
+            return stages.pop()
+    raise KeyError(f"no stage holds {fqn!r} or a module it is saved from")

@@ -134,7 +134,7 @@ def _convert(
             module_path=target.rpartition(".")[0] if kind == NodeKind.PARAM else "",
             target=target,
             params=(),
-            needs_grad=trainable and all(o.is_float for o in outputs),
+            needs_grad=trainable and all(o.is_differentiable for o in outputs),
             is_view=False,
         )
     args = tuple(_to_ir(a) for a in fx_node.args)
@@ -165,7 +165,7 @@ def _convert(
     ins = [done[r.name].outputs[r.index] for r in refs]
     grads = [done[r.name].needs_grad for r in refs]
     op = str(fx_node.target)
-    needs_grad = any(grads) and any(o.is_float for o in outputs) and op not in _GRAD_STOPS
+    needs_grad = any(grads) and any(o.is_differentiable for o in outputs) and op not in _GRAD_STOPS
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
     # `aten.to` may return its input (its schema says alias), but to a new dtype it copies:

@@ -21,6 +21,9 @@ T = TypeVar("T")
 
 
 _ITEMSIZE = {
+    "complex128": 16,
+    "complex64": 8,  # torchtitan's rotary embeddings: pairs of float32
+    "complex32": 4,
     "float64": 8,
     "float32": 4,
     "bfloat16": 2,
@@ -56,8 +59,10 @@ class TensorInfo:
         return self.numel * itemsize(self.dtype)
 
     @property
-    def is_float(self) -> bool:
-        return self.dtype.startswith(("float", "bfloat"))
+    def is_differentiable(self) -> bool:
+        """Floating point or complex (torchtitan's rotary embeddings): autograd makes its
+        gradient."""
+        return self.dtype.startswith(("float", "bfloat", "complex"))
 
 
 @dataclass(frozen=True)

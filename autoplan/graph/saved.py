@@ -100,7 +100,7 @@ def _analyze_uncached(op: str, args: Any, kwargs: Any) -> _Saved | None:
                     if value.position not in made:
                         t = torch.empty(value.info.shape, dtype=getattr(torch, value.info.dtype))
                         made[value.position] = t.requires_grad_(
-                            value.needs_grad and t.is_floating_point()
+                            value.needs_grad and (t.is_floating_point() or t.is_complex())
                         )
                     return made[value.position]
                 if isinstance(value, tuple):

@@ -11,6 +11,7 @@ from typing import Any
 
 from autoplan import Cluster, Plan, PlanOptions, Workload
 from autoplan.strategies.zero_state import state_specs
+from tests.models.zoo import SWEPT, SWEPT_IMAGES, TORCHTITAN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,9 +187,15 @@ def recomputed(
 
 MLP_SMALL_BATCH = {"batch_size": 8, "hidden": 64}
 MLP_LARGE_BATCH = {"batch_size": 64, "hidden": 32}
-# the zoo's models trained as planned; mistral, gemma2, gemma3 and deepseek-v3 with the cache
-# they build in forward (use_cache at its default)
-ZOO = ("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3")
+# the zoo's models trained as planned; mistral, gemma2, gemma3, deepseek-v3 and the sweep's
+# (tests/models/zoo.py: SWEPT) with the cache they build in forward (use_cache at its default);
+# torchtitan's Llama 3 and DeepSeek-V3, its mixture of experts counting tokens in forward
+ZOO = (
+    *("gpt2", "llama", "bert", "bart", "vit", "cnn", "mistral", "gemma2", "gemma3", "deepseek-v3"),
+    *SWEPT,
+    *SWEPT_IMAGES,
+    *TORCHTITAN,
+)
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
 GPT_FUSED = {**GPT, "qkv": "fused"}  # one qkv projection, split strided
 GPT_CP = {"size": "tiny", "num_layers": 2, "batch_size": 1, "seq_len": 512, "num_heads": 1}
@@ -391,8 +398,8 @@ CASES = [
             ("gpt2", "2x2-sp", 2, 2),
         )
     ],
-    # expert parallelism of index-routed mixtures of experts nobody here wrote (Mixtral's 4
-    # experts, one a rank; Qwen3-MoE's and DeepSeek-V3's 8, two a rank, DeepSeek-V3's shared
+    # expert parallelism of index-routed mixtures of experts nobody here wrote (Mixtral's and
+    # Qwen3-MoE's 4 experts, one a rank; DeepSeek-V3's 8, two a rank, DeepSeek-V3's shared
     # expert a dense MLP beside them): each rank stores, updates and multiplies only its
     # experts, its grouped matmul's other rows zero, the partial sums reduced
     *[

@@ -18,9 +18,14 @@ so that training can be compared with one process exactly.
   mixture of experts (grouped top-k routing, one shared expert) after one dense layer.
   These four build a ``DynamicCache`` in forward (``use_cache`` left at its default, as users
   train them).
-- mixtral: a mixture of 4 experts (top 2) in every layer, routed by index: ``topk``,
+- qwen2, qwen3, gpt-neox, phi3, opt, mixtral, qwen3-moe, falcon, convnext, swin: the model
+  sweep's tiny configs (benchmarks/model_sweep.py's `tiny_config`: depth, widths, heads,
+  vocabulary and experts made small, dropout off, every other setting the model's default,
+  ``use_cache`` included), with its inputs (token ids as labels, or 32-pixel images).
+  mixtral and qwen3-moe are mixtures of 4 experts (top 2), routed by index: ``topk``,
   ``sort``, ``histc`` and transformers' grouped matmul of the experts' 3-dim weights.
-- qwen3-moe: the same routing, 8 experts (top 2), query and key norms.
+- torchtitan-llama3, torchtitan-deepseek-v3: torchtitan's own models (tests/models/titan.py),
+  called as torchtitan calls them: ``model(tokens)``, then its loss on the logits.
 - bert: masked language model with an attention mask and token types.
 - bart: encoder-decoder with cross-attention, decoder inputs shifted from the labels.
 - vit: image classification from patches (a strided convolution).
@@ -42,6 +47,7 @@ import transformers
 from torch import nn
 
 from autoplan import Workload
+from benchmarks import model_sweep
 
 VOCAB = 128
 NO_DROPOUT = {"attention_dropout": 0.0}
@@ -123,29 +129,6 @@ def _deepseek_v3(
     return _causal(config, transformers.DeepseekV3ForCausalLM, batch, seq)
 
 
-def _mixtral(
-    batch: int, seq: int, layers: int
-) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
-    config = transformers.MixtralConfig(
-        num_hidden_layers=layers, hidden_size=64, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
-        max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
-    )  # fmt: skip
-    return _causal(config, transformers.MixtralForCausalLM, batch, seq)
-
-
-def _qwen3_moe(
-    batch: int, seq: int, layers: int
-) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
-    config = transformers.Qwen3MoeConfig(
-        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=seq, bos_token_id=0,
-        eos_token_id=0, **NO_DROPOUT,
-    )  # fmt: skip
-    return _causal(config, transformers.Qwen3MoeForCausalLM, batch, seq)
-
-
 def _bert(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.BertConfig(
         num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -185,6 +168,26 @@ def _vit(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...],
     labels = torch.randint(0, 10, (batch,))
     model = transformers.ViTForImageClassification(config)
     return model, ("pixel_values", "labels"), (pixels, labels)
+
+
+def _swept(
+    model_type: str,
+) -> Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]]:
+    """The model sweep's tiny model of ``model_type`` and its inputs."""
+
+    def build(
+        batch: int, seq: int, layers: int
+    ) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+        if layers != 2:
+            raise ValueError(f"the sweep's tiny {model_type} has 2 layers, not {layers}")
+        w = model_sweep.tiny_workload(model_type, batch, seq)
+        return w.model, tuple(w.example_inputs), tuple(w.example_inputs.values())
+
+    return build
+
+
+SWEPT = ("qwen2", "qwen3", "gpt-neox", "phi3", "opt", "mixtral", "qwen3-moe", "falcon")
+SWEPT_IMAGES = ("convnext", "swin")
 
 
 class SmallCNN(nn.Module):
@@ -227,22 +230,30 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "deepseek-v3": _deepseek_v3,
-    "mixtral": _mixtral,
-    "qwen3-moe": _qwen3_moe,
     "bert": _bert,
     "bart": _bart,
     "vit": _vit,
     "cnn": _cnn,
     "cnn-train": functools.partial(_cnn, train=True),
+    **{name: _swept(name.replace("-", "_")) for name in SWEPT + SWEPT_IMAGES},
 }
+
+
+TORCHTITAN = ("torchtitan-llama3", "torchtitan-deepseek-v3")
+NAMES = (*MODELS, *TORCHTITAN)
 
 
 def workload(
     model: str = "gpt2", batch_size: int = 8, seq_len: int = 16, seed: int = 0, num_layers: int = 2
 ) -> Workload:
-    if model not in MODELS:
-        raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(MODELS)}")
+    if model not in NAMES:
+        raise ValueError(f"model {model!r} is not in the zoo; use one of {sorted(NAMES)}")
     torch.manual_seed(seed)
+    if model in TORCHTITAN:
+        # imported here: torchtitan takes seconds to import, which every other model spares
+        from tests.models import titan
+
+        return titan.workload(model.removeprefix("torchtitan-"), batch_size, seq_len, num_layers)
     module, names, batch = MODELS[model](batch_size, seq_len, num_layers)
     # called as users call them, ``model(input_ids=..., labels=...)``: a ``ModelOutput`` whose
     # ``loss`` autoplan trains (no ``loss_fn``)

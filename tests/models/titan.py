@@ -1,0 +1,108 @@
+"""torchtitan's models (torchtitan 0.3.0, the test extra's pin), nobody here wrote them: Llama 3
+and DeepSeek-V3 built by torchtitan's own layer builders with its initializations, at tiny
+widths, on the CPU.
+
+- llama3: torchtitan's debug flavor's layout (fused q|k|v projection, complex rotary
+  embeddings with Llama 3's frequency scaling, SwiGLU widths rounded as torchtitan rounds
+  them), with grouped-query attention (2 key-value heads) as its larger flavors.
+- deepseek-v3: its debug flavor's layout: multi-head latent attention (queries without a
+  low-rank step, YaRN rotary scaling), one dense layer and then a mixture of experts (softmax
+  router, top 3 of 8 experts, 2 shared, experts computed in bfloat16 by ``torch._grouped_mm``
+  as torchtitan computes them) that counts its tokens per expert in forward (a buffer).
+  Its load-balancing bias stays 0: torchtitan moves it in an optimizer hook of its trainer
+  (``register_moe_load_balancing_hook``), which is no part of the model.
+
+Attention is scaled dot-product attention, torchtitan's causal ``ScaledDotProductAttention``:
+torchtitan builds its language models with FlexAttention, compiled, which needs a compiler on
+the CPU; every other module is torchtitan's. The loss is torchtitan's: cross-entropy over the
+flattened logits, in float32, averaged over the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtitan.models import deepseek_v3, llama3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.attention import ScaledDotProductAttention
+
+from autoplan import Workload
+
+VOCAB, DIM, HEADS = 128, 64, 4
+
+
+def _sdpa(layers: list[Any]) -> list[Any]:
+    """The layers' configs with scaled dot-product attention for FlexAttention."""
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def _head(config: type, init: Any, **fields: Any) -> Any:
+    """A model config of ``config``'s class: embedding, final norm and output head as
+    torchtitan's flavors make them (``init``: the flavor's module of initializations)."""
+    return config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=init._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=init._NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=init._output_linear_init(DIM)
+        ),
+        **fields,
+    )
+
+
+def llama3_model(seq: int, layers: int) -> nn.Module:
+    rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=seq, theta=500000, scaling="llama")
+    blocks = llama3._build_llama3_layers(
+        n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, rope=rope, attn_backend="flex",
+        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+    )  # fmt: skip
+    return _build(_head(llama3.Llama3Model.Config, llama3, layers=_sdpa(blocks)))
+
+
+def deepseek_v3_model(seq: int, layers: int) -> nn.Module:
+    rope_dim = 8
+    rope = ComplexRoPE.Config(
+        dim=rope_dim, max_seq_len=seq, theta=10000.0, scaling="yarn", rope_factor=40.0,
+        beta_fast=32.0, beta_slow=1.0, original_seq_len=seq // 4,
+    )  # fmt: skip
+    blocks = deepseek_v3._build_dsv3_layers(
+        n_layers=layers, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16,
+        mscale=0.70, dense_hidden_dim=128, moe_hidden_dim=32, num_experts=8,
+        num_shared_experts=2, router_top_k=3, router_score_func="softmax", rope=rope,
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+    )  # fmt: skip
+    config = _head(deepseek_v3.DeepSeekV3Model.Config, deepseek_v3, layers=_sdpa(blocks))
+    return _build(config)
+
+
+def _build(config: Any) -> nn.Module:
+    """The model, its weights and buffers initialized as torchtitan's trainer does."""
+    model: nn.Module = config.build()
+    model.init_weights(buffer_device=None)  # type: ignore[operator]
+    return model
+
+
+def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+MODELS = {"llama3": llama3_model, "deepseek-v3": deepseek_v3_model}
+
+
+def workload(model: str, batch_size: int, seq_len: int, num_layers: int = 2) -> Workload:
+    """torchtitan's ``model``, drawn from torch's generator as it stands, on token ids; the
+    targets are the next tokens (the inputs shifted by one, as torchtitan's data loader)."""
+    if model not in MODELS:
+        raise ValueError(f"torchtitan model {model!r} is not built here; use one of {list(MODELS)}")
+    built = MODELS[model](seq_len, num_layers)
+    tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
+    return Workload(built, (tokens[:, :-1].clone(),), loss, tokens[:, 1:].clone())
