@@ -8,6 +8,7 @@ import dataclasses
 from collections import Counter
 
 import pytest
+import torch
 
 import autoplan
 from autoplan import PlanOptions
@@ -121,3 +122,16 @@ def test_virtual_stages_keep_zero_bubble(h100_quad_nodes: autoplan.Cluster) -> N
     plan = w.plan(h100_quad_nodes, forced)
     assert plan.pipeline is not None and plan.pipeline.schedule == ZB
     assert plan.virtual_stages == 2 and len(plan.stages) == 8
+
+
+def test_a_stage_sends_no_view_so_the_split_backward_can_detach_it() -> None:
+    """Swin's stage output is a reshape of its windows: torch's split backward
+    (`stage_backward_input`) detaches a stage's outputs in place, which a view refuses."""
+    from autoplan.torch_private import pipeline_sent
+
+    x = torch.randn(4, 6, requires_grad=True)
+    sent = pipeline_sent((x * 2).view(2, 12))
+    assert not sent._is_view() and sent.is_contiguous()
+    sent.sum().backward()  # the gradient still reaches the stage's inputs
+    assert x.grad is not None and torch.equal(x.grad, torch.full((4, 6), 2.0))
+    sent.detach_()  # what the split backward does next

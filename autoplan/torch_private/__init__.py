@@ -36,7 +36,8 @@ the torch at hand has rather than comparing version numbers.
 - `zero_bubble_order` / `zbv_order` / `dualpipev_order`: the steps
   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
   (their ``_calculate_single_rank_operations``), computed without stages or a process group,
-  so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py).
+  so the planner times the order torch runs rather than a copy of it (autoplan/schedules.py;
+  they live in this package's schedule_orders.py).
 - `fake_world`: the "fake" process group (torch's test-suite store) of any size in one
   process, with DTensor's caches cleared when it ends: they compare meshes by value and would
   hand the next world's equal mesh the specs of this one, whose groups are gone
@@ -73,12 +74,6 @@ from torch.distributed._functional_collectives import all_reduce as functional_a
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
-from torch.distributed.pipelining.schedules import (
-    ScheduleDualPipeV,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -102,6 +97,10 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from autoplan.torch_private.schedule_orders import dualpipev_order as dualpipev_order
+from autoplan.torch_private.schedule_orders import zbv_order as zbv_order
+from autoplan.torch_private.schedule_orders import zero_bubble_order as zero_bubble_order
 
 FUNCTIONAL_COLLECTIVES = torch.ops._c10d_functional
 C10D_ALL_REDUCE = torch.ops.c10d.allreduce_.default  # (tensors, boxed group, op, ...)
@@ -376,8 +375,11 @@ def pipeline_wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def pipeline_sent(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (contiguous) as a stage sends it to the next."""
+    """``tensor`` (contiguous, and no view: the zero-bubble schedules' split backward detaches a
+    stage's outputs in place, which a view refuses) as a stage sends it to the next."""
     tensor = tensor.contiguous()
+    if tensor._is_view():
+        tensor = tensor.clone()
     if pipeline_wire_dtype(tensor.dtype) == tensor.dtype:
         return tensor
     return tensor.to(torch.int64).view(torch.float64)
@@ -408,70 +410,6 @@ def non_finite_check_and_unscale(
     """Multiply ``grads`` by ``inv_scale`` in place, setting ``found`` to 1 where any is not
     finite (GradScaler's own op)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
-
-
-def zero_bubble_order(
-    num_groups: int, virtual_stages: int, num_microbatches: int, group: int
-) -> list[tuple[str, int, int]]:
-    """The (kind, stage, microbatch) steps ScheduleInterleavedZeroBubble runs on rank ``group``
-    of ``num_groups``, each holding ``virtual_stages`` stages, in its order without its idle
-    slots: kind "F" (forward), "B" (the input gradients) or "W" (the weight gradients).
-    Its constructor needs stages on a process group; the order is its
-    ``_calculate_single_rank_operations``, which reads only the fields set here."""
-    schedule = object.__new__(ScheduleInterleavedZeroBubble)
-    rounds = max(1, num_microbatches // num_groups)
-    schedule.pp_group_size = num_groups
-    schedule.n_local_stages = virtual_stages
-    schedule._n_microbatches = num_microbatches
-    schedule.number_of_rounds = rounds
-    schedule.microbatches_per_round = num_microbatches // rounds
-    return _steps(schedule._calculate_single_rank_operations(group))
-
-
-def zbv_order(num_groups: int, num_microbatches: int, group: int) -> list[tuple[str, int, int]]:
-    """The steps ScheduleZBVZeroBubble runs on rank ``group`` of ``num_groups``, each holding
-    two stages in a V (``group`` and ``2 num_groups - 1 - group``), as `zero_bubble_order`
-    gives ScheduleInterleavedZeroBubble's; its ``_calculate_single_rank_operations`` reads
-    only the fields set here."""
-    schedule = object.__new__(ScheduleZBVZeroBubble)
-    schedule.pp_group_size = num_groups
-    schedule.num_stages = 2 * num_groups
-    schedule._n_microbatches = num_microbatches
-    return _steps(schedule._calculate_single_rank_operations(group))
-
-
-def dualpipev_order(
-    num_groups: int, num_microbatches: int, group: int
-) -> list[tuple[str, int, int]]:
-    """The steps ScheduleDualPipeV runs on rank ``group`` of ``num_groups`` (two stages in a
-    V, as ZBV's), as `zero_bubble_order` gives ScheduleInterleavedZeroBubble's: a forward
-    "overlapped" with another microbatch's backward as the two, one after the other, as its
-    runtime runs them, and a whole backward as its B and W at once."""
-    schedule = object.__new__(ScheduleDualPipeV)
-    schedule.pp_group_size = num_groups
-    schedule._n_microbatches = num_microbatches
-    return _steps(schedule._calculate_single_rank_operations(group))
-
-
-def _steps(actions: Sequence[Any]) -> list[tuple[str, int, int]]:
-    """torch's actions as (kind, stage, microbatch), its idle slots left out: an overlapped
-    forward and backward as its two actions in turn, a whole backward as B then W."""
-    kinds = {
-        ComputationType.FORWARD: ("F",),
-        ComputationType.BACKWARD_INPUT: ("B",),
-        ComputationType.BACKWARD_WEIGHT: ("W",),
-        ComputationType.FULL_BACKWARD: ("B", "W"),
-    }
-    found = []
-    for action in actions:
-        if action is None:
-            continue
-        if action.computation_type == ComputationType.OVERLAP_F_B:
-            found += _steps(action.sub_actions)
-        elif action.microbatch_index is not None:
-            for kind in kinds[action.computation_type]:
-                found.append((kind, action.stage_index, action.microbatch_index))
-    return found
 
 
 @contextlib.contextmanager
