@@ -109,12 +109,13 @@ def test_pipelined_plans_are_not_checked_yet(cpu4: autoplan.Cluster) -> None:
     assert plan.pipeline is not None and _check(w, plan) == []
 
 
-# the zoo's attention has 2 key-value heads: tensor parallelism of 2
+# the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as
+# at 8 (dp=4) the mesh has its 6 roles: first, middle and last on dp, by 2 on tp
 ZOO = ("gpt2", "llama", "mistral", "gemma2", "deepseek-v3")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [8, 64])
+@pytest.mark.parametrize("world", [64])
 @pytest.mark.parametrize("model", ZOO)
 def test_zoo_plans_run_on_fake_tensors(model: str, world: int) -> None:
     cluster = autoplan.Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json", num_nodes=world // 8)
