@@ -16,7 +16,6 @@ time and memory per GPU.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,9 +28,8 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.planfile.show import fmt_bytes  # noqa: E402
-from benchmarks.plan_moe import COLUMNS, priced, shown  # noqa: E402
+from benchmarks.plan_moe import priced, report  # noqa: E402
 from benchmarks.real_models import MODELS  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
 
 SEQ_LEN = 2048
 EXPERTS = "mlp.experts.gate_up_proj"  # a routed experts' weight (E, 2 x hidden, model)
@@ -86,18 +84,9 @@ def main() -> None:
         f"DeepSeek-V3's widths ({args.layers} layers, 256 experts top-8, batch {args.batch} x "
         f"{SEQ_LEN}, bf16) on {args.gpus} simulated H100s"
     )
-    table = [shown(r) for r in rows]
-    for r in table:
-        print(" | ".join(str(r[c]) for c in COLUMNS))
-    meta = {
-        "command": f"python benchmarks/plan_experts.py --gpus {args.gpus} --layers {args.layers} "
-        f"--batch {args.batch}",
-        "machine": f"{platform.machine()}, {platform.python_version()}",
-        "torch": torch.__version__,
-        "memory limit per GPU": fmt_bytes(float(rows[0]["limit"])),  # type: ignore[arg-type]
-        "note": "predictions are analytic (published link and peak figures), not measured",
-    }
-    write_results("plan_experts", title, meta, table, COLUMNS)
+    limit = fmt_bytes(float(rows[0]["limit"]))  # type: ignore[arg-type]
+    note = "predictions are analytic (published link and peak figures), not measured"
+    report("plan_experts", title, args, rows, **{"memory limit per GPU": limit, "note": note})
 
 
 if __name__ == "__main__":

@@ -107,16 +107,25 @@ def main() -> None:
         f"64-expert GPT ({args.layers} layers, top-2, batch {args.batch} x 2048, bf16) on "
         f"{args.gpus} simulated A100s"
     )
+    report("plan_moe", title, args, rows)
+
+
+def report(
+    name: str, title: str, args: argparse.Namespace, rows: list[dict[str, object]], **meta: str
+) -> None:
+    """Print ``rows`` as `shown` and write them to benchmarks/results/``name``, the command
+    (``--gpus``, ``--layers``, ``--batch``) and ``meta`` in the header."""
     table = [shown(r) for r in rows]
     for r in table:
         print(" | ".join(str(r[c]) for c in COLUMNS))
-    meta = {
-        "command": f"python benchmarks/plan_moe.py --gpus {args.gpus} --layers {args.layers} "
+    header = {
+        "command": f"python benchmarks/{name}.py --gpus {args.gpus} --layers {args.layers} "
         f"--batch {args.batch}",
         "machine": f"{platform.machine()}, {platform.python_version()}",
         "torch": torch.__version__,
+        **meta,
     }
-    write_results("plan_moe", title, meta, table, COLUMNS)
+    write_results(name, title, header, table, COLUMNS)
 
 
 if __name__ == "__main__":
