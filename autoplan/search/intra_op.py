@@ -398,8 +398,10 @@ def solve_mesh(
     plan's `MeshPlan.pricer` then recompute those). Returns the least memory any plan would
     need per device when none fits (where recomputation is chosen, at least that: just over
     ``memory_limit`` when only the activations a recomputed layer holds again during its
-    backward keep it from fitting). Raises `SolverTimeLimitError` where an ILP found no plan
-    within ``time_limit_s`` (a plan found by then is kept, its solution saying so).
+    backward keep it from fitting; where the ILP's plan fits by its summed memory but not by
+    the peak `price_step` prices, that peak). Raises `SolverTimeLimitError` where an ILP
+    found no plan within ``time_limit_s`` (a plan found by then is kept, its solution saying
+    so).
 
     Where the ILP chooses recomputation it is first solved without recomputing or a memory
     limit (``relaxed_first``; a caller that knows that plan does not fit says False): if
