@@ -33,6 +33,7 @@ from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.precision import LossScaler
 from autoplan.torch_private import wait_collective
+from autoplan.torch_private.mesh_release import released_at_exit
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Runtime:
 def plan_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     """The device mesh of ``plan`` on this job's ranks (made with real tensors: a mesh's
     ranks are read from them)."""
-    return init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
+    mesh = init_device_mesh(device_type, plan.mesh.shape, mesh_dim_names=plan.mesh.axes)
+    return released_at_exit(mesh)
 
 
 def build_runtime(

@@ -561,10 +561,11 @@ def _other_checks(c: autoplan.Cluster, world: int, out: Path, results: dict[str,
 
 if __name__ == "__main__":
     main()
-    # Every result is written and every rank has left the process group. Interpreter exit can
-    # still abort in torch 2.13's C++ teardown ("terminate called without an active
-    # exception", no Python frame, seen in CI on rank 0 after the run): end the process
-    # without running those destructors.
+    # Every result is written and every rank has left the process group. The groups of
+    # autoplan's meshes end at exit (torch_private/mesh_release.py), which was what aborted
+    # this process in CI ("terminate called without an active exception"); a group a case
+    # leaves in a reference cycle could still end only in the interpreter's teardown, so the
+    # worker ends without it.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
