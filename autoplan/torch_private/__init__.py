@@ -56,6 +56,8 @@ the torch at hand has rather than comparing version numbers.
   autocast has kernels for (graph/fake.py).
 - `non_finite_check_and_unscale`: GradScaler's fused unscale and inf/nan check
   (precision.py).
+- `released_at_exit`: a mesh's ``_pg_registry`` cleared at exit, so that a destroyed gloo
+  group ends while Python still runs (this package's mesh_release.py).
 """
 
 from __future__ import annotations
