@@ -37,7 +37,7 @@ class Case:
     recompute_collectives: bool = False  # forward collectives issued again in backward
     context_parallel: bool = False  # attention split along the sequence (the plan says)
     # each rank runs its planned step on fake tensors before training (execute/dry_run.py;
-    # on by default for users; here in the zoo's planned cases only, for the suite's time)
+    # on by default for users; here in a few of the zoo's planned cases, for the suite's time)
     check_step: bool = False
 
     def plan_layout(self, w: Workload) -> PlanOptions | Plan:
@@ -196,6 +196,12 @@ ZOO = (
     *SWEPT_IMAGES,
     *TORCHTITAN,
 )
+# their planned step checked on fake tensors first: the models whose first step used to fail
+# inside the executor (a cache built in forward, a functional copy's derivative, a buffer
+# written in forward); tests/test_dry_run.py checks the others' layouts alone
+CHECKED = ("mistral", "gemma3", "deepseek-v3", "torchtitan-deepseek-v3")
+# Swin's windowed blocks make the 2-D mesh's ILP a minute's solve: planned on one axis
+PINNED: dict[str, Mesh] = {"swin": (4,)}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
 GPT_FUSED = {**GPT, "qkv": "fused"}  # one qkv projection, split strided
 GPT_CP = {"size": "tiny", "num_layers": 2, "batch_size": 1, "seq_len": 512, "num_heads": 1}
@@ -363,8 +369,8 @@ CASES = [
             f"zoo-{model}",
             "zoo",
             {"model": model, "batch_size": 64, "seq_len": 32},
-            own(),
-            check_step=True,
+            own(PINNED.get(model)),
+            check_step=model in CHECKED,
         )
         for model in ZOO
     ],
