@@ -1,6 +1,7 @@
 """Activation recomputation: which ops of a step run their forward again in backward, instead
 of keeping their outputs from forward to backward (``torch.utils.checkpoint``): Megatron's
-"full" recomputation (a layer's ops) or its "selective" one (a layer's attention core).
+"full" recomputation (a layer's ops) or its "selective" one (a layer's attention core), or
+torchtitan's op-level selective checkpointing ("ops": a layer's ops but those it saves).
 
 The unit is a layer (`autoplan.graph.cut`), one per repeated block (``blocks.3``) however
 the stage search merges blocks, or one of the step's balanced runs of ops when the model has
@@ -16,6 +17,14 @@ ops from the product of queries and keys through the scale, mask, softmax and dr
 product with the values (or a fused ``scaled_dot_product_attention``). Their outputs of
 sequence-squared size are dropped and made again at a small compute cost (Megatron's
 selective activation recomputation).
+
+Op-level recomputation ("ops") recomputes a layer's ops (as full recomputation) but those
+whose outputs torchtitan's op-level selective checkpointing saves (`saved_ops`: attention,
+every other matrix product, ...). The saved ops run once, outside the recomputed regions,
+which are the runs of recomputed ops between them: each region is made again on its own in
+backward (`autoplan.execute.checkpointed`), so what a region's ops send to a saved op or to
+another region (the inputs of a saved matrix product) is kept from forward to backward, as
+the saved ops' outputs are (`Recompute.mixed`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
 from autoplan.graph.ir import Graph
+from autoplan.graph.saved_ops import FUSED_ATTENTION, saved_ops
 from autoplan.modes import NodeKind, RecomputeMode
 
 # PlanOptions.recompute's choices (None: the planner's ILP chooses); a plan's recomputed
@@ -37,7 +47,6 @@ SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax.default", "aten._safe_so
 PRODUCTS = frozenset(
     {"aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"}
 )
-FUSED_ATTENTION = ("aten.scaled_dot_product_", "aten._scaled_dot_product_")
 
 
 def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
@@ -52,7 +61,8 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -
     Full: those from the step's first op inside a block to its last (all when the model has
     no blocks), so that the embedding, the head and the loss stay out, and ops between blocks
     (an activation applied outside them) stay in. Selective: its attention cores'
-    (`attention_core`); a model without any is refused."""
+    (`attention_core`); a model without any is refused. Ops: full's but those torchtitan's
+    op-level selective checkpointing saves (`saved_ops`)."""
     if mode == RecomputeMode.SELECTIVE:
         core = _memo_core(graph)
         if not core:
@@ -63,7 +73,11 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -
             )
         return tuple(n for n in layer.nodes if n in core)
     span = graph.memo("recomputed span", lambda: _recomputed_span(graph))
-    return tuple(n for n in layer.nodes if n in span)
+    ops = tuple(n for n in layer.nodes if n in span)
+    if mode == RecomputeMode.OPS:
+        saved = saved_ops(graph, ops)
+        return tuple(n for n in ops if n not in saved)
+    return ops
 
 
 def _recomputed_span(graph: Graph) -> frozenset[str]:
@@ -143,10 +157,12 @@ class Recompute:
 
     # (layer name, its mode, its recomputed ops (`recomputed_ops` in that mode))
     layers: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
-    layer_of: Mapping[str, int] = field(default_factory=dict)  # recomputed op -> its layer
-    kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their layer
-    # the ILP counts a dropped output at this share of its bytes: it sees the layers' mean,
-    # the step's price the largest layer (`autoplan.costmodel.step_price.price_step`)
+    # recomputed op -> its region, made again as one in backward: its layer, or (mode "ops")
+    # a run of its layer's ops between two saved ones (`regions`)
+    layer_of: Mapping[str, int] = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their region
+    # the ILP counts a dropped output at this share of its bytes: it sees the regions' mean,
+    # the step's price the largest region (`autoplan.costmodel.step_price.price_step`)
     share: float = 1.0
 
     @staticmethod
@@ -161,13 +177,13 @@ class Recompute:
     def mixed(graph: Graph, layers: Iterable[tuple[str, str, Sequence[str]]]) -> Recompute:
         """(layer name, its mode, its recomputed ops) for each recomputed layer."""
         chosen = tuple((name, mode, tuple(ops)) for name, mode, ops in layers if ops)
-        layer_of = {op: i for i, (_, _, ops) in enumerate(chosen) for op in ops}
+        layer_of = regions(graph, chosen)
         kept = frozenset(
             name
             for name, i in layer_of.items()
             if any(layer_of.get(u) != i for u in graph.users(name))
         )
-        return Recompute(chosen, layer_of, kept, 1.0 / max(len(chosen), 1))
+        return Recompute(chosen, layer_of, kept, 1.0 / max(len(set(layer_of.values())), 1))
 
     @staticmethod
     def every_layer(
@@ -194,6 +210,34 @@ class Recompute:
 
 
 NO_RECOMPUTE = Recompute()
+
+
+def regions(graph: Graph, layers: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, int]:
+    """Each recomputed op of ``layers`` (name, mode, recomputed ops) -> its region: its
+    layer's, or in mode "ops" a run of its layer's ops that no op outside them, reading
+    them (directly or through others), interrupts, as the executor runs them
+    (`autoplan.execute.checkpointed.with_regions`)."""
+    layer_of = {op: i for i, (_, _, ops) in enumerate(layers) for op in ops}
+    split = {i for i, (_, mode, _) in enumerate(layers) if mode == RecomputeMode.OPS}
+    found: dict[str, int] = {}
+    count = -1  # regions so far, less one
+    current: dict[int, int] = {}  # by layer, its region being made
+    after: dict[int, set[str]] = {i: set() for i in split}  # its ops and what reads them
+    for node in graph:
+        i = layer_of.get(node.name)
+        if i is not None:
+            if i not in current:
+                current[i] = count = count + 1
+            found[node.name] = current[i]
+            if i in split:
+                after[i].add(node.name)
+            continue
+        reads = {r.name for r in node.refs}
+        for j in sorted(split):
+            if not reads.isdisjoint(after[j]):
+                after[j].add(node.name)
+                current.pop(j, None)
+    return found
 
 
 def chosen(graph: Graph, max_layers: int, mode: str) -> Recompute:

@@ -52,7 +52,7 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
 # a recomputed layer's mode (a layer not recomputed has no entry); a pipeline's stages may differ
-RECOMPUTE_MODES = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
+RECOMPUTE_MODES = (RecomputeMode.FULL, RecomputeMode.SELECTIVE, RecomputeMode.OPS)
 
 
 def plan_text(data: dict[str, Any]) -> str:

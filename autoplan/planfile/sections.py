@@ -157,7 +157,7 @@ class RecomputedLayer:
     ``torch.utils.checkpoint``."""
 
     layer: str  # "blocks.3", or "ops 0-41"
-    mode: str  # "full" (its blocks' ops) or "selective" (its attention cores')
+    mode: str  # "full" (its blocks' ops), "selective" (its attention cores') or "ops"
     nodes: tuple[str, ...]  # its recomputed ops, in graph order
 
 
