@@ -21,6 +21,7 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.execute.checkpointed import RecomputedRegion, gathered, with_regions
+from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute, attention_core, recompute_layers, recomputed_ops
 from autoplan.modes import NodeKind
 from autoplan.planfile.check import assignment_of
@@ -231,7 +232,7 @@ def test_cli_plans_with_recompute_and_shows_it(
     with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
         main([*args, "--recompute", "some", "-o", str(out)])
     assert (
-        "invalid choice: 'some' (choose from 'none', 'full', 'selective')"
+        "invalid choice: 'some' (choose from 'none', 'full', 'selective', 'ops')"
         in capsys.readouterr().err
     )
     # the MLP has no attention to recompute selectively: refused, naming the way out
@@ -462,3 +463,100 @@ def test_by_default_attention_cores_recompute_before_whole_layers(cpu4: autoplan
     assert planned(20, "full").predicted.step_time_s == full.predicted.step_time_s
     with pytest.raises(InfeasiblePlanError, match="attention core recomputed"):
         planned(15, "selective")
+
+
+# ---------------------------------------------------------------- op-level recomputation
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[autoplan.Workload, Graph]:
+    """transformers' Llama (linears without bias, fused attention) and its traced step."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=64)
+    return w, w.trace()
+
+
+def _short(op: str) -> str:
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def test_ops_saves_attention_and_every_other_product(
+    llama: tuple[autoplan.Workload, Graph],
+) -> None:
+    """As torchtitan's op-level selective checkpointing: in each Llama block the first,
+    third, fifth and seventh linear (q, v, gate, down: ``mm`` each, counted in order) and
+    the attention keep their outputs; k, o and up, the norms, rotary embeddings, SiLU and
+    residual adds are recomputed. A linear with a bias runs ``addmm``, always saved: of
+    GPT's, whose q, k and v have none, only k recomputes."""
+    graph = llama[1]
+    layers = [la for la in recompute_layers(graph, 16) if recomputed_ops(graph, la)]
+    assert len(layers) == 2
+    big = ("aten.linear.default", "aten.scaled_dot_product_attention.default")
+    for layer in layers:
+        full, ops = recomputed_ops(graph, layer), recomputed_ops(graph, layer, "ops")
+        assert set(ops) < set(full)
+        kept = [(_short(graph.node(n).op), n not in ops) for n in full if graph.node(n).op in big]
+        assert kept == [
+            ("linear", True),  # q
+            ("linear", False),  # k
+            ("linear", True),  # v
+            ("scaled_dot_product_attention", True),
+            ("linear", False),  # o
+            ("linear", True),  # gate
+            ("linear", False),  # up
+            ("linear", True),  # down
+        ]
+        # everything else of the block recomputes
+        assert all(graph.node(n).op in big for n in full if n not in ops)
+        recomputed = {_short(graph.node(n).op) for n in ops}
+        assert {"rsqrt", "silu", "add.Tensor", "mul.Tensor"} <= recomputed
+    gpt = example("gpt", **GPT).trace()
+    for layer in recompute_layers(gpt, 16):
+        full, ops = recomputed_ops(gpt, layer), recomputed_ops(gpt, layer, "ops")
+        kept = [(gpt.node(n).module_path, n not in ops) for n in full if gpt.node(n).op in big]
+        assert [(path.split(".", 2)[-1], saved) for path, saved in kept] == [
+            ("attn.q", True),
+            ("attn.k", False),
+            ("attn.v", True),
+            ("attn", True),
+            ("attn.proj", True),
+            ("mlp.fc", True),
+            ("mlp.proj", True),
+        ]
+
+
+def test_ops_regions_end_at_saved_ops_and_keep_what_they_read(
+    llama: tuple[autoplan.Workload, Graph], cpu4: autoplan.Cluster, tmp_path: Path
+) -> None:
+    """A block recomputed op by op runs as several regions, split by the saved ops; what a
+    region's ops send to a saved op (a saved product's input) is kept, the rest dropped; the
+    step is priced between no recomputation and full, in memory and in time; the plan
+    writes the mode and reads it back."""
+    w, graph = llama
+    layers = recompute_layers(graph, 16)
+    ops = Recompute.every_layer(graph, layers, "ops")
+    full = Recompute.every_layer(graph, layers, "full")
+    assert len(set(full.layer_of.values())) == 2
+    assert len(set(ops.layer_of.values())) > 2 * 3  # several runs in each of the 2 blocks
+    assert ops.share == 1 / len(set(ops.layer_of.values()))
+    for name in ops.kept:  # read by an op outside its region
+        region = ops.layer_of[name]
+        assert any(ops.layer_of.get(u) != region for u in graph.users(name))
+    products = [n for n in graph if n.op == "aten.linear.default" and not ops.recomputes(n.name)]
+    assert products and all(
+        not ops.drops(r.name) for n in products for r in n.refs if ops.recomputes(r.name)
+    )
+    plan = w.baseline(cpu4, dp=4, tp=1, recompute="ops")
+    assert [layer.mode for layer in plan.recompute] == ["ops", "ops"]
+    assert [layer.nodes for layer in plan.recompute] == [la[2] for la in ops.layers]
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert autoplan.Plan.from_json(str(path)) == plan
+    assert "activation recomputation (ops): 2 layer(s)" in summary(plan)
+    assignment = assignment_of(plan, graph)
+    priced = [
+        price_step(graph, assignment, Pricer(cpu4, (4,), "adamw", r))
+        for r in (Recompute(), ops, full)
+    ]
+    none, by_ops, whole = priced
+    assert none.memory_bytes > by_ops.memory_bytes > whole.memory_bytes
+    assert none.time_s < by_ops.time_s < whole.time_s
