@@ -21,6 +21,7 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.execute.checkpointed import RecomputedRegion, gathered, with_regions
+from autoplan.graph.capture import export_step
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute, attention_core, recompute_layers, recomputed_ops
 from autoplan.modes import NodeKind
@@ -538,6 +539,19 @@ def test_ops_regions_end_at_saved_ops_and_keep_what_they_read(
     assert len(set(full.layer_of.values())) == 2
     assert len(set(ops.layer_of.values())) > 2 * 3  # several runs in each of the 2 blocks
     assert ops.share == 1 / len(set(ops.layer_of.values()))
+    # the regions priced are those the executor runs under checkpoint
+    nodes = list(export_step(w.model, w.example_inputs, w.loss_fn, w.example_target).graph.nodes)
+    layer_of = {op: i for i, (_, _, layer) in enumerate(ops.layers) for op in layer}
+    run = with_regions(gathered(nodes, layer_of), layer_of)
+    executed = {
+        frozenset(n.name for n in s.nodes if n.name in layer_of)
+        for s in run
+        if isinstance(s, RecomputedRegion)
+    }
+    priced: dict[int, set[str]] = {}
+    for op, region in ops.layer_of.items():
+        priced.setdefault(region, set()).add(op)
+    assert executed == {frozenset(r) for r in priced.values()}
     for name in ops.kept:  # read by an op outside its region
         region = ops.layer_of[name]
         assert any(ops.layer_of.get(u) != region for u in graph.users(name))
