@@ -491,11 +491,12 @@ def test_ops_saves_attention_and_every_other_product(
     graph = llama[1]
     layers = [la for la in recompute_layers(graph, 16) if recomputed_ops(graph, la)]
     assert len(layers) == 2
+    saved = Recompute.every_layer(graph, layers, "ops").saved
     big = ("aten.linear.default", "aten.scaled_dot_product_attention.default")
     for layer in layers:
-        full, ops = recomputed_ops(graph, layer), recomputed_ops(graph, layer, "ops")
-        assert set(ops) < set(full)
-        kept = [(_short(graph.node(n).op), n not in ops) for n in full if graph.node(n).op in big]
+        full = recomputed_ops(graph, layer)
+        assert recomputed_ops(graph, layer, "ops") == full  # one region, as full's
+        kept = [(_short(graph.node(n).op), n in saved) for n in full if graph.node(n).op in big]
         assert kept == [
             ("linear", True),  # q
             ("linear", False),  # k
@@ -507,13 +508,14 @@ def test_ops_saves_attention_and_every_other_product(
             ("linear", True),  # down
         ]
         # everything else of the block recomputes
-        assert all(graph.node(n).op in big for n in full if n not in ops)
-        recomputed = {_short(graph.node(n).op) for n in ops}
+        assert all(graph.node(n).op in big for n in full if n in saved)
+        recomputed = {_short(graph.node(n).op) for n in full if n not in saved}
         assert {"rsqrt", "silu", "add.Tensor", "mul.Tensor"} <= recomputed
     gpt = example("gpt", **GPT).trace()
+    gpt_saved = Recompute.every_layer(gpt, recompute_layers(gpt, 16), "ops").saved
     for layer in recompute_layers(gpt, 16):
-        full, ops = recomputed_ops(gpt, layer), recomputed_ops(gpt, layer, "ops")
-        kept = [(gpt.node(n).module_path, n not in ops) for n in full if gpt.node(n).op in big]
+        full = recomputed_ops(gpt, layer)
+        kept = [(gpt.node(n).module_path, n in gpt_saved) for n in full if gpt.node(n).op in big]
         assert [(path.split(".", 2)[-1], saved) for path, saved in kept] == [
             ("attn.q", True),
             ("attn.k", False),
@@ -525,21 +527,21 @@ def test_ops_saves_attention_and_every_other_product(
         ]
 
 
-def test_ops_regions_end_at_saved_ops_and_keep_what_they_read(
+def test_ops_runs_each_layer_as_one_region_keeping_saved_outputs(
     llama: tuple[autoplan.Workload, Graph], cpu4: autoplan.Cluster, tmp_path: Path
 ) -> None:
-    """A block recomputed op by op runs as several regions, split by the saved ops; what a
-    region's ops send to a saved op (a saved product's input) is kept, the rest dropped; the
-    step is priced between no recomputation and full, in memory and in time; the plan
-    writes the mode and reads it back."""
+    """A block recomputed op by op runs as one region, as under full recomputation, its saved
+    ops within: their outputs are kept whole and they do not run again, while their inputs
+    made in the region (a saved product's) are dropped with the rest; the step is priced
+    between no recomputation and full, in memory and in time; the plan writes the mode and
+    the saved ops and reads them back."""
     w, graph = llama
     layers = recompute_layers(graph, 16)
     ops = Recompute.every_layer(graph, layers, "ops")
     full = Recompute.every_layer(graph, layers, "full")
-    assert len(set(full.layer_of.values())) == 2
-    assert len(set(ops.layer_of.values())) > 2 * 3  # several runs in each of the 2 blocks
-    assert ops.share == 1 / len(set(ops.layer_of.values()))
-    # the regions priced are those the executor runs under checkpoint
+    assert len(set(full.layer_of.values())) == len(set(ops.layer_of.values())) == 2
+    assert ops.layer_of == full.layer_of and ops.share == full.share == 1 / 2
+    # the regions priced are those the executor runs under checkpoint, saved ops within
     nodes = list(export_step(w.model, w.example_inputs, w.loss_fn, w.example_target).graph.nodes)
     layer_of = {op: i for i, (_, _, layer) in enumerate(ops.layers) for op in layer}
     run = with_regions(gathered(nodes, layer_of), layer_of)
@@ -552,16 +554,21 @@ def test_ops_regions_end_at_saved_ops_and_keep_what_they_read(
     for op, region in ops.layer_of.items():
         priced.setdefault(region, set()).add(op)
     assert executed == {frozenset(r) for r in priced.values()}
+    assert ops.saved and ops.saved <= set(ops.layer_of)
+    assert not any(ops.recomputes(n) or ops.drops(n) for n in ops.saved)
     for name in ops.kept:  # read by an op outside its region
         region = ops.layer_of[name]
         assert any(ops.layer_of.get(u) != region for u in graph.users(name))
-    products = [n for n in graph if n.op == "aten.linear.default" and not ops.recomputes(n.name)]
-    assert products and all(
-        not ops.drops(r.name) for n in products for r in n.refs if ops.recomputes(r.name)
+    products = [n for n in graph if n.op == "aten.linear.default" and n.name in ops.saved]
+    assert len(products) == 2 * 4 and all(
+        ops.drops(r.name) for n in products for r in n.refs if ops.recomputes(r.name)
     )
     plan = w.baseline(cpu4, dp=4, tp=1, recompute="ops")
     assert [layer.mode for layer in plan.recompute] == ["ops", "ops"]
     assert [layer.nodes for layer in plan.recompute] == [la[2] for la in ops.layers]
+    assert [layer.saved for layer in plan.recompute] == [
+        tuple(n for n in la[2] if n in ops.saved) for la in ops.layers
+    ]
     path = tmp_path / "plan.json"
     plan.save(str(path))
     assert autoplan.Plan.from_json(str(path)) == plan
@@ -573,4 +580,10 @@ def test_ops_regions_end_at_saved_ops_and_keep_what_they_read(
     ]
     none, by_ops, whole = priced
     assert none.memory_bytes > by_ops.memory_bytes > whole.memory_bytes
+    # a saved op's outputs are kept whole (torch's selective checkpointing stores them),
+    # whether or not its users' backward reads them
+    kept = Pricer(cpu4, (4,), "adamw", ops)
+    for n in products:
+        outputs = sum(t.nbytes for t in graph.node(n.name).outputs) / 4  # batch split
+        assert kept.activation_memory(n, assignment[n.name]) == outputs
     assert none.time_s < by_ops.time_s < whole.time_s

@@ -20,11 +20,12 @@ selective activation recomputation).
 
 Op-level recomputation ("ops") recomputes a layer's ops (as full recomputation) but those
 whose outputs torchtitan's op-level selective checkpointing saves (`saved_ops`: attention,
-every other matrix product, ...). The saved ops run once, outside the recomputed regions,
-which are the runs of recomputed ops between them: each region is made again on its own in
-backward (`autoplan.execute.checkpointed`), so what a region's ops send to a saved op or to
-another region (the inputs of a saved matrix product) is kept from forward to backward, as
-the saved ops' outputs are (`Recompute.mixed`).
+every other matrix product, ...). The layer runs as one region, as under full recomputation,
+under torch's selective checkpointing (`autoplan.execute.checkpointed`): the saved ops'
+outputs are kept from forward to backward whole, and their forward is not run again in
+backward; the rest of the region's outputs are dropped and made again, the saved ops'
+inputs among them (`Recompute.mixed`). The saved ops' forward collectives are issued again
+in backward, as the recomputed ops' are: backward needs their inputs.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -
     no blocks), so that the embedding, the head and the loss stay out, and ops between blocks
     (an activation applied outside them) stay in. Selective: its attention cores'
     (`attention_core`); a model without any is refused. Ops: full's but those torchtitan's
-    op-level selective checkpointing saves (`saved_ops`)."""
+    op-level selective checkpointing saves (`saved_ops`), which are those of full: the region
+    that runs again, and `Recompute.mixed` tells the saved ones."""
     if mode == RecomputeMode.SELECTIVE:
         core = _memo_core(graph)
         if not core:
@@ -73,11 +75,7 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -
             )
         return tuple(n for n in layer.nodes if n in core)
     span = graph.memo("recomputed span", lambda: _recomputed_span(graph))
-    ops = tuple(n for n in layer.nodes if n in span)
-    if mode == RecomputeMode.OPS:
-        saved = saved_ops(graph, ops)
-        return tuple(n for n in ops if n not in saved)
-    return ops
+    return tuple(n for n in layer.nodes if n in span)
 
 
 def _recomputed_span(graph: Graph) -> frozenset[str]:
@@ -155,12 +153,12 @@ class Recompute:
     for pricing (`autoplan.costmodel.pricer.Pricer`) and for the plan
     (`autoplan.planfile.sections.RecomputedLayer`)."""
 
-    # (layer name, its mode, its recomputed ops (`recomputed_ops` in that mode))
+    # (layer name, its mode, its region's ops (`recomputed_ops` in that mode))
     layers: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
-    # recomputed op -> its region, made again as one in backward: its layer, or (mode "ops")
-    # a run of its layer's ops between two saved ones (`regions`)
-    layer_of: Mapping[str, int] = field(default_factory=dict)
+    layer_of: Mapping[str, int] = field(default_factory=dict)  # op of a region -> its layer
     kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their region
+    # ops of a region whose outputs are kept whole and that do not run again (mode "ops")
+    saved: frozenset[str] = frozenset()
     # the ILP counts a dropped output at this share of its bytes: it sees the regions' mean,
     # the step's price the largest region (`autoplan.costmodel.step_price.price_step`)
     share: float = 1.0
@@ -169,21 +167,28 @@ class Recompute:
     def of(
         graph: Graph, layers: Iterable[tuple[str, Sequence[str]]], mode: str = RecomputeMode.FULL
     ) -> Recompute:
-        """(layer name, its recomputed ops (`recomputed_ops` in ``mode``)) for each
+        """(layer name, its region's ops (`recomputed_ops` in ``mode``)) for each
         recomputed layer."""
         return Recompute.mixed(graph, ((name, mode, ops) for name, ops in layers))
 
     @staticmethod
     def mixed(graph: Graph, layers: Iterable[tuple[str, str, Sequence[str]]]) -> Recompute:
-        """(layer name, its mode, its recomputed ops) for each recomputed layer."""
+        """(layer name, its mode, its region's ops) for each recomputed layer: one region
+        each, made again whole in backward but for its saved ops (mode "ops", `saved_ops`)."""
         chosen = tuple((name, mode, tuple(ops)) for name, mode, ops in layers if ops)
-        layer_of = regions(graph, chosen)
+        layer_of = {op: i for i, (_, _, ops) in enumerate(chosen) for op in ops}
+        saved = frozenset(
+            op
+            for _, mode, ops in chosen
+            if mode == RecomputeMode.OPS
+            for op in saved_ops(graph, ops)
+        )
         kept = frozenset(
             name
             for name, i in layer_of.items()
-            if any(layer_of.get(u) != i for u in graph.users(name))
+            if name not in saved and any(layer_of.get(u) != i for u in graph.users(name))
         )
-        return Recompute(chosen, layer_of, kept, 1.0 / max(len(set(layer_of.values())), 1))
+        return Recompute(chosen, layer_of, kept, saved, 1.0 / max(len(chosen), 1))
 
     @staticmethod
     def every_layer(
@@ -202,42 +207,20 @@ class Recompute:
         return bool(self.layers)
 
     def recomputes(self, name: str) -> bool:
+        """Whether ``name``'s forward runs again in backward."""
+        return name in self.layer_of and name not in self.saved
+
+    def reruns(self, name: str) -> bool:
+        """Whether ``name`` is in a region, whose forward collectives are issued again in
+        backward (a saved op's too: backward needs its inputs)."""
         return name in self.layer_of
 
     def drops(self, name: str) -> bool:
         """Whether ``name``'s output is freed after forward and made again in backward."""
-        return name in self.layer_of and name not in self.kept
+        return self.recomputes(name) and name not in self.kept
 
 
 NO_RECOMPUTE = Recompute()
-
-
-def regions(graph: Graph, layers: Sequence[tuple[str, str, Sequence[str]]]) -> dict[str, int]:
-    """Each recomputed op of ``layers`` (name, mode, recomputed ops) -> its region: its
-    layer's, or in mode "ops" a run of its layer's ops that no op outside them, reading
-    them (directly or through others), interrupts, as the executor runs them
-    (`autoplan.execute.checkpointed.with_regions`)."""
-    layer_of = {op: i for i, (_, _, ops) in enumerate(layers) for op in ops}
-    split = {i for i, (_, mode, _) in enumerate(layers) if mode == RecomputeMode.OPS}
-    found: dict[str, int] = {}
-    count = -1  # regions so far, less one
-    current: dict[int, int] = {}  # by layer, its region being made
-    after: dict[int, set[str]] = {i: set() for i in split}  # its ops and what reads them
-    for node in graph:
-        i = layer_of.get(node.name)
-        if i is not None:
-            if i not in current:
-                current[i] = count = count + 1
-            found[node.name] = current[i]
-            if i in split:
-                after[i].add(node.name)
-            continue
-        reads = {r.name for r in node.refs}
-        for j in sorted(split):
-            if not reads.isdisjoint(after[j]):
-                after[j].add(node.name)
-                current.pop(j, None)
-    return found
 
 
 def chosen(graph: Graph, max_layers: int, mode: str) -> Recompute:
