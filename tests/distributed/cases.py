@@ -680,7 +680,7 @@ CASES = [
         for model in ("llama", "bert")
     ],
     # torchtitan's op-level selective checkpointing: each block's ops but the attention and
-    # every other linear recomputed, in several regions a block split by the saved ops
+    # every other linear recomputed, a block in one region under selective checkpointing
     Case(
         "zoo-llama-ops-recompute",
         "zoo",
