@@ -158,7 +158,7 @@ CONFIGS: tuple[Published, ...] = (
         published=5762,
         published_memory_gib=82.4,
         grand_teton=True,
-        notes="op-level AC as autoplan runs it: the saved ops' inputs kept, not recomputed",
+        notes="op-level AC (torch's selective checkpointing, one region a block)",
     ),
     Published(
         name="torchtitan-llama3-8b-fsdp128",
@@ -178,7 +178,7 @@ CONFIGS: tuple[Published, ...] = (
         published=5605,
         published_memory_gib=67.0,
         grand_teton=True,
-        notes="op-level AC as autoplan runs it: the saved ops' inputs kept, not recomputed",
+        notes="op-level AC (torch's selective checkpointing, one region a block)",
     ),
     Published(
         name="torchtitan-llama3-8b-fsdp8-tp8",
@@ -198,7 +198,7 @@ CONFIGS: tuple[Published, ...] = (
         metric="tokens/s/GPU",
         published=4378,
         grand_teton=True,
-        notes="torch.compile; op-level AC: the saved ops' inputs kept, not recomputed",
+        notes="torch.compile; op-level AC (one region a block)",
         assumed=f"the table's 'tokens/sec' read per GPU (torchtitan logs TPS per GPU); {NO_SP}",
     ),
     Published(
