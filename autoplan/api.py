@@ -431,10 +431,12 @@ def _infeasible(
     recomputed = {
         RecomputeMode.FULL: ", every layer recomputed in backward",
         RecomputeMode.SELECTIVE: ", every layer's attention core recomputed in backward",
+        RecomputeMode.OPS: ", every layer recomputed in backward but the ops torchtitan saves",
     }.get(RecomputeMode(recompute), "")
     hint = {
         RecomputeMode.NONE: ', activation recomputation (recompute="full")',
         RecomputeMode.SELECTIVE: ', full activation recomputation (recompute="full")',
+        RecomputeMode.OPS: ', full activation recomputation (recompute="full")',
     }.get(RecomputeMode(recompute), "")
     param_bytes = sum(n.output.nbytes for n in graph if n.kind == NodeKind.PARAM)
     # just over the limit: the ILP choosing recomputation found no plan (`solve_mesh`)

@@ -39,6 +39,8 @@ class RecomputeMode(Mode):
     NONE = "none"  # every activation kept from forward to backward
     FULL = "full"  # the layer's blocks run their forward again in backward (Megatron's full)
     SELECTIVE = "selective"  # only the attention core runs again (Megatron's selective)
+    # all but the ops whose outputs torchtitan's op-level selective checkpointing saves
+    OPS = "ops"
 
 
 class BaselineStyle(Mode):

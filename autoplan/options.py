@@ -106,12 +106,15 @@ class PlanOptions:
     from forward to backward; "full" recomputes every layer's blocks in backward (Megatron's
     full recomputation); "selective" recomputes only every layer's attention core, from the
     product of queries and keys through softmax to the product with the values (Megatron's
-    selective recomputation). None lets the planner choose, layer by layer: the ILP chooses
-    with the strategies how many layers recompute and in which mode (selective where it frees
-    activations, or full; `autoplan.search.recompute_ilp`), the fastest plan within the
-    memory, which may mix modes; a pipeline's layers choose so within the budget of the stage
-    that holds them, and each stage keeps the fewest of them that fit the microbatches it
-    holds in flight (`autoplan.search.pipeline_search`)."""
+    selective recomputation); "ops" recomputes every layer's blocks but the ops whose outputs
+    torchtitan's op-level selective checkpointing saves (attention, every other matrix
+    product; `autoplan.graph.saved_ops`), and the planner never chooses it itself. None lets
+    the planner choose, layer by layer: the ILP chooses with the strategies how many layers
+    recompute and in which mode (selective where it frees activations, or full;
+    `autoplan.search.recompute_ilp`), the fastest plan within the memory, which may mix modes;
+    a pipeline's layers choose so within the budget of the stage that holds them, and each
+    stage keeps the fewest of them that fit the microbatches it holds in flight
+    (`autoplan.search.pipeline_search`)."""
 
     on_progress: OnProgress | None = field(default=None, compare=False)
     """Called as planning goes with an `autoplan.progress.Progress`: ILPs solved of those known

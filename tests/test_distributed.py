@@ -128,11 +128,16 @@ def test_trains_like_one_process_and_as_planned(
         assert set(r["recompute_modes"]) == set(case.recompute), r
     elif case.recompute:  # every layer's blocks under torch.utils.checkpoint
         assert r["recomputed"] and r["regions"] >= 1, r
-        # or only its attention core, one region each however its ops lie in the graph
+        # or only its attention core, one region each however its ops lie in the graph; or
+        # op by op, one region each under selective checkpointing, its saved ops within
         assert set(r["recompute_modes"]) == set(case.recompute), r
-        assert case.recompute != ("selective",) or r["regions"] == len(r["recomputed"]), r
+        one = case.recompute in (("selective",), ("ops",))
+        assert not one or r["regions"] == len(r["recomputed"]), r
     else:
         assert r["recomputed"] == [] and r["regions"] == 0, r
+    # the ops whose outputs selective checkpointing saves, each of which saved a kernel's
+    saved, kept = r["saved"]
+    assert saved == kept and (saved > 0) == ("ops" in case.recompute), r
     if case.recompute_collectives:  # the tensor-parallel blocks' forward collectives, again
         assert r["recompute_collectives"] > 0, r
     if case.context_parallel:

@@ -21,6 +21,8 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import PricedStep, price_step
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.execute.checkpointed import RecomputedRegion, gathered, with_regions
+from autoplan.graph.capture import export_step
+from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import Recompute, attention_core, recompute_layers, recomputed_ops
 from autoplan.modes import NodeKind
 from autoplan.planfile.check import assignment_of
@@ -231,7 +233,7 @@ def test_cli_plans_with_recompute_and_shows_it(
     with pytest.raises(SystemExit):  # argparse's refusal, naming the choices
         main([*args, "--recompute", "some", "-o", str(out)])
     assert (
-        "invalid choice: 'some' (choose from 'none', 'full', 'selective')"
+        "invalid choice: 'some' (choose from 'none', 'full', 'selective', 'ops')"
         in capsys.readouterr().err
     )
     # the MLP has no attention to recompute selectively: refused, naming the way out
@@ -462,3 +464,126 @@ def test_by_default_attention_cores_recompute_before_whole_layers(cpu4: autoplan
     assert planned(20, "full").predicted.step_time_s == full.predicted.step_time_s
     with pytest.raises(InfeasiblePlanError, match="attention core recomputed"):
         planned(15, "selective")
+
+
+# ---------------------------------------------------------------- op-level recomputation
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[autoplan.Workload, Graph]:
+    """transformers' Llama (linears without bias, fused attention) and its traced step."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=64)
+    return w, w.trace()
+
+
+def _short(op: str) -> str:
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def test_ops_saves_attention_and_every_other_product(
+    llama: tuple[autoplan.Workload, Graph],
+) -> None:
+    """As torchtitan's op-level selective checkpointing: in each Llama block the first,
+    third, fifth and seventh linear (q, v, gate, down: ``mm`` each, counted in order) and
+    the attention keep their outputs; k, o and up, the norms, rotary embeddings, SiLU and
+    residual adds are recomputed. A linear with a bias runs ``addmm``, always saved: of
+    GPT's, whose q, k and v have none, only k recomputes."""
+    graph = llama[1]
+    layers = [la for la in recompute_layers(graph, 16) if recomputed_ops(graph, la)]
+    assert len(layers) == 2
+    saved = Recompute.every_layer(graph, layers, "ops").saved
+    big = ("aten.linear.default", "aten.scaled_dot_product_attention.default")
+    for layer in layers:
+        full = recomputed_ops(graph, layer)
+        assert recomputed_ops(graph, layer, "ops") == full  # one region, as full's
+        kept = [(_short(graph.node(n).op), n in saved) for n in full if graph.node(n).op in big]
+        assert kept == [
+            ("linear", True),  # q
+            ("linear", False),  # k
+            ("linear", True),  # v
+            ("scaled_dot_product_attention", True),
+            ("linear", False),  # o
+            ("linear", True),  # gate
+            ("linear", False),  # up
+            ("linear", True),  # down
+        ]
+        # everything else of the block recomputes
+        assert all(graph.node(n).op in big for n in full if n in saved)
+        recomputed = {_short(graph.node(n).op) for n in full if n not in saved}
+        assert {"rsqrt", "silu", "add.Tensor", "mul.Tensor"} <= recomputed
+    gpt = example("gpt", **GPT).trace()
+    gpt_saved = Recompute.every_layer(gpt, recompute_layers(gpt, 16), "ops").saved
+    for layer in recompute_layers(gpt, 16):
+        full = recomputed_ops(gpt, layer)
+        kept = [(gpt.node(n).module_path, n in gpt_saved) for n in full if gpt.node(n).op in big]
+        assert [(path.split(".", 2)[-1], saved) for path, saved in kept] == [
+            ("attn.q", True),
+            ("attn.k", False),
+            ("attn.v", True),
+            ("attn", True),
+            ("attn.proj", True),
+            ("mlp.fc", True),
+            ("mlp.proj", True),
+        ]
+
+
+def test_ops_runs_each_layer_as_one_region_keeping_saved_outputs(
+    llama: tuple[autoplan.Workload, Graph], cpu4: autoplan.Cluster, tmp_path: Path
+) -> None:
+    """A block recomputed op by op runs as one region, as under full recomputation, its saved
+    ops within: their outputs are kept whole and they do not run again, while their inputs
+    made in the region (a saved product's) are dropped with the rest; the step is priced
+    between no recomputation and full, in memory and in time; the plan writes the mode and
+    the saved ops and reads them back."""
+    w, graph = llama
+    layers = recompute_layers(graph, 16)
+    ops = Recompute.every_layer(graph, layers, "ops")
+    full = Recompute.every_layer(graph, layers, "full")
+    assert len(set(full.layer_of.values())) == len(set(ops.layer_of.values())) == 2
+    assert ops.layer_of == full.layer_of and ops.share == full.share == 1 / 2
+    # the regions priced are those the executor runs under checkpoint, saved ops within
+    nodes = list(export_step(w.model, w.example_inputs, w.loss_fn, w.example_target).graph.nodes)
+    layer_of = {op: i for i, (_, _, layer) in enumerate(ops.layers) for op in layer}
+    run = with_regions(gathered(nodes, layer_of), layer_of)
+    executed = {
+        frozenset(n.name for n in s.nodes if n.name in layer_of)
+        for s in run
+        if isinstance(s, RecomputedRegion)
+    }
+    priced: dict[int, set[str]] = {}
+    for op, region in ops.layer_of.items():
+        priced.setdefault(region, set()).add(op)
+    assert executed == {frozenset(r) for r in priced.values()}
+    assert ops.saved and ops.saved <= set(ops.layer_of)
+    assert not any(ops.recomputes(n) or ops.drops(n) for n in ops.saved)
+    for name in ops.kept:  # read by an op outside its region
+        region = ops.layer_of[name]
+        assert any(ops.layer_of.get(u) != region for u in graph.users(name))
+    products = [n for n in graph if n.op == "aten.linear.default" and n.name in ops.saved]
+    assert len(products) == 2 * 4 and all(
+        ops.drops(r.name) for n in products for r in n.refs if ops.recomputes(r.name)
+    )
+    plan = w.baseline(cpu4, dp=4, tp=1, recompute="ops")
+    assert [layer.mode for layer in plan.recompute] == ["ops", "ops"]
+    assert [layer.nodes for layer in plan.recompute] == [la[2] for la in ops.layers]
+    assert [layer.saved for layer in plan.recompute] == [
+        tuple(n for n in la[2] if n in ops.saved) for la in ops.layers
+    ]
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert autoplan.Plan.from_json(str(path)) == plan
+    assert "activation recomputation (ops): 2 layer(s)" in summary(plan)
+    assignment = assignment_of(plan, graph)
+    priced = [
+        price_step(graph, assignment, Pricer(cpu4, (4,), "adamw", r))
+        for r in (Recompute(), ops, full)
+    ]
+    none, by_ops, whole = priced
+    assert none.memory_bytes > by_ops.memory_bytes > whole.memory_bytes
+    # a saved op's outputs are kept whole (torch's selective checkpointing stores them),
+    # whether or not its users' backward reads them
+    kept = Pricer(cpu4, (4,), "adamw", ops)
+    for n in products:
+        outputs = sum(t.nbytes for t in graph.node(n.name).outputs) / 4  # batch split
+        assert kept.activation_memory(n, assignment[n.name]) == outputs
+    assert none.time_s < by_ops.time_s < whole.time_s

@@ -358,7 +358,9 @@ def baseline(
 
     ``recompute="full"`` recomputes every layer's blocks in backward (Megatron's full
     activation recomputation, `autoplan.graph.recompute`), ``recompute="selective"`` only
-    their attention cores (Megatron's selective recomputation); so does ``options.recompute``.
+    their attention cores (Megatron's selective recomputation), ``recompute="ops"`` all but
+    the ops torchtitan's op-level selective checkpointing saves; so does
+    ``options.recompute``.
 
     ``pp > 1`` splits the step, traced at the shape of one of ``options.num_microbatches``
     (default ``pp``) microbatches, into ``pp`` stages of equal layer counts (this module's

@@ -325,11 +325,14 @@ class Pricer:
         return self.activation_memory(node, whole) / devices
 
     def activation_memory(self, node: Node, strategy: Strategy) -> float:
-        """The bytes of an op's outputs that backward keeps (`Node.kept`), with what its own
-        backward saves besides (`saved_extra_memory`); 0 for parameters and inputs."""
+        """The bytes of an op's outputs that backward keeps (`Node.kept`; all of them for an
+        op that selective checkpointing saves, `Recompute.saved`), with what its own backward
+        saves besides (`saved_extra_memory`); 0 for parameters and inputs."""
         if node.kind != "op":
             return 0.0
         kept: Sequence[int] | None = node.kept
+        if node.name in self.recompute.saved:
+            kept = range(len(node.outputs))
         if kept is None:  # not known: a new tensor that a gradient flows to
             if node.is_view or not node.needs_grad:
                 return 0.0

@@ -100,8 +100,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
 
     Recomputed ops (`Pricer.recompute`) keep only the outputs that leave their layer; the
     others are alive only while their layer's backward runs, so the step holds those of its
-    largest recomputed layer. The forward redistributions of a recomputed op that is the first
-    to need them are issued again in backward (phase "recompute")."""
+    largest recomputed layer. The forward redistributions of an op of a recomputed layer (saved
+    or not) that is the first to need them are issued again in backward (phase "recompute")."""
     compute = memory = comm = host = 0.0
     recompute = pricer.recompute
     backward: dict[str, float] = {}  # by node: its backward, with the collectives it blocks on
@@ -151,7 +151,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
         if fwd:
             waits.add(("forward", user))
-            if recompute.recomputes(user):
+            if recompute.reruns(user):
                 comm += seconds
                 shares[user][1] += seconds
                 found += [(user, name, Phased(c, Phase.RECOMPUTE)) for c in fwd]

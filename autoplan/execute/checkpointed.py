@@ -7,16 +7,49 @@ random draws it made, so the second run computes the same tensors; its forward c
 issued again, as the plan lists them (phase "recompute"). A layer's ops run as one region
 where the graph allows (`gathered`): an attention core's mask, made between its scores and its
 softmax, runs before it.
+
+A layer recomputed op by op (mode "ops") runs as one region too, under torch's selective
+checkpointing (`Selective`): the kernels its saved ops (`RecomputedLayer.saved`) dispatch keep
+their outputs from forward, which backward's run takes instead of calling them again; every
+other call, collectives included, runs again.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch._functorch.partitioners import get_default_op_list
+from torch._ops import OpOverloadPacket
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
+
+from autoplan.errors import AutoplanError
+
+aten = torch.ops.aten
+# the kernels torchtitan's op-level policy saves (compute-intensive ones, attention, amax,
+# topk; `autoplan.graph.saved_ops`), with the CPU's flash attention: a saved op's calls of
+# them keep their outputs
+SAVED_KERNELS = frozenset(
+    {cast(OpOverloadPacket, op).default for op in get_default_op_list().compute_intensive_ops}
+    | {
+        aten.linear.default,
+        aten.max.default,
+        aten.topk.default,
+        aten._scaled_dot_product_attention_math.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_fused_attention_overrideable.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -89,9 +122,46 @@ def with_regions(
     return steps
 
 
-def checkpointed(body: Callable[[], None]) -> None:
-    """Run ``body`` under non-reentrant checkpointing, to be run whole again in backward (not
-    stopped early once the tensors backward needs are made: the collectives it issues are
-    then those the plan lists)."""
-    with set_checkpoint_early_stop(False):
-        checkpoint(body, use_reentrant=False)
+class Selective:
+    """Runs recomputed regions under non-reentrant checkpointing; with saved ops (``saved``, by
+    name: mode "ops"), under torch's selective checkpointing, whose policy saves a call of a
+    kernel of `SAVED_KERNELS` made while a saved op runs and makes every other call again in
+    backward."""
+
+    def __init__(self, saved: Collection[str]) -> None:
+        self.saved = saved
+        self.op: str | None = None  # the saved op running
+        self.kept: set[str] = set()  # the saved ops that saved a call
+
+    def forward(self, region: RecomputedRegion, step: Callable[[torch.fx.Node], None]) -> None:
+        """Run ``region``'s ops (``step``) in forward; raise unless each saved one saved a
+        call, as it is priced (`autoplan.graph.recompute.Recompute.saved`)."""
+        for node in region.nodes:
+            self.op = node.name if node.name in self.saved else None
+            try:
+                step(node)
+            finally:
+                self.op = None
+        missed = [n.name for n in region.nodes if n.name in self.saved and n.name not in self.kept]
+        if missed:
+            raise AutoplanError(
+                f'recompute mode "ops": the saved ops {missed} called none of the kernels '
+                "that selective checkpointing saves (autoplan.execute.checkpointed)"
+            )
+
+    def policy(self, _: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.op is not None and func in SAVED_KERNELS:
+            self.kept.add(self.op)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def checkpoint(self, body: Callable[[], None]) -> None:
+        """Run ``body`` under non-reentrant checkpointing, to be run again in backward (not
+        stopped early once the tensors backward needs are made: the collectives it issues
+        are then those the plan lists), selectively where some ops are saved."""
+        with set_checkpoint_early_stop(False):
+            if not self.saved:
+                checkpoint(body, use_reentrant=False)
+                return
+            contexts = functools.partial(create_selective_checkpoint_contexts, self.policy)
+            checkpoint(body, use_reentrant=False, context_fn=contexts)

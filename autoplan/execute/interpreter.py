@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
-from autoplan.execute.checkpointed import RecomputedRegion, checkpointed, gathered, with_regions
+from autoplan.execute.checkpointed import RecomputedRegion, Selective, gathered, with_regions
 from autoplan.execute.context import causal_offsets, shifted_causal
 from autoplan.execute.experts import first_experts, local_grouped_mm
 from autoplan.execute.op_calls import (
@@ -231,6 +231,7 @@ class PlanInterpreter:
         order = gathered(list(self.graph.nodes), recomputed)
         self.last_uses = last_uses(order, keep=self.sent)
         self.steps = with_regions(order, recomputed)  # this stage's recomputed layers
+        self.regions = Selective({n for layer in plan.recompute for n in layer.saved})
 
         # local mean cross-entropies, by each tensor their total weight needs (target, weights)
         self.weighed: dict[str, list[torch.fx.Node]] = {}
@@ -348,8 +349,7 @@ class PlanInterpreter:
             nonlocal runs
             runs += 1
             if runs == 1:
-                for node in region.nodes:
-                    self._step(node, env, placed, totals, weigh)
+                self.regions.forward(region, lambda n: self._step(n, env, placed, totals, weigh))
                 return
             ahead, self.draws.state = self.draws.state, start
             again_env = dict(env_in)
@@ -358,7 +358,7 @@ class PlanInterpreter:
                 self._step(node, again_env, again_placed, totals, None)
             self.draws.state = ahead
 
-        checkpointed(body)
+        self.regions.checkpoint(body)
 
     def _sent(self, name: str, env: dict[str, Any], placed: Placed) -> torch.Tensor:
         """This rank's shard of ``name`` placed as the boundary, its gradient expected alike.

@@ -1,6 +1,7 @@
 """Activation recomputation: which ops of a step run their forward again in backward, instead
 of keeping their outputs from forward to backward (``torch.utils.checkpoint``): Megatron's
-"full" recomputation (a layer's ops) or its "selective" one (a layer's attention core).
+"full" recomputation (a layer's ops) or its "selective" one (a layer's attention core), or
+torchtitan's op-level selective checkpointing ("ops": a layer's ops but those it saves).
 
 The unit is a layer (`autoplan.graph.cut`), one per repeated block (``blocks.3``) however
 the stage search merges blocks, or one of the step's balanced runs of ops when the model has
@@ -16,6 +17,15 @@ ops from the product of queries and keys through the scale, mask, softmax and dr
 product with the values (or a fused ``scaled_dot_product_attention``). Their outputs of
 sequence-squared size are dropped and made again at a small compute cost (Megatron's
 selective activation recomputation).
+
+Op-level recomputation ("ops") recomputes a layer's ops (as full recomputation) but those
+whose outputs torchtitan's op-level selective checkpointing saves (`saved_ops`: attention,
+every other matrix product, ...). The layer runs as one region, as under full recomputation,
+under torch's selective checkpointing (`autoplan.execute.checkpointed`): the saved ops'
+outputs are kept from forward to backward whole, and their forward is not run again in
+backward; the rest of the region's outputs are dropped and made again, the saved ops'
+inputs among them (`Recompute.mixed`). The saved ops' forward collectives are issued again
+in backward, as the recomputed ops' are: backward needs their inputs.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.blocks import block_of
 from autoplan.graph.cut import Layer, cut_layers
 from autoplan.graph.ir import Graph
+from autoplan.graph.saved_ops import FUSED_ATTENTION, saved_ops
 from autoplan.modes import NodeKind, RecomputeMode
 
 # PlanOptions.recompute's choices (None: the planner's ILP chooses); a plan's recomputed
@@ -37,7 +48,6 @@ SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax.default", "aten._safe_so
 PRODUCTS = frozenset(
     {"aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"}
 )
-FUSED_ATTENTION = ("aten.scaled_dot_product_", "aten._scaled_dot_product_")
 
 
 def recompute_layers(graph: Graph, max_layers: int) -> tuple[Layer, ...]:
@@ -52,7 +62,9 @@ def recomputed_ops(graph: Graph, layer: Layer, mode: str = RecomputeMode.FULL) -
     Full: those from the step's first op inside a block to its last (all when the model has
     no blocks), so that the embedding, the head and the loss stay out, and ops between blocks
     (an activation applied outside them) stay in. Selective: its attention cores'
-    (`attention_core`); a model without any is refused."""
+    (`attention_core`); a model without any is refused. Ops: full's but those torchtitan's
+    op-level selective checkpointing saves (`saved_ops`), which are those of full: the region
+    that runs again, and `Recompute.mixed` tells the saved ones."""
     if mode == RecomputeMode.SELECTIVE:
         core = _memo_core(graph)
         if not core:
@@ -141,33 +153,42 @@ class Recompute:
     for pricing (`autoplan.costmodel.pricer.Pricer`) and for the plan
     (`autoplan.planfile.sections.RecomputedLayer`)."""
 
-    # (layer name, its mode, its recomputed ops (`recomputed_ops` in that mode))
+    # (layer name, its mode, its region's ops (`recomputed_ops` in that mode))
     layers: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
-    layer_of: Mapping[str, int] = field(default_factory=dict)  # recomputed op -> its layer
-    kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their layer
-    # the ILP counts a dropped output at this share of its bytes: it sees the layers' mean,
-    # the step's price the largest layer (`autoplan.costmodel.step_price.price_step`)
+    layer_of: Mapping[str, int] = field(default_factory=dict)  # op of a region -> its layer
+    kept: frozenset[str] = frozenset()  # recomputed ops whose outputs leave their region
+    # ops of a region whose outputs are kept whole and that do not run again (mode "ops")
+    saved: frozenset[str] = frozenset()
+    # the ILP counts a dropped output at this share of its bytes: it sees the regions' mean,
+    # the step's price the largest region (`autoplan.costmodel.step_price.price_step`)
     share: float = 1.0
 
     @staticmethod
     def of(
         graph: Graph, layers: Iterable[tuple[str, Sequence[str]]], mode: str = RecomputeMode.FULL
     ) -> Recompute:
-        """(layer name, its recomputed ops (`recomputed_ops` in ``mode``)) for each
+        """(layer name, its region's ops (`recomputed_ops` in ``mode``)) for each
         recomputed layer."""
         return Recompute.mixed(graph, ((name, mode, ops) for name, ops in layers))
 
     @staticmethod
     def mixed(graph: Graph, layers: Iterable[tuple[str, str, Sequence[str]]]) -> Recompute:
-        """(layer name, its mode, its recomputed ops) for each recomputed layer."""
+        """(layer name, its mode, its region's ops) for each recomputed layer: one region
+        each, made again whole in backward but for its saved ops (mode "ops", `saved_ops`)."""
         chosen = tuple((name, mode, tuple(ops)) for name, mode, ops in layers if ops)
         layer_of = {op: i for i, (_, _, ops) in enumerate(chosen) for op in ops}
+        saved = frozenset(
+            op
+            for _, mode, ops in chosen
+            if mode == RecomputeMode.OPS
+            for op in saved_ops(graph, ops)
+        )
         kept = frozenset(
             name
             for name, i in layer_of.items()
-            if any(layer_of.get(u) != i for u in graph.users(name))
+            if name not in saved and any(layer_of.get(u) != i for u in graph.users(name))
         )
-        return Recompute(chosen, layer_of, kept, 1.0 / max(len(chosen), 1))
+        return Recompute(chosen, layer_of, kept, saved, 1.0 / max(len(chosen), 1))
 
     @staticmethod
     def every_layer(
@@ -186,11 +207,17 @@ class Recompute:
         return bool(self.layers)
 
     def recomputes(self, name: str) -> bool:
+        """Whether ``name``'s forward runs again in backward."""
+        return name in self.layer_of and name not in self.saved
+
+    def reruns(self, name: str) -> bool:
+        """Whether ``name`` is in a region, whose forward collectives are issued again in
+        backward (a saved op's too: backward needs its inputs)."""
         return name in self.layer_of
 
     def drops(self, name: str) -> bool:
         """Whether ``name``'s output is freed after forward and made again in backward."""
-        return name in self.layer_of and name not in self.kept
+        return self.recomputes(name) and name not in self.kept
 
 
 NO_RECOMPUTE = Recompute()

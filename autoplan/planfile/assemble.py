@@ -98,7 +98,10 @@ def predicted(step: PricedStep, memory_limit: float) -> Predicted:
 
 
 def recomputed_layers(recompute: Recompute) -> tuple[RecomputedLayer, ...]:
-    return tuple(RecomputedLayer(name, mode, ops) for name, mode, ops in recompute.layers)
+    return tuple(
+        RecomputedLayer(name, mode, ops, tuple(n for n in ops if n in recompute.saved))
+        for name, mode, ops in recompute.layers
+    )
 
 
 def solver_info(result: IntraOpResult, meshes_tried: tuple[tuple[int, ...], ...]) -> SolverInfo:

@@ -52,7 +52,7 @@ __all__ = ["OPTIONAL_PARAM_FIELDS", "plan_text", "read_plan"]
 OPTIONAL_PARAM_FIELDS = ("grad", "state")
 
 # a recomputed layer's mode (a layer not recomputed has no entry); a pipeline's stages may differ
-RECOMPUTE_MODES = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
+RECOMPUTE_MODES = (RecomputeMode.FULL, RecomputeMode.SELECTIVE, RecomputeMode.OPS)
 
 
 def plan_text(data: dict[str, Any]) -> str:
@@ -284,11 +284,15 @@ def _read_recompute(
     stage_of = {n: s for s, stage in enumerate(stages) for n in stage.nodes}
     found: list[RecomputedLayer] = []
     for e in f.elements():
+        saved = e.get("saved")  # written only when some are
         layer = RecomputedLayer(
             layer=e["layer"].text(),
             mode=e["mode"].one_of(RECOMPUTE_MODES),
             nodes=tuple(n.text() for n in e["nodes"].elements(min_count=1)),
+            saved=tuple(n.text() for n in saved.elements()) if saved is not None else (),
         )
+        if saved is not None and not set(layer.saved) <= set(layer.nodes):
+            raise saved.fail("names of ops in nodes")
         for i, name in enumerate(layer.nodes):
             if name not in nodes or nodes[name].op in (
                 NodeKind.PARAM,

@@ -88,13 +88,16 @@ class Plan:
         """Canonical JSON: the same plan always gives the same bytes. Optional fields are
         written only when set, so plans without them have the bytes they had before: a plan
         in the model's own dtypes has no mixed_precision key, one without recomputation no
-        recompute key, one proven optimal no ``solver.unproven``, and a parameter no ZeRO-1/2
-        ``grad`` or ``state``."""
+        recompute key, a recomputed layer that saves no ops no ``saved``, one proven optimal
+        no ``solver.unproven``, and a parameter no ZeRO-1/2 ``grad`` or ``state``."""
         data = asdict(self)
         if data["mixed_precision"] is None:
             del data["mixed_precision"]
         if not self.recompute:
             del data["recompute"]
+        for layer in data.get("recompute", ()):
+            if not layer["saved"]:
+                del layer["saved"]
         if not self.solver.unproven:
             del data["solver"]["unproven"]
         for param in data["params"].values():

@@ -154,11 +154,13 @@ class CollectivePlan:
 class RecomputedLayer:
     """A layer whose ops run their forward again in backward instead of keeping their outputs
     (`autoplan.graph.recompute`); the executor runs each contiguous run of them under
-    ``torch.utils.checkpoint``."""
+    ``torch.utils.checkpoint``, selective when some are saved."""
 
     layer: str  # "blocks.3", or "ops 0-41"
-    mode: str  # "full" (its blocks' ops) or "selective" (its attention cores')
-    nodes: tuple[str, ...]  # its recomputed ops, in graph order
+    mode: str  # "full" (its blocks' ops), "selective" (its attention cores') or "ops"
+    nodes: tuple[str, ...]  # its recomputed region's ops, in graph order
+    # those of its ops whose outputs are kept and not made again (mode "ops"), in graph order
+    saved: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -685,6 +685,15 @@ CASES = [
         )
         for model in ("llama", "bert")
     ],
+    # torchtitan's op-level selective checkpointing: each block's ops but the attention and
+    # every other linear recomputed, a block in one region under selective checkpointing
+    Case(
+        "zoo-llama-ops-recompute",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        recomputed(own(), "ops"),
+        recompute=("ops",),
+    ),
     # only the attention cores recomputed: eager attention's ops from Q K^T to the product
     # with V (GPT's with its causal mask made between the scores and the softmax), or the
     # fused scaled_dot_product_attention (with its heads split under tp)

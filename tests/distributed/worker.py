@@ -29,6 +29,7 @@ import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.checkpointed import RecomputedRegion  # noqa: E402
 from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
+from autoplan.execute.interpreter import PlanInterpreter  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
 from autoplan.planfile.show import summary  # noqa: E402
@@ -155,14 +156,26 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
             line.strip() for line in summary(step.plan).splitlines() if "along the seq" in line
         ],
         "regions": _regions(step),
+        "saved": _saved(step),
     }
+
+
+def _interpreter(step: autoplan.Step) -> PlanInterpreter:
+    module = step.pipeline.module if step.pipeline is not None else step.module
+    assert module is not None
+    return module.interpreter
 
 
 def _regions(step: autoplan.Step) -> int:
     """How many regions of this rank's stage run under torch.utils.checkpoint."""
-    module = step.pipeline.module if step.pipeline is not None else step.module
-    assert module is not None
-    return sum(isinstance(item, RecomputedRegion) for item in module.interpreter.steps)
+    return sum(isinstance(item, RecomputedRegion) for item in _interpreter(step).steps)
+
+
+def _saved(step: autoplan.Step) -> list[int]:
+    """How many ops of this rank's stage the plan saves under selective checkpointing, and
+    how many saved a kernel's output in forward."""
+    regions = _interpreter(step).regions
+    return [len(regions.saved), len(regions.kept)]
 
 
 def _local_leaves(step: autoplan.Step) -> list[int]:
