@@ -172,6 +172,7 @@ def _keep(ns: NodeStrategies, ok: object, pin: ParsedPin, what: str) -> NodeStra
             f"storage={pin.storage} use={pin.use}"
             + (f" state={pin.state} grad={pin.grad}" if pin.state or pin.grad else "")
             + " (a split must divide the dim evenly and the op must support it; a state is "
-            "split along the first dim its storage leaves whole that divides evenly)"
+            "split along the first dim its storage leaves whole that divides evenly, else the "
+            "largest, unevenly)"
         )
     return replace(ns, strategies=kept)

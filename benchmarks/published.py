@@ -59,7 +59,8 @@ from benchmarks.results_io import write_results  # noqa: E402
 GiB = 2**30
 UNBOUNDED_BYTES = 2**60
 PROFILED = "h100-sxm-8-profiled.json"
-SHOWN = ("config", "published", "predicted", "ratio", "ratio_profiled", "price_s", "error")
+SHOWN = ("config", "published", "predicted", "ratio", "ratio_profiled", "memory_gib")
+SHOWN += ("price_s", "error")
 OPTIONS = PlanOptions(
     mixed_precision=Precision.BF16, reduce_dtype=ReduceDtype.FP32, memory_fraction=1.0
 )

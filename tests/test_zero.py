@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
+import torch
 
 import autoplan
 from autoplan import PlanOptions
@@ -172,3 +174,60 @@ def test_show_says_it_in_words(cpu4: autoplan.Cluster) -> None:
         "gradients all-reduced whole, the updated shards all-gathered after the optimizer step"
     ) in text
     assert "update     all_gather" in text
+
+
+def _chunk_numel(shape: tuple[int, ...], dim: int, parts: int) -> int:
+    """The elements of the largest piece torch.chunk (DTensor's Shard) cuts ``shape`` into."""
+    return max(c.numel() for c in torch.empty(shape, device="meta").chunk(parts, dim))
+
+
+def test_a_state_no_dim_of_which_divides_is_split_unevenly(a100: autoplan.Cluster) -> None:
+    """Widths of 12 on 8 ranks: no dim divides, yet the state is split along its largest dim
+    as torch.chunk cuts it (Megatron's distributed optimizer shards a padded buffer), not kept
+    whole; each rank is priced for the largest piece."""
+    w = example("mlp", hidden=12, batch_size=64, device="meta")
+    graph = w.trace()
+    pricer = Pricer(a100, (8,), "adamw")
+    plan = w.baseline(a100, dp=8, tp=1, zero_stage=1)
+    for node in graph.params:
+        state = plan.params[node.target].state
+        assert state == {"dp": "S(0)"}, node.target  # 12 rows: the largest dim, uneven
+        strategy = Strategy(("R",), (), None, ("S(0)",))
+        elems = math.prod(node.output.shape)
+        shard = _chunk_numel(node.output.shape, 0, 8)
+        assert shard * 8 > elems  # uneven: the largest piece is more than an eighth
+        assert pricer.node_memory(node, strategy) == (2 * elems + 3 * shard) * 4
+        # DTensor pads the shards to the largest for its gather (as a 4-rank run issued)
+        gathers = [p.collective for p in pricer.internal(node, strategy)]
+        assert [(c.kind, c.nbytes) for c in gathers] == [("all_gather", 8 * shard * 4)]
+    # a hand-edited uneven state is accepted as the baseline writes it
+    again = autoplan.Plan.from_json(plan.to_json())
+    priced = autoplan.estimate(
+        again, a100, w.model, w.example_inputs, loss_fn=w.loss_fn, example_target=w.example_target
+    )
+    assert priced.predicted == plan.predicted
+
+
+def test_a_pipelined_zero1_keeps_a_dp_shard_of_the_state(a100: autoplan.Cluster) -> None:
+    """A GPT in 2 stages of 3 data-parallel ranks, whose dims (64, 128, 16) 3 divides none
+    of: each stage's memory under ZeRO-1 is the plain one less, for every parameter, its two
+    moments made a shard of three with the shard's own copy (float32: 4 bytes each)."""
+    cluster = dataclasses.replace(a100, devices_per_node=3).with_nodes(2)
+    w = example("gpt", batch_size=12, device="meta")
+    options = PlanOptions(num_microbatches=4)
+    plain = w.baseline(cluster, dp=3, tp=1, pp=2, options=options)
+    zero1 = w.baseline(cluster, dp=3, tp=1, pp=2, zero_stage=1, options=options)
+    saved = 0
+    for name, param in w.model.named_parameters():
+        state = zero1.params[name].state
+        assert state, name
+        dim = int(state["dp"][2])
+        shape = tuple(param.shape)
+        saved += (2 * math.prod(shape) - 3 * _chunk_numel(shape, dim, 3)) * 4
+    assert plain.stages[0].predicted and zero1.stages[0].predicted
+    by_stage = [
+        p.predicted.memory_bytes - q.predicted.memory_bytes  # type: ignore[union-attr]
+        for p, q in zip(plain.stages, zero1.stages, strict=True)
+    ]
+    assert sum(by_stage) == pytest.approx(saved, rel=1e-9)
+    assert all(b > 0 for b in by_stage)

@@ -411,7 +411,7 @@ def baseline(
     kept = zero_replicated(graph, layout) if zero_stage else []
     if kept:
         log.warning(
-            "ZeRO-%d: no dim of %s divides by dp=%d (or it is stored strided); kept replicated",
+            "ZeRO-%d: no dim of %s splits dp=%d ways (or it is stored strided); kept replicated",
             zero_stage,
             ", ".join(kept),
             dp,

@@ -119,8 +119,8 @@ def _zero3_storage(node: Node, tp_storage: str, dp: int, tp: int) -> str:
 def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
     """ZeRO-1/2's optimizer state of a parameter stored ``stored`` on mesh `mesh_of`: split
     further along the dp axis (the first) alone, as `autoplan.strategies.zero_state` splits it; None
-    where no dim divides, or the parameter is stored strided (a fused projection's: the
-    planner keeps such a state as stored too)."""
+    where no dim its storage leaves whole has a piece for each rank, or the parameter is
+    stored strided (a fused projection's: the planner keeps such a state as stored too)."""
     if any(pieces(p) > 1 for p in stored):
         return None
     mesh_shape = layout.mesh_shape
@@ -129,9 +129,10 @@ def zero_state(node: Node, stored: Spec, layout: Layout) -> Spec | None:
 
 
 def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
-    """The trained parameters ZeRO keeps whole on the dp axis: no dim divides by dp, or (ZeRO-1/2)
-    the parameter is stored strided (ZeRO-3: `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to
-    whoever asked for the baseline."""
+    """The trained parameters ZeRO keeps whole on the dp axis: ZeRO-3, no dim divides by dp;
+    ZeRO-1/2, no dim its storage leaves whole has dp elements or more (a state is split
+    unevenly where none divides), or the parameter is stored strided (ZeRO-3:
+    `_zero3_storage`, ZeRO-1/2: `zero_state`). Told to whoever asked for the baseline."""
     on_tp = tp_seeds(graph, layout.tp) if layout.tp > 1 else {}
 
     def whole(node: Node) -> bool:

@@ -41,6 +41,7 @@ from autoplan.search.stage_layout import boundary_specs
 from autoplan.strategies.float32_grads import kept_where_whole, weight_copies
 from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
 from autoplan.strategies.space import RESHAPES, Strategy, node_strategies
+from autoplan.strategies.zero_state import is_valid_state
 from autoplan.version import torch_release
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,8 @@ def _check_param_placements(plan: Plan) -> None:
                         else f'{what} is {placement} on axis {axis}, but {name} is a scalar: "R"'
                     )
             named = tuple(spec[a] for a in axes)
-            if not is_valid(named, p.shape, shape):
+            valid = is_valid_state if field == "state" else is_valid
+            if not valid(named, p.shape, shape):
                 raise PlanFormatError(
                     f"{what} is [{_fmt(spec)}], which does not split {name} (shape "
                     f"{list(p.shape)}) evenly on mesh {dict(zip(axes, shape, strict=True))}: "
@@ -394,7 +396,7 @@ def _refuse_state(
     raise PlanFormatError(
         f"plan field params.{node.target}.state is [{_fmt(given)}]: a parameter's optimizer "
         "state (ZeRO-1/2) is split along the first dim its storage leaves whole that divides "
-        "evenly, on axes where it is stored whole; "
+        "evenly (else the largest, unevenly), on axes where it is stored whole; "
         + (f"write {shown}, or drop the field" if shown else "drop the field (none fits)")
     )
 

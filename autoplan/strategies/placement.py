@@ -93,9 +93,11 @@ def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) ->
 
 
 def local_numel(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
+    """The elements of the largest shard: a split that does not divide (a ZeRO state's,
+    `autoplan.strategies.zero_state`) is cut as torch.chunk cuts it, ceil(n / k) a piece."""
     n = 1
     for s, f in zip(shape, shard_factors(spec, len(shape), mesh_shape), strict=True):
-        n *= s // f
+        n *= -(-s // f)
     return n
 
 
@@ -144,18 +146,22 @@ def _transition(
     mesh_shape: tuple[int, ...],
     all_to_all: bool,
 ) -> Collective | None:
-    """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes."""
+    """The collective of one single-axis step a -> b; ``before``/``after`` are local bytes
+    (of the largest shard: a split that does not divide is padded to it, as DTensor pads it
+    for its reduce-scatters and all-gathers)."""
     axes = (axis,)
     # DTensor (2.13) moves to and from a strided split whole: P -> "S(d)xk" all-reduces, then
     # slices; "S(d)xk" <-> "S(d)" gathers, then slices
     plain = pieces(a) == 1 and pieces(b) == 1
     if a == P:
         split = shard_dim(b) is not None and plain
-        return Collective("reduce_scatter" if split else "all_reduce", axes, before)
+        if split:
+            return Collective("reduce_scatter", axes, after * mesh_shape[axis])
+        return Collective("all_reduce", axes, before)
     if a == R:
         return None  # R -> S slices, R -> P keeps one copy: both local
     if shard_dim(b) is None:
-        return Collective("all_gather", axes, after)
+        return Collective("all_gather", axes, before * mesh_shape[axis])
     if all_to_all and plain:
         return Collective("all_to_all", axes, before)
     return Collective("all_gather", axes, before * mesh_shape[axis])  # gloo: gather, then chunk

@@ -9,8 +9,13 @@ bucket, then each rank takes its shard's part) or straight to the shard (ZeRO-2:
 scattered, so that each rank keeps only its shard's gradient). ZeRO-3 is a storage placement
 of its own (the parameter stored split, gathered before use), not this.
 
-The state is split along one tensor dim that the storage leaves whole (the first that divides
-evenly), on one mesh axis where the parameter is stored whole, or on all of them together.
+The state is split along one tensor dim that the storage leaves whole, on one mesh axis where
+the parameter is stored whole, or on all of them together: the first such dim that divides
+evenly, else the largest that has a piece for every rank, split unevenly as torch.chunk cuts
+it (DTensor pads such a split for its collectives). Megatron's distributed optimizer and
+DeepSpeed's ZeRO shard a flat buffer of all parameters, padded, so that no dim needs to
+divide: without the uneven split, data parallelism over a degree that divides no dim of a
+model's weights (48 ranks, dims that are powers of two) would keep every state whole.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 
-from autoplan.strategies.placement import R, Spec, is_valid, shard, shard_dim
+from autoplan.strategies.placement import R, Spec, is_valid, shard, shard_dim, shard_factors
 
 
 # asked for each parameter's storage candidates by the planner, and again by baselines and
@@ -39,13 +44,24 @@ def state_specs(
     found = []
     for axes in groups:
         parts = math.prod(mesh_shape[a] for a in axes)
-        dim = next(
-            (d for d, n in enumerate(shape) if d not in split_dims and n % parts == 0 and n > 1),
-            None,
-        )
+        free = [d for d, n in enumerate(shape) if d not in split_dims and n >= parts and n > 1]
+        even = [d for d in free if shape[d] % parts == 0]
+        dim = even[0] if even else max(free, key=lambda d: shape[d], default=None)
         if dim is None:
             continue
         spec = tuple(shard(dim) if a in axes else p for a, p in enumerate(storage))
-        if is_valid(spec, shape, mesh_shape):
+        if is_valid_state(spec, shape, mesh_shape):
             found.append(spec)
     return tuple(found)
+
+
+def is_valid_state(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether ``spec`` places a state of ``shape`` as `autoplan.strategies.placement.is_valid`
+    asks of any tensor, but for evenness: each split dim is padded to a multiple of its pieces,
+    as DTensor pads an uneven split."""
+    dims = [shard_dim(p) for p in spec]
+    if len(spec) != len(mesh_shape) or any(d is not None and d >= len(shape) for d in dims):
+        return False
+    factors = shard_factors(spec, len(shape), mesh_shape)
+    padded = tuple(-(-n // f) * f for n, f in zip(shape, factors, strict=True))
+    return is_valid(spec, padded, mesh_shape)
