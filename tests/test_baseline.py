@@ -614,12 +614,13 @@ def test_fused_qkv_gpt_baseline_splits_strided_as_megatron(cpu4: autoplan.Cluste
         assert Counter((c.phase, c.kind, c.bytes) for c in separate) == counted
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("model", ["llama", "llama-gqa", "gpt2"])
 def test_megatron_baseline_of_transformers_models_counted_by_hand(
     cpu4: autoplan.Cluster, model: str
 ) -> None:
     """Megatron on dp=2 x tp=2 of transformers' Llama (separate q, k, v of 4 heads and 2
-    key-value heads, a mask given to attention, SwiGLU) and GPT-2 (Conv1D ``addmm``
+    key-value heads, a mask given to attention, SwiGLU; or, llama-gqa, attention without a mask,
+    given the 2 key-value heads unrepeated) and GPT-2 (Conv1D ``addmm``
     projections, q|k|v fused: split strided). On the tp axis, per block: two all-reduces of
     the (batch, seq, 64) float32 activations forward and two backward; besides, the word
     embedding's forward, the head's input gradient, the loss's max and sum of exponentials;

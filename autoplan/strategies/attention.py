@@ -5,7 +5,9 @@
 axis:
 
 * any dim before the sequence (batch, heads) split in every tensor alike (a mask broadcast
-  along it whole);
+  along it whole); with ``enable_gqa``, the keys' and values' fewer heads split with the
+  queries' heads: each rank's query heads are whole groups of consecutive heads, which share
+  its key-value heads (valid where the axis divides the key-value heads);
 * context parallelism: the queries split along the sequence (dim ``-2``), the keys and values
   whole, the output split along the sequence with the queries, a mask along its query dim
   (whole where it broadcasts over the queries). The keys and values come whole by an
@@ -39,9 +41,19 @@ def attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     q = ins[0]
     ndim = len(q.shape)
     rules: list[AxisRule] = []
+    grouped = bool(dict(node.kwargs).get("enable_gqa", False))
     for d in range(ndim - 2):
-        # a mask broadcast along the dim (one for every head) stays whole
-        split = [len(t.shape) == ndim and t.shape[d] == q.shape[d] for t in ins]
+        # a mask broadcast along the dim (one for every head) stays whole; grouped-query
+        # attention's fewer key-value heads split with the queries' (a rank's query heads
+        # are whole groups, and their key-value heads its share)
+        split = [
+            len(t.shape) == ndim
+            and (
+                t.shape[d] == q.shape[d]
+                or (grouped and i in (1, 2) and d == ndim - 3 and q.shape[d] % t.shape[d] == 0)
+            )
+            for i, t in enumerate(ins)
+        ]
         rules.append((shard(d), *[shard(d) if s else R for s in split]))
     if q.shape[-2] > 1 and not _arg(node, 4, "dropout_p", 0.0):
         masks = [

@@ -399,6 +399,7 @@ CASES = [
         for model, name, dp, tp in (
             ("llama", "2x2", 2, 2),
             ("llama", "2x2-sp", 2, 2),
+            ("llama-gqa", "2x2", 2, 2),  # its 2 key-value heads unrepeated: one a rank
             ("gemma3", "2x2", 2, 2),
             ("gpt2", "tp", 1, 4),
             ("gpt2", "2x2-sp", 2, 2),

@@ -9,6 +9,9 @@ so that training can be compared with one process exactly.
   attention probabilities, to compare two parallel runs that draw alike (recomputation's),
   not one process.
 - llama: grouped-query attention, rotary embeddings, RMSNorm, SwiGLU.
+- llama-gqa: llama attending without a mask (``is_causal``, as torchtitan's Llama and
+  training without padding do): transformers' sdpa then passes its 2 key-value heads to
+  ``scaled_dot_product_attention`` unrepeated, ``enable_gqa=True``.
 - mistral: llama's blocks with sliding-window attention (window 8, shorter than the
   sequences).
 - gemma2: sliding-window and global layers alternating, attention logits soft-capped, norms
@@ -45,6 +48,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from autoplan import Workload
 from benchmarks import model_sweep
@@ -65,12 +69,22 @@ def _gpt2(
     return transformers.GPT2LMHeadModel(config), ("input_ids", "labels"), (ids, ids)
 
 
-def _llama(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+def _no_mask(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _llama(
+    batch: int, seq: int, layers: int, masked: bool = True
+) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
     config = transformers.LlamaConfig(
         num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq,
         bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
     )  # fmt: skip
+    if not masked:  # attention told is_causal, no mask: key-value heads passed unrepeated
+        transformers.AttentionMaskInterface.register("unmasked_sdpa", _no_mask)
+        transformers.AttentionInterface.register("unmasked_sdpa", sdpa_attention_forward)
+        config._attn_implementation = "unmasked_sdpa"
     ids = torch.randint(0, VOCAB, (batch, seq))
     return transformers.LlamaForCausalLM(config), ("input_ids", "labels"), (ids, ids)
 
@@ -226,6 +240,7 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "gpt2-eager": functools.partial(_gpt2, attention="eager"),
     "gpt2-dropout": functools.partial(_gpt2, dropout=0.1, attention="eager"),
     "llama": _llama,
+    "llama-gqa": functools.partial(_llama, masked=False),
     "mistral": _mistral,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
