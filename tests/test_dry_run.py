@@ -147,3 +147,28 @@ def test_a_llama_built_on_meta_runs_on_fake_tensors() -> None:
     ops = {n.target for n in ep.graph.nodes}
     assert torch.ops.aten.detach_.default in ops and torch.ops.aten.to.device in ops
     assert _check(w, plan) == roles(plan.mesh.shape, plan.mesh.axes)
+
+
+def test_autoplan_plan_checks_the_step_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autoplan plan --check-step` runs one rank per role before writing the plan, and
+    writes none that a rank cannot run."""
+    from autoplan.cli import plan_command
+    from autoplan.cli.main import main
+
+    out = tmp_path / "plan.json"
+    cluster = str(ROOT / "costmodels/cpu-gloo-4.json")
+    args = ["plan", str(ROOT / "examples/gpt.py"), "--cluster", cluster,
+            "--set", "size=tiny", "--set", "batch_size=8", "--set", "seq_len=16",
+            "--mesh", "2,2", "--check-step", "-o", str(out)]  # fmt: skip
+    assert main(args) == 0 and out.exists()
+    assert "the step ran on fake tensors for 4 of 4 ranks" in capsys.readouterr().out
+    out.unlink()
+
+    def refused(*args: object, **kwargs: object) -> list[int]:
+        raise UnsupportedOpError("rank 1 cannot run aten.bmm.default")
+
+    monkeypatch.setattr(plan_command, "check_plan", refused)
+    assert main(args) == 2 and not out.exists()
+    assert "rank 1 cannot run aten.bmm.default" in capsys.readouterr().err

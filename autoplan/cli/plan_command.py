@@ -16,6 +16,8 @@ from autoplan.cli.arguments import (
 )
 from autoplan.cli.progress_line import ProgressLine
 from autoplan.cluster.model import Cluster
+from autoplan.execute.dry_run import check_plan
+from autoplan.graph.capture import export_step
 from autoplan.planfile.show import summary
 from autoplan.workload import load_workload
 
@@ -26,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True, help="a cluster file (see costmodels/)")
     p.add_argument("--nodes", type=at_least_one, help="number of nodes (default: the file's)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    p.add_argument(
+        "--check-step",
+        action="store_true",
+        help="run the planned step of one rank per role on fake tensors, as `autoplan run` "
+        "does before training, and refuse a plan some rank cannot run",
+    )
     add_progress(p)
     add_plan_options(p)
 
@@ -35,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, **workload_options(args.set))
     start = time.perf_counter()
     progress = ProgressLine(args.progress_after)
+    options = plan_options(args, progress)
     try:
         result = plan(
             workload.model,
@@ -42,11 +51,34 @@ def run(args: argparse.Namespace) -> int:
             cluster,
             loss_fn=workload.loss_fn,
             example_target=workload.example_target,
-            options=plan_options(args, progress),
+            options=options,
         )
     finally:
         progress.end()  # before the plan, or the error
+    if args.check_step:  # before the plan is written: a plan no rank can run is not kept
+        traced = export_step(
+            workload.model,
+            workload.example_inputs,
+            workload.loss_fn,
+            workload.example_target,
+            result.mixed_precision,
+        )
+        checked = check_plan(
+            workload.model,
+            traced,
+            result,
+            workload.example_inputs,
+            workload.example_target,
+            optimizer=options.optimizer,
+        )
     result.save(args.output)
     print(summary(result))
+    if args.check_step:
+        print(
+            f"\nthe step ran on fake tensors for {len(checked)} of {len(result.mesh.ranks)} "
+            "ranks (one per role)"
+            if checked
+            else "\nthe step was not checked: pipelined plans are not checked yet"
+        )
     print(f"\nwrote {args.output} ({time.perf_counter() - start:.1f} s)")
     return 0
