@@ -18,8 +18,9 @@ from autoplan.cli.progress_line import ProgressLine
 from autoplan.cluster.model import Cluster
 from autoplan.execute.dry_run import check_plan
 from autoplan.graph.capture import export_step
+from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
-from autoplan.workload import load_workload
+from autoplan.workload import Workload, load_workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,30 +56,35 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         progress.end()  # before the plan, or the error
-    if args.check_step:  # before the plan is written: a plan no rank can run is not kept
-        traced = export_step(
-            workload.model,
-            workload.example_inputs,
-            workload.loss_fn,
-            workload.example_target,
-            result.mixed_precision,
-        )
-        checked = check_plan(
-            workload.model,
-            traced,
-            result,
-            workload.example_inputs,
-            workload.example_target,
-            optimizer=options.optimizer,
-        )
+    # before the plan is written: a plan some rank cannot run is not kept
+    checked = _check_step(workload, result, options.optimizer) if args.check_step else None
     result.save(args.output)
     print(summary(result))
-    if args.check_step:
-        print(
-            f"\nthe step ran on fake tensors for {len(checked)} of {len(result.mesh.ranks)} "
-            "ranks (one per role)"
-            if checked
-            else "\nthe step was not checked: pipelined plans are not checked yet"
-        )
+    if checked is not None:
+        print(f"\n{checked}")
     print(f"\nwrote {args.output} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _check_step(workload: Workload, result: Plan, optimizer: str) -> str:
+    """Run ``result``'s step of one rank per role on fake tensors (`check_plan`; the step
+    traced again, as the executor runs it); what was checked."""
+    traced = export_step(
+        workload.model,
+        workload.example_inputs,
+        workload.loss_fn,
+        workload.example_target,
+        result.mixed_precision,
+    )
+    checked = check_plan(
+        workload.model,
+        traced,
+        result,
+        workload.example_inputs,
+        workload.example_target,
+        optimizer=optimizer,
+    )
+    if not checked:
+        return "the step was not checked: pipelined plans are not checked yet"
+    ranks = len(result.mesh.ranks)
+    return f"the step ran on fake tensors for {len(checked)} of {ranks} ranks (one per role)"

@@ -20,13 +20,11 @@ _MESHES: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
 
 def released_at_exit(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh``, to let go of its process groups at the interpreter's exit."""
-    if not _MESHES:
-        atexit.unregister(_release)  # registered once, however often the set empties
-        atexit.register(_release)
     _MESHES.add(mesh)
     return mesh
 
 
+@atexit.register
 def _release() -> None:
     for mesh in list(_MESHES):
         registry = getattr(mesh, "_pg_registry", None)
