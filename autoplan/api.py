@@ -338,6 +338,7 @@ def _plan_one_stage(
     recomputed = chosen(graph, options.max_layers, recompute or RecomputeMode.NONE)
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     best: MeshPlan | None = None
+    step_times: dict[tuple[int, ...], float] = {}
     needs: dict[tuple[int, ...], float] = {}
     unproven: list[Unproven] = []
     limit_s = options.time_limit_s
@@ -389,6 +390,7 @@ def _plan_one_stage(
             solution.status,
             solution.solve_time_s,
         )
+        step_times[m] = found.step.time_s
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
@@ -411,10 +413,12 @@ def _plan_one_stage(
         result.problem.memory_limit,
         best.pricer.recompute,
     )
-    solved = [m for m in meshes if m not in needs]
+    # a mesh's conventional plans are in its ILP's space, so only a mesh whose optimum is
+    # near the best can hold one faster than the plan (the ILP misprices by a few percent);
     # conventional plans do not take pins
+    near = [m for m, t in step_times.items() if t <= best.step.time_s * CHECKED_WITHIN]
     degrees = (
-        [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=solved)
+        [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near)
     )
     return Searched(plan, graph, degrees), tuple(unproven)
 

@@ -219,3 +219,31 @@ def test_a_slower_plan_gives_way_to_the_fastest_conventional_one(cpu4: autoplan.
     half = fast.predicted.peak_memory_bytes / 2 / cpu4.device.memory_bytes
     tight = PlanOptions(memory_fraction=half)
     assert _keep_faster_conventional(Searched(slow, graph, degrees), cpu4, tight) is slow
+
+
+def test_only_meshes_near_the_fastest_have_their_conventional_plans_priced(
+    a100: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a mesh's conventional plans lie in its ILP's space: where the ILP's plan is over 10%
+    # slower than the fastest mesh's, none of them can beat the plan, and none is priced
+    w = example("mlp", hidden=1024, batch_size=64, device="meta")
+    priced: list[Degrees] = []
+    real = autoplan.api.conventional_plans
+
+    def recording(graph_for, cluster, degrees, options=None):  # type: ignore[no-untyped-def]
+        degrees = list(degrees)
+        priced.extend(degrees)
+        return real(graph_for, cluster, degrees, options)
+
+    monkeypatch.setattr(autoplan.api, "conventional_plans", recording)
+    found = w.plan(a100, PlanOptions(pipeline=False))
+    checked = {mesh_of(d.dp, d.tp) for d in priced}
+    times = {
+        m: w.plan(a100, PlanOptions(mesh_shape=m, pipeline=False)).predicted.step_time_s
+        for m in ((8,), (2, 4), (4, 2))
+    }
+    fastest = min(times.values())
+    near = {m for m, t in times.items() if t <= fastest * 1.1}
+    assert near != set(times), times  # the case needs a mesh far from the fastest
+    assert checked == near
+    assert found.predicted.step_time_s <= fastest * TOLERANCE
