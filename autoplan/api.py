@@ -41,6 +41,7 @@ from autoplan.search.pipeline_search import (
     search_pipelines,
 )
 from autoplan.search.recompute_ilp import RecomputeChoice
+from autoplan.side_by_side import Started, mapped
 from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 from autoplan.units import fmt_bytes
 
@@ -113,12 +114,14 @@ def plan_graph(
         refuse_pipelined_writes(graph)
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
-    single: Searched | InfeasiblePlanError | None = None
-    unproven: list[Unproven] = []  # the parts of the search that ran into the time limit
-    if not pipeline:
-        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally)
-        unproven += cut_short
+    # the one-stage search runs beside the pipeline search (side_by_side)
+    one_stage = (
+        None
+        if pipeline
+        else Started(lambda: _plan_one_stage(graph, cluster, options, memory_limit, tally))
+    )
     piped: Searched | None = None
+    piped_unproven: tuple[Unproven, ...] = ()
     weighed = False
     # by default pipelines are weighed on every cluster of several devices, inside a node too:
     # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
@@ -128,14 +131,20 @@ def plan_graph(
     if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
-        piped, cut_short = _plan_pipelined(
-            graph, microbatch_graph, cluster, options, memory_limit, tally
-        )
-        unproven += cut_short
+        try:
+            piped, piped_unproven = _plan_pipelined(
+                graph, microbatch_graph, cluster, options, memory_limit, tally
+            )
+        except AutoplanError:
+            if one_stage is not None:  # its error first, as when it ran before the pipelines
+                one_stage.result()
+            raise
+    single, unproven = one_stage.result() if one_stage is not None else (None, ())
+    unproven = (*unproven, *piped_unproven)  # the parts that ran into the time limit
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
         assert not isinstance(single, Searched)
-        raise _no_plan(single, weighed, unproven, cluster, memory_limit)
+        raise _no_plan(single, weighed, list(unproven), cluster, memory_limit)
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
@@ -359,12 +368,15 @@ def _plan_one_stage(
         except SolverTimeLimitError:
             return None
 
-    tally.expect(len(meshes))
-    for m in meshes:
+    def solved(m: tuple[int, ...]) -> MeshPlan | float | None:
         log.info("mesh %s: solving ...", m)
         tally.report(f"one stage on mesh {m}")
         found = solve(m)
         tally.did(f"one stage on mesh {m}", milestone=True)
+        return found
+
+    tally.expect(len(meshes))
+    for m, found in zip(meshes, mapped(solved, meshes), strict=True):
         if found is None:
             log.warning(
                 "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "

@@ -9,6 +9,7 @@ layers, tighter memory budgets), so the share done is of the work known at the t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,31 +43,41 @@ OnProgress = Callable[[Progress], None]
 class Tally:
     """Units of work done of those known so far, each named ``unit`` ("ILP"), reported to
     ``on_progress`` (if any) as each is done. Work is announced when it is found (`expect`) and
-    withdrawn when it turns out not to be needed (`withdraw`)."""
+    withdrawn when it turns out not to be needed (`withdraw`). Threads planning side by side
+    share one tally: ``on_progress`` is called by one of them at a time."""
 
     def __init__(self, on_progress: OnProgress | None, unit: str) -> None:
         self._on_progress = on_progress
         self._unit = unit
         self._start = time.perf_counter()
+        self._lock = threading.RLock()
         self.done = 0
         self.total = 0
 
     def expect(self, count: int) -> None:
-        self.total += count
+        with self._lock:
+            self.total += count
 
     def withdraw(self, count: int) -> None:
-        self.total = max(self.done, self.total - count)
+        with self._lock:
+            self.total = max(self.done, self.total - count)
 
     def did(self, what: str, milestone: bool = False) -> None:
         """One unit done: ``what`` it was; a milestone if it finishes something larger."""
-        self.done += 1
-        self.total = max(self.total, self.done)
-        self.report(what, milestone)
+        with self._lock:
+            self.done += 1
+            self.total = max(self.total, self.done)
+            self.report(what, milestone)
 
     def report(self, what: str, milestone: bool = False) -> None:
         """Tell ``on_progress`` what is being done, or (a milestone) what has just finished."""
         if self._on_progress is None:
             return
+        with self._lock:
+            self._report(what, milestone)
+
+    def _report(self, what: str, milestone: bool) -> None:
+        assert self._on_progress is not None
         self._on_progress(
             Progress(
                 done=self.done / self.total if self.total else 0.0,

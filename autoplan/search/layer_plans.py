@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Hashable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from autoplan.cluster.model import Cluster
@@ -51,6 +49,7 @@ from autoplan.progress import Tally
 from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
+from autoplan.side_by_side import mapped
 from autoplan.solvers.problem import SKIPPED, STOPPED, Outcome, Unproven
 from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
 from autoplan.strategies.space import NodeStrategies
@@ -283,12 +282,7 @@ class StageSolver:
                 del todo[key]
         if not todo:
             return
-        workers = min(len(todo), os.cpu_count() or 1)
-        if workers == 1:
-            solved = [self._solve(i, budget) for i in todo.values()]
-        else:
-            with ThreadPoolExecutor(workers) as pool:
-                solved = list(pool.map(lambda i: self._solve(i, budget), todo.values()))
+        solved = mapped(lambda i: self._solve(i, budget), todo.values())
         for (key, i), (found, memory) in zip(todo.items(), solved, strict=True):
             if budget != FULL_BUDGET:  # the full budget's were announced with the search
                 self.tally.expect(1)
