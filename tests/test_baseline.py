@@ -21,7 +21,7 @@ from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.capture import capture, microbatch
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import CollectivePlan
-from autoplan.strategies.placement import Collective
+from autoplan.strategies.placement import Collective, fitted
 from autoplan.workload import Workload, load_workload
 from tests.conftest import ROOT, example
 from tests.distributed.cases import (
@@ -425,6 +425,39 @@ def _check_stages_price_as_one_microbatch(
     times = [first.time_s, last.time_s]
     bubble = sum(times) + (plan.pipeline.num_microbatches - 1) * max(times)
     assert plan.predicted.step_time_s > bubble
+
+
+def test_llama_pipeline_sends_its_rotary_tables_whole_on_dp(cpu4: autoplan.Cluster) -> None:
+    """transformers' Llama computes its rotary tables (cos, sin) once, shaped (1, seq,
+    head_dim) and broadcast against the batch, and every decoder layer reads them: they cross
+    the stage boundary beside the batch split on dp. With no batch to split, they cross whole,
+    the same on each dp rank, and stage 1 reads them whole; the stages still add up to the
+    one-stage baseline of their microbatch (whose ops read the tables whole alike)."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=8, seq_len=16)
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2)
+    first, last = plan.stages
+    assert first.boundary == last.boundary == {"dp": "S(0)"}
+    assert plan.pipeline is not None and plan.pipeline.num_microbatches == 2
+    graph = w.trace(2)
+    batch_one = [n for n in last.received if graph.node(n).output.shape[0] == 1]
+    assert [graph.node(n).output.shape for n in batch_one] == [(1, 16, 16)] * 2
+    assert {plan.nodes[n].module for n in batch_one} == {"model.rotary_emb"}
+    for name in last.received:  # the batch (4 a microbatch) split, the tables whole
+        whole = name in batch_one
+        assert fitted(("S(0)",), graph.node(name).output.shape) == ("R" if whole else "S(0)",)
+        reads = {
+            plan.nodes[u].inputs[i]["dp"]
+            for u in graph.users(name)
+            if u in last.nodes
+            for i, r in enumerate(graph.node(u).refs)
+            if r.name == name
+        }
+        assert reads == {"R"} if whole else "R" not in reads, (name, reads)
+    _check_stages_price_as_one_microbatch(
+        plan, _one_microbatch(w, cpu4, 2, dp=2, tp=1), cpu4, _half(cpu4)
+    )
+    assert _estimate(plan, w, cpu4) == plan
+    assert Plan.from_json(plan.to_json()) == plan
 
 
 def test_gpt_pipeline_of_tensor_parallel_stages(cpu4: autoplan.Cluster) -> None:

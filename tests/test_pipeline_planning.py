@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -34,6 +35,7 @@ from autoplan.search.layer_plans import LayerGraphs, StageSolver
 from autoplan.search.partition import may_fit
 from autoplan.search.stage_layout import boundary_specs, stage_sizes
 from autoplan.strategies.space import node_strategies
+from autoplan.workload import load_workload
 from tests.conftest import ROOT, example
 from tests.distributed.cases import data_parallel
 
@@ -278,6 +280,41 @@ def test_stages_of_one_rank_are_planned_replicated(cpu4: autoplan.Cluster) -> No
     ]
     specs += [s.boundary for s in plan.stages if s.boundary]
     assert all(set(spec.values()) <= {"R"} for spec in specs)
+
+
+def test_a_batch_of_one_crosses_stages_whole_beside_the_split_batch(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' Llama's rotary tables, (1, seq, head_dim) broadcast against the batch,
+    cross every stage boundary. A boundary splitting the batch sends them whole (`fitted`),
+    so such a pipeline is planned (none was: they could not split) and sends them so. A
+    microbatch of one sample is split by no boundary: only the replicated one is tried."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model="llama", batch_size=16, seq_len=16)
+    tried: list[tuple[str, ...]] = []  # the boundaries the stage DP plans layers at
+    init = StageSolver.__init__
+
+    def recording(self: StageSolver, *args: Any, **kwargs: Any) -> None:
+        tried.append(args[3])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StageSolver, "__init__", recording)
+    options = PlanOptions(num_stages=2, num_microbatches=2, mesh_shape=(2,), schedule="1F1B")
+    plan = w.plan(cpu4, options)
+    assert tried == [("R",), ("S(0)",)]
+    first, last = plan.stages
+    assert first.boundary == last.boundary == {"dp": "S(0)"}
+    graph = w.trace(2)
+    layers = cut_layers(graph)
+    stage = stage_graph(graph, layers, 0, len(layers) // 2)
+    assert stage.sent == last.received
+    shapes = [graph.node(n).output for n in stage.sent]
+    assert sorted(t.shape for t in shapes if t.shape[0] == 1) == [(1, 16, 16)] * 2
+    # a rank sends its half of the batch's tensors and the whole tables
+    halves = sum(t.nbytes if t.shape[0] == 1 else t.nbytes // 2 for t in shapes)
+    assert sent_bytes(stage, (2,), ("S(0)",)) == halves
+    tried.clear()
+    w.plan(cpu4, dataclasses.replace(options, num_microbatches=16))
+    assert tried == [("R",)]
 
 
 def test_stages_sharing_cores_fill_each_others_bubbles(cpu4: autoplan.Cluster) -> None:

@@ -274,7 +274,8 @@ def _pipelined(
     assignments = []
     for s, (group, stage) in enumerate(zip(groups, stage_graphs, strict=True)):
         try:
-            assignments.append(assignment_of(baseline_strategies(stage.graph, layout, stage.sent)))
+            space = baseline_strategies(stage.graph, layout, stage.sent, stage.received)
+            assignments.append(assignment_of(space))
         except AutoplanError as e:
             names = ", ".join(layer.name for layer in group)
             raise AutoplanError(f"pipeline stage {s} ({names}): {e}") from e

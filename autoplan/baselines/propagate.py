@@ -32,7 +32,7 @@ from autoplan.strategies.float32_grads import (
     kept_where_whole,
     weight_copies,
 )
-from autoplan.strategies.placement import P, R, Spec, pieces, shard, shard_dim
+from autoplan.strategies.placement import P, R, Spec, fitted, pieces, shard, shard_dim
 from autoplan.strategies.rules import AxisRule
 from autoplan.strategies.space import (
     RESHAPES,
@@ -145,10 +145,18 @@ def zero_replicated(graph: Graph, layout: Layout) -> list[str]:
     return [node.target for node in graph.params if node.needs_grad and whole(node)]
 
 
-def _dp_seeds(graph: Graph, layout: Layout, on_tp: Seeds) -> dict[str, tuple[str, str]]:
+def _dp_seeds(
+    graph: Graph, layout: Layout, on_tp: Seeds, received: Collection[str]
+) -> dict[str, tuple[str, str]]:
+    """The dp axis: the inputs split along dim 0, the batch, except a tensor ``received``
+    from an earlier pipeline stage that the `boundary` placement keeps whole (`fitted`: one
+    without a batch, as a batch-1 table broadcast against it); ZeRO-3's parameters stored
+    split; ep's experts split."""
     dp, tp, zero_stage = layout.dp, layout.tp, layout.zero_stage
     seeds = {}
     for i, node in enumerate(n for n in graph if n.kind == NodeKind.INPUT):
+        if node.name in received and fitted((shard(0),), node.output.shape) == (R,):
+            continue  # no seed: whole on dp, as it crosses the boundary
         if not node.output.shape or node.output.shape[0] % dp:
             raise AutoplanError(
                 f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
@@ -257,16 +265,16 @@ def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:
 
 
 def baseline_strategies(
-    graph: Graph, layout: Layout, sent: Collection[str] = ()
+    graph: Graph, layout: Layout, sent: Collection[str] = (), received: Collection[str] = ()
 ) -> dict[str, NodeStrategies]:
     """Each node's one strategy in the baseline, on mesh `Layout.mesh_shape`. On a pipeline
-    stage's graph, the tensors received are inputs (seeded as the batch is: the `boundary`
-    placement) and the output reads those ``sent`` on in the `boundary` placement."""
+    stage's graph, the tensors ``received`` are inputs (seeded as the `boundary` placement
+    fits them) and the output reads those ``sent`` on as the `boundary` placement fits them."""
     dp, tp = layout.dp, layout.tp
     on_tp = tp_seeds(graph, tp) if tp > 1 else {}
     per_axis = []
     if dp > 1:
-        seeds = _dp_seeds(graph, layout, on_tp)
+        seeds = _dp_seeds(graph, layout, on_tp, received)
         per_axis.append(_propagate(graph, seeds, move=layout.ep > 1))
     if layout.cp > 1:
         seeds = _cp_seeds(graph, layout.cp)
@@ -290,7 +298,11 @@ def baseline_strategies(
         if node.kind == NodeKind.OUTPUT:
             inputs = zip(node.refs, strategy.inputs, strict=True)
             strategy = Strategy(
-                (), tuple(boundary(dp, tp) if r.name in sent else spec for r, spec in inputs)
+                (),
+                tuple(
+                    fitted(boundary(dp, tp), graph.tensor(r).shape) if r.name in sent else spec
+                    for r, spec in inputs
+                ),
             )
             space[node.name] = NodeStrategies(node.name, (strategy,), "output")
             continue

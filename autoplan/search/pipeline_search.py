@@ -69,7 +69,7 @@ from autoplan.solvers.stage_problem import (
     StageCost,
     Submesh,
 )
-from autoplan.strategies.placement import Spec
+from autoplan.strategies.placement import Spec, is_valid
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def search_pipelines(
     unproven: list[Unproven] = []
     while True:
         found, cut_short = _best_for_count(
-            cluster, options, memory_limit, graph_for(count), sizes, count, tally
+            cluster, options, memory_limit, graph_for(count), sizes, count, tally, batch // count
         )
         unproven += cut_short
         if found is None or (best is not None and found.step_time_s >= best.step_time_s):
@@ -151,9 +151,11 @@ def _best_for_count(
     sizes: Sequence[int],
     num_microbatches: int,
     tally: Tally,
+    microbatch: int,
 ) -> tuple[PipelinePlan | None, list[Unproven]]:
-    """The fastest pipeline of ``graph`` (the step at one microbatch's shape) over the stage
-    sizes ``sizes``, and the layers' ILPs that ran into the time limit."""
+    """The fastest pipeline of ``graph`` (the step at the shape of one microbatch of
+    ``microbatch`` samples) over the stage sizes ``sizes``, and the layers' ILPs that ran
+    into the time limit."""
     num_stages = options.num_stages
     layers = cut_layers(graph, options.max_layers)
     shared = shared_params(graph, layers)
@@ -175,7 +177,7 @@ def _best_for_count(
         )
     parts = LayerGraphs.of(graph, layers)
     tried = {
-        size: _configurations(cluster, options, size, num_microbatches, len(layers))
+        size: _configurations(cluster, options, size, num_microbatches, len(layers), microbatch)
         for size in sizes
         if cluster.num_devices // size <= len(layers)
     }
@@ -224,10 +226,17 @@ def _runnable(
 
 
 def _configurations(
-    cluster: Cluster, options: PlanOptions, size: int, num_microbatches: int, num_layers: int
+    cluster: Cluster,
+    options: PlanOptions,
+    size: int,
+    num_microbatches: int,
+    num_layers: int,
+    microbatch: int,
 ) -> list[tuple[tuple[int, ...], Spec]]:
     """The logical meshes and boundary placements tried for stages of ``size`` devices: none
-    if no schedule allowed runs their pipeline of ``num_microbatches``."""
+    if no schedule allowed runs their pipeline of ``num_microbatches``. A boundary that does
+    not split a microbatch of ``microbatch`` samples evenly is not tried: its batch could not
+    cross so, or with one sample would cross whole (`fitted`), as under another boundary."""
     num_stages = cluster.num_devices // size
     if _runnable(options, num_stages, num_microbatches, num_layers) == ([], []):
         return []
@@ -238,6 +247,7 @@ def _configurations(
         for mesh in meshes or stage_meshes(sub_cluster)
         if math.prod(mesh) == size
         for boundary in boundary_specs(tuple(mesh), spans_nodes=sub_cluster.num_nodes > 1)
+        if is_valid(boundary, (microbatch,), tuple(mesh))
     ]
 
 

@@ -63,8 +63,15 @@ def on_mesh(spec: Spec, mesh_shape: tuple[int, ...]) -> Spec:
 def fitted(spec: Sequence[str], shape: Sequence[int]) -> Spec:
     """A placement given for many tensors (a pipeline stage's boundary) as one tensor of
     ``shape`` takes it: whole on an axis whose split dim it lacks (a scalar sent on with the
-    batch split: a layer's load-balancing loss)."""
-    return tuple(R if (shard_dim(p) or 0) >= len(shape) else p for p in spec)
+    batch split: a layer's load-balancing loss) or holds once (a tensor of batch 1 broadcast
+    against the batch, the same on every rank: transformers' rotary tables, shaped (1, seq,
+    head_dim), read by every decoder layer)."""
+
+    def whole(placement: str) -> bool:
+        d = shard_dim(placement)
+        return d is not None and (d >= len(shape) or shape[d] == 1)
+
+    return tuple(R if whole(p) else p for p in spec)
 
 
 def shard_factors(spec: Spec, ndim: int, mesh_shape: tuple[int, ...]) -> list[int]:
