@@ -54,20 +54,30 @@ class _Block(nn.Module):
         return torch.bmm(h, h).view(-1, 16)
 
 
-def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
-    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class _Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.up(x))
+
+
+class _Squared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.view(-1, 4, 4)
+        return self.out(torch.bmm(h, h).view(-1, 16))
+
+
+def _without_dtensor_bmm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step's crash of issue 33 (``NotImplementedError: Operator ... does not have a
     sharding strategy registered`` from `call_op`), reproduced: DTensor's rule for ``bmm``
     taken away (it has no decomposition either), and the executor made to run it as a DTensor
-    op, believing DTensor can (as it believed of ``lift_fresh_copy``). The data-parallel plan
-    that runs as it is is refused then, before any process trains, with the rank, the op and
-    the module named."""
-    torch.manual_seed(0)
-    model = nn.Sequential(_Block(), _Block())
-    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
-    plan = w.baseline(cpu4, dp=4, tp=1)
-    assert _check(w, plan) == [0, 1, 3]  # bmm of split batches: run locally
+    op, believing DTensor can (as it believed of ``lift_fresh_copy``)."""
     bmm = torch.ops.aten.bmm.default
     monkeypatch.setattr(op_calls, "LOCAL_OPS", op_calls.LOCAL_OPS - {bmm})
     monkeypatch.setattr(op_calls, "dtensor_runs", lambda op: True)
@@ -76,6 +86,19 @@ def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
         if bmm in registry:
             monkeypatch.delitem(registry, bmm)
     propagator.propagate_op_sharding.cache_clear()
+
+
+def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_without_dtensor_bmm`: the data-parallel plan that runs as it is is refused then,
+    before any process trains, with the rank, the op and the module named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=4, tp=1)
+    assert _check(w, plan) == [0, 1, 3]  # bmm of split batches: run locally
+    _without_dtensor_bmm(monkeypatch)
     with pytest.raises(UnsupportedOpError) as refused:
         _check(w, plan)
     message = str(refused.value)
@@ -101,12 +124,39 @@ def test_a_sequence_parallel_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> 
     assert _check(w, plan) == [0, 1, 2, 3]
 
 
-def test_pipelined_plans_are_not_checked_yet(cpu4: autoplan.Cluster) -> None:
-    """Their stages exchange shapes in pickled messages (torch's PipelineStage), which fake
-    tensors cannot carry: no rank is checked, rather than every one refused."""
-    w = load_workload(ROOT / "examples/mlp.py", batch_size=16, hidden=64, num_layers=4)
-    plan = w.baseline(cpu4, dp=2, tp=1, pp=2)
-    assert plan.pipeline is not None and _check(w, plan) == []
+def test_a_pipelined_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> None:
+    """Each rank's stages run two microbatches through torch's own stage code (forward from
+    the buffers they receive into, backward from the gradients they receive), then the
+    gradients' reduction and the optimizer step: under 1F1B, and under ZBV, whose stages sit
+    in a V (rank 0 holds the first and the last) and whose backward is split in two."""
+    w = load_workload(ROOT / "examples/gpt.py", size="tiny", num_layers=4, batch_size=8)
+    plan = w.baseline(cpu4, dp=1, tp=2, pp=2, options=autoplan.PlanOptions(num_microbatches=4))
+    assert plan.pipeline is not None and _check(w, plan) == [0, 1, 2, 3]
+    zbv = autoplan.PlanOptions(num_microbatches=4, schedule="ZBV", virtual_stages=2)
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, virtual_stages=2, options=zbv)
+    assert plan.pipeline is not None and plan.group(len(plan.stages) - 1) == 0
+    assert _check(w, plan) == [0, 1, 2, 3]
+
+
+def test_an_op_a_later_stage_cannot_run_is_refused(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_without_dtensor_bmm` in a pipeline whose second stage alone runs bmm: the ranks of
+    stage 1 are refused (rank 2 is its first), naming the stage, its module and the op; the
+    ranks of stage 0, checked first, pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Up(), _Up(), _Squared())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, options=autoplan.PlanOptions(num_microbatches=2))
+    assert [any(n.startswith("bmm") for n in s.nodes) for s in plan.stages] == [False, True]
+    assert _check(w, plan) == [0, 1, 2, 3]
+    _without_dtensor_bmm(monkeypatch)
+    with pytest.raises(UnsupportedOpError) as refused:
+        _check(w, plan)
+    message = str(refused.value)
+    assert message.startswith("rank 2 ") and "stage 1" in message, message
+    assert "aten.bmm.default" in message and "module '2'" in message, message
+    assert "sharding strategy" in message, message
 
 
 # the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as
