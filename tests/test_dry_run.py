@@ -14,23 +14,15 @@ from torch import nn
 import autoplan
 from autoplan.errors import UnsupportedOpError
 from autoplan.execute import op_calls
-from autoplan.execute.dry_run import check_plan, roles
-from autoplan.graph.capture import export_step, microbatch
-from autoplan.graph.convert import graph_from_export
+from autoplan.execute.dry_run import check_traced, roles
+from autoplan.graph.capture import export_step
 from autoplan.workload import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(w: Workload, plan: autoplan.Plan) -> list[int]:
-    """`check_plan` of ``plan`` with the step traced as a rank runs it."""
-    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    inputs, target = microbatch(w.example_inputs, count), microbatch(w.example_target, count)
-    ep = export_step(w.model, inputs, w.loss_fn, target, plan.mixed_precision)
-    gradless = frozenset(
-        n.name for n in graph_from_export(ep, plan.mixed_precision) if not n.needs_grad
-    )
-    return check_plan(w.model, ep, plan, w.example_inputs, w.example_target, gradless=gradless)
+    return check_traced(w.model, plan, w.example_inputs, w.example_target, w.loss_fn)
 
 
 def test_roles_are_pipeline_rows_and_first_middle_last_blocks() -> None:
@@ -202,8 +194,9 @@ def test_a_llama_built_on_meta_runs_on_fake_tensors() -> None:
 def test_autoplan_plan_checks_the_step_when_asked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`autoplan plan --check-step` runs one rank per role before writing the plan, and
-    writes none that a rank cannot run."""
+    """`autoplan plan --check-step` runs one rank per role before writing the plan (a
+    pipeline's too, its step traced at one microbatch's shape), and writes none that a rank
+    cannot run."""
     from autoplan.cli import plan_command
     from autoplan.cli.main import main
 
@@ -215,10 +208,16 @@ def test_autoplan_plan_checks_the_step_when_asked(
     assert main(args) == 0 and out.exists()
     assert "the step ran on fake tensors for 4 of 4 ranks" in capsys.readouterr().out
     out.unlink()
+    pipelined = ["plan", str(ROOT / "examples/mlp.py"), "--cluster", cluster,
+                 "--set", "batch_size=16", "--set", "hidden=64", "--stages", "2",
+                 "--microbatches", "2", "--check-step", "-o", str(out)]  # fmt: skip
+    assert main(pipelined) == 0 and autoplan.Plan.from_json(str(out)).pipeline is not None
+    assert "the step ran on fake tensors for 4 of 4 ranks" in capsys.readouterr().out
+    out.unlink()
 
     def refused(*args: object, **kwargs: object) -> list[int]:
         raise UnsupportedOpError("rank 1 cannot run aten.bmm.default")
 
-    monkeypatch.setattr(plan_command, "check_plan", refused)
+    monkeypatch.setattr(plan_command, "check_traced", refused)
     assert main(args) == 2 and not out.exists()
     assert "rank 1 cannot run aten.bmm.default" in capsys.readouterr().err

@@ -49,7 +49,8 @@ from autoplan.errors import AutoplanError, UnsupportedOpError, error_class
 from autoplan.execute import interpreter, op_calls
 from autoplan.execute.pipeline import PipelineRunner
 from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
-from autoplan.graph.convert import module_path
+from autoplan.graph.capture import export_step, microbatch
+from autoplan.graph.convert import graph_from_export, module_path
 from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import SPLIT_BACKWARD
@@ -231,6 +232,27 @@ def check_plan(
         time.perf_counter() - start,
     )
     return checked
+
+
+def check_traced(
+    model: nn.Module,
+    plan: Plan,
+    example_inputs: Any,
+    example_target: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    optimizer: str = "adamw",
+) -> list[int]:
+    """`check_plan` of ``model``'s step traced as a rank runs it: at one microbatch's shape
+    for a pipelined plan (the whole batch otherwise), with the tensors no gradient flows to."""
+    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+    ep = export_step(model, inputs, loss_fn, target, plan.mixed_precision)
+    graph = graph_from_export(ep, plan.mixed_precision)
+    gradless = frozenset(n.name for n in graph if not n.needs_grad)
+    return check_plan(
+        model, ep, plan, example_inputs, example_target, optimizer=optimizer, gradless=gradless
+    )
 
 
 def agree_on_check(check: Callable[[], None]) -> None:
