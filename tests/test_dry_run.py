@@ -14,7 +14,7 @@ from torch import nn
 import autoplan
 from autoplan.errors import UnsupportedOpError
 from autoplan.execute import op_calls
-from autoplan.execute.dry_run import check_traced, roles
+from autoplan.execute.dry_run import _refusal, check_traced, roles
 from autoplan.graph.capture import export_step
 from autoplan.workload import Workload, load_workload
 
@@ -149,6 +149,22 @@ def test_an_op_a_later_stage_cannot_run_is_refused(
     assert message.startswith("rank 2 ") and "stage 1" in message, message
     assert "aten.bmm.default" in message and "module '2'" in message, message
     assert "sharding strategy" in message, message
+
+
+def test_an_error_torch_wraps_is_told_by_its_cause(cpu4: autoplan.Cluster) -> None:
+    """torch's pipeline stage raises its own error from an op's in backward ("Failed to run
+    stage backward", the stage's outputs listed): the refusal tells the op's error."""
+    model = nn.Sequential(_Up(), _Up(), _Squared())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, options=autoplan.PlanOptions(num_microbatches=2))
+    op = NotImplementedError("Operator aten.mm.default does not have a sharding strategy")
+    try:
+        raise RuntimeError("\n  Failed to run stage backward:\n  Stage output: ...") from op
+    except RuntimeError as wrapped:
+        message = _refusal(3, plan, wrapped)
+    assert message.startswith("rank 3 (stage 1) "), message
+    assert "NotImplementedError: Operator aten.mm.default" in message, message
+    assert "outside the traced forward" in message, message
 
 
 # the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as

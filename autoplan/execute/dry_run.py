@@ -316,17 +316,21 @@ def _stages_of(rank: int, plan: Plan) -> str:
 
 def _failing_node(error: BaseException) -> tuple[BaseException, torch.fx.Node | None]:
     """The fx node the interpreter was running when ``error`` or one of its causes was raised
-    (innermost: torch's pipeline stage raises its own error from its forward's), and that
-    error; ``error`` and None where the interpreter ran none."""
-    found: tuple[BaseException, torch.fx.Node | None] = (error, None)
-    cause: BaseException | None = error
-    while cause is not None:
-        for frame, _ in traceback.walk_tb(cause.__traceback__):
-            node = frame.f_locals.get("node")
-            if frame.f_code.co_filename in _OP_MODULES and isinstance(node, torch.fx.Node):
-                found = (cause, node)
-        cause = cause.__cause__
-    return found
+    (innermost), and that error; else None and the innermost cause (torch's pipeline stage
+    raises its own error from its forward's or backward's, which names the op)."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    for cause in reversed(chain):
+        nodes = [
+            frame.f_locals["node"]
+            for frame, _ in traceback.walk_tb(cause.__traceback__)
+            if frame.f_code.co_filename in _OP_MODULES
+            and isinstance(frame.f_locals.get("node"), torch.fx.Node)
+        ]
+        if nodes:
+            return cause, nodes[-1]
+    return chain[-1], None
 
 
 def _forked(rank: int, plan: Plan, check: Callable[..., None]) -> None:
