@@ -226,8 +226,8 @@ class TrainOptions:
     """Before the first step, each rank runs its planned step once on fake tensors
     (`autoplan.execute.dry_run`: no memory, no communication), and every rank refuses the plan
     with the same `UnsupportedOpError` if an op cannot run on some rank's placements (its
-    seconds are logged, shown with -v; pipelined plans are not checked yet). False skips it
-    (`autoplan run --no-check-step`)."""
+    seconds are logged, shown with -v; a pipeline's stages run without the messages between
+    them). False skips it (`autoplan run --no-check-step`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

@@ -1,6 +1,7 @@
 """What the plan-time check costs (autoplan/execute/dry_run.py): each role's planned step run
 once on fake tensors, in one process on the fake process group, for conventional plans
-(`autoplan.baseline`) of a zoo model and of Llama 3 8B (meta device) on 64 simulated A100s.
+(`autoplan.baseline`) of two zoo models, of examples/gpt.py pipelined and of Llama 3 8B (meta
+device) on 64 simulated A100s.
 
 Prints, and writes to benchmarks/results/dry_run.json and .md: per case, the seconds to trace
 and plan, the roles checked out of the world's ranks, and the check's seconds in all and per
@@ -41,6 +42,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
         "tests/models/zoo.py",
         {"model": "llama", "batch_size": 64, "seq_len": 128},
         {"dp": 32, "tp": 2, "zero_stage": 3},
+    ),
+    "gpt-pp": (
+        "examples/gpt.py",
+        {"size": "small", "num_layers": 4, "batch_size": 64, "seq_len": 128},
+        {"dp": 8, "tp": 4, "pp": 2},
     ),
     "llama3-8b": (
         "benchmarks/real_models.py",

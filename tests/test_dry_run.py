@@ -14,23 +14,15 @@ from torch import nn
 import autoplan
 from autoplan.errors import UnsupportedOpError
 from autoplan.execute import op_calls
-from autoplan.execute.dry_run import check_plan, roles
-from autoplan.graph.capture import export_step, microbatch
-from autoplan.graph.convert import graph_from_export
+from autoplan.execute.dry_run import _refusal, check_traced, roles
+from autoplan.graph.capture import export_step
 from autoplan.workload import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(w: Workload, plan: autoplan.Plan) -> list[int]:
-    """`check_plan` of ``plan`` with the step traced as a rank runs it."""
-    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
-    inputs, target = microbatch(w.example_inputs, count), microbatch(w.example_target, count)
-    ep = export_step(w.model, inputs, w.loss_fn, target, plan.mixed_precision)
-    gradless = frozenset(
-        n.name for n in graph_from_export(ep, plan.mixed_precision) if not n.needs_grad
-    )
-    return check_plan(w.model, ep, plan, w.example_inputs, w.example_target, gradless=gradless)
+    return check_traced(w.model, plan, w.example_inputs, w.example_target, w.loss_fn)
 
 
 def test_roles_are_pipeline_rows_and_first_middle_last_blocks() -> None:
@@ -54,20 +46,30 @@ class _Block(nn.Module):
         return torch.bmm(h, h).view(-1, 16)
 
 
-def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
-    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class _Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.up(x))
+
+
+class _Squared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.view(-1, 4, 4)
+        return self.out(torch.bmm(h, h).view(-1, 16))
+
+
+def _without_dtensor_bmm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step's crash of issue 33 (``NotImplementedError: Operator ... does not have a
     sharding strategy registered`` from `call_op`), reproduced: DTensor's rule for ``bmm``
     taken away (it has no decomposition either), and the executor made to run it as a DTensor
-    op, believing DTensor can (as it believed of ``lift_fresh_copy``). The data-parallel plan
-    that runs as it is is refused then, before any process trains, with the rank, the op and
-    the module named."""
-    torch.manual_seed(0)
-    model = nn.Sequential(_Block(), _Block())
-    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
-    plan = w.baseline(cpu4, dp=4, tp=1)
-    assert _check(w, plan) == [0, 1, 3]  # bmm of split batches: run locally
+    op, believing DTensor can (as it believed of ``lift_fresh_copy``)."""
     bmm = torch.ops.aten.bmm.default
     monkeypatch.setattr(op_calls, "LOCAL_OPS", op_calls.LOCAL_OPS - {bmm})
     monkeypatch.setattr(op_calls, "dtensor_runs", lambda op: True)
@@ -76,6 +78,19 @@ def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
         if bmm in registry:
             monkeypatch.delitem(registry, bmm)
     propagator.propagate_op_sharding.cache_clear()
+
+
+def test_an_op_the_executor_cannot_run_is_refused_at_plan_time(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_without_dtensor_bmm`: the data-parallel plan that runs as it is is refused then,
+    before any process trains, with the rank, the op and the module named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=4, tp=1)
+    assert _check(w, plan) == [0, 1, 3]  # bmm of split batches: run locally
+    _without_dtensor_bmm(monkeypatch)
     with pytest.raises(UnsupportedOpError) as refused:
         _check(w, plan)
     message = str(refused.value)
@@ -101,12 +116,55 @@ def test_a_sequence_parallel_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> 
     assert _check(w, plan) == [0, 1, 2, 3]
 
 
-def test_pipelined_plans_are_not_checked_yet(cpu4: autoplan.Cluster) -> None:
-    """Their stages exchange shapes in pickled messages (torch's PipelineStage), which fake
-    tensors cannot carry: no rank is checked, rather than every one refused."""
-    w = load_workload(ROOT / "examples/mlp.py", batch_size=16, hidden=64, num_layers=4)
-    plan = w.baseline(cpu4, dp=2, tp=1, pp=2)
-    assert plan.pipeline is not None and _check(w, plan) == []
+def test_a_pipelined_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> None:
+    """Each rank's stages run two microbatches through torch's own stage code (forward from
+    the buffers they receive into, backward from the gradients they receive), then the
+    gradients' reduction and the optimizer step: under 1F1B, and under ZBV, whose stages sit
+    in a V (rank 0 holds the first and the last) and whose backward is split in two."""
+    w = load_workload(ROOT / "examples/gpt.py", size="tiny", num_layers=4, batch_size=8)
+    plan = w.baseline(cpu4, dp=1, tp=2, pp=2, options=autoplan.PlanOptions(num_microbatches=4))
+    assert plan.pipeline is not None and _check(w, plan) == [0, 1, 2, 3]
+    zbv = autoplan.PlanOptions(num_microbatches=4, schedule="ZBV", virtual_stages=2)
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, virtual_stages=2, options=zbv)
+    assert plan.pipeline is not None and plan.group(len(plan.stages) - 1) == 0
+    assert _check(w, plan) == [0, 1, 2, 3]
+
+
+def test_an_op_a_later_stage_cannot_run_is_refused(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_without_dtensor_bmm` in a pipeline whose second stage alone runs bmm: the ranks of
+    stage 1 are refused (rank 2 is its first), naming the stage, its module and the op; the
+    ranks of stage 0, checked first, pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Up(), _Up(), _Squared())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, options=autoplan.PlanOptions(num_microbatches=2))
+    assert [any(n.startswith("bmm") for n in s.nodes) for s in plan.stages] == [False, True]
+    assert _check(w, plan) == [0, 1, 2, 3]
+    _without_dtensor_bmm(monkeypatch)
+    with pytest.raises(UnsupportedOpError) as refused:
+        _check(w, plan)
+    message = str(refused.value)
+    assert message.startswith("rank 2 ") and "stage 1" in message, message
+    assert "aten.bmm.default" in message and "module '2'" in message, message
+    assert "sharding strategy" in message, message
+
+
+def test_an_error_torch_wraps_is_told_by_its_cause(cpu4: autoplan.Cluster) -> None:
+    """torch's pipeline stage raises its own error from an op's in backward ("Failed to run
+    stage backward", the stage's outputs listed): the refusal tells the op's error."""
+    model = nn.Sequential(_Up(), _Up(), _Squared())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, options=autoplan.PlanOptions(num_microbatches=2))
+    op = NotImplementedError("Operator aten.mm.default does not have a sharding strategy")
+    try:
+        raise RuntimeError("\n  Failed to run stage backward:\n  Stage output: ...") from op
+    except RuntimeError as wrapped:
+        message = _refusal(3, plan, wrapped)
+    assert message.startswith("rank 3 (stage 1) "), message
+    assert "NotImplementedError: Operator aten.mm.default" in message, message
+    assert "outside the traced forward" in message, message
 
 
 # the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as
@@ -152,8 +210,9 @@ def test_a_llama_built_on_meta_runs_on_fake_tensors() -> None:
 def test_autoplan_plan_checks_the_step_when_asked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`autoplan plan --check-step` runs one rank per role before writing the plan, and
-    writes none that a rank cannot run."""
+    """`autoplan plan --check-step` runs one rank per role before writing the plan (a
+    pipeline's too, its step traced at one microbatch's shape), and writes none that a rank
+    cannot run."""
     from autoplan.cli import plan_command
     from autoplan.cli.main import main
 
@@ -165,10 +224,16 @@ def test_autoplan_plan_checks_the_step_when_asked(
     assert main(args) == 0 and out.exists()
     assert "the step ran on fake tensors for 4 of 4 ranks" in capsys.readouterr().out
     out.unlink()
+    pipelined = ["plan", str(ROOT / "examples/mlp.py"), "--cluster", cluster,
+                 "--set", "batch_size=16", "--set", "hidden=64", "--stages", "2",
+                 "--microbatches", "2", "--check-step", "-o", str(out)]  # fmt: skip
+    assert main(pipelined) == 0 and autoplan.Plan.from_json(str(out)).pipeline is not None
+    assert "the step ran on fake tensors for 4 of 4 ranks" in capsys.readouterr().out
+    out.unlink()
 
     def refused(*args: object, **kwargs: object) -> list[int]:
         raise UnsupportedOpError("rank 1 cannot run aten.bmm.default")
 
-    monkeypatch.setattr(plan_command, "check_plan", refused)
+    monkeypatch.setattr(plan_command, "check_traced", refused)
     assert main(args) == 2 and not out.exists()
     assert "rank 1 cannot run aten.bmm.default" in capsys.readouterr().err

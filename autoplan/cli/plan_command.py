@@ -16,8 +16,7 @@ from autoplan.cli.arguments import (
 )
 from autoplan.cli.progress_line import ProgressLine
 from autoplan.cluster.model import Cluster
-from autoplan.execute.dry_run import check_plan
-from autoplan.graph.capture import export_step
+from autoplan.execute.dry_run import check_traced
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import summary
 from autoplan.workload import Workload, load_workload
@@ -67,24 +66,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_step(workload: Workload, result: Plan, optimizer: str) -> str:
-    """Run ``result``'s step of one rank per role on fake tensors (`check_plan`; the step
+    """Run ``result``'s step of one rank per role on fake tensors (`check_traced`: the step
     traced again, as the executor runs it); what was checked."""
-    traced = export_step(
+    checked = check_traced(
         workload.model,
-        workload.example_inputs,
-        workload.loss_fn,
-        workload.example_target,
-        result.mixed_precision,
-    )
-    checked = check_plan(
-        workload.model,
-        traced,
         result,
         workload.example_inputs,
         workload.example_target,
+        workload.loss_fn,
         optimizer=optimizer,
     )
     if not checked:
-        return "the step was not checked: pipelined plans are not checked yet"
+        return "the step was not checked: this torch cannot run a pipeline's stages apart"
     ranks = len(result.mesh.ranks)
     return f"the step ran on fake tensors for {len(checked)} of {ranks} ranks (one per role)"

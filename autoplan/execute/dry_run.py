@@ -14,6 +14,15 @@ rank per pipeline row and per pattern of first/middle/last positions on the othe
 shard's offset, and the size of an uneven split's last block, are what a coordinate changes).
 `check_plan` runs them all in one process on the "fake" process group at the plan's world
 size; `check_rank` runs the rank a job's process group gives, inside that job.
+
+A pipelined plan's rank builds its stages as training does (`PipelineRunner`: torch's
+``PipelineStage`` around each `StageModule`), but torch's schedule, whose stages first agree
+by messages on how to learn each other's shapes, gives way to `_Unsent`: each stage runs two
+microbatches through torch's own stage code, forward from the buffers it receives into and
+backward from the gradients it receives into (fake tensors of the shapes the plan's stage
+boundary gives), the last stage from its loss; then the step goes on as training's does
+(the gradients reduced, clipped, the optimizer step). Not run: the messages between
+stages, and the schedule's order of microbatches.
 """
 
 from __future__ import annotations
@@ -32,16 +41,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from autoplan.errors import AutoplanError, UnsupportedOpError, error_class
 from autoplan.execute import interpreter, op_calls
+from autoplan.execute.pipeline import PipelineRunner
 from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
-from autoplan.graph.convert import module_path
+from autoplan.graph.capture import export_step, microbatch
+from autoplan.graph.convert import graph_from_export, module_path
 from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
-from autoplan.torch_private import FakeValues, fake_world
+from autoplan.schedules import SPLIT_BACKWARD
+from autoplan.torch_private import STATIC_STAGES, FakeValues, fake_world, static_stages
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +118,8 @@ def check_rank(
     with FakeValues(allow_non_fake_inputs=True) as mode:
         try:
             run = build_runtime(shell, ep, plan, mesh, optimizer, train, _keep, gradless=gradless)
+            if run.pipeline is not None:
+                run.pipeline.schedule = _Unsent(run.pipeline)
             inputs, target = tree_map(
                 lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                 (example_inputs, example_target),
@@ -117,13 +132,55 @@ def check_rank(
 
 
 def checkable(plan: Plan) -> bool:
-    """Whether the check runs ``plan``'s step: not yet a pipeline's, whose stages exchange
-    their tensors' shapes in pickled messages before the first microbatch
-    (``PipelineStage``'s metadata inference, torch 2.13.0), which fake tensors cannot carry."""
-    if plan.pipeline is None:
+    """Whether the check can run ``plan``'s step: a pipeline's only where this torch's stages
+    can be made ready without messages (`STATIC_STAGES`, torch 2.13 on; `_Unsent`)."""
+    if plan.pipeline is None or STATIC_STAGES:
         return True
-    log.info("the planned step is not run on fake tensors: pipelined plans are not checked yet")
+    log.info(
+        "the planned step is not run on fake tensors: torch %s cannot ready a pipeline's "
+        "stages without messages between them (2.13 and later can)",
+        torch.__version__,
+    )
     return False
+
+
+class _Unsent:
+    """The check's stand-in for a pipeline's schedule (`Stepper`): each of this rank's stages
+    runs its first two microbatches (the first makes each gradient, the second adds to it;
+    the others repeat the second) through torch's own stage code, the schedule's steps less
+    their messages: forward on what the stage made to receive into, its loss on the last
+    stage, backward from the gradients it made to receive into (split in the inputs' and the
+    weights' where the schedule splits it). Torch's schedule cannot run on fake tensors: its
+    stages vote on how to learn each other's shapes by messages whose values fake tensors do
+    not carry (torch 2.13.0), and the plan's stages need no vote (`static_stages`)."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+        assert runner.plan.pipeline is not None
+        self.split = runner.plan.pipeline.schedule in SPLIT_BACKWARD
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None) -> None:
+        count = self.runner.num_microbatches
+        stages = self.runner.stages
+        static_stages(stages, count)
+        chunks, _ = split_args_kwargs_into_chunks(args, None, count)
+        for chunk in range(min(count, 2)):
+            outputs = {
+                s.stage_index: s.forward_one_chunk(chunk, chunks[chunk] if s.is_first else ())
+                for s in stages
+            }
+            for s in reversed(stages):
+                loss = None
+                if s.is_last:
+                    # the loss is the stage's output: the schedule's target is a placeholder
+                    loss = self.runner.stage_loss(outputs[s.stage_index], target)
+                    if losses is not None:
+                        losses.append(loss)
+                s.backward_one_chunk(chunk, loss=loss, full_backward=not self.split)
+                if self.split:
+                    s.backward_weight_one_chunk(chunk)
+        for s in stages:
+            s.clear_runtime_states()
 
 
 def _keep(model: nn.Module) -> None:
@@ -177,6 +234,27 @@ def check_plan(
     return checked
 
 
+def check_traced(
+    model: nn.Module,
+    plan: Plan,
+    example_inputs: Any,
+    example_target: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    optimizer: str = "adamw",
+) -> list[int]:
+    """`check_plan` of ``model``'s step traced as a rank runs it: at one microbatch's shape
+    for a pipelined plan (the whole batch otherwise), with the tensors no gradient flows to."""
+    count = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
+    inputs, target = microbatch(example_inputs, count), microbatch(example_target, count)
+    ep = export_step(model, inputs, loss_fn, target, plan.mixed_precision)
+    graph = graph_from_export(ep, plan.mixed_precision)
+    gradless = frozenset(n.name for n in graph if not n.needs_grad)
+    return check_plan(
+        model, ep, plan, example_inputs, example_target, optimizer=optimizer, gradless=gradless
+    )
+
+
 def agree_on_check(check: Callable[[], None]) -> None:
     """Run ``check`` (`check_rank` of this job's rank) on every rank of the job; if it fails
     on any, every rank raises the first failing rank's error, of its class (never a rank
@@ -203,9 +281,10 @@ def agree_on_check(check: Callable[[], None]) -> None:
 
 
 def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
-    """What failed where: the op and module the interpreter was running (forward), or the
-    op torch names (backward, the optimizer), and what to do."""
-    node = _failing_node(error)
+    """What failed where: the rank's stages (pipelined plans), the op and module the
+    interpreter was running (forward), or the op torch names (backward, the optimizer), and
+    what to do."""
+    error, node = _failing_node(error)
     first = next((line for line in str(error).splitlines() if line.strip()), "").rstrip(".")
     what = f"{type(error).__name__}: {first}"
     if node is not None:
@@ -218,7 +297,8 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
     else:
         where = "building the step, backward or the optimizer step (outside the traced forward)"
     return (
-        f"rank {rank} of the plan cannot run its step: {where}: {what}. The check ran the "
+        f"rank {rank}{_stages_of(rank, plan)} of the plan cannot run its step: {where}: "
+        f"{what}. The check ran the "
         "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
         "step to skip it). What to do: pin what that module reads replicated "
         '(PlanOptions.pins, --pin: its parameters, or "input:0" for the batch) so that the '
@@ -226,14 +306,31 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
     )
 
 
-def _failing_node(error: BaseException) -> torch.fx.Node | None:
-    """The fx node the interpreter was running when ``error`` was raised (innermost)."""
-    found = None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        node = frame.f_locals.get("node")
-        if frame.f_code.co_filename in _OP_MODULES and isinstance(node, torch.fx.Node):
-            found = node
-    return found
+def _stages_of(rank: int, plan: Plan) -> str:
+    """`` (stage 1)``: the stages ``rank`` runs, for a pipelined plan; empty otherwise."""
+    if plan.pipeline is None:
+        return ""
+    stages = plan.group_stages(rank // math.prod(plan.mesh.shape[1:]))  # its row of "pp"
+    return f" (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+
+
+def _failing_node(error: BaseException) -> tuple[BaseException, torch.fx.Node | None]:
+    """The fx node the interpreter was running when ``error`` or one of its causes was raised
+    (innermost), and that error; else None and the innermost cause (torch's pipeline stage
+    raises its own error from its forward's or backward's, which names the op)."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    for cause in reversed(chain):
+        nodes = [
+            frame.f_locals["node"]
+            for frame, _ in traceback.walk_tb(cause.__traceback__)
+            if frame.f_code.co_filename in _OP_MODULES
+            and isinstance(frame.f_locals.get("node"), torch.fx.Node)
+        ]
+        if nodes:
+            return cause, nodes[-1]
+    return chain[-1], None
 
 
 def _forked(rank: int, plan: Plan, check: Callable[..., None]) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,13 @@ MULTI_SCHEDULE_CLASSES: dict[str, type[PipelineScheduleMulti]] = {
     Schedule.ZBV: ScheduleZBVZeroBubble,
     Schedule.DUALPIPE_V: ScheduleDualPipeV,
 }
+
+
+class Stepper(Protocol):
+    """What runs the microbatches of a step through this rank's stages: torch's schedule
+    (the dry run's stand-in, `autoplan.execute.dry_run`, runs them without communication)."""
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None) -> Any: ...
 
 
 class StageModule(nn.Module):
@@ -189,7 +196,7 @@ class PipelineRunner:
             module.placeholders.whole = self.zero.by_placeholder(module.placeholders.params)
         self.module = self.modules[0]
         self.num_microbatches = plan.pipeline.num_microbatches
-        stages = [
+        self.stages = [
             PipelineStage(
                 module,
                 s,
@@ -203,14 +210,14 @@ class PipelineRunner:
         ]
         # the schedule would scale only the parameters' own gradients, not the local leaves'
         # (`run` scales both)
-        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti
+        self.schedule: Stepper
         if plan.pipeline.schedule in MULTI_SCHEDULE_CLASSES:
             self.schedule = MULTI_SCHEDULE_CLASSES[plan.pipeline.schedule](
-                list(stages), self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
+                list(self.stages), self.num_microbatches, loss_fn=self.stage_loss, scale_grads=False
             )
         else:
             self.schedule = SCHEDULE_CLASSES[plan.pipeline.schedule](
-                stages[0], self.num_microbatches, loss_fn=self._loss_is_output, scale_grads=False
+                self.stages[0], self.num_microbatches, loss_fn=self.stage_loss, scale_grads=False
             )
         self.loss_scale = 1.0  # backward starts from the loss times this (fp16 loss scaling)
         self.is_first = self.modules[0].is_first
@@ -249,7 +256,7 @@ class PipelineRunner:
         where one process's do not), and their sum is the batch mean's, scaled."""
         return 1.0 if self.loss_scale == 1.0 else self.loss_scale / self.num_microbatches
 
-    def _loss_is_output(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    def stage_loss(self, output: torch.Tensor, _target: object) -> torch.Tensor:
         """The last stage computes the plan's loss itself (not as a view of its output:
         torch's split backward detaches the loss in place, which a view refuses)."""
         loss = output[0].clone()

@@ -33,6 +33,10 @@ the torch at hand has rather than comparing version numbers.
   for every tensor it sends; 2.13 on leaves non-float tensors out of backward. Under 2.11 an
   integer tensor crosses stages as the float64 view of its int64 values, and the stage that
   receives it hands back a zero gradient (execute/pipeline.py).
+- `static_stages`: PipelineStages made ready to run microbatches as a schedule makes them
+  when every stage was given its shapes (the warm-up vote's STATIC outcome, torch 2.13 on),
+  without the vote's messages between stages, which fake tensors cannot carry
+  (execute/dry_run.py); `STATIC_STAGES`: whether the torch at hand has that mode.
 - `zero_bubble_order` / `zbv_order` / `dualpipev_order`: the steps
   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
   (their ``_calculate_single_rank_operations``), computed without stages or a process group,
@@ -113,6 +117,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 __all__ = [
     "C10D_ALL_REDUCE",
     "FUNCTIONAL_COLLECTIVES",
+    "STATIC_STAGES",
     "FakeTensorMode",
     "MaskPartial",
     "RuntimeSchemaInfo",
@@ -136,6 +141,7 @@ __all__ = [
     "register_single_dim_strategy",
     "reparametrize_module",
     "resolve_process_group",
+    "static_stages",
     "unbox_process_group",
     "wait_collective",
     "zbv_order",
@@ -393,6 +399,24 @@ def pipeline_received(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return buffer
     buffer.grad = torch.zeros_like(buffer)  # the gradient the sending stage waits for
     return buffer.detach().view(torch.int64).to(dtype)
+
+
+# whether pipeline stages given their shapes skip metadata inference (torch 2.13 on)
+_STATIC_MODE = getattr(getattr(pipelining_utils, "InferenceMode", None), "STATIC", None)
+STATIC_STAGES = _STATIC_MODE is not None
+
+
+def static_stages(stages: Sequence[Any], num_microbatches: int) -> None:
+    """Make ``stages`` (PipelineStages, in this rank's order) ready to run microbatches as the
+    schedule makes them when each stage was given what it receives and sends: their buffers
+    made from those shapes, no metadata exchanged (`STATIC_STAGES` says this torch can)."""
+    assert STATIC_STAGES
+    for stage in stages:
+        stage.has_backward = True  # what a schedule with a loss function sets in its step
+        stage._inference_mode = _STATIC_MODE
+        stage._prepare_forward_infra(num_microbatches, None, None, has_backward=True)
+    for stage in reversed(stages):
+        stage._prepare_backward_infra(num_microbatches)
 
 
 def wait_collective(tensor: torch.Tensor) -> torch.Tensor:

@@ -554,6 +554,7 @@ CASES = [
         {"size": "tiny", "num_layers": 4, "batch_size": 8},
         pipeline(2, 4, "DualPipeV", (2,), virtual_stages=2),
         pipelined=True,
+        check_step=True,  # its stages, in a V with the backward split, on fake tensors first
     ),
     # Megatron's interleaved split: blocks 0 and 2 on ranks 0-1, 1 and 3 on ranks 2-3
     Case(
@@ -580,6 +581,7 @@ CASES = [
         MLP_LARGE_BATCH,
         baseline_plan(dp=2, tp=1, pp=2, zero_stage=2, options=PlanOptions(num_microbatches=2)),
         pipelined=True,
+        check_step=True,  # its stages (1F1B, ZeRO-2's shards) on fake tensors first
     ),
     # the same under ZeroBubble: the split backward's weight gradients go to ZeRO's wholes
     Case(
