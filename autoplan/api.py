@@ -23,7 +23,7 @@ from autoplan.errors import (
     SolverTimeLimitError,
 )
 from autoplan.graph.blocks import find_sharing
-from autoplan.graph.capture import capture, capture_microbatches
+from autoplan.graph.capture import batch_size, capture, capture_microbatches
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
 from autoplan.modes import NodeKind, RecomputeMode, Schedule
@@ -34,6 +34,7 @@ from autoplan.planfile.assemble import assemble_pipeline_plan, assemble_plan, so
 from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import V_SHAPED, schedule_refusal
+from autoplan.search.ahead import TracedAhead
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import (
     LAYER_TIME_LIMIT_S,
@@ -67,28 +68,40 @@ def plan(
     search.
     """
     start = time.perf_counter()
+    options = options or PlanOptions()
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.load(cluster)
+    precision = options.mixed_precision
+    traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
+    ahead = (
+        TracedAhead(traced, cluster, options, batch_size(example_inputs, example_target))
+        if _weighs_pipelines(options, cluster)
+        else None
+    )
     with counted() as seconds:
         log.info("tracing %s ...", type(model).__name__)
-        precision = (options or PlanOptions()).mixed_precision
-        with timed("trace"):
-            graph = capture(model, example_inputs, loss_fn, example_target, precision)
-        log.info(
-            "traced %d nodes, %.3g M parameters (%.1f s)",
-            len(graph),
-            graph.num_params / 1e6,
-            time.perf_counter() - start,
-        )
-
-        traced = capture_microbatches(model, example_inputs, loss_fn, example_target, precision)
-
-        @functools.cache  # the search with and without recomputation asks for the same counts
-        def microbatch_graph(count: int) -> Graph:
-            if count == 1:  # the whole batch: the step just traced
-                return graph
+        try:
             with timed("trace"):
-                return traced(count)
+                graph = capture(model, example_inputs, loss_fn, example_target, precision)
+            log.info(
+                "traced %d nodes, %.3g M parameters (%.1f s)",
+                len(graph),
+                graph.num_params / 1e6,
+                time.perf_counter() - start,
+            )
 
-        found = plan_graph(graph, cluster, options, microbatch_graph)
+            @functools.cache  # the search with and without recomputation asks for the same counts
+            def microbatch_graph(count: int) -> Graph:
+                if count == 1:  # the whole batch: the step just traced
+                    return graph
+                with timed("trace"):  # waiting for the child that traced it ahead, if any
+                    found = ahead.take(count) if ahead is not None else None
+                    return found if found is not None else traced(count)
+
+            found = plan_graph(graph, cluster, options, microbatch_graph)
+        finally:
+            if ahead is not None:
+                ahead.close()
     elapsed = time.perf_counter() - start
     log.info("planned in %.1f s: %s", elapsed, split(seconds, elapsed))
     return found
@@ -123,12 +136,7 @@ def plan_graph(
     piped: Searched | None = None
     piped_unproven: tuple[Unproven, ...] = ()
     weighed = False
-    # by default pipelines are weighed on every cluster of several devices, inside a node too:
-    # a small model's pipeline (interleaved above all) can beat intra-op sharding there, and
-    # the planner is to be no slower than any conventional plan (tests/test_optimality.py);
-    # never against pins, which pipelines do not take
-    auto = not options.pin and cluster.num_devices > 1 and not graph.writes
-    if (pipeline or (pipeline is None and auto)) and microbatch_graph is not None:
+    if _weighs_pipelines(options, cluster, bool(graph.writes)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
         try:
@@ -153,6 +161,17 @@ def plan_graph(
     ]
     best = min(checked, key=lambda plan: plan.predicted.step_time_s)  # ties: one stage
     return _noting_unproven(best, tuple(unproven))
+
+
+def _weighs_pipelines(options: PlanOptions, cluster: Cluster, writes: bool = False) -> bool:
+    """Whether the search weighs pipelines: where asked, and by default on every cluster of
+    several devices, inside a node too (a small model's pipeline, interleaved above all, can
+    beat intra-op sharding there, and the planner is to be no slower than any conventional
+    plan: tests/test_optimality.py); never against pins, which pipelines do not take, or for
+    a step that ``writes`` buffers in forward (`refuse_pipelined_writes`)."""
+    pipeline = options.wants_pipeline
+    auto = not options.pin and cluster.num_devices > 1 and not writes
+    return bool(pipeline or (pipeline is None and auto))
 
 
 def refuse_pipelined_writes(graph: Graph) -> None:
@@ -376,7 +395,8 @@ def _plan_one_stage(
         return found
 
     tally.expect(len(meshes))
-    for m, found in zip(meshes, mapped(solved, meshes), strict=True):
+    # a core is left to the pipeline search beside it: ILPs' time limits are wall-clock
+    for m, found in zip(meshes, mapped(solved, meshes, spare=1), strict=True):
         if found is None:
             log.warning(
                 "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "

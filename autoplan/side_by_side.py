@@ -1,7 +1,9 @@
 """Planning work run side by side on the machine's cores: HiGHS lets go of Python's lock
 while it solves, so ILPs in threads (a stage's layers, the one-stage meshes) solve in
 parallel, and the one-stage search runs beside the pipeline search, which traces the step
-at its microbatches' shape meanwhile.
+at its microbatches' shape meanwhile. Tracing holds the lock throughout: the step at the
+first microbatch count the pipeline search asks for is traced in a forked child (`Forked`)
+while this process traces the whole step.
 
 Work run here counts its phases (`autoplan.phases`) in the `counted` block of the caller,
 each thread its own seconds.
@@ -10,21 +12,24 @@ each thread its own seconds.
 from __future__ import annotations
 
 import contextvars
+import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
+import torch
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-def mapped(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]``, on as many threads as there are cores (one: in this
-    thread); the results in the order of ``items``."""
+def mapped(fn: Callable[[T], R], items: Iterable[T], spare: int = 0) -> list[R]:
+    """``[fn(x) for x in items]``, on as many threads as there are cores, less ``spare`` cores
+    left to other work (one thread: in this one); the results in the order of ``items``."""
     todo = list(items)
-    workers = min(len(todo), os.cpu_count() or 1)
+    workers = min(len(todo), (os.cpu_count() or 1) - spare)
     if workers <= 1:
         return [fn(x) for x in todo]
     # each call in a copy of this thread's context (a context is entered by one thread at once)
@@ -56,3 +61,47 @@ class Started(Generic[R]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+
+class Forked(Generic[R]):
+    """``fn()`` computed ahead in a forked child process, for work that holds Python's lock
+    throughout (tracing a step): `result` is its value, or None where it could not be had
+    (the child failed, or this process cannot fork safely: no "fork" start method, or CUDA
+    already initialized, which a forked child cannot use); the caller then does the work
+    itself, and raises its errors itself. `close` ends a child whose result is not wanted."""
+
+    def __init__(self, fn: Callable[[], R]) -> None:
+        self._child: multiprocessing.process.BaseProcess | None = None
+        if "fork" not in multiprocessing.get_all_start_methods() or torch.cuda.is_initialized():
+            return
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+
+        def child() -> None:
+            torch.set_num_threads(1)  # a forked child's first op may hang on the parent's OpenMP
+            try:
+                value: R | None = fn()
+            except Exception:  # the parent does the work again and raises the error itself
+                value = None
+            send.send(value)
+
+        self._child = context.Process(target=child, daemon=True)
+        self._child.start()
+        send.close()
+
+    def result(self) -> R | None:
+        if self._child is None:
+            return None
+        try:
+            value: R | None = self._receive.recv()
+        except EOFError:  # the child died without sending
+            value = None
+        self._child.join()
+        self._child = None
+        return value
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child.join()
+            self._child = None

@@ -1,14 +1,24 @@
-"""Planning work side by side: results in order, exceptions handed back, and the phases of
-work in other threads counted in the caller's block."""
+"""Planning work side by side: results in order, exceptions handed back, the phases of work
+in other threads counted in the caller's block, and the step traced ahead in a forked child
+the same as traced here."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
 
+from autoplan import Cluster, PlanOptions
+from autoplan.errors import TraceError
+from autoplan.graph.capture import batch_size, capture_microbatches
+from autoplan.graph.ir import Graph
 from autoplan.phases import counted, timed
+from autoplan.search.ahead import TracedAhead
+from autoplan.search.pipeline_search import first_microbatches
 from autoplan.side_by_side import Started, mapped
+from tests.conftest import example
 
 
 def _solve(x: int) -> int:
@@ -47,3 +57,35 @@ def test_started_work_gives_its_value_or_raises_its_error() -> None:
 
     with pytest.raises(ValueError, match="no plan"):
         Started(fails).result()
+
+
+def test_the_step_traced_ahead_in_a_child_is_the_step_traced_here(a100: Cluster) -> None:
+    w = example("gpt", size="small", num_layers=2, batch_size=16, seq_len=64, device="meta")
+    traced = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    options = PlanOptions()
+    batch = batch_size(w.example_inputs, w.example_target)
+    ahead = TracedAhead(traced, a100, options, batch)
+    count = ahead.count
+    assert count == first_microbatches(a100, options, batch) and count is not None and count > 1
+    assert ahead.take(count + 1) is None  # not the count traced ahead
+    found = ahead.take(count)
+    assert found is not None and found == traced(count)
+    assert ahead.take(count) is None  # handed over once
+
+
+def test_a_child_that_cannot_trace_leaves_the_tracing_here(a100: Cluster) -> None:
+    def fails(count: int) -> Graph:
+        raise TraceError(f"cannot trace at {count} microbatches")
+
+    ahead = TracedAhead(fails, a100, PlanOptions(), batch=16)
+    assert ahead.count is not None
+    assert ahead.take(ahead.count) is None
+    ahead.close()
+
+
+def test_work_that_leaves_every_core_spare_runs_in_this_thread() -> None:
+    here = threading.get_ident()
+    cores = os.cpu_count() or 1
+    assert mapped(lambda _: threading.get_ident(), range(3), spare=cores) == [here] * 3
+    if cores > 1:  # on several threads, none of them this one
+        assert here not in mapped(lambda _: threading.get_ident(), range(3))

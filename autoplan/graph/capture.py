@@ -103,6 +103,13 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
     return (example_inputs,)
 
 
+def batch_size(example_inputs: Any, example_target: Any = None) -> int:
+    """The step's batch as the traced graph gives it (`autoplan.baselines.grid.batch_of`):
+    dim 0 of its first input with dims (1 without one)."""
+    args = (*as_tuple(example_inputs), example_target)
+    return next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 1)
+
+
 def microbatch(batch: Any, count: int) -> Any:
     """The first of ``count`` equal microbatches of ``batch`` (tensors split along dim 0;
     tuples, lists and mappings element by element); what a pipeline stage sees per step. One

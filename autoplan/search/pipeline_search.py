@@ -118,16 +118,11 @@ def search_pipelines(
     Each count's ILPs are announced to ``tally`` as its search begins. The step is traced
     for each count tried, and every stage size solved again: across nodes that multiplied
     planning time several-fold, so there the one count serves, as in Alpa."""
-    num_stages, num_microbatches = options.num_stages, options.num_microbatches
-    sizes = [
-        size
-        for size in stage_sizes(cluster)
-        if num_stages is None or cluster.num_devices // size == num_stages
-    ]
-    if not sizes or batch < 2:
+    num_microbatches = options.num_microbatches
+    sizes = _sizes(cluster, options)
+    count = first_microbatches(cluster, options, batch)
+    if count is None:
         return PipelineSearch(None)
-    deepest = cluster.num_devices // min(sizes)
-    count = num_microbatches or default_microbatches(batch, min(deepest, options.max_layers))
     best: PipelinePlan | None = None
     unproven: list[Unproven] = []
     while True:
@@ -141,6 +136,26 @@ def search_pipelines(
         if num_microbatches or count % 2 or cluster.num_nodes > 1:
             return PipelineSearch(best, tuple(unproven))
         count //= 2
+
+
+def _sizes(cluster: Cluster, options: PlanOptions) -> list[int]:
+    """The stage sizes searched: every `stage_sizes`, or those of ``options.num_stages``."""
+    num_stages = options.num_stages
+    return [
+        size
+        for size in stage_sizes(cluster)
+        if num_stages is None or cluster.num_devices // size == num_stages
+    ]
+
+
+def first_microbatches(cluster: Cluster, options: PlanOptions, batch: int) -> int | None:
+    """The microbatch count `search_pipelines` tries first for a step of ``batch`` samples
+    (None: it searches no pipeline)."""
+    sizes = _sizes(cluster, options)
+    if not sizes or batch < 2:
+        return None
+    deepest = cluster.num_devices // min(sizes)
+    return options.num_microbatches or default_microbatches(batch, min(deepest, options.max_layers))
 
 
 def _best_for_count(
