@@ -81,8 +81,8 @@ class Forked(Generic[R]):
             torch.set_num_threads(1)  # a forked child's first op may hang on the parent's OpenMP
             try:
                 value: R | None = fn()
-            except Exception:  # the parent does the work again and raises the error itself
-                value = None
+            except BaseException:  # the parent does the work again and raises the error itself
+                value = None  # (Ctrl-C reaches the child too: the parent stops on its own)
             send.send(value)
 
         self._child = context.Process(target=child, daemon=True)
