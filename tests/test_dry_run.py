@@ -191,6 +191,8 @@ def test_an_error_torch_wraps_is_told_by_its_cause(cpu4: autoplan.Cluster) -> No
     assert message.startswith("rank 3 (stage 1) "), message
     assert "NotImplementedError: Operator aten.mm.default" in message, message
     assert "outside the traced forward" in message, message
+    # no op of the plan to pin replicated: the advice is another plan, or a report
+    assert "pin" not in message and "--stages" in message, message
 
 
 # the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as
