@@ -207,7 +207,8 @@ class TrainOptions:
 
     make_optimizer: OptimizerFactory | None = field(default=None, compare=False)
     """Builds the optimizer from the step's (DTensor) parameters instead; the plan still
-    counts the state of `PlanOptions.optimizer`, so name the closest one there."""
+    counts the state of `PlanOptions.optimizer`, so name the closest one there. Not called on
+    a rank whose pipeline stages hold no parameter: it steps without an optimizer."""
 
     max_grad_norm: float | None = None
     """Clips the gradients to this global norm before each optimizer step (as

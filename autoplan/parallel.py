@@ -111,7 +111,8 @@ class Step:
     from that batch's shapes (as Alpa does). Built, ``step.module`` is the parallel module (its
     forward returns the loss, and gradients are synchronized as they arrive) for users who
     write their own loop, None for pipelined plans (``step.pipeline``); ``step.optimizer`` the
-    optimizer over its DTensor parameters; ``step.plan`` the plan in use; ``step.steps_done``
+    optimizer over its DTensor parameters (None on a rank whose pipeline stages hold no
+    parameter: nothing to update); ``step.plan`` the plan in use; ``step.steps_done``
     the steps taken (counted by calls, and restored by `load`); ``step.resumed_from`` the
     checkpoint `load` restored (its step, its path, the ranks that saved it).
     """
@@ -310,7 +311,7 @@ class Step:
         it), which ``model.load_state_dict(torch.load(path))`` reads in one process."""
         checkpoint.export(path, self.state_dict())
 
-    def _built(self, action: str) -> torch.optim.Optimizer:
+    def _built(self, action: str) -> torch.optim.Optimizer | None:
         if self._runtime is None:
             raise AutoplanError(
                 f"cannot {action} a step that is not built yet: pass example_inputs to "

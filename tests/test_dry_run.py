@@ -14,8 +14,8 @@ from torch import nn
 import autoplan
 from autoplan.errors import UnsupportedOpError
 from autoplan.execute import op_calls
-from autoplan.execute.dry_run import _refusal, check_traced, roles
-from autoplan.graph.capture import export_step
+from autoplan.execute.dry_run import _refusal, check_plan, check_traced, roles
+from autoplan.graph.capture import export_step, microbatch
 from autoplan.workload import Workload, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +130,32 @@ def test_a_pipelined_plan_runs_on_every_role(cpu4: autoplan.Cluster) -> None:
     assert _check(w, plan) == [0, 1, 2, 3]
 
 
+class _Squash(nn.Module):
+    """A layer without parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 2
+
+
+def test_a_stage_without_parameters_runs_without_an_optimizer(cpu4: autoplan.Cluster) -> None:
+    """The baseline's second stage holds the parameter-free layers and the loss: its ranks
+    build no optimizer (torch's refuses an empty parameter list, which failed the check as
+    it would the first step) and step with none, gradient clipping's norm included (theirs
+    0 in the all-reduce over "pp")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Up(), _Up(), _Squash(), _Squash())
+    w = Workload(model, (torch.randn(8, 16),), nn.functional.mse_loss, torch.randn(8, 16))
+    plan = w.baseline(cpu4, dp=2, tp=1, pp=2, options=autoplan.PlanOptions(num_microbatches=2))
+    assert plan.pipeline is not None and set(plan.param_stages().values()) == {0}
+    assert not any(n.startswith("linear") for n in plan.stages[1].nodes)
+    count = plan.pipeline.num_microbatches
+    inputs, target = microbatch(w.example_inputs, count), microbatch(w.example_target, count)
+    ep = export_step(w.model, inputs, w.loss_fn, target, plan.mixed_precision)
+    clipped = autoplan.TrainOptions(max_grad_norm=1.0)
+    checked = check_plan(w.model, ep, plan, w.example_inputs, w.example_target, train=clipped)
+    assert checked == [0, 1, 2, 3]
+
+
 def test_an_op_a_later_stage_cannot_run_is_refused(
     cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,6 +191,8 @@ def test_an_error_torch_wraps_is_told_by_its_cause(cpu4: autoplan.Cluster) -> No
     assert message.startswith("rank 3 (stage 1) "), message
     assert "NotImplementedError: Operator aten.mm.default" in message, message
     assert "outside the traced forward" in message, message
+    # no op of the plan to pin replicated: the advice is another plan, or a report
+    assert "pin" not in message and "--stages" in message, message
 
 
 # the zoo's attention has 2 key-value heads: tensor parallelism of 2. At 64 ranks (dp=32) as

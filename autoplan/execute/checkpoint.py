@@ -246,7 +246,7 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 def save(
     directory: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     step: int,
     *,
     keep: int | None = None,
@@ -278,7 +278,9 @@ def save(
 
     _rank0_then_all(start)
     state: dict[str, Any] = {"model": _unstrided(_local(_model_state(model)))}
-    if optimizer.state:  # before the first step there is nothing to save (nor to init)
+    # before the first step there is nothing to save (nor to init); None: this rank's
+    # pipeline stages hold no parameter
+    if optimizer is not None and optimizer.state:
         state["optim"] = _unstrided(get_optimizer_state_dict(model, optimizer, options=_FLAT))
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
@@ -330,14 +332,14 @@ def _sync_directory(path: Path) -> None:
 def load(
     directory: str | Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     *,
     missing_ok: bool = False,
 ) -> Restored | None:
     """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) into
-    ``model``'s parameters and buffers in place and into ``optimizer``, on every rank, and set
-    every rank's random state to rank 0's at the save. Without a checkpoint: None if
-    ``missing_ok``, else an error."""
+    ``model``'s parameters and buffers in place and into ``optimizer`` (if any), on every
+    rank, and set every rank's random state to rank 0's at the save. Without a checkpoint:
+    None if ``missing_ok``, else an error."""
     found = _rank0_then_all(lambda: str(latest(directory) or ""))
     if not found:
         if missing_ok:
@@ -360,7 +362,7 @@ def load(
     state: dict[str, Any] = {"model": _unstrided(held)}
     template: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    if any(k.startswith("optim.") for k in saved):
+    if optimizer is not None and any(k.startswith("optim.") for k in saved):
         template = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         optim = {k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION}
         state["optim"] = _unstrided(optim)
@@ -378,7 +380,7 @@ def load(
         for key, value in _restrided(state["model"], held).items():
             if _strided(value):
                 held[key].copy_(value)
-    if template:
+    if optimizer is not None and template:
         loaded = _restrided(state["optim"], optim)
         set_optimizer_state_dict(model, optimizer, {**template, **loaded}, options=_FLAT)
     _set_rng_state(progress["rng"])

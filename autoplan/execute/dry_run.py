@@ -294,15 +294,25 @@ def _refusal(rank: int, plan: Plan, error: BaseException) -> str:
             f"placed inputs {placed.inputs if placed else '?'} -> "
             f"{placed.output if placed else '?'}"
         )
+        advice = (
+            "pin what that module reads replicated (PlanOptions.pins, --pin: its parameters, "
+            'or "input:0" for the batch) so that the op runs whole on every rank, or report the '
+            "op to autoplan with this message"
+        )
     else:
         where = "building the step, backward or the optimizer step (outside the traced forward)"
+        # no op of the plan to pin: what failed is the executor's own (or torch's) work
+        other = (
+            "other pipeline stages (PlanOptions.num_stages, --stages) or " if plan.pipeline else ""
+        )
+        advice = (
+            f"report it to autoplan with this message; a plan of {other}another mesh "
+            "(PlanOptions.mesh_shape, --mesh) may not meet it"
+        )
     return (
         f"rank {rank}{_stages_of(rank, plan)} of the plan cannot run its step: {where}: "
-        f"{what}. The check ran the "
-        "planned step on fake tensors before training (TrainOptions.check_step, --no-check-"
-        "step to skip it). What to do: pin what that module reads replicated "
-        '(PlanOptions.pins, --pin: its parameters, or "input:0" for the batch) so that the '
-        "op runs whole on every rank, or report the op to autoplan with this message"
+        f"{what}. The check ran the planned step on fake tensors before training "
+        f"(TrainOptions.check_step, --no-check-step to skip it). What to do: {advice}"
     )
 
 

@@ -46,7 +46,9 @@ class Runtime:
     module: ParallelModule | None
     pipeline: PipelineRunner | None
     placeholders: Placeholders
-    optimizer: torch.optim.Optimizer
+    # None on a rank whose stages hold no parameter (a parameter-free last stage, say): its
+    # step updates nothing, but takes part in every collective of the step as the others do
+    optimizer: torch.optim.Optimizer | None
     zero: ShardedState  # ZeRO-1/2's parameters updated as shards
     step_limit_s: float  # the watchdog's limit for one step
     loss_scaler: LossScaler | None  # fp16 plans' dynamic loss scaling; None: no scaling
@@ -104,12 +106,15 @@ def build_runtime(
             )
         )
         parameters = list(module.parameters())
-    made = (
-        train.make_optimizer(parameters)
-        if train.make_optimizer is not None
-        else make_optimizer(optimizer, parameters, train.optimizer_options)
-    )
+    made: torch.optim.Optimizer | None = None
+    if parameters:  # torch's optimizers refuse an empty list
+        made = (
+            train.make_optimizer(parameters)
+            if train.make_optimizer is not None
+            else make_optimizer(optimizer, parameters, train.optimizer_options)
+        )
     if zero.whole:  # ZeRO-1/2: the updated shards gathered back after each step
+        assert made is not None  # ZeRO splits parameters, so there are some
         made.register_step_post_hook(lambda *_: zero.gather())
     fp16 = plan.mixed_precision == Precision.FP16
     return Runtime(
@@ -152,10 +157,11 @@ def train_step(run: Runtime, inputs: Any, target: Any, max_grad_norm: float | No
     if max_grad_norm is not None and finite:
         note("gradient clipping (the gradients' norm)")
         clip_gradients(run, max_grad_norm)
-    if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
-        note("the optimizer step (it waits for gradients still being reduced)")
-        run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    if run.optimizer is not None:  # None: this rank's stages hold nothing to update
+        if finite:  # a step whose gradients overflowed is skipped, as GradScaler skips it
+            note("the optimizer step (it waits for gradients still being reduced)")
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
     note("the loss's all-reduce")
     # long done by now; waited for here so that no step leaves a collective behind
     return wait_collective(loss.detach())
@@ -170,11 +176,19 @@ def clip_gradients(run: Runtime, max_norm: float) -> torch.Tensor:
     summed by hand on the "pp" axis: no DTensor spans stages.
     """
     grads = gradients(run)
-    norm = torch.nn.utils.get_total_norm(grads)
+    # a rank without gradients (its stages hold no parameter) adds a norm of 0, made on the
+    # mesh's device for the all-reduce (torch's norm of no tensors is on the CPU)
+    norm = (
+        torch.nn.utils.get_total_norm(grads)
+        if grads
+        else torch.zeros((), device=run.mesh.device_type)
+    )
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if run.pipeline is not None:
-        squared = norm.detach() ** 2
+        # summed in float32 on every stage: one all-reduce needs one dtype on all its ranks,
+        # and a stage without gradients knows not the others' (bfloat16 weights, say)
+        squared = norm.detach().float() ** 2
         dist.all_reduce(squared, group=run.mesh["pp"].get_group())
         norm = squared.sqrt()
     scale = max_norm / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
@@ -186,5 +200,7 @@ def clip_gradients(run: Runtime, max_norm: float) -> torch.Tensor:
 
 def gradients(run: Runtime) -> list[torch.Tensor]:
     """The gradients of this rank's parameters that have one."""
+    if run.optimizer is None:
+        return []
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     return [p.grad for p in params if p.grad is not None]
