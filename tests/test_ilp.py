@@ -26,6 +26,7 @@ from autoplan.solvers.ilp import (
     solve_intra_op,
 )
 from autoplan.solvers.linear import LinearSolution
+from autoplan.solvers.link_classes import link_classes
 from autoplan.solvers.problem import (
     BucketCost,
     Edge,
@@ -464,6 +465,40 @@ def all_choices(problem: IntraOpProblem) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize(("seed", "min_strategies"), [(s, 2) for s in range(8)] + [(8, 1), (9, 1)])
 def test_random_problems_match_brute_force(seed: int, min_strategies: int) -> None:
     problem = random_problem(seed, min_strategies)
+    evaluations = [evaluate(problem, c) for c in all_choices(problem)]
+    best = min(e.objective for e in evaluations if e.feasible)
+    for solver in SOLVERS:
+        solution = solve_intra_op(problem, solver=solver)
+        assert solution.status == "optimal"
+        assert evaluate(problem, solution.choice).feasible
+        assert solution.objective == pytest.approx(best, rel=1e-6)
+
+
+def placed_problem(seed: int) -> IntraOpProblem:
+    """`random_problem`'s shape with resharding costs as placements make them: each strategy
+    of a group has one of 2-3 placements (an op's strategies sharing an output placement),
+    and an edge's cost depends on the two placements alone, so rows and columns repeat."""
+    rng = np.random.default_rng(100 + seed)
+    problem = random_problem(seed)
+    sizes = [len(c) for c in problem.node_costs]
+    placement = [rng.integers(0, int(rng.integers(2, 4)), size=k) for k in sizes]
+    edges = []
+    for edge in problem.edges:
+        by_placement = rng.uniform(0, 10, size=(3, 3)).round(2)
+        cost = [[by_placement[a, b] for b in placement[edge.dst]] for a in placement[edge.src]]
+        edges.append(Edge(edge.src, edge.dst, tuple(tuple(map(float, r)) for r in cost)))
+    return dataclasses.replace(problem, edges=tuple(edges))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_columns_shared_by_strategies_of_one_placement_keep_the_optimum(seed: int) -> None:
+    problem = placed_problem(seed)
+    reduced = simplify(problem)
+    s = {v: list(range(len(c))) for v, c in enumerate(reduced.node_costs) if len(c) > 1}
+    classes = link_classes(reduced, ilp._linked_pairs(reduced, s))
+    per_strategy = sum(len(reduced.node_costs[u]) * len(reduced.node_costs[v]) for u, v in classes)
+    per_class = sum((max(rows) + 1) * (max(cols) + 1) for rows, cols in classes.values())
+    assert per_class < per_strategy
     evaluations = [evaluate(problem, c) for c in all_choices(problem)]
     best = min(e.objective for e in evaluations if e.feasible)
     for solver in SOLVERS:

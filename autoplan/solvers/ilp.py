@@ -114,6 +114,7 @@ from autoplan.solvers.linear import (
     solve_with_cbc,
     solve_with_highs,
 )
+from autoplan.solvers.link_classes import link_classes
 from autoplan.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, SharedCost, gap_text
 from autoplan.units import fmt_bytes
 
@@ -291,11 +292,13 @@ def build_model(problem: IntraOpProblem, margin: float = 0.0) -> tuple[LinearPro
     terms = [(x, problem.node_costs[v][k]) for v, xs in s.items() for k, x in enumerate(xs)]
     for edge in problem.edges:
         matrix = links[edge.src, edge.dst]
-        terms += [
-            (x, c)
+        # a column per class pair (`link_classes`): its cost once, the same for each member
+        costs = {
+            x: c
             for xs, cs in zip(matrix, edge.cost, strict=True)
             for x, c in zip(xs, cs, strict=True)
-        ]
+        }
+        terms += costs.items()
     terms += _add_shared_variables(model, problem, s, links)
     terms += _add_bucket_variables(model, problem, s, links)
     scale = _memory_scale(problem, s)
@@ -346,20 +349,23 @@ def _linked_pairs(problem: IntraOpProblem, s: NodeVariables) -> list[tuple[int, 
 def _add_link_variables(
     model: LinearProgram, problem: IntraOpProblem, s: NodeVariables, labels: list[str]
 ) -> Links:
-    """One matrix of ``e`` columns per pair of `_linked_pairs`."""
+    """One matrix of ``e`` columns per pair of `_linked_pairs`, a column per pair of the
+    classes of strategies its terms tell apart (`link_classes`): the matrix gives each pair of
+    strategies its classes' column."""
     assert all(e.src < e.dst and e.src in s for e in problem.edges), "expects a simplified problem"
     links: Links = {}
-    for u, v in _linked_pairs(problem, s):
+    pairs = _linked_pairs(problem, s)
+    for (u, v), (row_of, col_of) in link_classes(problem, pairs).items():
         name = f"{labels[u]}__{labels[v]}"
-        rows = range(len(s[u]))
-        cols = range(len(s[v]))
+        rows, cols = range(max(row_of) + 1), range(max(col_of) + 1)
         ev = [[model.column(f"e_{name}_{i}_{j}") for j in cols] for i in rows]
         for i in rows:
-            model.row(f"row_{name}_{i}", [*((x, 1.0) for x in ev[i]), (s[u][i], -1.0)], 0, 0)
+            members = [(x, -1.0) for x, c in zip(s[u], row_of, strict=True) if c == i]
+            model.row(f"row_{name}_{i}", [*((x, 1.0) for x in ev[i]), *members], 0, 0)
         for j in cols:
-            column = [(ev[i][j], 1.0) for i in rows]
-            model.row(f"col_{name}_{j}", [*column, (s[v][j], -1.0)], 0, 0)
-        links[u, v] = ev
+            members = [(x, -1.0) for x, c in zip(s[v], col_of, strict=True) if c == j]
+            model.row(f"col_{name}_{j}", [*((ev[i][j], 1.0) for i in rows), *members], 0, 0)
+        links[u, v] = [[ev[i][j] for j in col_of] for i in row_of]
     return links
 
 
@@ -389,7 +395,8 @@ def _add_shared_variables(
                 continue
             y = model.column(f"y_{t}_{i}")
             for g, ks in sorted(by_group.items()):
-                paid = [_both(links, s, shared.src, i, g, k) for k in ks]
+                # each column once: the triggers of one class share theirs (`link_classes`)
+                paid = dict.fromkeys(_both(links, s, shared.src, i, g, k) for k in ks)
                 row = [(y, 1.0), *((x, -1.0) for x in paid if x is not None)]
                 model.row(f"shared_{t}_{i}_{g}", row, 0.0)
             terms.append((y, cost))
