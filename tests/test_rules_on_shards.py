@@ -157,3 +157,35 @@ def test_rules_are_exact_on_two_shards() -> None:
                 assert _same(_whole(list(got), out), want), (node.op, out, specs)
     # every op met, each with a rule that splits something
     assert set(seen) == TESTED and all(seen.values()), seen
+
+
+class _MultiQuery(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def test_multi_query_attention_splits_its_query_heads_beside_its_one_key_value_head() -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 1, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    graph = graph_from_export(torch.export.export(_MultiQuery(), (q, k, v)))
+    node = next(n for n in graph if n.op == "aten.scaled_dot_product_attention.default")
+    rule = own_rule(node.op)
+    assert rule is not None
+    heads = ("S(1)", "S(1)", "R", "R")
+    assert heads in rule(node, [graph.tensor(r) for r in node.refs])
+    # each rank's query heads against the one key-value head: the output's shards, and the
+    # key's and value's gradients partial sums (the rule's R input under a split output)
+    out = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    parts, partial = [], [torch.zeros_like(k), torch.zeros_like(v)]
+    for rank in range(2):
+        q_r = q.detach().chunk(2, 1)[rank].requires_grad_()
+        k_r, v_r = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out_r = nn.functional.scaled_dot_product_attention(q_r, k_r, v_r, enable_gqa=True)
+        out_r.backward(grad.chunk(2, 1)[rank])
+        parts.append(out_r.detach())
+        partial = [partial[0] + k_r.grad, partial[1] + v_r.grad]
+    assert torch.allclose(torch.cat(parts, 1), out.detach())
+    assert torch.allclose(partial[0], k.grad) and torch.allclose(partial[1], v.grad)

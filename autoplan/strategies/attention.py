@@ -7,7 +7,8 @@ axis:
 * any dim before the sequence (batch, heads) split in every tensor alike (a mask broadcast
   along it whole); with ``enable_gqa``, the keys' and values' fewer heads split with the
   queries' heads: each rank's query heads are whole groups of consecutive heads, which share
-  its key-value heads (valid where the axis divides the key-value heads);
+  its key-value heads (valid where the axis divides the key-value heads); one key-value head
+  (multi-query attention) whole beside the split queries;
 * context parallelism: the queries split along the sequence (dim ``-2``), the keys and values
   whole, the output split along the sequence with the queries, a mask along its query dim
   (whole where it broadcasts over the queries). The keys and values come whole by an
@@ -43,24 +44,29 @@ def attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     rules: list[AxisRule] = []
     grouped = bool(dict(node.kwargs).get("enable_gqa", False))
     for d in range(ndim - 2):
-        # a mask broadcast along the dim (one for every head) stays whole; grouped-query
-        # attention's fewer key-value heads split with the queries' (a rank's query heads
-        # are whole groups, and their key-value heads its share)
-        split = [
-            len(t.shape) == ndim
-            and (
-                t.shape[d] == q.shape[d]
-                or (grouped and i in (1, 2) and d == ndim - 3 and q.shape[d] % t.shape[d] == 0)
-            )
-            for i, t in enumerate(ins)
-        ]
-        rules.append((shard(d), *[shard(d) if s else R for s in split]))
+        heads = grouped and d == ndim - 3
+        rules.append(
+            (shard(d), *[_with_queries(d, q, t, heads and i in (1, 2)) for i, t in enumerate(ins)])
+        )
     if q.shape[-2] > 1 and not _arg(node, 4, "dropout_p", 0.0):
         masks = [
             R if len(t.shape) < 2 or t.shape[-2] == 1 else shard(len(t.shape) - 2) for t in ins[3:]
         ]
         rules.append((shard(ndim - 2), shard(ndim - 2), R, R, *masks))
     return rules
+
+
+def _with_queries(d: int, q: TensorInfo, t: TensorInfo, key_heads: bool) -> str:
+    """How input ``t`` is placed where the queries split along dim ``d`` (batch or heads): a
+    mask broadcast along it (one for every head) stays whole. Grouped-query attention's fewer
+    key-value heads (``key_heads``) split with the queries' heads: a rank's query heads are
+    whole groups, and their key-value heads its share. Multi-query attention's one key-value
+    head stays whole: it serves every rank's query heads (its gradient then a partial sum)."""
+    if len(t.shape) != len(q.shape):
+        return R
+    if t.shape[d] == q.shape[d] or (key_heads and t.shape[d] > 1 and q.shape[d] % t.shape[d] == 0):
+        return shard(d)
+    return R
 
 
 def context_axes(inputs: Sequence[Spec], q_ndim: int) -> tuple[int, ...]:
