@@ -89,15 +89,19 @@ class Forked(Generic[R]):
         self._child.start()
         send.close()
 
-    def result(self) -> R | None:
+    def result(self, timeout: float | None = None) -> R | None:
+        """The child's value; None where it failed, or sent nothing within ``timeout``
+        seconds (a child stuck on a lock some other thread held when it was forked: it is
+        ended)."""
         if self._child is None:
             return None
+        value: R | None = None
         try:
-            value: R | None = self._receive.recv()
+            if self._receive.poll(timeout):
+                value = self._receive.recv()
         except EOFError:  # the child died without sending
-            value = None
-        self._child.join()
-        self._child = None
+            pass
+        self.close()
         return value
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from autoplan.graph.ir import Graph
 from autoplan.phases import counted, timed
 from autoplan.search.ahead import TracedAhead
 from autoplan.search.pipeline_search import first_microbatches
-from autoplan.side_by_side import Started, mapped
+from autoplan.side_by_side import Forked, Started, mapped
 from tests.conftest import example
 
 
@@ -89,3 +89,12 @@ def test_work_that_leaves_every_core_spare_runs_in_this_thread() -> None:
     assert mapped(lambda _: threading.get_ident(), range(3), spare=cores) == [here] * 3
     if cores > 1:  # on several threads, none of them this one
         assert here not in mapped(lambda _: threading.get_ident(), range(3))
+
+
+def test_a_child_that_sends_nothing_in_time_is_ended() -> None:
+    stuck = Forked(lambda: time.sleep(60))
+    child = stuck._child
+    assert child is not None and child.is_alive()
+    start = time.perf_counter()
+    assert stuck.result(timeout=0.2) is None
+    assert time.perf_counter() - start < 10 and not child.is_alive()

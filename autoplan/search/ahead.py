@@ -7,6 +7,7 @@ another count, or the child could not trace, the step is traced here as before."
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 from autoplan.cluster.model import Cluster
@@ -25,17 +26,20 @@ class TracedAhead:
     ) -> None:
         count = first_microbatches(cluster, options, batch)
         self.count = count
+        self._started = time.perf_counter()
         self._child = (
             Forked(functools.partial(traced, count)) if count is not None and count > 1 else None
         )
 
     def take(self, count: int) -> Graph | None:
         """The step traced at ``count`` microbatches, if that was the count traced ahead and
-        the child traced it; else None (trace it here)."""
+        the child traced it; else None (trace it here). A child that began with this
+        process's own trace of the whole step and has not sent its graph in as long again
+        is taken to be stuck."""
         if self._child is None or count != self.count:
             return None
         child, self._child = self._child, None
-        return child.result()
+        return child.result(timeout=max(10.0, time.perf_counter() - self._started))
 
     def close(self) -> None:
         if self._child is not None:
