@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from autoplan.graph.blocks import find_sharing
 from autoplan.graph.capture import batch_size, capture, capture_microbatches
 from autoplan.graph.ir import Graph
 from autoplan.graph.recompute import chosen
-from autoplan.modes import NodeKind, RecomputeMode, Schedule
+from autoplan.modes import RecomputeMode, Schedule
+from autoplan.no_plan import infeasible, no_plan
 from autoplan.options import PlanOptions
 from autoplan.phases import counted, split, timed
 from autoplan.pins import apply_pins, keep_sharing_consistent, parse_pins
@@ -37,7 +38,6 @@ from autoplan.schedules import V_SHAPED, schedule_refusal
 from autoplan.search.ahead import TracedAhead
 from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import (
-    LAYER_TIME_LIMIT_S,
     GraphForMicrobatches,
     search_pipelines,
 )
@@ -152,7 +152,7 @@ def plan_graph(
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
         assert not isinstance(single, Searched)
-        raise _no_plan(single, weighed, list(unproven), cluster, memory_limit)
+        raise no_plan(single, weighed, list(unproven), cluster, memory_limit)
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
@@ -188,37 +188,6 @@ def refuse_pipelined_writes(graph: Graph) -> None:
         "cannot update as one process does (each would see its own part of the batch): plan "
         "without pipeline stages (PlanOptions(pipeline=False), --no-pipeline), or put the "
         "modules that update them in eval mode (batch norm: module.eval())"
-    )
-
-
-def _no_plan(
-    single: InfeasiblePlanError | None,
-    weighed: bool,
-    unproven: list[Unproven],
-    cluster: Cluster,
-    memory_limit: float,
-) -> AutoplanError:
-    """Why the search found no plan: where some ILPs found none within the time limit, that
-    (a longer limit may find one); else what does not fit (``single``: the one-stage plans',
-    None where no mesh was found too large; pipelines were searched if ``weighed``)."""
-    if single is None:
-        infeasible = InfeasiblePlanError(
-            f"no pipeline fits in {fmt_bytes(memory_limit)} per device on cluster "
-            f"{cluster.name!r}: use more devices, more stages or microbatches, or a "
-            "lighter optimizer"
-        )
-    else:
-        infeasible = (
-            InfeasiblePlanError(f"{single} No pipeline fits either.") if weighed else single
-        )
-    cut = [part.describe() for part in unproven if part.outcome == SKIPPED]
-    if not cut:
-        return infeasible
-    layers = f"; a pipeline layer's ILP stops at {LAYER_TIME_LIMIT_S:g} s at most" * weighed
-    too_large = f" Where it did not: {single}" if single is not None else ""
-    return SolverTimeLimitError(
-        f"the ILP solver found no plan within the time limit ({'; '.join(cut)}): raise the time "
-        f"limit (PlanOptions.time_limit_s, --time-limit{layers}).{too_large}"
     )
 
 
@@ -351,7 +320,7 @@ def _plan_one_stage(
     that recompute with the strategies unless ``options.recompute`` fixes them; and the
     meshes whose ILPs ran into the time limit. A mesh whose ILP found no plan by then is
     skipped, the others still searched. Without a plan: why none fits, or None where every
-    mesh was cut short (`_no_plan` says so)."""
+    mesh was cut short (`no_plan` says so)."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -365,6 +334,7 @@ def _plan_one_stage(
     recompute = options.recompute
     recomputed = chosen(graph, options.max_layers, recompute or RecomputeMode.NONE)
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
+    every_layer = chosen(graph, options.max_layers, RecomputeMode.FULL)
     best: MeshPlan | None = None
     step_times: dict[tuple[int, ...], float] = {}
     needs: dict[tuple[int, ...], float] = {}
@@ -372,20 +342,31 @@ def _plan_one_stage(
     limit_s = options.time_limit_s
 
     def solve(m: tuple[int, ...]) -> MeshPlan | float | None:
-        """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time."""
-        try:
-            return solve_mesh(
-                graph,
-                sharing,
-                Pricer(cluster, m, options.optimizer, recomputed),
-                memory_limit,
-                limit_s,
-                functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
-                float32_grads=options.float32_grads,
-                recompute=choice,
-            )
-        except SolverTimeLimitError:
-            return None
+        """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time. Where the ILP
+        choosing the layers that recompute found none, every layer recomputed (the least
+        memory) with the strategies alone chosen: a plan, not proven the best."""
+        for layers, ways in ((recomputed, choice), (every_layer, None)):
+            try:
+                found = solve_mesh(
+                    graph,
+                    sharing,
+                    Pricer(cluster, m, options.optimizer, layers),
+                    memory_limit,
+                    limit_s,
+                    functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
+                    float32_grads=options.float32_grads,
+                    recompute=ways,
+                )
+            except SolverTimeLimitError:
+                if ways is None:
+                    return None
+                log.warning(
+                    "mesh %s: choosing the layers that recompute found no plan within the %g s "
+                    "time limit; planned with every layer recomputed", m, limit_s,
+                )  # fmt: skip
+                continue
+            return found if ways is not None else _not_proven(found)
+        return None
 
     def solved(m: tuple[int, ...]) -> MeshPlan | float | None:
         log.info("mesh %s: solving ...", m)
@@ -431,8 +412,8 @@ def _plan_one_stage(
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = RecomputeMode.FULL if recompute is None else recompute
-        infeasible = _infeasible(graph, cluster, needs, memory_limit, options.memory_fraction, mode)
-        return infeasible, tuple(unproven)
+        fraction = options.memory_fraction
+        return infeasible(graph, cluster, needs, memory_limit, fraction, mode), tuple(unproven)
     result = best.result
     plan = assemble_plan(
         graph,
@@ -455,33 +436,10 @@ def _plan_one_stage(
     return Searched(plan, graph, degrees), tuple(unproven)
 
 
-def _infeasible(
-    graph: Graph,
-    cluster: Cluster,
-    needs: Mapping[tuple[int, ...], float],
-    limit: float,
-    fraction: float,
-    recompute: str,
-) -> InfeasiblePlanError:
-    mesh, need = min(needs.items(), key=lambda kv: kv[1])
-    recomputed = {
-        RecomputeMode.FULL: ", every layer recomputed in backward",
-        RecomputeMode.SELECTIVE: ", every layer's attention core recomputed in backward",
-        RecomputeMode.OPS: ", every layer recomputed in backward but the ops torchtitan saves",
-    }.get(RecomputeMode(recompute), "")
-    hint = {
-        RecomputeMode.NONE: ', activation recomputation (recompute="full")',
-        RecomputeMode.SELECTIVE: ', full activation recomputation (recompute="full")',
-        RecomputeMode.OPS: ', full activation recomputation (recompute="full")',
-    }.get(RecomputeMode(recompute), "")
-    param_bytes = sum(n.output.nbytes for n in graph if n.kind == NodeKind.PARAM)
-    # just over the limit: the ILP choosing recomputation found no plan (`solve_mesh`)
-    amount = fmt_bytes(need) if need > limit * 1.001 else "more than it has"
-    return InfeasiblePlanError(
-        f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "
-        f"device needs {amount} (parameters alone are {fmt_bytes(param_bytes)} "
-        f"unsharded, plus gradients, optimizer state and activations), but a device of cluster "
-        f"{cluster.name!r} offers {fmt_bytes(limit)} ({fraction * 100:g}% of "
-        f"{fmt_bytes(cluster.device.memory_bytes)}). Use more devices (--nodes), a smaller "
-        f"batch, lower-precision parameters{hint}, or a lighter optimizer."
-    )
+def _not_proven(found: MeshPlan | float) -> MeshPlan | float:
+    """``found``, its solution marked stopped at the time limit (its gap unknown): a plan of
+    a narrower search than the one asked."""
+    if not isinstance(found, MeshPlan):
+        return found
+    solution = dataclasses.replace(found.result.solution, status="time_limit", gap=None)
+    return dataclasses.replace(found, result=dataclasses.replace(found.result, solution=solution))

@@ -178,3 +178,27 @@ def test_a_mesh_whose_priced_peak_is_over_the_limit_is_skipped(
     assert proven.mesh.shape == (2, 2) and plan.mesh.shape == (4,)
     assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
     assert re.search(r"mesh \(2, 2\): the ILP's plan is priced at .* over the limit", caplog.text)
+
+
+def test_a_mesh_whose_recomputation_is_not_chosen_in_time_recomputes_every_layer(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the setup of tests/test_recompute.py's mixed modes: only some recomputation fits
+    w = example("gpt", size="small", num_layers=3, batch_size=8, seq_len=128, attention="eager")
+    options = PlanOptions(mesh_shape=(4,), memory_fraction=0.0055, pipeline=False)
+    solve = intra_op.solve_problem
+
+    def cut(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
+        if args[3].recompute:  # the ILP choosing which layers recompute: a nanosecond
+            return solve(*args[:6], 1e-9)
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(intra_op, "solve_problem", cut)
+    with caplog.at_level(logging.WARNING, logger=autoplan.api.__name__):
+        found = w.plan(cpu4, options)
+    assert "planned with every layer recomputed" in caplog.text
+    assert {(layer.layer, layer.mode) for layer in found.recompute} == {
+        (f"blocks.{i}", "full") for i in range(3)
+    }
+    assert found.predicted.peak_memory_bytes <= found.predicted.memory_limit_bytes
+    assert found.solver.unproven == (Unproven("mesh (4,)", STOPPED, 60.0),)
