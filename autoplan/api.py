@@ -42,7 +42,7 @@ from autoplan.search.pipeline_search import (
     search_pipelines,
 )
 from autoplan.search.recompute_ilp import RecomputeChoice
-from autoplan.side_by_side import Started, mapped
+from autoplan.side_by_side import mapped
 from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 from autoplan.units import fmt_bytes
 
@@ -127,32 +127,26 @@ def plan_graph(
         refuse_pipelined_writes(graph)
     memory_limit = cluster.device.memory_bytes * options.memory_fraction
     tally = Tally(options.on_progress, "ILP")
-    # the one-stage search runs beside the pipeline search (side_by_side)
-    one_stage = (
-        None
-        if pipeline
-        else Started(lambda: _plan_one_stage(graph, cluster, options, memory_limit, tally))
-    )
+    single: Searched | InfeasiblePlanError | None = None
+    unproven: list[Unproven] = []  # the parts of the search that ran into the time limit
+    # one search after the other: ILPs' time limits are wall-clock, and one search's ILPs
+    # beside the other's would each have less of the machine
+    if not pipeline:
+        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally)
+        unproven += cut_short
     piped: Searched | None = None
-    piped_unproven: tuple[Unproven, ...] = ()
     weighed = False
     if _weighs_pipelines(options, cluster, bool(graph.writes)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
-        try:
-            piped, piped_unproven = _plan_pipelined(
-                graph, microbatch_graph, cluster, options, memory_limit, tally
-            )
-        except AutoplanError:
-            if one_stage is not None:  # its error first, as when it ran before the pipelines
-                one_stage.result()
-            raise
-    single, unproven = one_stage.result() if one_stage is not None else (None, ())
-    unproven = (*unproven, *piped_unproven)  # the parts that ran into the time limit
+        piped, cut_short = _plan_pipelined(
+            graph, microbatch_graph, cluster, options, memory_limit, tally
+        )
+        unproven += cut_short
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
         assert not isinstance(single, Searched)
-        raise no_plan(single, weighed, list(unproven), cluster, memory_limit)
+        raise no_plan(single, weighed, unproven, cluster, memory_limit)
     fastest = min(s.plan.predicted.step_time_s for s in found)
     checked = [
         _keep_faster_conventional(s, cluster, options)
@@ -376,8 +370,7 @@ def _plan_one_stage(
         return found
 
     tally.expect(len(meshes))
-    # a core is left to the pipeline search beside it: ILPs' time limits are wall-clock
-    for m, found in zip(meshes, mapped(solved, meshes, spare=1), strict=True):
+    for m, found in zip(meshes, mapped(solved, meshes), strict=True):
         if found is None:
             log.warning(
                 "mesh %s: the ILP found no plan within the %g s time limit; skipped (raise "
