@@ -6,8 +6,8 @@ first microbatch count the pipeline search asks for is traced in a forked child 
 while this process traces the whole step.
 
 The one-stage search and the pipeline search run one after the other: ILPs' time limits are
-wall-clock, and one search's ILPs beside the other's each had less of the machine (Mixtral
-8x7B's 2-second layer ILPs then found worse plans).
+wall-clock, and one search's ILPs beside the other's would each have less of the machine (a
+pipeline layer's ILP stops at 2 s).
 """
 
 from __future__ import annotations
