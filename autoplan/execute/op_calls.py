@@ -268,6 +268,7 @@ LOCAL_OPS = {
     _aten.copy.default,
     # along one dim, split along the others (rules._other_dims); sort and topk in MULTI_OUTPUT
     _aten.slice_scatter.default,
+    _aten.select_scatter.default,
     _aten.diff.default,
     _aten.argsort.default,
     _aten.argsort.stable,
