@@ -5,8 +5,10 @@ with the defaults and trained 3 steps on 4 gloo ranks against one process
 
 A config is made tiny by setting, where the model's default config has them, its depth,
 widths, heads, vocabulary, positions and experts to small values (`TINY`), and its dropout,
-drop-path and layer-drop probabilities to 0 so that one process and four train alike;
-everything else is the model's default (``use_cache`` included). Weights are random; nothing
+drop-path and layer-drop probabilities to 0 so that one process and four train alike; a
+hybrid whose first layers lack a kind its default has (attention every few linear-attention
+layers) gets one layer of each kind instead; everything else is the model's default
+(``use_cache`` included). Weights are random; nothing
 is downloaded. This module is also the sweep's workload: ``autoplan run
 benchmarks/model_sweep.py --set model=llama ...``.
 
@@ -165,16 +167,36 @@ def _tiny(config: Any) -> Any:
         if isinstance(current, transformers.PretrainedConfig):
             changes[name] = _tiny(current)
     taken = inspect.signature(type(config).__init__).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in taken.values()):
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in taken.values())
+    if not takes_any:
         # an attribute the class does not take is derived from those it takes
         changes = {k: v for k, v in changes.items() if k in taken}
     try:
-        return type(config)(**changes)
+        tiny = type(config)(**changes)
     except Exception:  # a class that refuses its own attributes as arguments
         for name, value in changes.items():
             with contextlib.suppress(AttributeError, ValueError, TypeError):
                 setattr(config, name, value)
         return config
+    kinds = _every_kind(config, tiny)
+    if kinds and ("layer_types" in taken or takes_any):
+        with contextlib.suppress(Exception):  # the class derives its kinds from elsewhere
+            return type(config)(**changes | kinds)
+    return tiny
+
+
+def _every_kind(default: Any, tiny: Any) -> dict[str, Any]:
+    """The first layer of each kind (``layer_types``) of the default config, in order, where
+    the tiny depth lost a kind: a hybrid's attention layers come every few linear-attention or
+    convolution layers, and its first two may have none (nor may the cache it makes, which
+    then cannot say how long it is)."""
+    kinds, depth = getattr(default, "layer_types", None), getattr(tiny, "num_hidden_layers", None)
+    if not isinstance(kinds, list) or not isinstance(depth, int):
+        return {}
+    every = list(dict.fromkeys(kinds))
+    if set(every) <= set(getattr(tiny, "layer_types", None) or ()):
+        return {}
+    return {"num_hidden_layers": len(every), "layer_types": every}
 
 
 def _kept_ratios(config: Any, changes: dict[str, Any]) -> dict[str, int]:

@@ -90,3 +90,15 @@ def test_a_tiny_backbone_of_stages_keeps_an_image_for_each_stage() -> None:
     assert (swin.depths, swin.num_heads) == ((2, 2, 2, 2), (4, 4, 4, 4))
     assert (swin.patch_size, swin.window_size, swin.embed_dim) == (2, 2, 64)
     assert 32 // swin.patch_size // 2**3 == swin.window_size
+
+
+def test_a_tiny_hybrid_keeps_a_layer_of_each_kind() -> None:
+    # Kimi Linear's full attention comes every few linear-attention layers: its first two
+    # have none (and its cache could not say how long it is), so one layer of each kind
+    hybrid = tiny_config("kimi_linear")
+    assert sorted(hybrid.layer_types) == ["full_attention", "linear_attention"]
+    assert hybrid.num_hidden_layers == 2
+    lfm3 = tiny_config("lfm3")  # convolutions, full and sliding attention: three layers
+    assert lfm3.layer_types == ["conv", "full_attention", "sliding_attention"]
+    gemma2 = tiny_config("gemma2")  # its first two layers have both kinds: as they were
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"]
