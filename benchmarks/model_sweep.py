@@ -7,8 +7,9 @@ A config is made tiny by setting, where the model's default config has them, its
 widths, heads, vocabulary, positions and experts to small values (`TINY`), and its dropout,
 drop-path and layer-drop probabilities to 0 so that one process and four train alike; a
 hybrid whose first layers lack a kind its default has (attention every few linear-attention
-layers) gets one layer of each kind instead; everything else is the model's default
-(``use_cache`` included). Weights are random; nothing
+layers) gets one layer of each kind instead, and an encoder-decoder whose config names no
+decoder start or pad token (T5's is in its generation config) starts from token 0; everything
+else is the model's default (``use_cache`` included). Weights are random; nothing
 is downloaded. This module is also the sweep's workload: ``autoplan run
 benchmarks/model_sweep.py --set model=llama ...``.
 
@@ -127,6 +128,12 @@ def tiny_config(model_type: str) -> Any:
     config = _tiny(transformers.CONFIG_MAPPING[model_type]())
     # a property of every config (the size of its id2label), taken as an argument by none
     config.num_labels = CLASSES
+    if getattr(config, "is_encoder_decoder", False):
+        # the decoder's first input: where the config names no start or pad token (T5 starts
+        # from its pad token, named in its generation config), token 0
+        for name in ("decoder_start_token_id", "pad_token_id"):
+            if not isinstance(getattr(config, name, None), int):
+                setattr(config, name, 0)
     return config
 
 

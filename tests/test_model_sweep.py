@@ -102,3 +102,11 @@ def test_a_tiny_hybrid_keeps_a_layer_of_each_kind() -> None:
     assert lfm3.layer_types == ["conv", "full_attention", "sliding_attention"]
     gemma2 = tiny_config("gemma2")  # its first two layers have both kinds: as they were
     assert gemma2.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_a_tiny_encoder_decoder_names_its_decoders_first_token() -> None:
+    # T5 names its start token in its generation config alone; without one, the model cannot
+    # shift its labels into the decoder's inputs
+    assert tiny_config("longt5").decoder_start_token_id == 0
+    # a decoder-only speech model under a seq2seq head keeps its config as it is
+    assert getattr(tiny_config("granite_speech"), "decoder_start_token_id", None) is None
