@@ -9,7 +9,9 @@ drop-path and layer-drop probabilities to 0 so that one process and four train a
 hybrid whose first layers lack a kind its default has (attention every few linear-attention
 layers) gets one layer of each kind instead, and an encoder-decoder whose config names no
 decoder start or pad token (T5's is in its generation config) starts from token 0; everything
-else is the model's default (``use_cache`` included). Weights are random; nothing
+else is the model's default (``use_cache`` included). A text model whose class cannot take the
+multimodal config its model type names (Llama 4's causal LM) is built as its head's auto class
+builds it, from the text config. Weights are random; nothing
 is downloaded. This module is also the sweep's workload: ``autoplan run
 benchmarks/model_sweep.py --set model=llama ...``.
 
@@ -68,6 +70,12 @@ HEADS = {
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
 }
 VOCAB, SEQ, IMAGE, CLASSES = 128, 16, 32, 10
 # a config attribute -> its tiny value, set where the default config has the attribute
@@ -246,7 +254,12 @@ def tiny_workload(model: str, batch_size: int, seq_len: int) -> Workload:
         raise AutoplanError(f"model type {model!r} is not swept; use one of {', '.join(known)}")
     head, cls_name = known[model]
     config = tiny_config(model)
-    built = getattr(transformers, cls_name)(config)
+    try:
+        built = getattr(transformers, cls_name)(config)
+    except AttributeError:
+        # a text model's class given its multimodal config (Llama 4's): built as the head's
+        # auto class builds it, from the text config
+        built = getattr(transformers, AUTO[head]).from_config(config)
     if head == "image-classification":
         channels = getattr(config, "num_channels", 3)
         pixels = torch.randn(batch_size, channels, IMAGE, IMAGE)

@@ -3,7 +3,7 @@ how it reads an ``autoplan run --check`` (the sweep itself runs by hand: it take
 
 from __future__ import annotations
 
-from benchmarks.model_sweep import architectures, classify, tiny_config
+from benchmarks.model_sweep import architectures, classify, tiny_config, tiny_workload
 
 
 def test_architectures_cover_the_four_heads_and_the_models_users_bring() -> None:
@@ -110,3 +110,12 @@ def test_a_tiny_encoder_decoder_names_its_decoders_first_token() -> None:
     assert tiny_config("longt5").decoder_start_token_id == 0
     # a decoder-only speech model under a seq2seq head keeps its config as it is
     assert getattr(tiny_config("granite_speech"), "decoder_start_token_id", None) is None
+
+
+def test_a_text_model_given_its_multimodal_config_is_built_from_the_text_config() -> None:
+    # Llama 4's causal LM is its text model, which its class cannot build from the
+    # multimodal config the model type names; the auto class takes the text config
+    model = tiny_workload("llama4", batch_size=2, seq_len=4).model
+    assert type(model).__name__ == "Llama4ForCausalLM"
+    assert type(model.config).__name__ == "Llama4TextConfig"
+    assert model.config.hidden_size == 64
