@@ -1,8 +1,9 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms), attention masks
-(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter, select_scatter), a cache's
-concatenation onto an empty tensor, and splits. Each rule, run by the executor's local path on
-two ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
+(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter,
+select_scatter), a cache's concatenation onto an empty tensor, and splits. Each rule, run by
+the executor's local path on two ranks' shards, makes the shards (or, for ``P``, the partial
+sums) of the whole result."""
 
 from __future__ import annotations
 
