@@ -5,8 +5,13 @@ with the defaults and trained 3 steps on 4 gloo ranks against one process
 
 A config is made tiny by setting, where the model's default config has them, its depth,
 widths, heads, vocabulary, positions and experts to small values (`TINY`), and its dropout,
-drop-path and layer-drop probabilities to 0 so that one process and four train alike;
-everything else is the model's default (``use_cache`` included). Weights are random; nothing
+drop-path and layer-drop probabilities to 0 so that one process and four train alike; a
+hybrid whose first layers lack a kind its default has (attention every few linear-attention
+layers) gets one layer of each kind instead, and an encoder-decoder whose config names no
+decoder start or pad token (T5's is in its generation config) starts from token 0; everything
+else is the model's default (``use_cache`` included). A text model whose class cannot take the
+multimodal config its model type names (Llama 4's causal LM) is built as its head's auto class
+builds it, from the text config. Weights are random; nothing
 is downloaded. This module is also the sweep's workload: ``autoplan run
 benchmarks/model_sweep.py --set model=llama ...``.
 
@@ -65,6 +70,12 @@ HEADS = {
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+AUTO = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
 }
 VOCAB, SEQ, IMAGE, CLASSES = 128, 16, 32, 10
 # a config attribute -> its tiny value, set where the default config has the attribute
@@ -125,6 +136,12 @@ def tiny_config(model_type: str) -> Any:
     config = _tiny(transformers.CONFIG_MAPPING[model_type]())
     # a property of every config (the size of its id2label), taken as an argument by none
     config.num_labels = CLASSES
+    if getattr(config, "is_encoder_decoder", False):
+        # the decoder's first input: where the config names no start or pad token (T5 starts
+        # from its pad token, named in its generation config), token 0
+        for name in ("decoder_start_token_id", "pad_token_id"):
+            if not isinstance(getattr(config, name, None), int):
+                setattr(config, name, 0)
     return config
 
 
@@ -165,16 +182,36 @@ def _tiny(config: Any) -> Any:
         if isinstance(current, transformers.PretrainedConfig):
             changes[name] = _tiny(current)
     taken = inspect.signature(type(config).__init__).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in taken.values()):
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in taken.values())
+    if not takes_any:
         # an attribute the class does not take is derived from those it takes
         changes = {k: v for k, v in changes.items() if k in taken}
     try:
-        return type(config)(**changes)
+        tiny = type(config)(**changes)
     except Exception:  # a class that refuses its own attributes as arguments
         for name, value in changes.items():
             with contextlib.suppress(AttributeError, ValueError, TypeError):
                 setattr(config, name, value)
         return config
+    kinds = _every_kind(config, tiny)
+    if kinds and ("layer_types" in taken or takes_any):
+        with contextlib.suppress(Exception):  # the class derives its kinds from elsewhere
+            return type(config)(**changes | kinds)
+    return tiny
+
+
+def _every_kind(default: Any, tiny: Any) -> dict[str, Any]:
+    """The first layer of each kind (``layer_types``) of the default config, in order, where
+    the tiny depth lost a kind: a hybrid's attention layers come every few linear-attention or
+    convolution layers, and its first two may have none (nor may the cache it makes, which
+    then cannot say how long it is)."""
+    kinds, depth = getattr(default, "layer_types", None), getattr(tiny, "num_hidden_layers", None)
+    if not isinstance(kinds, list) or not isinstance(depth, int):
+        return {}
+    every = list(dict.fromkeys(kinds))
+    if set(every) <= set(getattr(tiny, "layer_types", None) or ()):
+        return {}
+    return {"num_hidden_layers": len(every), "layer_types": every}
 
 
 def _kept_ratios(config: Any, changes: dict[str, Any]) -> dict[str, int]:
@@ -217,7 +254,12 @@ def tiny_workload(model: str, batch_size: int, seq_len: int) -> Workload:
         raise AutoplanError(f"model type {model!r} is not swept; use one of {', '.join(known)}")
     head, cls_name = known[model]
     config = tiny_config(model)
-    built = getattr(transformers, cls_name)(config)
+    try:
+        built = getattr(transformers, cls_name)(config)
+    except AttributeError:
+        # a text model's class given its multimodal config (Llama 4's): built as the head's
+        # auto class builds it, from the text config
+        built = getattr(transformers, AUTO[head]).from_config(config)
     if head == "image-classification":
         channels = getattr(config, "num_channels", 3)
         pixels = torch.randn(batch_size, channels, IMAGE, IMAGE)

@@ -149,6 +149,25 @@ class LossAndLogits(nn.Module):
 def workload():
     return autoplan.Workload(LossAndLogits(), (torch.randn(4, 4),))
 """
+ROUTED = """import torch
+from torch import nn
+import autoplan
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.router(x)
+        picked = torch.zeros(8, 2).scatter(1, y.argmax(1, keepdim=True), 1)
+        # tokens per expert, read from the values
+        counts = picked.long().sum(0).tolist()
+        return y.sum() * counts[0]
+
+def workload():
+    return autoplan.Workload(Routed(), (torch.randn(8, 4),))
+"""
 NOT_A_MODULE = """import torch
 import autoplan
 
@@ -413,6 +432,13 @@ CASES = [
         r"could not trace LlamaForCausalLM at .*modeling_llama\.py:\d+ .*FlexAttention does "
         r"not support backward on CPU.*choose another attention for the model \(transformers: "
         r'attn_implementation="sdpa"',
+    ),
+    Bad(
+        "data-dependent-size",  # export traces .tolist(); the graph held an unknown integer
+        lambda d: plan(written(d, "routed.py", ROUTED)),
+        r"could not trace Routed at .*routed\.py:\d+ \(`counts = picked.long\(\)\.sum\(0\)\."
+        r"tolist\(\)`\): aten\.item\.default gives u0, an integer that depends on what the "
+        r"tensors hold.*avoid \.item\(\), \.tolist\(\)",
     ),
     Bad(
         "float-token-ids",  # a dtype the model cannot take: no advice about control flow

@@ -3,7 +3,7 @@ how it reads an ``autoplan run --check`` (the sweep itself runs by hand: it take
 
 from __future__ import annotations
 
-from benchmarks.model_sweep import architectures, classify, tiny_config
+from benchmarks.model_sweep import architectures, classify, tiny_config, tiny_workload
 
 
 def test_architectures_cover_the_four_heads_and_the_models_users_bring() -> None:
@@ -90,3 +90,32 @@ def test_a_tiny_backbone_of_stages_keeps_an_image_for_each_stage() -> None:
     assert (swin.depths, swin.num_heads) == ((2, 2, 2, 2), (4, 4, 4, 4))
     assert (swin.patch_size, swin.window_size, swin.embed_dim) == (2, 2, 64)
     assert 32 // swin.patch_size // 2**3 == swin.window_size
+
+
+def test_a_tiny_hybrid_keeps_a_layer_of_each_kind() -> None:
+    # Kimi Linear's full attention comes every few linear-attention layers: its first two
+    # have none (and its cache could not say how long it is), so one layer of each kind
+    hybrid = tiny_config("kimi_linear")
+    assert sorted(hybrid.layer_types) == ["full_attention", "linear_attention"]
+    assert hybrid.num_hidden_layers == 2
+    lfm3 = tiny_config("lfm3")  # convolutions, full and sliding attention: three layers
+    assert lfm3.layer_types == ["conv", "full_attention", "sliding_attention"]
+    gemma2 = tiny_config("gemma2")  # its first two layers have both kinds: as they were
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_a_tiny_encoder_decoder_names_its_decoders_first_token() -> None:
+    # T5 names its start token in its generation config alone; without one, the model cannot
+    # shift its labels into the decoder's inputs
+    assert tiny_config("longt5").decoder_start_token_id == 0
+    # a decoder-only speech model under a seq2seq head keeps its config as it is
+    assert getattr(tiny_config("granite_speech"), "decoder_start_token_id", None) is None
+
+
+def test_a_text_model_given_its_multimodal_config_is_built_from_the_text_config() -> None:
+    # Llama 4's causal LM is its text model, which its class cannot build from the
+    # multimodal config the model type names; the auto class takes the text config
+    model = tiny_workload("llama4", batch_size=2, seq_len=4).model
+    assert type(model).__name__ == "Llama4ForCausalLM"
+    assert type(model.config).__name__ == "Llama4TextConfig"
+    assert model.config.hidden_size == 64

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoplan.execute.op_calls import (
@@ -58,6 +59,18 @@ def test_a_view_gets_its_local_shape() -> None:
     assert runs_locally(view, [S0], S0)
     assert local_shape(view, S0, (4,)) == [2, 2, 3]
     assert local_shape(view, (Shard(0), Shard(2)), (2, 3)) == [4, 2, 1]
+
+
+def test_a_local_view_of_strides_the_trace_did_not_give_copies_real_or_fake() -> None:
+    """A view the trace found contiguous (the model's own ``.contiguous()`` dropped) of a
+    local tensor laid out otherwise runs as a reshape: on real tensors in training and on
+    fake ones in the step checked before it."""
+    view = _nodes()["view"]
+    x = torch.randn(8, 3, 2).transpose(1, 2)  # (8, 2, 3), not viewable as (8, 6)
+    assert torch.equal(call_op(view, (x, [8, 6]), {}), x.reshape(8, 6))
+    with FakeTensorMode():
+        fake = torch.empty(8, 3, 2).transpose(1, 2)
+        assert call_op(view, (fake, [8, 6]), {}).shape == (8, 6)
 
 
 def test_a_batch_split_evenly_is_sliced_locally_as_dtensor_shards_it() -> None:

@@ -1,8 +1,9 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms), attention masks
-(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter), a cache's
-concatenation onto an empty tensor, and splits. Each rule, run by the executor's local path on
-two ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
+(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter,
+select_scatter), a cache's concatenation onto an empty tensor, and splits. Each rule, run by
+the executor's local path on two ranks' shards, makes the shards (or, for ``P``, the partial
+sums) of the whole result."""
 
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ class _Routing(nn.Module):
         buffer = x.new_empty(4, 6, 10)
         buffer[..., :8] = x  # copy + slice_scatter, once made functional
         buffer[..., 8:] = x[..., :1]
+        rows = x.clone()
+        rows[:, 2] = x[:, 0] * 2  # select_scatter, once made functional
         head, tail = x.split([2, 4], dim=1)  # a class token split off
         left, right = x.split(4, dim=2)
         return (
             *(values, order, top, picked, spread, added, pooled, counts, halves, steps),
-            *(ones, typed, masked, joined, buffer, ranks, head, tail, left, right),
+            *(ones, typed, masked, joined, buffer, rows, ranks, head, tail, left, right),
         )
 
 
@@ -105,6 +108,7 @@ TESTED = {
     "aten.cat.default",
     "aten.copy.default",
     "aten.slice_scatter.default",
+    "aten.select_scatter.default",
     "aten.split_with_sizes.default",
     "aten.split.Tensor",
 }

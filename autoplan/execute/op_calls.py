@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.execute.placements import split_dim
@@ -142,10 +142,11 @@ def call_op(node: torch.fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         # its cat): its local tensor is a view of the DTensor's, which autograd refuses to
         # detach in place; out of place it is the same value, and no gradient reaches it
         return args[0].detach()
-    if target is _aten.view.default and type(args[0]) is torch.Tensor:
+    if target is _aten.view.default and not isinstance(args[0], DTensor):
         # a view of strides that the trace's fake kernel gave and the real one need not
         # (CPU's float16 attention returns its heads transposed in memory): a copy then,
-        # as the model's own .contiguous(), which the trace dropped, makes in one process
+        # as the model's own .contiguous(), which the trace dropped, makes in one process.
+        # A local tensor, real or fake (the step checked before training runs on fake ones)
         return torch.reshape(args[0], args[1])
     return target(*args, **kwargs)
 
@@ -267,6 +268,7 @@ LOCAL_OPS = {
     _aten.copy.default,
     # along one dim, split along the others (rules._other_dims); sort and topk in MULTI_OUTPUT
     _aten.slice_scatter.default,
+    _aten.select_scatter.default,
     _aten.diff.default,
     _aten.argsort.default,
     _aten.argsort.stable,

@@ -26,6 +26,7 @@ from autoplan.graph.batch_norm import trains_batch_norm
 from autoplan.graph.convert import graph_from_export
 from autoplan.graph.diagnose import (
     explain_trace_failure,
+    refuse_data_dependent,
     refuse_float_indices,
     refuse_mixed_dtypes,
 )
@@ -177,6 +178,7 @@ def export_step(
     refuse_float_indices(ep, model, args)
     refuse_mixed_dtypes(ep, model, args)
     drop_checks(ep)
+    refuse_data_dependent(ep, model)  # what only the dropped checks read is gone
     tie_parameters(ep)
     return ep
 

@@ -62,6 +62,13 @@ def _user_line(frames: Sequence[tuple[str, int, str]], model: nn.Module) -> str:
     return f" at {filename}:{lineno} (`{code.strip()}`)"
 
 
+_DATA_DEPENDENT = (
+    "autoplan traces the model with torch.export on fake tensors: replace Python "
+    "control flow that depends on tensor values with tensor ops (torch.where, masks), "
+    "and avoid .item(), .tolist() and printing tensors inside forward."
+)
+
+
 def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
     """Whether the failure was raised inside torch's FlexAttention."""
     return any(
@@ -89,11 +96,7 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
             "plans as attention; or your own scaled_dot_product_attention with the same mask)."
         )
     elif data_dependent(e):
-        hint = (
-            "autoplan traces the model with torch.export on fake tensors: replace Python "
-            "control flow that depends on tensor values with tensor ops (torch.where, masks), "
-            "and avoid .item(), .tolist() and printing tensors inside forward."
-        )
+        hint = _DATA_DEPENDENT
     else:
         hint = _inputs_hint(args)
     return (
@@ -123,6 +126,35 @@ def refuse_float_indices(ep: ExportedProgram, model: nn.Module, args: tuple[Any,
             f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} takes "
             f"integer {name} (Long, Int), got {dtype}. {_inputs_hint(args)}"
         )
+
+
+def refuse_data_dependent(ep: ExportedProgram, model: nn.Module) -> None:
+    """A size that depends on what the tensors hold (an integer from ``.item()`` or
+    ``.tolist()``, a ``nonzero``'s count) is refused at the first op that makes one: export
+    traces it as an unknown integer, but a plan places and prices tensors of known shapes."""
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        symbolic = [s for s in _sizes(val) if not isinstance(s, int)]
+        if node.op != "call_function" or not symbolic:
+            continue
+        trace = node.meta.get("stack_trace") or ""
+        frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
+        module = module_path(node)
+        op = f"{module} ({node.target})" if module else str(node.target)
+        raise TraceError(
+            f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} gives "
+            f"{symbolic[0]}, an integer that depends on what the tensors hold, and "
+            f"autoplan plans tensors of known shapes. {_DATA_DEPENDENT}"
+        )
+
+
+def _sizes(val: Any) -> list[Any]:
+    """The sizes of a traced value's tensors, or the value itself if it is an integer."""
+    if isinstance(val, torch.Tensor):
+        return list(val.shape)
+    if isinstance(val, list | tuple):
+        return [s for v in val for s in _sizes(v)]
+    return [val] if isinstance(val, torch.SymInt) else []
 
 
 def _float_indices(node: torch.fx.Node) -> tuple[str, str] | None:

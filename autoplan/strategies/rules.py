@@ -318,10 +318,6 @@ def _stack(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [(shard(d if d < dim else d + 1), *[shard(d)] * len(ins)) for d in range(ndim)]
 
 
-def _slice(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    return _other_dims(node, ins, 1)  # slice(input, dim, start, end, step)
-
-
 def _cat(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # cat(tensors, dim); one tensor joined to empty ones (a cache's first keys) is itself,
     # split along ``dim`` too (by the sequence, context parallelism's keys)
@@ -348,10 +344,14 @@ def _reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 def _select(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # select(input, dim, index): the other dims may stay split, one lower past ``dim``
+    # select(input, dim, index): the other dims may stay split, one lower past ``dim``; so may
+    # select_scatter's src (input, src, dim, index: ``x[:, i] = src``), its input and output
+    # split alike (ours: DTensor's backward of it adds plain zeros to a DTensor gradient)
+    scatter = len(ins) == 2
     ndim = len(ins[0].shape)
-    dim = int(_arg(node, 1, "dim", 0)) % ndim  # type: ignore[call-overload]
-    return [(shard(d if d < dim else d - 1), shard(d)) for d in range(ndim) if d != dim]
+    dim = int(_arg(node, 1 + scatter, "dim", 0)) % ndim  # type: ignore[call-overload]
+    pairs = [(d, d if d < dim else d - 1) for d in range(ndim) if d != dim]
+    return [(shard(d), shard(d), shard(s)) if scatter else (shard(s), shard(d)) for d, s in pairs]
 
 
 def _convolution(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -414,7 +414,7 @@ _RULES: dict[str, Rule] = {
     "chunk": _split,
     "broadcast_tensors": _broadcast,
     "pad": _pad,
-    "slice": _slice,
+    "slice": lambda node, ins: _other_dims(node, ins, 1),  # (input, dim, start, ...)
     "cat": _cat,
     "expand": _expand,
     "dropout": _elementwise,
@@ -446,6 +446,7 @@ _RULES: dict[str, Rule] = {
     "where.Scalar": _broadcast,
     "floor_divide": _broadcast,
     "slice_scatter": lambda node, ins: _other_dims(node, ins, 2),  # (input, src, dim, ...)
+    "select_scatter": _select,
     "argmax": _arg_reduce,
     "argmin": _arg_reduce,
     "one_hot": _one_hot,
