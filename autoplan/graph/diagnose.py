@@ -118,13 +118,9 @@ def refuse_float_indices(ep: ExportedProgram, model: nn.Module, args: tuple[Any,
         if found is None:
             continue
         name, dtype = found
-        trace = node.meta.get("stack_trace") or ""
-        frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
-        module = module_path(node)
-        op = f"{module} ({node.target})" if module else str(node.target)
         raise TraceError(
-            f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} takes "
-            f"integer {name} (Long, Int), got {dtype}. {_inputs_hint(args)}"
+            f"could not trace {_where(node, model)} takes integer {name} (Long, Int), got "
+            f"{dtype}. {_inputs_hint(args)}"
         )
 
 
@@ -137,15 +133,21 @@ def refuse_data_dependent(ep: ExportedProgram, model: nn.Module) -> None:
         symbolic = [s for s in _sizes(val) if not isinstance(s, int)]
         if node.op != "call_function" or not symbolic:
             continue
-        trace = node.meta.get("stack_trace") or ""
-        frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
-        module = module_path(node)
-        op = f"{module} ({node.target})" if module else str(node.target)
         raise TraceError(
-            f"could not trace {type(model).__name__}{_user_line(frames, model)}: {op} gives "
-            f"{symbolic[0]}, an integer that depends on what the tensors hold, and "
-            f"autoplan plans tensors of known shapes. {_DATA_DEPENDENT}"
+            f"could not trace {_where(node, model)} gives {symbolic[0]}, an integer that "
+            f"depends on what the tensors hold, and autoplan plans tensors of known shapes. "
+            f"{_DATA_DEPENDENT}"
         )
+
+
+def _where(node: torch.fx.Node, model: nn.Module) -> str:
+    """``"Model (at its line): module (op)"``: the model, its line that made ``node``, and
+    the op in its module."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [(f, int(n), code) for f, n, code in _FRAME.findall(trace)]
+    module = module_path(node)
+    op = f"{module} ({node.target})" if module else str(node.target)
+    return f"{type(model).__name__}{_user_line(frames, model)}: {op}"
 
 
 def _sizes(val: Any) -> list[Any]:
