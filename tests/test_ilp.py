@@ -462,9 +462,8 @@ def all_choices(problem: IntraOpProblem) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(len(c)) for c in problem.node_costs)))
 
 
-@pytest.mark.parametrize(("seed", "min_strategies"), [(s, 2) for s in range(8)] + [(8, 1), (9, 1)])
-def test_random_problems_match_brute_force(seed: int, min_strategies: int) -> None:
-    problem = random_problem(seed, min_strategies)
+def assert_solves_to_brute_force(problem: IntraOpProblem) -> None:
+    """Every solver's plan is feasible and as cheap as the best of every assignment."""
     evaluations = [evaluate(problem, c) for c in all_choices(problem)]
     best = min(e.objective for e in evaluations if e.feasible)
     for solver in SOLVERS:
@@ -472,6 +471,12 @@ def test_random_problems_match_brute_force(seed: int, min_strategies: int) -> No
         assert solution.status == "optimal"
         assert evaluate(problem, solution.choice).feasible
         assert solution.objective == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize(("seed", "min_strategies"), [(s, 2) for s in range(8)] + [(8, 1), (9, 1)])
+def test_random_problems_match_brute_force(seed: int, min_strategies: int) -> None:
+    problem = random_problem(seed, min_strategies)
+    assert_solves_to_brute_force(problem)
 
 
 def placed_problem(seed: int) -> IntraOpProblem:
@@ -499,13 +504,7 @@ def test_columns_shared_by_strategies_of_one_placement_keep_the_optimum(seed: in
     per_strategy = sum(len(reduced.node_costs[u]) * len(reduced.node_costs[v]) for u, v in classes)
     per_class = sum((max(rows) + 1) * (max(cols) + 1) for rows, cols in classes.values())
     assert per_class < per_strategy
-    evaluations = [evaluate(problem, c) for c in all_choices(problem)]
-    best = min(e.objective for e in evaluations if e.feasible)
-    for solver in SOLVERS:
-        solution = solve_intra_op(problem, solver=solver)
-        assert solution.status == "optimal"
-        assert evaluate(problem, solution.choice).feasible
-        assert solution.objective == pytest.approx(best, rel=1e-6)
+    assert_solves_to_brute_force(problem)
 
 
 @pytest.mark.parametrize("seed", range(4))
