@@ -74,18 +74,14 @@ class Tally:
         if self._on_progress is None:
             return
         with self._lock:
-            self._report(what, milestone)
-
-    def _report(self, what: str, milestone: bool) -> None:
-        assert self._on_progress is not None
-        self._on_progress(
-            Progress(
-                done=self.done / self.total if self.total else 0.0,
-                elapsed=time.perf_counter() - self._start,
-                label=f"{self._unit} {self.done}/{self.total}: {what}",
-                milestone=milestone,
+            self._on_progress(
+                Progress(
+                    done=self.done / self.total if self.total else 0.0,
+                    elapsed=time.perf_counter() - self._start,
+                    label=f"{self._unit} {self.done}/{self.total}: {what}",
+                    milestone=milestone,
+                )
             )
-        )
 
 
 def _clock(seconds: float) -> str:
