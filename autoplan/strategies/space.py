@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.modes import NodeKind
-from autoplan.strategies import dtensor_rules, strided
+from autoplan.strategies import dtensor_rules, routing, strided
 from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
@@ -141,6 +141,12 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
     their strided twins where a fused projection's pieces may split strided
     (`autoplan.strategies.strided`), and where they came from."""
     rules, source = _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))
+    found = routing.graph_region(graph)
+    if node.name in found:  # routing each rank's own tokens (`autoplan.strategies.routing`)
+        op = routing.Op(node.name, node.op, tuple(r.name for r in node.refs))
+        rules = tuple(r for r in rules if routing.keeps(r, op, found))
+        rules += tuple(routing.local_rules(node.op, len(node.refs), node.name in found.exits))
+        source = "ours" if source == "replicated" else source
     return [*rules, *strided.twin_rules(node, graph, plain_rules)], source
 
 
