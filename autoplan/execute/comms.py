@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ONCE_PER_STEP
 from autoplan.torch_private import (
@@ -31,6 +32,12 @@ _KINDS = {
     _functional.reduce_scatter_tensor.default: ("reduce_scatter", 3),
     _functional.all_to_all_single.default: ("all_to_all", 3),
 }
+
+
+# the bytes a fidelity check counts for an all-to-all of routed rows (a grouped matmul's
+# dispatch, `execute/experts.py`): how many rows each rank sends depends on the routing, so
+# those are compared by kind, axes and number, the plan pricing their balanced expectation
+ROUTED = -1
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class CollectiveRecorder(TorchDispatchMode):
             nbytes = tensor.numel() * tensor.element_size()
             if kind == "all_gather":
                 nbytes *= int(args[1])
+            elif kind == "all_to_all" and args[1] is not None:
+                nbytes = ROUTED  # split sizes of its own: the routing's (execute/experts.py)
             self._note(kind, resolve_process_group(args[group_arg]), nbytes, self._op)
             self._op = "redistribute"
         return out
@@ -96,7 +105,10 @@ def planned(plan: Plan) -> Counter[tuple[str, tuple[str, ...], int]]:
     counts: Counter[tuple[str, tuple[str, ...], int]] = Counter()
     for c in plan.collectives:
         if c.stage in mine:
-            counts[(c.kind, c.axes, c.bytes)] += 1 if c.phase in ONCE_PER_STEP else times
+            node = plan.nodes.get(c.node)
+            routed = c.kind == "all_to_all" and node is not None and node.op in GROUPED_MMS
+            key = (c.kind, c.axes, ROUTED if routed else c.bytes)
+            counts[key] += 1 if c.phase in ONCE_PER_STEP else times
     return counts
 
 
