@@ -17,8 +17,8 @@ permutation, whose output is the rank's tokens' rows in token order again (a tru
 `region` finds such regions from the graph alone; `local_rules` are the rules its ops take
 there on top of their own (the rows split, the counts partial), and `moves_routed_rows` says
 which redistributions of a region's tensors would mix the two meanings of ``S(0)``: the
-planner prices those as `FORBIDDEN_S`, so that along each mesh axis a region routes its rows
-either all locally or not at all.
+planner prices those above any plan (`search/intra_op.py`), so that along each mesh axis a
+region routes its rows either all locally or not at all.
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ from autoplan.modes import NodeKind
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 
 AxisRule = tuple[str, ...]  # (output, tensor input 0, ...) on one mesh axis, as in rules.py
-
-# seconds charged for a move that would mix a routed region's local rows with the shards of
-# the one-process tensor: far above any step, so the ILP never takes one
-FORBIDDEN_S = 1e6
 
 SORTS = frozenset({"aten.sort.default", "aten.sort.stable", "aten.argsort.default"})
 INDEX, INDEX_PUT, ARANGE = "aten.index.Tensor", "aten.index_put.default", "aten.arange.default"

@@ -15,9 +15,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.modes import NodeKind
-from autoplan.strategies import dtensor_rules, routing, strided
+from autoplan.strategies import dtensor_rules, grouped_mm, routing, strided
 from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
@@ -216,6 +217,8 @@ def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> No
     ins = [graph.tensor(r) for r in node.refs]
     rules, source = axis_rules(node, graph)
     strategies = _expand(rules, node, ins, mesh_shape)
+    if node.op in GROUPED_MMS:
+        strategies = [s for s in strategies if grouped_mm.supported(s.inputs)]
     kept = kept_partial(node, graph, mesh_shape)
     return NodeStrategies(node.name, (*strategies, *kept), source)
 
@@ -253,6 +256,8 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
         rule = (strategy.output[axis], *(spec[axis] for spec in strategy.inputs))
         if rule != all_r and (size == 1 or rule not in axis_rules(node, graph)[0]):
             return False
+    if node.op in GROUPED_MMS and not grouped_mm.supported(strategy.inputs):
+        return False
     return all(is_valid(strategy.output, o.shape, mesh_shape) for o in node.outputs) and all(
         is_valid(spec, t.shape, mesh_shape) for spec, t in zip(strategy.inputs, ins, strict=True)
     )
