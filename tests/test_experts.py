@@ -16,9 +16,10 @@ import transformers.integrations.moe  # registers transformers' grouped matmul o
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.execute.experts import local_grouped_mm
+from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.planfile.show import summary
+from autoplan.strategies.routing import NO_REGION, Op, region
 from autoplan.strategies.rules import own_rule
 from tests.distributed.cases import cluster
 from tests.models.zoo import workload
@@ -128,3 +129,51 @@ def test_planner_sends_tokens_to_their_experts_where_it_pays(
     assert kinds == ({"all_to_all"} if sent else set())
     other = w.baseline(h100, dp=8, tp=1) if sent else w.baseline(h100, dp=8, tp=1, ep=8)
     assert plan.predicted.step_time_s < other.predicted.step_time_s
+
+
+def _routed(*tail: Op) -> list[Op]:
+    """transformers' grouped experts as the planner's graph has them (one grouped matmul),
+    then ``tail``."""
+    return [
+        Op("sort", "aten.sort.default", ("ids",)),
+        Op("token", "aten.floor_divide.default", ("sort",)),
+        Op("rows", "aten.index.Tensor", ("hidden", "token")),
+        Op("counts", "aten.histc.default", ("sort",)),
+        Op("offs", "aten.cumsum.default", ("counts",)),
+        Op("mm", GROUPED_MMS[0], ("rows", "w", "offs")),
+        Op("empty", "aten.empty_like.default", ("sort",)),
+        Op("positions", "aten.arange.default", ()),
+        Op("inverse", "aten.index_put.default", ("empty", "sort", "positions")),
+        Op("back", "aten.index.Tensor", ("mm", "inverse")),
+        *tail,
+    ]
+
+
+def test_routed_region_runs_from_the_sort_to_the_inverse_permutation() -> None:
+    found = region(_routed(Op("out", "aten.view.default", ("back",))))
+    assert found.inside == {"sort", "token", "rows", "counts", "offs", "mm", "empty"} | {
+        "positions",
+        "inverse",
+    }
+    assert found.exits == {"back"}
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        Op("leak", "aten.sum.default", ("rows",)),  # the sorted rows read outside
+        Op("mix", "aten.mul.Tensor", ("mm", "hidden")),  # mixed with tokens in their order
+    ],
+    ids=["read-outside", "mixed-with-tokens"],
+)
+def test_a_region_that_is_not_closed_routes_nothing(tail: Op) -> None:
+    assert region(_routed(tail)) == NO_REGION
+
+
+def test_received_rows_are_regrouped_by_expert() -> None:
+    """Rows received from 3 ranks for this rank's 2 experts, in blocks by source rank:
+    regrouped by expert, each expert's rows by source."""
+    got = torch.tensor([[2, 1], [0, 3], [1, 0]])  # got[s, j]: from rank s for expert j
+    # received: s0 e0 e0 e1 | s1 e1 e1 e1 | s2 e0
+    order = by_expert(got)
+    assert order.tolist() == [0, 1, 6, 2, 3, 4, 5]

@@ -130,7 +130,7 @@ def dispatched_grouped_mm(
     sent = counts.view(num_ranks, -1).sum(1).tolist()  # rows to each rank
     received = got.sum(1).tolist()  # rows from each rank
     rows = functional_all_to_all_autograd(x, received, sent, group)
-    order = _by_expert(got)
+    order = by_expert(got)
     ends = got.sum(0).cumsum(0).to(offs.dtype)
     out = op(rows[order], weight, *rest, offs=ends, **named)
     back = torch.empty_like(order)
@@ -138,7 +138,7 @@ def dispatched_grouped_mm(
     return functional_all_to_all_autograd(out[back], sent, received, group)
 
 
-def _by_expert(got: torch.Tensor) -> torch.Tensor:
+def by_expert(got: torch.Tensor) -> torch.Tensor:
     """The rows received (``got[s, j]`` from rank ``s`` for this rank's expert ``j``, in
     blocks by source then expert) in the order of their experts, each expert's by source."""
     flat = got.flatten()
