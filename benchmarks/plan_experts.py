@@ -4,7 +4,8 @@ shared expert, multi-head latent attention; its first 3 layers dense) with fewer
 simulated H100 nodes, planned by autoplan and compared with the conventional plans, all priced
 by the same cost model: the batch split as far as it goes (dp), Megatron's tensor parallelism
 over the rest (tp), with the experts replicated, stored by ZeRO-3, or split along dp
-(`baseline(dp, tp, ep=dp)`: each rank multiplying the rows routed to its experts).
+(`baseline(dp, tp, ep=dp)`: each rank routing its own tokens and sending the rows to their
+experts' ranks by all-to-all with uneven counts, `strategies/routing.py`).
 
 Prints, and writes to benchmarks/results/plan_experts.json and .md: planning time, the chosen
 mesh and stages, how the routed experts' weights are stored, and each plan's predicted step

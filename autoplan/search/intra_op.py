@@ -12,7 +12,9 @@ they read it in and its gradients reduced once per such placement (a shared cost
 parameter's bucketed gradient costs its bytes, and the buckets of each mesh axes their latency
 each, counted as DDP fills them (a bucket cost). What the ILP cannot see exactly (which
 gradients share a bucket, ops waiting once for several moved inputs) is why the planner also
-prices the conventional plans of the shape it found (`autoplan.api`).
+prices the conventional plans of the shape it found (`autoplan.api`). A move that would mix
+a routed region's local rows with the one-process tensor's shards (`strategies.routing`)
+costs more than any plan without one (`_forbidden`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
 The plan found is priced again from its assignment, node by node (`costmodel.step_price`).
 """
@@ -321,7 +323,8 @@ def build_problem(
         for key, readers in param_reads.items()
         if graph.node(key[0]).kind == NodeKind.PARAM and graph.node(key[0]).needs_grad
     }
-    grouped, shared = _forbidden(node_costs, grouped, shared)
+    if routing.graph_region(graph).inside:
+        grouped, shared = _forbidden(node_costs, grouped, shared)
     problem = IntraOpProblem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
