@@ -7,6 +7,7 @@ zoo-mixtral-baseline-ep-2x2)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ import transformers.integrations.moe  # registers transformers' grouped matmul o
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.errors import PlanFormatError
 from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
+from autoplan.planfile.check import check_plan
 from autoplan.planfile.show import summary
 from autoplan.strategies.routing import NO_REGION, Op, region
 from autoplan.strategies.rules import own_rule
@@ -81,6 +84,11 @@ def test_baseline_ep_sends_each_ranks_tokens_to_their_experts() -> None:
     assert all(c.kind == "all_to_all" and c.axes == (axis,) for c in routed)
     assert len(routed) == 5 * len(grouped)
     assert {c.tensor for c in moved if c not in routed} == {"cross_entropy_loss"}  # the loss's
+    # a hand-edited plan that reads the routed rows' positions whole is refused
+    edited = replace(plan.nodes["floor_divide"], inputs=({axis: "R"},), output={axis: "R"})
+    wrong = replace(plan, nodes={**plan.nodes, "floor_divide": edited})
+    with pytest.raises(PlanFormatError, match=r"nodes\.floor_divide\.inputs\[0\] reads sort"):
+        check_plan(wrong, w.trace())
     assert "experts split 4 ways on" in summary(plan)
     assert "each rank routes its own tokens, sent to their experts and back by all-to-alls" in (
         summary(plan)
