@@ -4,7 +4,8 @@ shared expert, multi-head latent attention; its first 3 layers dense) with fewer
 simulated H100 nodes, planned by autoplan and compared with the conventional plans, all priced
 by the same cost model: the batch split as far as it goes (dp), Megatron's tensor parallelism
 over the rest (tp), with the experts replicated, stored by ZeRO-3, or split along dp
-(`baseline(dp, tp, ep=dp)`: each rank multiplying the rows routed to its experts).
+(`baseline(dp, tp, ep=dp)`: each rank routing its own tokens and sending the rows to their
+experts' ranks by all-to-all with uneven counts, `strategies/routing.py`).
 
 Prints, and writes to benchmarks/results/plan_experts.json and .md: planning time, the chosen
 mesh and stages, how the routed experts' weights are stored, and each plan's predicted step
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.graph.flops import GROUPED_MMS  # noqa: E402
 from autoplan.planfile.show import fmt_bytes  # noqa: E402
 from benchmarks.plan_moe import priced, report  # noqa: E402
 from benchmarks.real_models import MODELS  # noqa: E402
@@ -45,6 +47,26 @@ def workload(layers: int, batch: int) -> autoplan.Workload:
     return autoplan.Workload(model, {"input_ids": ids, "labels": ids})
 
 
+def routed_rows(plan: autoplan.Plan) -> str:
+    """How the routed experts' grouped matmuls get their rows, by mesh axis splitting the
+    experts: sent by all-to-all from the ranks that routed them, or gathered whole."""
+    ways = set()
+    for node in plan.nodes.values():
+        if node.op in GROUPED_MMS:
+            x, w = node.inputs[0], node.inputs[1]
+            for axis, p in w.items():
+                if p == "S(0)":
+                    ways.add(f"{'all-to-all' if x.get(axis) == 'S(0)' else 'gathered'} on {axis}")
+    return ", ".join(sorted(ways)) or "experts whole"
+
+
+def planned(plan: autoplan.Plan) -> dict[str, object]:
+    """`priced`, the experts' column saying how their rows come (`routed_rows`)."""
+    row = priced(plan, EXPERTS)
+    row["experts"] = f"{row['experts']}; rows {routed_rows(plan)}"
+    return row
+
+
 def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
     cluster = autoplan.Cluster.load(ROOT / "costmodels/h100-sxm-8.json", num_nodes=gpus // 8)
     w = workload(layers, batch)
@@ -53,7 +75,7 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
     start = time.perf_counter()
     plan = w.plan(cluster, options)
     rows.append({"plan": "autoplan", "plan_s": round(time.perf_counter() - start, 1)})
-    rows[-1].update(priced(plan, EXPERTS))
+    rows[-1].update(planned(plan))
     rows[-1]["limit"] = plan.predicted.memory_limit_bytes
     # the batch split as far as it goes, tensor parallelism over the rest of the GPUs
     dp = min(gpus, batch)
@@ -65,7 +87,7 @@ def run(gpus: int, layers: int, batch: int) -> list[dict[str, object]]:
     ):
         row: dict[str, object] = {"plan": name, "plan_s": "-"}
         try:
-            row.update(priced(w.baseline(cluster, options=options, **degrees), EXPERTS))
+            row.update(planned(w.baseline(cluster, options=options, **degrees)))
         except AutoplanError as e:
             row.update({"mesh": "-", "stages": "-", "experts": "-", "step_s": None, "memory": None})
             row["error"] = str(e).split(";")[0][:120]

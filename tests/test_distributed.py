@@ -122,6 +122,7 @@ def test_trains_like_one_process_and_as_planned(
         assert overflow in extra, r
         extra.remove(overflow)
     assert r["planned_not_issued"] == [] and extra == [], r
+    assert r["routed_bytes"][0] == r["routed_bytes"][1], r  # all-to-alls of routed rows
     assert r["sends_planned_not_issued"] == [] and r["sends_issued_not_planned"] == [], r
     if case.recomputed is not None:  # the planner's choice, layer by layer
         assert r["recomputed"] == list(case.recomputed), r

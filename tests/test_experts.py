@@ -7,6 +7,7 @@ zoo-mixtral-baseline-ep-2x2)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,12 @@ import transformers.integrations.moe  # registers transformers' grouped matmul o
 
 import autoplan
 from autoplan import PlanOptions
-from autoplan.execute.experts import local_grouped_mm
+from autoplan.errors import PlanFormatError
+from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
+from autoplan.planfile.check import check_plan
 from autoplan.planfile.show import summary
+from autoplan.strategies.routing import NO_REGION, Op, region
 from autoplan.strategies.rules import own_rule
 from tests.distributed.cases import cluster
 from tests.models.zoo import workload
@@ -59,45 +63,125 @@ def test_ranks_experts_sum_to_the_whole_grouped_matmul(op: torch._ops.OpOverload
     torch.testing.assert_close(torch.cat([s.grad for s in shards]), want_w)
 
 
-def test_baseline_ep_splits_index_routed_experts() -> None:
+def test_baseline_ep_sends_each_ranks_tokens_to_their_experts() -> None:
     """`baseline(ep=4)` of a tiny Mixtral: its 3-dim experts stored and used split, each
-    grouped matmul's partial sums reduced in the plan's collectives, and said in show."""
+    rank's tokens routed on it (sorted, counted, put back in order there), each grouped
+    matmul's rows sent to their experts and back by all-to-alls, and said in show."""
     w = workload("mixtral", batch_size=16, seq_len=16)
     plan = w.baseline(cluster(4), dp=4, tp=1, ep=4)
+    (axis,) = plan.mesh.axes
     experts = {n: p for n, p in plan.params.items() if n.endswith(("gate_up_proj", "down_proj"))}
     assert len(experts) == 4
-    assert all(p.storage == p.placements == {"tp": "S(0)"} for p in experts.values())
+    assert all(p.storage == p.placements == {axis: "S(0)"} for p in experts.values())
     grouped = {n: p for n, p in plan.nodes.items() if p.op in GROUPED_MMS}
     assert len(grouped) == 4
-    assert all(p.output == {"tp": "P"} and p.inputs[1] == {"tp": "S(0)"} for p in grouped.values())
-    # the partial sums reduced in forward: whole for the activation, split for the residual
-    reduced = {c.tensor: c.kind for c in plan.collectives if c.phase == "forward"}
-    assert {reduced.get(n) for n in grouped} == {"all_reduce", "reduce_scatter"}
-    assert "experts split 4 ways on tp (each rank multiplies the rows routed to its experts" in (
+    rows, split, counts = {axis: "S(0)"}, {axis: "S(0)"}, {axis: "P"}
+    assert all(p.inputs == (rows, split, counts) and p.output == rows for p in grouped.values())
+    assert all(plan.nodes[n].inputs[0] == rows for n in plan.nodes if n.startswith("sort"))
+    # the routed rows never gathered: each grouped matmul's five all-to-alls, nothing else
+    moved = [c for c in plan.collectives if c.phase in ("forward", "backward")]
+    routed = [c for c in moved if c.node in grouped]
+    assert all(c.kind == "all_to_all" and c.axes == (axis,) for c in routed)
+    assert len(routed) == 5 * len(grouped)
+    assert {c.tensor for c in moved if c not in routed} == {"cross_entropy_loss"}  # the loss's
+    # a hand-edited plan that reads the routed rows' positions whole is refused
+    edited = replace(plan.nodes["floor_divide"], inputs=({axis: "R"},), output={axis: "R"})
+    wrong = replace(plan, nodes={**plan.nodes, "floor_divide": edited})
+    with pytest.raises(PlanFormatError, match=r"nodes\.floor_divide\.inputs\[0\] reads sort"):
+        check_plan(wrong, w.trace())
+    assert "experts split 4 ways on" in summary(plan)
+    assert "each rank routes its own tokens, sent to their experts and back by all-to-alls" in (
         summary(plan)
     )
 
 
-def test_planner_splits_the_experts_of_a_large_moe() -> None:
-    """A Qwen3-MoE layer of 128 experts (top 8, in bfloat16: torch's grouped matmul) on one
-    8-GPU H100 node: the planner stores and multiplies the experts split 8 ways, and its
-    step is faster than data parallelism's and ZeRO-3's under the same cost model."""
+def _qwen3_moe(experts: int, width: int, batch: int, top_k: int) -> autoplan.Workload:
     config = transformers.Qwen3MoeConfig(
-        num_hidden_layers=1, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, vocab_size=4096, max_position_embeddings=512,
+        num_hidden_layers=1, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=width,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=experts,
+        num_experts_per_tok=top_k, vocab_size=4096, max_position_embeddings=256,
         attention_dropout=0.0,
     )  # fmt: skip
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-        ids = torch.randint(0, 4096, (8, 512))
-    w = autoplan.Workload(model, {"input_ids": ids, "labels": ids})
+        ids = torch.randint(0, 4096, (batch, 256))
+    return autoplan.Workload(model, {"input_ids": ids, "labels": ids})
+
+
+@pytest.mark.parametrize(
+    ("experts", "width", "batch", "top_k", "sent"),
+    [(128, 512, 8, 8, True), (8, 64, 64, 2, False)],
+    ids=["many-large-experts", "few-small-experts"],
+)
+def test_planner_sends_tokens_to_their_experts_where_it_pays(
+    experts: int, width: int, batch: int, top_k: int, sent: bool
+) -> None:
+    """A Qwen3-MoE layer (bfloat16: torch's grouped matmul) on one 8-GPU H100 node. 128
+    experts of width 512, top 8 of 2048 tokens: the experts' gradients (and DDP's all-reduce
+    of them) outweigh the routed rows, so the planner splits the experts and sends each
+    rank's rows to them by all-to-all, faster than data parallelism. 8 experts of width 64,
+    top 2 of 16384 tokens: the rows outweigh the experts, so it keeps them whole and each
+    rank multiplies its own rows (no exchange), faster than `baseline(ep=8)`."""
+    w = _qwen3_moe(experts, width, batch, top_k)
     h100 = autoplan.Cluster.load(ROOT / "costmodels/h100-sxm-8.json")
     plan = w.plan(h100, PlanOptions(pipeline=False, mesh_shape=(8,)))
-    experts = [p for n, p in plan.params.items() if ".experts." in n]
-    assert len(experts) == 2 and all(p.storage == {"tp": "S(0)"} for p in experts)
+    (axis,) = plan.mesh.axes
     grouped = [p for p in plan.nodes.values() if p.op == "aten._grouped_mm.default"]
-    assert len(grouped) == 2 and all(p.output == {"tp": "P"} for p in grouped)
-    step = plan.predicted.step_time_s
-    for degrees in ({"dp": 8, "tp": 1}, {"dp": 8, "tp": 1, "zero_stage": 3}):
-        assert step < w.baseline(h100, **degrees).predicted.step_time_s, degrees
+    assert len(grouped) == 2
+    assert all(p.inputs[0] == {axis: "S(0)"} and p.output == {axis: "S(0)"} for p in grouped)
+    stored = {p.storage[axis] for n, p in plan.params.items() if ".experts." in n}
+    assert stored == ({"S(0)"} if sent else {"R"})
+    kinds = {
+        c.kind for c in plan.collectives if c.node in {n for n in plan.nodes if "grouped" in n}
+    }
+    assert kinds == ({"all_to_all"} if sent else set())
+    other = w.baseline(h100, dp=8, tp=1) if sent else w.baseline(h100, dp=8, tp=1, ep=8)
+    assert plan.predicted.step_time_s < other.predicted.step_time_s
+
+
+def _routed(*tail: Op) -> list[Op]:
+    """transformers' grouped experts as the planner's graph has them (one grouped matmul),
+    then ``tail``."""
+    return [
+        Op("sort", "aten.sort.default", ("ids",)),
+        Op("token", "aten.floor_divide.default", ("sort",)),
+        Op("rows", "aten.index.Tensor", ("hidden", "token")),
+        Op("counts", "aten.histc.default", ("sort",)),
+        Op("offs", "aten.cumsum.default", ("counts",)),
+        Op("mm", GROUPED_MMS[0], ("rows", "w", "offs")),
+        Op("empty", "aten.empty_like.default", ("sort",)),
+        Op("positions", "aten.arange.default", ()),
+        Op("inverse", "aten.index_put.default", ("empty", "sort", "positions")),
+        Op("back", "aten.index.Tensor", ("mm", "inverse")),
+        *tail,
+    ]
+
+
+def test_routed_region_runs_from_the_sort_to_the_inverse_permutation() -> None:
+    found = region(_routed(Op("out", "aten.view.default", ("back",))))
+    assert found.inside == {"sort", "token", "rows", "counts", "offs", "mm", "empty"} | {
+        "positions",
+        "inverse",
+    }
+    assert found.exits == {"back"}
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        Op("leak", "aten.sum.default", ("rows",)),  # the sorted rows read outside
+        Op("mix", "aten.mul.Tensor", ("mm", "hidden")),  # mixed with tokens in their order
+    ],
+    ids=["read-outside", "mixed-with-tokens"],
+)
+def test_a_region_that_is_not_closed_routes_nothing(tail: Op) -> None:
+    assert region(_routed(tail)) == NO_REGION
+
+
+def test_received_rows_are_regrouped_by_expert() -> None:
+    """Rows received from 3 ranks for this rank's 2 experts, in blocks by source rank:
+    regrouped by expert, each expert's rows by source."""
+    got = torch.tensor([[2, 1], [0, 3], [1, 0]])  # got[s, j]: from rank s for expert j
+    # received: s0 e0 e0 e1 | s1 e1 e1 e1 | s2 e0
+    order = by_expert(got)
+    assert order.tolist() == [0, 1, 6, 2, 3, 4, 5]

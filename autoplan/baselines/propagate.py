@@ -26,6 +26,7 @@ from autoplan.errors import AutoplanError
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind, RecomputeMode
+from autoplan.strategies import routing
 from autoplan.strategies.float32_grads import (
     baseline_copy,
     check_copies_read_as_placed,
@@ -229,6 +230,7 @@ def _propagated(
     (the cp axis's: a label padded along the sequence is gathered, not split by a batch of one)."""
     read: dict[str, str] = {}  # how consumers read each node's output
     placed: dict[str, AxisRule] = {}
+    routed = routing.graph_region(graph)
     for node in graph:
         if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
             stored, read[node.name] = seeds.get(node.name, (R, R))
@@ -246,10 +248,27 @@ def _propagated(
             rule = rule_moving(node, graph, ins, most=None if move else 0, size=size)
         placed[node.name] = rule if rule is not None else (R,) * (1 + len(ins))
         read[node.name] = placed[node.name][0]
+        if node.name in routed.inside:
+            _route_positions(node, placed, read)
+            if read[node.name] == P:  # a rank's counts of its own rows: its offsets' too
+                continue
         # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
         if read[node.name] == P and param_of(graph, node.name) is None:
             read[node.name] = _partial_read(graph, node, sequence)
     return placed
+
+
+def _route_positions(node: Node, placed: dict[str, AxisRule], read: dict[str, str]) -> None:
+    """An inverse permutation of a rank's own rows (`autoplan.strategies.routing`) puts its
+    own positions (a local ``arange``) where its permutation is split: the ``arange``, placed
+    before its reader, follows it."""
+    rule = placed[node.name]
+    if node.op != routing.INDEX_PUT or len(node.refs) != 3 or shard_dim(rule[3]) != 0:
+        return
+    positions = node.refs[2].name
+    if placed.get(positions) == (R,):
+        placed[positions] = (rule[3],)
+        read[positions] = rule[3]
 
 
 def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:

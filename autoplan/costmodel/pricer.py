@@ -42,6 +42,7 @@ from autoplan.costmodel.timing import (
     sync_overhead,
     with_overhead,
 )
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.ir import Node, TensorInfo, itemsize
 from autoplan.graph.recompute import NO_RECOMPUTE, Recompute
 from autoplan.modes import NodeKind, Phase
@@ -205,6 +206,8 @@ class Pricer:
                 strategy.state, strategy.output, info.shape, itemsize(info.dtype)
             )
             return tuple(Phased(c, Phase.UPDATE) for c in found)
+        if node.op in GROUPED_MMS:
+            return self._dispatch(node, strategy, ins)
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
         reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
@@ -230,6 +233,33 @@ class Pricer:
                 for axis in axes
                 if shard_dim(target[axis]) is not None
             ]
+        return tuple(issued)
+
+    def _dispatch(
+        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo]
+    ) -> tuple[Phased, ...]:
+        """A grouped matmul whose rows and experts split along the same axis sends each
+        rank's rows to its experts' ranks and back (`execute/experts.py`): in forward an
+        all-to-all of the counts per expert, one of the rows and one of the products; in
+        backward one of each's gradient (again where recomputed). The rows' share of each
+        rank depends on the routing: priced at the balanced expectation, each rank sending
+        and receiving its own rows' bytes."""
+        if len(ins) < 3 or not strategy.inputs:
+            return ()
+        x, w = strategy.inputs[0], strategy.inputs[1]
+        axes = [a for a in range(len(x)) if shard_dim(x[a]) == 0 == shard_dim(w[a])]
+        if not axes:
+            return ()
+        (axis,) = axes  # one axis (`strategies.grouped_mm.supported`)
+        rows = itemsize(ins[0].dtype) * local_numel(x, ins[0].shape, self.mesh_shape)
+        out = node.outputs[0]
+        products = itemsize(out.dtype) * local_numel(strategy.output, out.shape, self.mesh_shape)
+        counts = itemsize(ins[2].dtype) * math.prod(ins[2].shape)
+        sent = [Collective("all_to_all", (axis,), n) for n in (counts, rows, products)]
+        phases = [Phase.FORWARD] + [Phase.RECOMPUTE] * self.recompute.recomputes(node.name)
+        issued = [Phased(c, phase) for phase in phases for c in sent]
+        if node.needs_grad:
+            issued += [Phased(c, Phase.BACKWARD) for c in sent[:0:-1]]
         return tuple(issued)
 
     def internal_time(

@@ -51,6 +51,7 @@ from autoplan.execute.pipeline import PipelineRunner
 from autoplan.execute.runtime import build_runtime, plan_mesh, train_step
 from autoplan.graph.capture import export_step, microbatch
 from autoplan.graph.convert import graph_from_export, module_path
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.options import TrainOptions
 from autoplan.planfile.schema import Plan
 from autoplan.schedules import SPLIT_BACKWARD
@@ -133,7 +134,17 @@ def check_rank(
 
 def checkable(plan: Plan) -> bool:
     """Whether the check can run ``plan``'s step: a pipeline's only where this torch's stages
-    can be made ready without messages (`STATIC_STAGES`, torch 2.13 on; `_Unsent`)."""
+    can be made ready without messages (`STATIC_STAGES`, torch 2.13 on; `_Unsent`), and
+    not where a grouped matmul sends its rows to their experts: how many go to each rank
+    is data (`execute/experts.py`), which fake tensors do not hold."""
+    nodes = plan.nodes
+    routed = [c for c in plan.collectives if c.kind == "all_to_all" and c.node in nodes]
+    if any(nodes[c.node].op in GROUPED_MMS for c in routed):
+        log.info(
+            "the planned step is not run on fake tensors: its grouped matmuls send their "
+            "rows to their experts by counts that fake tensors do not hold"
+        )
+        return False
     if plan.pipeline is None or STATIC_STAGES:
         return True
     log.info(

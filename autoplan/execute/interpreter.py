@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,13 @@ from torch.export import ExportedProgram
 
 from autoplan.execute.checkpointed import RecomputedRegion, Selective, gathered, with_regions
 from autoplan.execute.context import causal_offsets, shifted_causal
-from autoplan.execute.experts import first_experts, local_grouped_mm
+from autoplan.execute.experts import (
+    dispatch_axes,
+    dispatched_grouped_mm,
+    first_experts,
+    local_grouped_mm,
+    routed_region,
+)
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
@@ -59,6 +65,7 @@ from autoplan.execute.vocab import VocabShard, vocab_shard
 from autoplan.planfile.schema import Plan
 from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
+from autoplan.strategies.routing import routes_locally
 from autoplan.torch_private import from_local, redistribute
 
 log = logging.getLogger(__name__)
@@ -184,6 +191,7 @@ class PlanInterpreter:
         # replicated ops that keep their output's gradient partial: where they keep it
         self.kept: dict[str, tuple[Placement, ...]] = {}
         self.local: set[str] = set()
+        self.routed = routed_region(self.graph)
         for name, node in plan.nodes.items():
             self.inputs[name] = [to_dtensor(p, axes) for p in node.inputs]
             if node.output:
@@ -206,13 +214,28 @@ class PlanInterpreter:
             self.reads[name] = [n.name for n in _tensor_inputs(fx_node)]
             shape = None
             # a replicated op run whole on every rank is exact on local tensors, and only so
-            # does its backward keep a partial gradient partial
+            # does its backward keep a partial gradient partial; a routed region's ops route
+            # this rank's own rows (`autoplan.strategies.routing`)
+            planned = plan.nodes.get(name)
+            routed = (
+                name in self.routed
+                and planned is not None
+                and routes_locally([tuple(p.values()) for p in (*planned.inputs, planned.output)])
+            )
             if name in self.outputs and (
-                name in self.kept or runs_locally(fx_node, self.inputs[name], self.outputs[name])
+                name in self.kept
+                or routed
+                or runs_locally(fx_node, self.inputs[name], self.outputs[name])
             ):
                 self.local.add(name)
                 if fx_node.target in SIZED:  # a local view's or factory's size argument
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
+                elif routed and fx_node.target is torch.ops.aten.arange.default:
+                    # this rank's own positions: arange(end) of its rows
+                    (end,) = local_shape(fx_node, self.outputs[name], mesh.shape)
+                    traced = Arguments.of(fx_node, self.device)
+                    self.arguments[name] = replace(traced, args=(end, *traced.args[1:]))
+                    continue
                 elif fx_node.target in SPLITS:  # a local split's pieces
                     shape = local_split(fx_node, self.inputs[name][0], mesh.shape)
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
@@ -224,6 +247,7 @@ class PlanInterpreter:
         }
         self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
         self.experts = first_experts(self.graph, self.inputs, self.local, mesh)  # experts split
+        self.dispatch = dispatch_axes(self.graph, self.inputs, self.local)  # rows sent to them
 
         recomputed = {
             n: i for i, layer in enumerate(plan.recompute) for n in layer.nodes if n in self.nodes
@@ -439,6 +463,9 @@ class PlanInterpreter:
             out = local_embedding(node, args, self.vocab[name])
         elif name in self.offsets:
             out = shifted_causal(args, kwargs, self.offsets[name])
+        elif name in self.dispatch:
+            group = self.mesh.get_group(self.dispatch[name])
+            out = dispatched_grouped_mm(node.target, args, kwargs, group)  # type: ignore[arg-type]
         elif name in self.experts:
             out = local_grouped_mm(node.target, args, kwargs, self.experts[name])  # type: ignore[arg-type]
         else:

@@ -38,6 +38,7 @@ from autoplan.modes import NodeKind
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
+from autoplan.strategies import routing
 from autoplan.strategies.float32_grads import kept_where_whole, weight_copies
 from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
 from autoplan.strategies.space import RESHAPES, Strategy, node_strategies
@@ -66,6 +67,7 @@ def check_plan(plan: Plan, graph: Graph | None = None, cluster: Cluster | None =
     plan = _params_into_nodes(plan, graph)
     _check_stages(plan, graph)
     _check_strategies(plan, graph)
+    _check_routed(plan, graph)
     return plan
 
 
@@ -326,6 +328,28 @@ def _shown(s: Strategy, node: Node, axes: tuple[str, ...]) -> str:
     inputs = ", ".join(named(i) for i in s.inputs) or "nothing"
     kept = f", its gradient kept {named(s.grad)}" if s.grad else ""
     return f"reads {inputs} -> {named(s.output)}{kept}" if node.outputs else f"reads {inputs}"
+
+
+def _check_routed(plan: Plan, graph: Graph) -> None:
+    """No tensor of a routed region (each rank's own rows in its own order,
+    `autoplan.strategies.routing`) is read placed otherwise on an axis that routes it: that
+    would take them for the one-process tensor's shards."""
+    region = routing.graph_region(graph)
+    axes = plan.stage_axes
+    for node in graph:
+        for i, ref in enumerate(node.refs):
+            if ref.name not in region.inside:
+                continue
+            made = _spec(plan.nodes[ref.name].output, axes)
+            read = _spec(plan.nodes[node.name].inputs[i], axes)
+            if routing.moves_routed_rows(made, read):
+                raise PlanFormatError(
+                    f"plan field nodes.{node.name}.inputs[{i}] reads {ref.name} as "
+                    f"{_fmt(plan.nodes[node.name].inputs[i])}, but {ref.name} holds each "
+                    f"rank's own routed rows ({_fmt(plan.nodes[ref.name].output)}), which no "
+                    "redistribution turns into the whole tensor's shards; read it as placed "
+                    "or place the whole routed region (from its sort) otherwise"
+                )
 
 
 def _check_strategies(plan: Plan, graph: Graph) -> None:

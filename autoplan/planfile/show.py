@@ -122,10 +122,17 @@ def _words(plan: Plan) -> list[str]:
 
 def _moves_tokens(plan: Plan, axis: str) -> str:
     """How a mixture of experts split on ``axis`` brings the tokens to their experts: an
-    index-routed one's grouped matmuls (strategies/grouped_mm.py), else GShard's all-to-alls."""
+    index-routed one's grouped matmuls (strategies/grouped_mm.py), their rows routed by each
+    rank (strategies/routing.py) or gathered, else GShard's all-to-alls."""
     grouped = [n for n in plan.nodes.values() if n.op in GROUPED_MMS]
-    if not any(n.inputs[1].get(axis) == "S(0)" for n in grouped):
+    split = [n for n in grouped if n.inputs[1].get(axis) == "S(0)"]
+    if not split:
         return "all-to-alls carry the tokens"
+    if all(n.inputs[0].get(axis) == "S(0)" for n in split):
+        return (
+            "each rank routes its own tokens, sent to their experts and back by all-to-alls "
+            "of uneven counts"
+        )
     return "each rank multiplies the rows routed to its experts, the partial sums reduced"
 
 

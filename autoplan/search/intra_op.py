@@ -12,7 +12,9 @@ they read it in and its gradients reduced once per such placement (a shared cost
 parameter's bucketed gradient costs its bytes, and the buckets of each mesh axes their latency
 each, counted as DDP fills them (a bucket cost). What the ILP cannot see exactly (which
 gradients share a bucket, ops waiting once for several moved inputs) is why the planner also
-prices the conventional plans of the shape it found (`autoplan.api`).
+prices the conventional plans of the shape it found (`autoplan.api`). A move that would mix
+a routed region's local rows with the one-process tensor's shards (`strategies.routing`)
+costs more than any plan without one (`_forbidden`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
 The plan found is priced again from its assignment, node by node (`costmodel.step_price`).
 """
@@ -44,6 +46,7 @@ from autoplan.solvers.problem import (
     IntraOpSolution,
     SharedCost,
 )
+from autoplan.strategies import routing
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
@@ -101,8 +104,14 @@ def _edge_matrix(
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
+    routed = u in routing.graph_region(graph).inside
     return [
-        [pricer.edge(producer, tensor, su, consumer, sv, i, once) for sv in space[v].strategies]
+        [
+            math.inf  # made a cost above any plan's (`_forbidden`)
+            if routed and routing.moves_routed_rows(su.output, sv.inputs[i])
+            else pricer.edge(producer, tensor, su, consumer, sv, i, once)
+            for sv in space[v].strategies
+        ]
         for su in space[u].strategies
     ]
 
@@ -136,8 +145,15 @@ def _shared_costs(
             if producer.needs_grad:
                 grads[(dst.inputs[i], input_grad(reader, dst, i))].append((group, k))
     src = grouping.group_of[name]
+    routed = name in routing.graph_region(graph).inside
+
+    def read_s(s: Strategy, p: Spec) -> float:
+        if routed and routing.moves_routed_rows(s.output, p):
+            return math.inf
+        return count * pricer.read_s(tensor, s, p)
+
     found = [
-        SharedCost(src, tuple(count * pricer.read_s(tensor, s, p) for s in sources), tuple(when))
+        SharedCost(src, tuple(read_s(s, p) for s in sources), tuple(when))
         for p, when in moves.items()
     ]
     found += [
@@ -307,6 +323,8 @@ def build_problem(
         for key, readers in param_reads.items()
         if graph.node(key[0]).kind == NodeKind.PARAM and graph.node(key[0]).needs_grad
     }
+    if routing.graph_region(graph).inside:
+        grouped, shared = _forbidden(node_costs, grouped, shared)
     problem = IntraOpProblem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
@@ -319,6 +337,32 @@ def build_problem(
         buckets=tuple(_bucket_costs(graph, layers, space, pricer, grouping, trained, once)),
     )
     return problem, grouping
+
+
+def _forbidden(
+    node_costs: list[list[float]],
+    edges: dict[tuple[int, int], list[list[float]]],
+    shared: list[SharedCost],
+) -> tuple[dict[tuple[int, int], list[list[float]]], list[SharedCost]]:
+    """The moves that would mix a routed region's local rows with the one-process tensor's
+    shards (`autoplan.strategies.routing`), priced above twice the dearest plan without
+    them: a constant far above every cost would cost the solver its precision (its
+    tolerances are relative to the largest coefficient)."""
+
+    def dearest(values: list[float] | tuple[float, ...]) -> float:
+        return max((v for v in values if math.isfinite(v)), default=0.0)
+
+    bound = sum(dearest(c) for c in node_costs)
+    bound += sum(dearest([v for row in m for v in row]) for m in edges.values())
+    bound += sum(dearest(c.cost) for c in shared)
+    cost = 2.0 * bound + 1e-3
+
+    def priced(v: float) -> float:
+        return v if math.isfinite(v) else cost
+
+    edges = {k: [[priced(v) for v in row] for row in m] for k, m in edges.items()}
+    shared = [replace(c, cost=tuple(priced(v) for v in c.cost)) for c in shared]
+    return edges, shared
 
 
 def decode(

@@ -13,6 +13,11 @@ experts and leaves the others' rows zero (execute/experts.py), so the sum over t
 the whole result, exactly. The planner prices that split as any other (each rank computes
 ``1 / n`` of the FLOPs; the partial sums reduced where a reader needs them whole) and weighs
 it against replicated experts, ZeRO's and the pipeline's splits.
+
+Inside a routed region (`autoplan.strategies.routing`) the rows may instead be each rank's
+own (``S(0)``, offsets ``P``): multiplied by every expert where the experts are whole, or sent
+to the ranks of their experts by all-to-all where they split along the same axis (one axis:
+`supported`), the tokens never gathered.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Sequence
 
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.ir import Node, TensorInfo
-from autoplan.strategies.placement import P, R, shard
+from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 
 AxisRule = tuple[str, ...]
 
@@ -32,3 +37,13 @@ def grouped_mm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 
 RULES = dict.fromkeys(GROUPED_MMS, grouped_mm)
+
+
+def supported(inputs: Sequence[Spec]) -> bool:
+    """Whether the executor runs a grouped matmul so placed (``inputs``: x, w, offs): rows
+    sent to their experts (rows and experts split alike) along one axis at most, and then
+    no other axis splitting the experts."""
+    x, w = inputs[0], inputs[1]
+    sent = [a for a, p in enumerate(w) if shard_dim(p) == 0 == shard_dim(x[a])]
+    split = [a for a, p in enumerate(w) if shard_dim(p) == 0]
+    return not sent or split == sent == sent[:1]

@@ -15,9 +15,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.ir import Graph, Node, Ref, TensorInfo, itemsize
 from autoplan.modes import NodeKind
-from autoplan.strategies import dtensor_rules, strided
+from autoplan.strategies import dtensor_rules, grouped_mm, routing, strided
 from autoplan.strategies.buckets import FIRST_BUCKET_BYTES
 from autoplan.strategies.placement import (
     P,
@@ -141,6 +142,12 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
     their strided twins where a fused projection's pieces may split strided
     (`autoplan.strategies.strided`), and where they came from."""
     rules, source = _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))
+    found = routing.graph_region(graph)
+    if node.name in found:  # routing each rank's own tokens (`autoplan.strategies.routing`)
+        op = routing.Op(node.name, node.op, tuple(r.name for r in node.refs))
+        rules = tuple(r for r in rules if routing.keeps(r, op, found))
+        rules += tuple(routing.local_rules(node.op, len(node.refs), node.name in found.exits))
+        source = "ours" if source == "replicated" else source
     return [*rules, *strided.twin_rules(node, graph, plain_rules)], source
 
 
@@ -210,6 +217,8 @@ def node_strategies(node: Node, graph: Graph, mesh_shape: tuple[int, ...]) -> No
     ins = [graph.tensor(r) for r in node.refs]
     rules, source = axis_rules(node, graph)
     strategies = _expand(rules, node, ins, mesh_shape)
+    if node.op in GROUPED_MMS:
+        strategies = [s for s in strategies if grouped_mm.supported(s.inputs)]
     kept = kept_partial(node, graph, mesh_shape)
     return NodeStrategies(node.name, (*strategies, *kept), source)
 
@@ -247,6 +256,8 @@ def is_candidate(node: Node, graph: Graph, strategy: Strategy, mesh_shape: tuple
         rule = (strategy.output[axis], *(spec[axis] for spec in strategy.inputs))
         if rule != all_r and (size == 1 or rule not in axis_rules(node, graph)[0]):
             return False
+    if node.op in GROUPED_MMS and not grouped_mm.supported(strategy.inputs):
+        return False
     return all(is_valid(strategy.output, o.shape, mesh_shape) for o in node.outputs) and all(
         is_valid(spec, t.shape, mesh_shape) for spec, t in zip(strategy.inputs, ins, strict=True)
     )

@@ -77,6 +77,12 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+from torch.distributed._functional_collectives import (
+    all_to_all_single as functional_all_to_all,
+)
+from torch.distributed._functional_collectives import (
+    all_to_all_single_autograd as functional_all_to_all_autograd,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
@@ -131,6 +137,8 @@ __all__ = [
     "dualpipev_order",
     "from_local",
     "functional_all_reduce",
+    "functional_all_to_all",
+    "functional_all_to_all_autograd",
     "non_finite_check_and_unscale",
     "pipeline_received",
     "pipeline_sent",

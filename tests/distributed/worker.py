@@ -28,7 +28,13 @@ sys.path.insert(0, str(ROOT))
 import autoplan  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.execute.checkpointed import RecomputedRegion  # noqa: E402
-from autoplan.execute.comms import CollectiveRecorder, issued, planned  # noqa: E402
+from autoplan.execute.comms import (  # noqa: E402
+    CollectiveRecorder,
+    issued,
+    issued_routed_bytes,
+    planned,
+    planned_routed_bytes,
+)
 from autoplan.execute.interpreter import PlanInterpreter  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
@@ -113,7 +119,13 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
             sum(sends.values()),
         ),
     )
+    # the routed rows' all-to-alls: how many bytes each rank sends is the routing's, their
+    # sum over the ranks the plan's
+    routed: list[Any] = [None] * dist.get_world_size()
+    mine = (planned_routed_bytes(step.plan), issued_routed_bytes(recorder.issued))
+    dist.all_gather_object(routed, mine)
     return {
+        "routed_bytes": [sum(p for p, _ in routed), sum(i for _, i in routed)],
         "axes": list(step.plan.mesh.axes),
         "shape": list(step.plan.mesh.shape),
         "stages": len(step.plan.stages),

@@ -1,0 +1,233 @@
+"""Routing regions: where index-routed experts may route each rank's own tokens.
+
+transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 order their (token, expert) rows by expert
+(`strategies/grouped_mm.py`): ``sort`` of the routed expert ids, the rows gathered by the
+sort's permutation (``index``), counted per expert (``histc``, ``cumsum``: the offsets),
+multiplied by the grouped matmuls and put back in token order by ``index`` with the inverse
+permutation (``index_put`` of an ``arange`` at the permutation's positions). With the tokens
+split by batch on a mesh axis, each rank can do all of that on its own tokens: sort its own
+rows, count its own rows per expert (partial sums of the counts, ``P``) and send them to the
+ranks that hold their experts (the grouped matmul's all-to-all, `execute/experts.py`), as
+torchtitan's and DeepSeek's dispatch does. The rows between the sort and the inverse
+permutation are then *this rank's rows in its own order*: split along dim 0 (``S(0)``), but
+not the shards of the one-process tensor. That is exact where the region is closed: every
+reader of its tensors is in it, they are the ops below, and its only way out is the inverse
+permutation, whose output is the rank's tokens' rows in token order again (a true ``S(0)``).
+
+`region` finds such regions from the graph alone; `local_rules` are the rules its ops take
+there on top of their own (the rows split, the counts partial), and `moves_routed_rows` says
+which redistributions of a region's tensors would mix the two meanings of ``S(0)``: the
+planner prices those above any plan (`search/intra_op.py`), so that along each mesh axis a
+region routes its rows either all locally or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autoplan.graph.flops import GROUPED_MMS
+from autoplan.graph.ir import Graph
+from autoplan.modes import NodeKind
+from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
+
+AxisRule = tuple[str, ...]  # (output, tensor input 0, ...) on one mesh axis, as in rules.py
+
+SORTS = frozenset({"aten.sort.default", "aten.sort.stable", "aten.argsort.default"})
+INDEX, INDEX_PUT, ARANGE = "aten.index.Tensor", "aten.index_put.default", "aten.arange.default"
+COUNTS = frozenset({"aten.histc.default", "aten.cumsum.default"})
+# row-wise ops: each output row depends on the same row of each input (or on none)
+ROW_OPS = frozenset(
+    {
+        "aten.floor_divide.default",
+        "aten._to_copy.default",
+        "aten.empty_like.default",
+        "aten.split.Tensor",
+        "aten.split_with_sizes.default",
+        "aten.unsqueeze.default",
+        "aten.silu.default",
+        "aten.gelu.default",
+        "aten.relu.default",
+        "aten.sigmoid.default",
+        "aten.mul.Tensor",
+        "aten.add.Tensor",
+        "aten.clamp.default",
+        "aten.masked_fill.Scalar",
+        "aten.eq.Scalar",
+        "aten.ge.Scalar",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node as the analysis sees it: its name, op (``aten.sort.default``) and the
+    producers of its tensor inputs in argument order (an output of several outputs by its
+    producer's name)."""
+
+    name: str
+    op: str
+    reads: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """The routed regions of a graph: their ops (the sorts, the rows between, the ``arange``
+    of the inverse permutation) and their exits (the inverse permutations' ``index``)."""
+
+    inside: frozenset[str]
+    exits: frozenset[str]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.inside or name in self.exits
+
+
+NO_REGION = Region(frozenset(), frozenset())
+
+
+def region(ops: Sequence[Op]) -> Region:
+    """Every closed routed region of ``ops`` (graph order), from each sort whose values
+    reach a grouped matmul's offsets; a sort whose region is not closed routes nothing."""
+    by_name = {o.name: o for o in ops}
+    readers: dict[str, list[Op]] = {}
+    for o in ops:
+        for r in dict.fromkeys(o.reads):
+            readers.setdefault(r, []).append(o)
+    inside: set[str] = set()
+    exits: set[str] = set()
+    for seed in ops:
+        if seed.op not in SORTS or seed.name in inside:
+            continue
+        found = _closed(seed, by_name, readers)
+        if found is not None:
+            inside |= found[0]
+            exits |= found[1]
+    return Region(frozenset(inside), frozenset(exits))
+
+
+def graph_region(graph: Graph) -> Region:
+    """`region` of a traced graph, once per graph."""
+
+    def find() -> Region:
+        return region(
+            [
+                Op(n.name, n.op, tuple(r.name for r in n.refs))
+                for n in graph
+                if n.kind == NodeKind.OP
+            ]
+        )
+
+    return graph.memo("routed region", find)
+
+
+def _closed(
+    seed: Op, by_name: dict[str, Op], readers: dict[str, list[Op]]
+) -> tuple[set[str], set[str]] | None:
+    inside, exits = {seed.name}, set()
+    todo = [seed.name]
+    while todo:
+        for user in readers.get(todo.pop(), ()):
+            if user.name in inside or user.name in exits:
+                continue
+            if _is_exit(user, by_name):
+                exits.add(user.name)
+                continue
+            if not _routes(user):
+                return None
+            inside.add(user.name)
+            todo.append(user.name)
+    # the inverse permutations' positions: an arange read by the region alone
+    for name in list(inside):
+        op = by_name[name]
+        if op.op == INDEX_PUT and len(op.reads) == 3:
+            values = by_name.get(op.reads[2])
+            if values is None or values.op != ARANGE:
+                return None
+            if any(u.name not in inside for u in readers.get(values.name, ())):
+                return None
+            inside.add(values.name)
+    # the rows come in only as the sorted ids, gathered tokens and the experts' weights
+    for name in inside:
+        op = by_name[name]
+        outer = [i for i, r in enumerate(op.reads) if r not in inside]
+        allowed = (
+            {0} if op.op == INDEX or op.op in SORTS else {1} if op.op in GROUPED_MMS else set()
+        )
+        if not set(outer) <= allowed:
+            return None
+    grouped = [n for n in inside if by_name[n].op in GROUPED_MMS]
+    counted = any(by_name[n].op in COUNTS for n in inside)
+    return (inside, exits) if grouped and counted and exits else None
+
+
+def _routes(op: Op) -> bool:
+    return (
+        op.op in ROW_OPS
+        or op.op in COUNTS
+        or op.op in GROUPED_MMS
+        or op.op
+        in (
+            INDEX,
+            INDEX_PUT,
+            "getitem",
+        )
+    )
+
+
+def _is_exit(op: Op, by_name: dict[str, Op]) -> bool:
+    """An ``index`` of rows by an inverse permutation (an ``index_put`` of positions)."""
+    if op.op != INDEX or len(op.reads) != 2:
+        return False
+    positions = by_name.get(op.reads[1])
+    return positions is not None and positions.op == INDEX_PUT
+
+
+def local_rules(op: str, num_inputs: int, exit: bool) -> list[AxisRule]:
+    """The rules of a routed region's op on one mesh axis beyond its own: the rows split
+    (this rank's, in its order), the counts partial (each rank's counts of its rows, whose
+    sum is the whole's), the experts whole (``S(0), S(0), R, P``: each rank multiplies its
+    rows by every expert, DDP's) or split (``S(0), S(0), S(0), P``: its rows sent to their
+    experts' ranks and back by all-to-all)."""
+    rows = shard(0)
+    if op in SORTS:
+        return [(rows, rows)]
+    if op == ARANGE:
+        return [(rows,)]
+    if op in (INDEX, INDEX_PUT) or exit:
+        return [(rows, *[rows] * num_inputs)]
+    if op == "aten.cumsum.default":
+        return [(P, P)]
+    if op in GROUPED_MMS:
+        return [(rows, rows, R, P), (rows, rows, shard(0), P)]
+    return []
+
+
+def keeps(rule: AxisRule, op: Op, found: Region) -> bool:
+    """Whether a region's ``op`` keeps its own rule ``rule`` there. A row-wise op does: inside,
+    a split along dim 0 is this rank's rows in its own order, row for row the same op. An
+    op that reads positions (``index``, ``index_put``) does not where it splits a region's
+    tensor (its output inside, an input read from inside) along dim 0: its positions there
+    are this rank's own (`local_rules`), not the one-process tensor's."""
+    if op.op in ROW_OPS or op.op in COUNTS:
+        return True
+    out, *ins = rule
+    if op.name in found.inside and shard_dim(out) == 0:
+        return False
+    return not any(
+        r in found.inside and shard_dim(p) == 0 for r, p in zip(op.reads, ins, strict=True)
+    )
+
+
+def moves_routed_rows(src: Spec, dst: Spec) -> bool:
+    """Whether moving a routed region's tensor from ``src`` to ``dst`` would change it on an
+    axis where either routes locally (its rows split along dim 0, or its counts partial)."""
+    return any(
+        a != b and (shard_dim(a) == 0 or shard_dim(b) == 0 or b == P)
+        for a, b in zip(src, dst, strict=True)
+    )
+
+
+def routes_locally(placements: Iterable[Spec]) -> bool:
+    """Whether a region's op so placed routes its rows on some axis (a dim-0 split or partial
+    counts among its tensors), and so runs on this rank's tensors (execute/interpreter.py)."""
+    return any(p == P or shard_dim(p) == 0 for spec in placements for p in spec if p != R)
