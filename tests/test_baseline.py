@@ -708,6 +708,42 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
     assert on_tp == {**forward, **backward}
 
 
+@pytest.mark.parametrize("model", ["llama", "llama-gqa"])
+def test_fewer_key_value_heads_than_tp_ranks_are_computed_whole(
+    cpu4: autoplan.Cluster, model: str
+) -> None:
+    """Megatron on tp=4 of transformers' Llama, 4 query heads and 2 key-value heads: the
+    query heads split, one a rank; k and v computed whole on every rank (vLLM's replicated
+    key-value heads), each rank attending with the head its query head reads. Per block on
+    tp: two all-reduces forward and two backward of the (batch, seq, 64) activations, as
+    always; besides, the gradients of k and v, partial sums: all-reduced as (batch, seq, 32)
+    where attention reads them unrepeated (llama-gqa), or, repeated to the 4 query heads and
+    sliced by heads (llama), gathered from the ranks' heads (batch, 4, seq, 16)."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=8, seq_len=32)
+    layers, tokens = 2, 8 * 32
+    activation = tokens * 64 * 4
+    plan = w.baseline(cpu4, dp=1, tp=4)
+    storage = {n.split(".")[-2]: p.storage["tp"] for n, p in plan.params.items() if ".0." in n}
+    assert storage["q_proj"] == "S(0)" and storage["o_proj"] == "S(1)"
+    assert storage["k_proj"] == storage["v_proj"] == "R"
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives)
+    keys = (
+        ("backward", "all_reduce", tokens * 32 * 4)
+        if model == "llama-gqa"
+        else ("backward", "all_gather", tokens * 64 * 4)
+    )
+    expected = Counter(
+        {
+            ("forward", "all_reduce", activation): 2 * layers + 1,
+            ("backward", "all_reduce", activation): 2 * layers + 1,
+            ("forward", "all_reduce", 4 * tokens): 1,  # the loss's max
+            ("forward", "all_reduce", 8 * tokens): 1,  # and its sum of exponentials
+        }
+    )
+    expected[keys] += 2 * layers  # k's and v's of each block
+    assert on_tp == expected
+
+
 def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
     # a 1.3B GPT's blocks, tensor parallel over 8 A100s: under a budget that Megatron's plan
     # (layer norms and residuals whole on every GPU) exceeds, the planner's fits by splitting

@@ -61,6 +61,7 @@ ADDMM = "aten.addmm.default"
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
 SPLIT_WITH_SIZES = "aten.split_with_sizes.default"
+ATTENTION = "aten.scaled_dot_product_attention.default"
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,10 @@ def _column_output(graph: Graph, node: Node) -> str:
     return strided(last, cut[0]) if len(marks) == 1 and cut else shard(last)
 
 
-def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
-    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
+def find_regions(graph: Graph, whole: frozenset[str] = frozenset()) -> tuple[TpRegion, ...]:
+    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring); the
+    linears ``whole`` start none (`whole_keys`): their outputs stay replicated, and an
+    attention reading them takes its share of their heads by slicing."""
     split: dict[str, str] = {}  # activation inside a region -> its placement
     columns: set[str] = set()
     regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
@@ -223,6 +226,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             found = projection(graph, node) if node.kind == NodeKind.OP else None
             if (
                 found is not None
+                and node.name not in whole
                 and graph.node(found.x.name).kind != NodeKind.PARAM
                 and (
                     _own_params(graph, node, found.params)
@@ -241,6 +245,8 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             continue
         ins = tuple(split.get(r.name, R) for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if rule is None and whole and node.op == ATTENTION:
+            rule = rule_moving(node, graph, ins, most=0)  # whole keys sliced by heads
         if node.op == CROSS_ENTROPY and rule is not None and rule[0] == R:
             losses.add(node.name)  # on the vocabulary's shards, the whole loss out
             region_of[node.name] = region
@@ -315,10 +321,42 @@ def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
     return None
 
 
+def whole_keys(graph: Graph, regions: Sequence[TpRegion], tp: int) -> frozenset[str]:
+    """The column linears of keys and values whose heads ``tp`` does not divide, where the
+    queries' it does (grouped-query attention with fewer key-value heads than ranks): each
+    computed whole on every rank, as Megatron's and vLLM's replicated key-value heads; each
+    rank's attention reads the heads its query heads need, their gradients partial sums."""
+    found: set[str] = set()
+    for region in regions:
+        split = dict(region.split)
+        for name in split:
+            node = graph.node(name)
+            if node.op != ATTENTION or not is_valid((split[name],), node.output.shape, (tp,)):
+                continue
+            for ref in node.refs[1:3]:  # the keys and the values, back to their linears
+                seen, todo, bad = set(), [ref.name], False
+                while todo:
+                    at = todo.pop()
+                    if at in seen or at not in split:
+                        continue
+                    seen.add(at)
+                    made = graph.node(at)
+                    bad |= not all(is_valid((split[at],), t.shape, (tp,)) for t in made.outputs)
+                    todo += [r.name for r in made.refs]
+                if bad:
+                    found |= seen & set(region.columns)
+    return frozenset(found)
+
+
 def _split_regions(graph: Graph, tp: int) -> list[TpRegion]:
     """The regions of ``graph`` that ``tp`` splits: all of them, but a head whose
-    vocabulary it does not divide (kept whole); any other it does not divide is refused."""
+    vocabulary it does not divide (kept whole), and the keys and values of attention whose
+    query heads it divides (`whole_keys`); any other it does not divide is refused."""
     regions = graph.memo("tensor-parallel regions", lambda: find_regions(graph))
+    whole = whole_keys(graph, regions, tp)
+    if whole:
+        log.info("tp=%d: %s whole (fewer key-value heads than ranks)", tp, ", ".join(sorted(whole)))
+        regions = graph.memo(("tensor-parallel regions", whole), lambda: find_regions(graph, whole))
     kept = []
     for region in regions:
         refusal = _refusal(graph, region, tp)

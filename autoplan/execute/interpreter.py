@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.execute.checkpointed import RecomputedRegion, Selective, gathered, with_regions
-from autoplan.execute.context import causal_offsets, shifted_causal
+from autoplan.execute.context import attention, causal_offsets, grouped_heads
 from autoplan.execute.experts import first_experts, local_grouped_mm
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
@@ -223,6 +223,7 @@ class PlanInterpreter:
             if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
         }
         self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
+        self.heads = grouped_heads(self.graph, plan, self.local, mesh)  # key-value heads whole
         self.experts = first_experts(self.graph, self.inputs, self.local, mesh)  # experts split
 
         recomputed = {
@@ -437,8 +438,8 @@ class PlanInterpreter:
             out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
         elif name in self.vocab:
             out = local_embedding(node, args, self.vocab[name])
-        elif name in self.offsets:
-            out = shifted_causal(args, kwargs, self.offsets[name])
+        elif name in self.offsets or name in self.heads:
+            out = attention(args, kwargs, self.offsets.get(name), self.heads.get(name))
         elif name in self.experts:
             out = local_grouped_mm(node.target, args, kwargs, self.experts[name])  # type: ignore[arg-type]
         else:
