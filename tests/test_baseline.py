@@ -879,25 +879,33 @@ class FusedGQA(nn.Module):
         return self.mlp(x) if self.mlp is not None else x
 
 
-def test_a_fused_projection_cut_into_unequal_pieces_stays_whole_and_says_so(
-    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+def test_a_fused_projection_of_unequal_pieces_splits_strided_as_megatron(
+    cpu4: autoplan.Cluster,
 ) -> None:
-    """Grouped-query attention's fused q|k|v (widths 64, 16, 16) has no strided split of
-    equal pieces: the baseline keeps it whole, says so, and splits the rest."""
+    """Grouped-query attention's fused q|k|v (8 query heads, 2 key-value heads: widths 64,
+    16, 16) is stored "S(0)x4:1:1", each tp rank's share of each piece, split into plainly
+    split q, k and v: Megatron's two all-reduces a block forward (the attention's and the
+    MLP's row linears) and, backward, the MLP's column input's (the attention's input is the
+    model's input: no gradient). With more ranks than key-value heads, refused by name."""
     x, target = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
-    alone = _workload(FusedGQA(mlp=False), x, target)
-    with pytest.raises(AutoplanError, match=r"\(qkv cut into unequal pieces stays whole\)"):
-        alone.baseline(cpu4, dp=2, tp=2)
     w = _workload(FusedGQA(), x, target)
-    with caplog.at_level("WARNING", logger="autoplan.baselines.regions"):
-        plan = w.baseline(cpu4, dp=2, tp=2)
-    assert "qkv cut into unequal pieces" in caplog.text
+    plan = w.baseline(cpu4, dp=2, tp=2)
     storage = {n: p.storage["tp"] for n, p in plan.params.items() if n.endswith("weight")}
     assert storage == {
-        "qkv.weight": "R",
-        "proj.weight": "R",
+        "qkv.weight": "S(0)x4:1:1",
+        "proj.weight": "S(1)",
         "mlp.norm.weight": "R",
         "mlp.w1.weight": "S(0)",
         "mlp.w3.weight": "S(0)",
         "mlp.w2.weight": "S(1)",
     }
+    split = plan.nodes["split_with_sizes"]
+    assert (split.inputs[0]["tp"], split.output["tp"]) == ("S(2)x4:1:1", "S(2)")
+    activation = 4 * 16 * 64 * 4  # a dp group's half of the batch, float32
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
+    assert on_tp == {
+        ("forward", "all_reduce", activation): 2,
+        ("backward", "all_reduce", activation): 1,
+    }
+    with pytest.raises(AutoplanError, match=r"tp=4 does not divide"):
+        w.baseline(cpu4, dp=1, tp=4)

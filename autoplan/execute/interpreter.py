@@ -43,6 +43,7 @@ from autoplan.execute.op_calls import (
     local_cross_entropy,
     local_embedding,
     local_shape,
+    local_slice,
     local_split,
     local_total_weight,
     reduction,
@@ -129,10 +130,17 @@ class Arguments:
     slots: tuple[int | str, ...] | None
 
     @classmethod
-    def of(cls, node: torch.fx.Node, device: torch.device, shape: Any = None) -> Arguments:
+    def of(
+        cls,
+        node: torch.fx.Node,
+        device: torch.device,
+        shape: Any = None,
+        args: tuple[Any, ...] | None = None,
+    ) -> Arguments:
         """``shape``: a local view's or factory's size argument, or a local split's pieces, in
-        place of the traced one."""
-        args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
+        place of the traced one; ``args``: all of them (a local slice's)."""
+        if args is None:
+            args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
         # graphs traced on meta carry device=meta in factories and moves (inv_freq.to(x.device))
         args = tuple(device if isinstance(v, torch.device) else v for v in args)
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
@@ -215,6 +223,10 @@ class PlanInterpreter:
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
                 elif fx_node.target in SPLITS:  # a local split's pieces
                     shape = local_split(fx_node, self.inputs[name][0], mesh.shape)
+                sliced = local_slice(fx_node, self.inputs[name], mesh.shape)
+                if sliced is not None:  # a fused projection's piece: its local bounds
+                    self.arguments[name] = Arguments.of(fx_node, self.device, args=sliced)
+                    continue
             self.arguments[name] = Arguments.of(fx_node, self.device, shape)
         # local embeddings and cross-entropies with the vocabulary split: this rank's piece
         self.vocab: dict[str, VocabShard] = {

@@ -402,9 +402,11 @@ CASES = [
             ("llama", "2x2-sp", 2, 2),
             ("llama-gqa", "2x2", 2, 2),  # its 2 key-value heads unrepeated: one a rank
             # fewer key-value heads (2) than ranks: k and v computed whole, each rank reading
-            # the head its query head needs (unrepeated, or repeated and sliced)
+            # the head its query head needs (test_baseline counts the repeated heads' plan)
             ("llama-gqa", "tp", 1, 4),
-            ("llama", "tp", 1, 4),
+            # Phi-3's one q|k|v linear sliced into unequal pieces (8 query heads, 2
+            # key-value heads): stored "S(0)x4:1:1", each rank's share of each piece
+            ("phi3-gqa", "2x2", 2, 2),
             ("gemma3", "2x2", 2, 2),
             ("gpt2", "tp", 1, 4),
             ("gpt2", "2x2-sp", 2, 2),
