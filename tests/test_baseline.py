@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import autoplan
@@ -802,6 +803,37 @@ def test_data_parallel_baseline_of_a_transformers_model_is_ddp(
     assert sum(k for (phase, *_), k in counted.items() if phase == "grad_sync") >= 1
     assert all(kind == "all_reduce" for (_, kind, _) in counted)
     assert sum(k for (phase, *_), k in counted.items() if phase == "backward") == backward
+
+
+def test_data_parallel_baseline_splits_gpt2s_padding_mask_by_batch_position(
+    cpu4: autoplan.Cluster,
+) -> None:
+    """transformers' GPT-2 given a left-padded attention mask gathers the mask's rows by a
+    batch-long arange (global positions): the mask kept whole (every rank is given the whole
+    batch), the positions sliced, so the mask's rows, and attention, follow the batch; the
+    collectives stay DDP's (the loss's two scalars, the gradients' buckets, the learned
+    positions' gradient)."""
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (16, 32))
+    mask = torch.ones(16, 32, dtype=torch.long)
+    mask[:, :5] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    w = Workload(transformers.GPT2LMHeadModel(config), batch)
+    plan = w.baseline(cpu4, dp=4, tp=1)
+    ops = {n.op: n.output["dp"] for n in plan.nodes.values() if n.module == "transformer"}
+    assert ops["aten.index.Tensor"] == ops["aten.__and__.Tensor"] == "S(0)"
+    batch_ops = [n for n in plan.nodes.values() if n.op in BATCH_OPS]
+    assert all(n.output["dp"] in ("S(0)", "P") for n in batch_ops)
+    kinds = Counter((c.phase, c.kind) for c in plan.collectives)
+    assert set(kinds) <= {
+        ("forward", "all_reduce"),
+        ("backward", "all_reduce"),
+        ("grad_sync", "all_reduce"),
+    }
+    assert kinds[("forward", "all_reduce")] == 2 and kinds[("backward", "all_reduce")] == 1
 
 
 def test_torchtitan_llama_plan_counted_by_hand(cpu4: autoplan.Cluster) -> None:
