@@ -131,11 +131,7 @@ class Arguments:
 
     @classmethod
     def of(
-        cls,
-        node: torch.fx.Node,
-        device: torch.device,
-        shape: Any = None,
-        args: tuple[Any, ...] | None = None,
+        cls, node: torch.fx.Node, device: torch.device, shape: Any = None, args: Any = None
     ) -> Arguments:
         """``shape``: a local view's or factory's size argument, or a local split's pieces, in
         place of the traced one; ``args``: all of them (a local slice's)."""
@@ -212,7 +208,7 @@ class PlanInterpreter:
             if name not in self.nodes:
                 continue
             self.reads[name] = [n.name for n in _tensor_inputs(fx_node)]
-            shape = None
+            shape, args = None, None
             # a replicated op run whole on every rank is exact on local tensors, and only so
             # does its backward keep a partial gradient partial
             if name in self.outputs and (
@@ -223,11 +219,9 @@ class PlanInterpreter:
                     shape = local_shape(fx_node, self.outputs[name], mesh.shape)
                 elif fx_node.target in SPLITS:  # a local split's pieces
                     shape = local_split(fx_node, self.inputs[name][0], mesh.shape)
-                sliced = local_slice(fx_node, self.inputs[name], mesh.shape)
-                if sliced is not None:  # a fused projection's piece: its local bounds
-                    self.arguments[name] = Arguments.of(fx_node, self.device, args=sliced)
-                    continue
-            self.arguments[name] = Arguments.of(fx_node, self.device, shape)
+                # a slice of a fused projection's piece: its local bounds
+                args = local_slice(fx_node, self.inputs[name], mesh.shape)
+            self.arguments[name] = Arguments.of(fx_node, self.device, shape, args)
         # local embeddings and cross-entropies with the vocabulary split: this rank's piece
         self.vocab: dict[str, VocabShard] = {
             n.name: shard
