@@ -30,6 +30,7 @@ from autoplan.execute import checkpoint
 from autoplan.execute.checkpoint import Restored
 from autoplan.execute.dry_run import agree_on_check, check_rank
 from autoplan.execute.pipeline import PipelineRunner
+from autoplan.execute.placements import held_layouts, logical
 from autoplan.execute.runtime import (
     Runtime,
     build_runtime,
@@ -289,8 +290,15 @@ class Step:
         ``extra`` (JSON: a data loader's position). Keeps the newest ``keep`` checkpoints (all
         if None). Returns the checkpoint's path."""
         optimizer = self._built("save")
+        layouts = held_layouts(self.runtime.plan)
         return checkpoint.save(
-            directory, self._model, optimizer, self.steps_done, keep=keep, extra=extra
+            directory,
+            self._model,
+            optimizer,
+            self.steps_done,
+            keep=keep,
+            extra=extra,
+            layouts=layouts,
         )
 
     def load(self, directory: str | Path, *, missing_ok: bool = False) -> Restored | None:
@@ -299,7 +307,10 @@ class Step:
         step count and ``extra``, and continues counting from there. With ``missing_ok``,
         a directory without a checkpoint loads nothing and returns None."""
         optimizer = self._built("load")
-        restored = checkpoint.load(directory, self._model, optimizer, missing_ok=missing_ok)
+        layouts = held_layouts(self.runtime.plan)
+        restored = checkpoint.load(
+            directory, self._model, optimizer, missing_ok=missing_ok, layouts=layouts
+        )
         if restored is not None:
             self.steps_done = restored.step
             self.resumed_from = restored
@@ -326,8 +337,11 @@ class Step:
         if self._runtime.pipeline is not None:
             return self._runtime.pipeline.state_dict()
         assert self._runtime.module is not None
+        layouts = held_layouts(self._runtime.plan)  # in the model's order (placements.py)
         return {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            k: (logical(v, layouts[k]) if k in layouts else v).full_tensor().detach().clone()
+            if isinstance(v, DTensor)
+            else v.detach().clone()
             for k, v in self._runtime.module.state_dict().items()
         }
 

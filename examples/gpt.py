@@ -31,6 +31,9 @@ class GPTConfig:
     seq_len: int
     eager_attention: bool = False  # separate ops, not F.scaled_dot_product_attention
     fused_qkv: bool = False  # one qkv projection, then split (nanoGPT, HF GPT-2)
+    # grouped-query attention's key-value heads (None: one per query head); fused, its q|k|v
+    # are pieces of unequal widths
+    num_kv_heads: int | None = None
 
 
 # GPT-3 paper sizes (Brown et al. 2020, table 2.1); vocabulary padded to a multiple of 64
@@ -62,19 +65,25 @@ class Attention(nn.Module):
         # (``qkv="fused"``: split by heads only as a strided split, docs/parallelisms.md);
         # no biases: the key bias has an exactly zero gradient (softmax ignores a constant
         # added to every key), whose rounding noise Adam would amplify into real updates
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False) if cfg.fused_qkv else None
+        self.num_kv_heads = cfg.num_kv_heads or cfg.num_heads
+        kv = cfg.dim // cfg.num_heads * self.num_kv_heads
+        self.pieces: int | list[int] = cfg.dim if kv == cfg.dim else [cfg.dim, kv, kv]
+        self.qkv = nn.Linear(cfg.dim, cfg.dim + 2 * kv, bias=False) if cfg.fused_qkv else None
         if self.qkv is None:
             self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
-            self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
-            self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.k = nn.Linear(cfg.dim, kv, bias=False)
+            self.v = nn.Linear(cfg.dim, kv, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        shape = (b, t, self.num_heads, c // self.num_heads)
-        qkv = self.qkv(x).split(c, dim=2) if self.qkv else (self.q(x), self.k(x), self.v(x))
-        q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)
-        if self.eager:
+        qkv = (
+            self.qkv(x).split(self.pieces, dim=2) if self.qkv else (self.q(x), self.k(x), self.v(x))
+        )
+        q, k, v = (p.view(b, t, -1, c // self.num_heads).transpose(1, 2) for p in qkv)
+        if self.num_kv_heads != self.num_heads:  # each key-value head read by a group
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.eager:
             scores = q @ k.transpose(-2, -1) * (c // self.num_heads) ** -0.5
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
@@ -142,6 +151,7 @@ def workload(
     seed: int = 0,
     attention: str = "fused",
     qkv: str = "separate",
+    num_kv_heads: int | None = None,
 ) -> Workload:
     if size not in SIZES:
         raise ValueError(f"unknown GPT size {size!r}; choose one of {', '.join(SIZES)}")
@@ -149,6 +159,8 @@ def workload(
         raise ValueError(f"attention must be 'fused' or 'eager', got {attention!r}")
     if qkv not in ("separate", "fused"):
         raise ValueError(f"qkv must be 'separate' or 'fused', got {qkv!r}")
+    if num_kv_heads is not None and attention == "eager":
+        raise ValueError("num_kv_heads is for attention='fused' (grouped-query attention)")
     cfg = SIZES[size]
     cfg = GPTConfig(
         num_layers=num_layers or cfg.num_layers,
@@ -158,6 +170,7 @@ def workload(
         seq_len=seq_len or cfg.seq_len,
         eager_attention=attention == "eager",
         fused_qkv=qkv == "fused",
+        num_kv_heads=num_kv_heads,
     )
     torch.manual_seed(seed)
     with torch.device(device):

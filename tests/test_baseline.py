@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import autoplan
@@ -708,6 +709,42 @@ def test_megatron_baseline_of_transformers_models_counted_by_hand(
     assert on_tp == {**forward, **backward}
 
 
+@pytest.mark.parametrize("model", ["llama", "llama-gqa"])
+def test_fewer_key_value_heads_than_tp_ranks_are_computed_whole(
+    cpu4: autoplan.Cluster, model: str
+) -> None:
+    """Megatron on tp=4 of transformers' Llama, 4 query heads and 2 key-value heads: the
+    query heads split, one a rank; k and v computed whole on every rank (vLLM's replicated
+    key-value heads), each rank attending with the head its query head reads. Per block on
+    tp: two all-reduces forward and two backward of the (batch, seq, 64) activations, as
+    always; besides, the gradients of k and v, partial sums: all-reduced as (batch, seq, 32)
+    where attention reads them unrepeated (llama-gqa), or, repeated to the 4 query heads and
+    sliced by heads (llama), gathered from the ranks' heads (batch, 4, seq, 16)."""
+    w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=8, seq_len=32)
+    layers, tokens = 2, 8 * 32
+    activation = tokens * 64 * 4
+    plan = w.baseline(cpu4, dp=1, tp=4)
+    storage = {n.split(".")[-2]: p.storage["tp"] for n, p in plan.params.items() if ".0." in n}
+    assert storage["q_proj"] == "S(0)" and storage["o_proj"] == "S(1)"
+    assert storage["k_proj"] == storage["v_proj"] == "R"
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives)
+    keys = (
+        ("backward", "all_reduce", tokens * 32 * 4)
+        if model == "llama-gqa"
+        else ("backward", "all_gather", tokens * 64 * 4)
+    )
+    expected = Counter(
+        {
+            ("forward", "all_reduce", activation): 2 * layers + 1,
+            ("backward", "all_reduce", activation): 2 * layers + 1,
+            ("forward", "all_reduce", 4 * tokens): 1,  # the loss's max
+            ("forward", "all_reduce", 8 * tokens): 1,  # and its sum of exponentials
+        }
+    )
+    expected[keys] += 2 * layers  # k's and v's of each block
+    assert on_tp == expected
+
+
 def test_the_planner_splits_tokens_between_regions_where_only_that_fits() -> None:
     # a 1.3B GPT's blocks, tensor parallel over 8 A100s: under a budget that Megatron's plan
     # (layer norms and residuals whole on every GPU) exceeds, the planner's fits by splitting
@@ -766,6 +803,37 @@ def test_data_parallel_baseline_of_a_transformers_model_is_ddp(
     assert sum(k for (phase, *_), k in counted.items() if phase == "grad_sync") >= 1
     assert all(kind == "all_reduce" for (_, kind, _) in counted)
     assert sum(k for (phase, *_), k in counted.items() if phase == "backward") == backward
+
+
+def test_data_parallel_baseline_splits_gpt2s_padding_mask_by_batch_position(
+    cpu4: autoplan.Cluster,
+) -> None:
+    """transformers' GPT-2 given a left-padded attention mask gathers the mask's rows by a
+    batch-long arange (global positions): the mask kept whole (every rank is given the whole
+    batch), the positions sliced, so the mask's rows, and attention, follow the batch; the
+    collectives stay DDP's (the loss's two scalars, the gradients' buckets, the learned
+    positions' gradient)."""
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (16, 32))
+    mask = torch.ones(16, 32, dtype=torch.long)
+    mask[:, :5] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    w = Workload(transformers.GPT2LMHeadModel(config), batch)
+    plan = w.baseline(cpu4, dp=4, tp=1)
+    ops = {n.op: n.output["dp"] for n in plan.nodes.values() if n.module == "transformer"}
+    assert ops["aten.index.Tensor"] == ops["aten.__and__.Tensor"] == "S(0)"
+    batch_ops = [n for n in plan.nodes.values() if n.op in BATCH_OPS]
+    assert all(n.output["dp"] in ("S(0)", "P") for n in batch_ops)
+    kinds = Counter((c.phase, c.kind) for c in plan.collectives)
+    assert set(kinds) <= {
+        ("forward", "all_reduce"),
+        ("backward", "all_reduce"),
+        ("grad_sync", "all_reduce"),
+    }
+    assert kinds[("forward", "all_reduce")] == 2 and kinds[("backward", "all_reduce")] == 1
 
 
 def test_torchtitan_llama_plan_counted_by_hand(cpu4: autoplan.Cluster) -> None:
@@ -843,25 +911,33 @@ class FusedGQA(nn.Module):
         return self.mlp(x) if self.mlp is not None else x
 
 
-def test_a_fused_projection_cut_into_unequal_pieces_stays_whole_and_says_so(
-    cpu4: autoplan.Cluster, caplog: pytest.LogCaptureFixture
+def test_a_fused_projection_of_unequal_pieces_splits_strided_as_megatron(
+    cpu4: autoplan.Cluster,
 ) -> None:
-    """Grouped-query attention's fused q|k|v (widths 64, 16, 16) has no strided split of
-    equal pieces: the baseline keeps it whole, says so, and splits the rest."""
+    """Grouped-query attention's fused q|k|v (8 query heads, 2 key-value heads: widths 64,
+    16, 16) is stored "S(0)x4:1:1", each tp rank's share of each piece, split into plainly
+    split q, k and v: Megatron's two all-reduces a block forward (the attention's and the
+    MLP's row linears) and, backward, the MLP's column input's (the attention's input is the
+    model's input: no gradient). With more ranks than key-value heads, refused by name."""
     x, target = torch.randn(8, 16, 64), torch.randn(8, 16, 64)
-    alone = _workload(FusedGQA(mlp=False), x, target)
-    with pytest.raises(AutoplanError, match=r"\(qkv cut into unequal pieces stays whole\)"):
-        alone.baseline(cpu4, dp=2, tp=2)
     w = _workload(FusedGQA(), x, target)
-    with caplog.at_level("WARNING", logger="autoplan.baselines.regions"):
-        plan = w.baseline(cpu4, dp=2, tp=2)
-    assert "qkv cut into unequal pieces" in caplog.text
+    plan = w.baseline(cpu4, dp=2, tp=2)
     storage = {n: p.storage["tp"] for n, p in plan.params.items() if n.endswith("weight")}
     assert storage == {
-        "qkv.weight": "R",
-        "proj.weight": "R",
+        "qkv.weight": "S(0)x4:1:1",
+        "proj.weight": "S(1)",
         "mlp.norm.weight": "R",
         "mlp.w1.weight": "S(0)",
         "mlp.w3.weight": "S(0)",
         "mlp.w2.weight": "S(1)",
     }
+    split = plan.nodes["split_with_sizes"]
+    assert (split.inputs[0]["tp"], split.output["tp"]) == ("S(2)x4:1:1", "S(2)")
+    activation = 4 * 16 * 64 * 4  # a dp group's half of the batch, float32
+    on_tp = Counter((c.phase, c.kind, c.bytes) for c in plan.collectives if c.axes == ("tp",))
+    assert on_tp == {
+        ("forward", "all_reduce", activation): 2,
+        ("backward", "all_reduce", activation): 1,
+    }
+    with pytest.raises(AutoplanError, match=r"tp=4 does not divide"):
+        w.baseline(cpu4, dp=1, tp=4)

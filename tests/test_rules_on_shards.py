@@ -10,14 +10,17 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autoplan.execute.context import attention
 from autoplan.execute.interpreter import Arguments
 from autoplan.execute.op_calls import SIZED, call_op, local_shape, runs_locally
 from autoplan.graph.capture import graph_from_export
+from autoplan.strategies.attention import key_heads
 from autoplan.strategies.placement import is_valid
 from autoplan.strategies.rules import own_rule
 
@@ -193,3 +196,44 @@ def test_multi_query_attention_splits_its_query_heads_beside_its_one_key_value_h
         partial = [partial[0] + k_r.grad, partial[1] + v_r.grad]
     assert torch.allclose(torch.cat(parts, 1), out.detach())
     assert torch.allclose(partial[0], k.grad) and torch.allclose(partial[1], v.grad)
+
+
+@pytest.mark.parametrize("query_heads, key_value_heads", [(8, 2), (12, 3)])
+def test_grouped_attention_with_fewer_key_value_heads_than_ranks(
+    query_heads: int, key_value_heads: int
+) -> None:
+    """Four ranks, each with a quarter of the query heads and every key-value head: 2 heads
+    (two ranks a head) and 3 (rank 1's three query heads read heads 0, 1 and 1), each rank
+    attending with the heads its queries read, the key's and value's gradients partial sums."""
+    torch.manual_seed(0)
+    ranks = 4
+    q = torch.randn(2, query_heads, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(2, key_value_heads, 6, 8, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    graph = graph_from_export(torch.export.export(_MultiQuery(), (q, k, v)))
+    node = next(n for n in graph if n.op == "aten.scaled_dot_product_attention.default")
+    rule = own_rule(node.op)
+    assert rule is not None
+    specs = (("S(1)",), ("S(1)",), ("R",), ("R",))
+    placed = tuple(s[0] for s in specs)
+    assert placed in rule(node, [graph.tensor(r) for r in node.refs])
+    out = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    parts, partial = [], [torch.zeros_like(k), torch.zeros_like(v)]
+    shapes = tuple(q.shape), tuple(k.shape)
+    for rank in range(ranks):
+        heads = key_heads(specs[1:], *shapes, (rank,), (ranks,))
+        assert heads is not None  # torch's own pairing of the local heads would be wrong
+        q_r = q.detach().chunk(ranks, 1)[rank].requires_grad_()
+        k_r, v_r = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out_r = attention((q_r, k_r, v_r), {"enable_gqa": True}, None, heads)
+        out_r.backward(grad.chunk(ranks, 1)[rank])
+        parts.append(out_r.detach())
+        partial = [partial[0] + k_r.grad, partial[1] + v_r.grad]
+    assert torch.allclose(torch.cat(parts, 1), out.detach())
+    assert torch.allclose(partial[0], k.grad) and torch.allclose(partial[1], v.grad)
+    # split with the queries (2 ranks, 2 heads each), torch's pairing is right: nothing picked
+    assert key_heads((("S(1)",), ("S(1)",)), (2, 4, 6, 8), (2, 2, 6, 8), (1,), (2,)) is None

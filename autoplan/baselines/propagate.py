@@ -5,7 +5,8 @@ graph order takes the first of its own sharding rules (`axis_rules`: ours, else 
 that accepts its inputs as their producers place them; an op with no such rule runs
 replicated on that axis (its inputs gathered, partial sums all-reduced), unless a rule takes
 them with whole activations sliced, which costs no communication. On the ``dp`` axis
-the inputs (and target) are split along dim 0 and parameters replicated (ZeRO-3: stored split,
+the inputs (and target) are split along dim 0 (but a padding mask whose rows are gathered by
+batch position, `rows_indexed`) and parameters replicated (ZeRO-3: stored split,
 gathered before use; ZeRO-1/2: their optimizer state split, `zero_state`), so every op follows
 the batch and the loss ends as partial sums. On the ``cp`` axis (context parallelism) the
 inputs are split along dim 1, the sequence, and parameters replicated (`_cp_seeds`). On the
@@ -39,6 +40,7 @@ from autoplan.strategies.space import (
     RESHAPES,
     NodeStrategies,
     Strategy,
+    axis_rules,
     input_grad,
     is_candidate,
     source_of,
@@ -47,6 +49,17 @@ from autoplan.strategies.zero_state import state_specs
 
 EINSUM = "aten.einsum.default"
 CAST, TRANSPOSE = "aten._to_copy.default", "aten.transpose.int"
+INDEX, ARANGE = "aten.index.Tensor", "aten.arange.default"
+# single-input ops a tensor's rows pass through unchanged in order: views, casts, unsqueeze
+_PASSING = RESHAPES | {
+    CAST,
+    "aten.to.device",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten.unsqueeze.default",
+    "aten.expand.default",
+    "aten.alias.default",
+}
 
 Seeds = Mapping[str, tuple[str, str]]  # param / input node -> (stored, read) on one mesh axis
 
@@ -155,9 +168,15 @@ def _dp_seeds(
     split; ep's experts split."""
     dp, tp, zero_stage = layout.dp, layout.tp, layout.zero_stage
     seeds = {}
+    indexed, indexes = rows_indexed(graph)
+    for name in indexes:
+        if graph.node(name).output.shape[0] % dp == 0:
+            seeds[name] = (shard(0), shard(0))  # its batch positions sliced
     for i, node in enumerate(n for n in graph if n.kind == NodeKind.INPUT):
         if node.name in received and fitted((shard(0),), node.output.shape) == (R,):
             continue  # no seed: whole on dp, as it crosses the boundary
+        if node.name in indexed:
+            continue  # whole: its rows gathered on each rank by the split arange
         if not node.output.shape or node.output.shape[0] % dp:
             raise AutoplanError(
                 f"dp={dp} does not divide the batch (dim 0) of input {i} ({node.target!r}, shape "
@@ -185,6 +204,33 @@ def _dp_seeds(
                 )
             seeds[node.name] = (shard(0), shard(0))
     return seeds
+
+
+def _behind(graph: Graph, ref: Ref) -> Node:
+    """The node ``ref`` comes from, through ops that pass its rows on unchanged (`_PASSING`)."""
+    node = graph.node(ref.name)
+    while node.op in _PASSING and len(node.refs) == 1:
+        node = graph.node(node.refs[0].name)
+    return node
+
+
+def rows_indexed(graph: Graph) -> tuple[set[str], set[str]]:
+    """Inputs whose rows an ``index`` op gathers by a batch-long ``arange`` (transformers'
+    padding mask, ``mask[arange(batch)[:, None, None, None], positions]``): the inputs, and
+    those index ops. The arange's values are global batch positions: on dp, sliced along the
+    batch (free), each rank gathers its own rows by them from the whole input (every rank is
+    given the whole batch, so keeping it whole costs no communication), and the gathered
+    mask, and all that follows it, are split with the batch, as DDP's would be."""
+    inputs, indexes = set(), set()
+    for node in graph:
+        if node.op != INDEX or len(node.refs) < 2:
+            continue
+        data, rows = _behind(graph, node.refs[0]), _behind(graph, node.refs[1])
+        batch = data.output.shape[0] if data.outputs and data.output.shape else None
+        if data.kind == NodeKind.INPUT and rows.op == ARANGE and rows.output.shape == (batch,):
+            inputs.add(data.name)
+            indexes.add(node.name)
+    return inputs, indexes
 
 
 def _cp_seeds(graph: Graph, cp: int) -> dict[str, tuple[str, str]]:
@@ -238,6 +284,9 @@ def _propagated(
             continue
         ins = tuple(read[r.name] for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if node.name in seeds:  # an op seeded split (`rows_indexed`): its whole inputs sliced
+            wanted = seeds[node.name][0]
+            rule = next((r for r in _slicing(node, graph, ins) if r[0] == wanted), rule)
         if rule is None and sequence and node.op in RESHAPES:
             # a view that no rule keeps split (a Conv1D's flattening of batch and sequence)
             # reads the sequence gathered, as Megatron gathers it before a column linear
@@ -269,6 +318,12 @@ def _route_positions(node: Node, placed: dict[str, AxisRule], read: dict[str, st
     if placed.get(positions) == (R,):
         placed[positions] = (rule[3],)
         read[positions] = rule[3]
+
+
+def _slicing(node: Node, graph: Graph, ins: tuple[str, ...]) -> list[AxisRule]:
+    """``node``'s rules that take its inputs as placed, or whole ones sliced (free)."""
+    rules, _ = axis_rules(node, graph)
+    return [r for r in rules if all(w == h or h == R for w, h in zip(r[1:], ins, strict=True))]
 
 
 def _partial_read(graph: Graph, node: Node, sequence: bool) -> str:

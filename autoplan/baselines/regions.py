@@ -26,15 +26,15 @@ read by it alone, or tied to a split head) is split along the vocabulary, ``S(0)
 Megatron's VocabParallelEmbedding: each rank looks up its rows, and the partial sums are
 all-reduced.
 
-A fused projection whose output is split into equal pieces along its features (one ``qkv``
-linear, then ``split`` or ``chunk``; a SwiGLU's gate|up) is split strided, as Megatron
-interleaves it: its weight and bias ``S(0)xk``, each rank's share of each of the ``k`` pieces,
-and every piece then split plainly (`autoplan.strategies.strided`).
+A fused projection whose output is cut into pieces along its features (one ``qkv`` linear,
+then ``split``, ``chunk``, ``split_with_sizes`` or slices; a SwiGLU's gate|up) is split
+strided, as Megatron interleaves it: its weight and bias ``S(0)xk`` (``k`` equal pieces) or
+``S(0)x4:1:1`` (grouped-query attention's q|k|v of unequal widths), each rank's share of
+each piece, and every piece then split plainly (`autoplan.strategies.strided`).
 
 Limits: only linears are split, not ``matmul`` with a parameter or convolutions; a
 parameter read inside a region by anything but its linears breaks the region (a head tied
-to its embedding through mixed precision's casts stays whole); a fused projection cut into
-unequal pieces (grouped-query attention's q|k|v) stays replicated.
+to its embedding through mixed precision's casts stays whole).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import networkx as nx
 from autoplan.errors import AutoplanError
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
-from autoplan.strategies.placement import P, R, is_valid, pieces, shard, shard_dim, strided
+from autoplan.strategies.placement import P, R, is_valid, shard, shard_dim, strided, widths
 from autoplan.strategies.rules import AxisRule
-from autoplan.strategies.space import RESHAPES, axis_rules, plain_rules
+from autoplan.strategies.space import axis_rules, plain_rules
 from autoplan.strategies.strided import marks as fused_marks
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ CAST = "aten._to_copy.default"
 ADDMM = "aten.addmm.default"
 CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 EMBEDDING = "aten.embedding.default"
-SPLIT_WITH_SIZES = "aten.split_with_sizes.default"
+ATTENTION = "aten.scaled_dot_product_attention.default"
 
 
 @dataclass(frozen=True)
@@ -198,15 +198,17 @@ def _is_row(graph: Graph, node: Node, split: Mapping[str, str]) -> bool:
 
 def _column_output(graph: Graph, node: Node) -> str:
     """How a column linear's output is split: along its features, strided where they are
-    cut into equal pieces (one way only) for the ops after it."""
+    cut into pieces (one way only) for the ops after it."""
     last = len(node.output.shape) - 1
     marks = fused_marks(graph, plain_rules).get(Ref(node.name), frozenset())
-    cut = [num for d, num in marks if d == last]
+    cut = [ws for d, ws in marks if d == last]
     return strided(last, cut[0]) if len(marks) == 1 and cut else shard(last)
 
 
-def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
-    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring)."""
+def find_regions(graph: Graph, whole: frozenset[str] = frozenset()) -> tuple[TpRegion, ...]:
+    """Megatron's tensor-parallel regions of ``graph`` (see the module docstring); the
+    linears ``whole`` start none (`whole_keys`): their outputs stay replicated, and an
+    attention reading them takes its share of their heads by slicing."""
     split: dict[str, str] = {}  # activation inside a region -> its placement
     columns: set[str] = set()
     regions_met = nx.utils.UnionFind()  # over column linears; a class is one region
@@ -223,6 +225,7 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             found = projection(graph, node) if node.kind == NodeKind.OP else None
             if (
                 found is not None
+                and node.name not in whole
                 and graph.node(found.x.name).kind != NodeKind.PARAM
                 and (
                     _own_params(graph, node, found.params)
@@ -241,6 +244,8 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
             continue
         ins = tuple(split.get(r.name, R) for r in node.refs)
         rule = rule_for(node, graph, ins) if node.kind == NodeKind.OP else None
+        if rule is None and whole and node.op == ATTENTION:
+            rule = rule_moving(node, graph, ins, most=0)  # whole keys sliced by heads
         if node.op == CROSS_ENTROPY and rule is not None and rule[0] == R:
             losses.add(node.name)  # on the vocabulary's shards, the whole loss out
             region_of[node.name] = region
@@ -268,8 +273,8 @@ def find_regions(graph: Graph) -> tuple[TpRegion, ...]:
     return tuple(regions)
 
 
-def _features(dim: int, num: int) -> str:
-    return strided(dim, num) if num > 1 else shard(dim)
+def _features(dim: int, ws: tuple[int, ...]) -> str:
+    return strided(dim, ws) if len(ws) > 1 else shard(dim)
 
 
 def _weight_split(graph: Graph, region: TpRegion, linear: str) -> tuple[Projection, str]:
@@ -280,7 +285,7 @@ def _weight_split(graph: Graph, region: TpRegion, linear: str) -> tuple[Projecti
     assert found is not None  # a split linear
     if linear in region.rows:
         return found, shard(1 - found.out_dim)
-    return found, _features(found.out_dim, pieces(dict(region.split)[linear]))
+    return found, _features(found.out_dim, widths(dict(region.split)[linear]))
 
 
 def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
@@ -293,8 +298,8 @@ def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
         assert dim is not None
         if not is_valid((placement,), weight.output.shape, (tp,)):
             kind = "column" if linear in region.columns else "row"
-            size, num = weight.output.shape[dim], pieces(placement)
-            what = f"size {size}" if num == 1 else f"{num} pieces of {size // num}"
+            size, ws = weight.output.shape[dim], widths(placement)
+            what = f"size {size}" if len(ws) == 1 else f"pieces of {size // sum(ws)} x {ws}"
             return (
                 f"tp={tp} does not divide dim {dim} ({what}) of parameter "
                 f"{weight.target!r}, which the {kind}-parallel split of its linear cuts; "
@@ -315,10 +320,51 @@ def _refusal(graph: Graph, region: TpRegion, tp: int) -> str | None:
     return None
 
 
+def whole_keys(graph: Graph, regions: Sequence[TpRegion], tp: int) -> frozenset[str]:
+    """The column linears of keys and values whose heads ``tp`` does not divide, where the
+    queries' it does (grouped-query attention with fewer key-value heads than ranks): each
+    computed whole on every rank, as Megatron's and vLLM's replicated key-value heads; each
+    rank's attention reads the heads its query heads need, their gradients partial sums."""
+    found: set[str] = set()
+    for region in regions:
+        split = dict(region.split)
+        for name in split:
+            node = graph.node(name)
+            if node.op != ATTENTION or not is_valid((split[name],), node.output.shape, (tp,)):
+                continue
+            queries, _ = _behind(graph, split, node.refs[0].name, tp)
+            for ref in node.refs[1:3]:  # the keys and the values, back to their linears
+                seen, bad = _behind(graph, split, ref.name, tp)
+                if bad:  # a fused q|k|v is not computed whole: refused (`_refusal`)
+                    found |= (seen - queries) & set(region.columns)
+    return frozenset(found)
+
+
+def _behind(graph: Graph, split: Mapping[str, str], name: str, tp: int) -> tuple[set[str], bool]:
+    """The split activations (and column linears) ``name`` is computed from inside its
+    region, and whether ``tp`` fails to divide any of them."""
+    seen: set[str] = set()
+    todo, bad = [name], False
+    while todo:
+        at = todo.pop()
+        if at in seen or at not in split:
+            continue
+        seen.add(at)
+        made = graph.node(at)
+        bad |= not all(is_valid((split[at],), t.shape, (tp,)) for t in made.outputs)
+        todo += [r.name for r in made.refs]
+    return seen, bad
+
+
 def _split_regions(graph: Graph, tp: int) -> list[TpRegion]:
     """The regions of ``graph`` that ``tp`` splits: all of them, but a head whose
-    vocabulary it does not divide (kept whole); any other it does not divide is refused."""
+    vocabulary it does not divide (kept whole), and the keys and values of attention whose
+    query heads it divides (`whole_keys`); any other it does not divide is refused."""
     regions = graph.memo("tensor-parallel regions", lambda: find_regions(graph))
+    whole = whole_keys(graph, regions, tp)
+    if whole:
+        log.info("tp=%d: %s whole (fewer key-value heads than ranks)", tp, ", ".join(sorted(whole)))
+        regions = graph.memo(("tensor-parallel regions", whole), lambda: find_regions(graph, whole))
     kept = []
     for region in regions:
         refusal = _refusal(graph, region, tp)
@@ -350,42 +396,15 @@ def word_embedding(graph: Graph, tp: int, tied: Collection[str] = ()) -> Node | 
     return table if rows % tp == 0 and vocab_split in axis_rules(table, graph)[0] else None
 
 
-def unequal_fused(graph: Graph) -> list[str]:
-    """The modules of linears whose output is cut into unequal pieces along its features (a
-    fused q|k|v of grouped-query attention; through a Conv1D's view too), which a baseline
-    leaves whole where Megatron splits them by query groups."""
-    found = []
-    for node in graph:
-        if node.op != SPLIT_WITH_SIZES or len(set(node.args[1])) == 1:
-            continue
-        source = graph.node(node.refs[0].name)
-        if source.op in RESHAPES:
-            source = graph.node(source.refs[0].name)
-        last = len(graph.tensor(node.refs[0]).shape) - 1
-        dim = int(node.args[2]) % (last + 1) if len(node.args) > 2 else 0
-        if dim == last and projection(graph, source) is not None:
-            found.append(source.module_path or source.name)
-    return found
-
-
 def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
     """The ``tp`` axis's seeds (parameter -> stored, read placements) from the regions of
     ``graph`` and its word embedding, checked to split evenly over ``tp`` devices."""
     regions = _split_regions(graph, tp)
-    unequal = unequal_fused(graph)
     if not regions:
-        fused = f" ({', '.join(unequal)} cut into unequal pieces stays whole)" if unequal else ""
         raise AutoplanError(
             f"tp={tp}, but the model has no linears Megatron would split (a linear whose output "
-            f"reaches only other linears, through element-wise ops, views or attention){fused}; "
+            "reaches only other linears, through element-wise ops, views or attention); "
             "use tp=1"
-        )
-    if unequal:
-        log.warning(
-            "tp=%d: %s cut into unequal pieces (grouped-query attention's q|k|v) stay whole, "
-            "where Megatron splits them by query groups",
-            tp,
-            ", ".join(unequal),
         )
     heads = [graph.node(c) for r in regions for c in r.columns]
     tied = {e.name for head in heads if (e := tied_embedding(graph, head)) is not None}
@@ -414,7 +433,7 @@ def tp_seeds(graph: Graph, tp: int) -> dict[str, tuple[str, str]]:
             if linear in region.rows:
                 seeds[param(found.bias)] = (R, P)  # added on one rank: a partial sum
             else:  # split as the output features
-                bias = _features(0, pieces(placement))
+                bias = _features(0, widths(placement))
                 seeds[param(found.bias)] = (bias, bias)
     if embedding is not None:
         seeds[param(embedding.refs[0])] = (shard(0), shard(0))  # its lookup a partial sum

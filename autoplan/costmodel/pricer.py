@@ -53,6 +53,7 @@ from autoplan.strategies.placement import (
     R,
     Spec,
     local_numel,
+    movable,
     redistribute,
     shard_dim,
 )
@@ -60,6 +61,12 @@ from autoplan.strategies.space import Strategy, input_grad
 
 # Optimizer state kept per parameter element, in parameter elements (Adam: exp_avg, exp_avg_sq)
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+# a move to or from a strided split of unequal pieces ("S(d)x4:1:1"), which DTensor has no
+# placement for and the executor holds as a plain split of its pieces' shares side by side
+# (execute/placements.py): made from the parameter by the ops that keep it, cut into its
+# pieces by a split, never moved. Priced so that no plan moves one (`movable` refuses those
+# that do, read from a file)
+UNMOVABLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -416,6 +423,8 @@ class Pricer:
             if self.mesh_shape[c.axes[0]] > 1
         )
         seconds = sum(self.redistribution_s(c) for c in found)
+        if not movable(src, dst):
+            seconds += UNMOVABLE_S
         return found, seconds
 
     def forward(

@@ -30,6 +30,8 @@ DCP writes each rank's shard as one block of the logical tensor, and refuses a s
 (a fused projection's "S(d)xk": torch 2.13 sees overlapping chunks). Such a tensor is saved
 redistributed to the plain split of the same dim, and loaded so, then redistributed back
 (`_unstrided`, `_restrided`): the checkpoint holds the logical tensor, as under any plan.
+So does a fused projection of unequal pieces, which the executor holds interleaved
+(`autoplan.execute.placements`): saved and loaded in the model's order, then interleaved.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoplan.errors import AutoplanError, CheckpointError
 from autoplan.execute.manifest import PROGRESS, damage, write_manifest
+from autoplan.execute.placements import Layout, interleaved, logical
 from autoplan.torch_private import StridedShard
 
 log = logging.getLogger(__name__)
@@ -198,27 +201,42 @@ def _strided(value: Any) -> bool:
     return isinstance(value, DTensor) and any(isinstance(p, StridedShard) for p in value.placements)
 
 
-def _unstrided(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with each DTensor split strided redistributed to plain splits of its dims
-    (a new tensor; the others as they are)."""
+def _layout(key: str, layouts: Mapping[str, Layout]) -> Layout:
+    """The interleaved layout of a model state's ``key`` (an FQN) or an optimizer state's
+    (``state.<fqn>.exp_avg``: placed as its parameter); () for a tensor held in order."""
+    if key.startswith("state."):
+        key = key.removeprefix("state.").rpartition(".")[0]
+    return layouts.get(key, ())
+
+
+def _unstrided(state: Mapping[str, Any], layouts: Mapping[str, Layout]) -> dict[str, Any]:
+    """``state`` with each DTensor split strided redistributed to plain splits of its dims,
+    and each held interleaved (``layouts``, a fused projection of unequal pieces) put in the
+    model's order (a new tensor; the others as they are)."""
     found = {}
     for key, value in state.items():
         if _strided(value):
             plain = [Shard(p.dim) if isinstance(p, StridedShard) else p for p in value.placements]
             value = value.redistribute(value.device_mesh, plain)
+        elif layout := _layout(key, layouts):
+            value = logical(value, layout)
         found[key] = value
     return found
 
 
-def _restrided(loaded: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
+def _restrided(
+    loaded: Mapping[str, Any], like: Mapping[str, Any], layouts: Mapping[str, Layout]
+) -> dict[str, Any]:
     """``loaded`` (`_unstrided` of ``like``, loaded into) with each tensor split strided in
-    ``like`` placed so again."""
-    return {
-        key: value.redistribute(value.device_mesh, like[key].placements)
-        if _strided(like[key])
-        else value
-        for key, value in loaded.items()
-    }
+    ``like`` placed so again, and each held interleaved so again."""
+    found = {}
+    for key, value in loaded.items():
+        if _strided(like[key]):
+            value = value.redistribute(value.device_mesh, like[key].placements)
+        elif layout := _layout(key, layouts):
+            value = interleaved(value, layout)
+        found[key] = value
+    return found
 
 
 def _rng_state() -> dict[str, Any]:
@@ -251,9 +269,12 @@ def save(
     *,
     keep: int | None = None,
     extra: Any = None,
+    layouts: Mapping[str, Layout] | None = None,
 ) -> Path:
     """Save on every rank into ``directory/step-<step>``, then keep the newest ``keep``
-    checkpoints (all if None). Returns the checkpoint's path."""
+    checkpoints (all if None). Returns the checkpoint's path. ``layouts``: the parameters held
+    interleaved (`autoplan.execute.placements.held_layouts`), saved in the model's order."""
+    layouts = layouts or {}
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
     final = checkpoint_path(directory, step)
@@ -277,11 +298,12 @@ def save(
         (tmp / PROGRESS).write_text(progress)
 
     _rank0_then_all(start)
-    state: dict[str, Any] = {"model": _unstrided(_local(_model_state(model)))}
+    state: dict[str, Any] = {"model": _unstrided(_local(_model_state(model)), layouts)}
     # before the first step there is nothing to save (nor to init); None: this rank's
     # pipeline stages hold no parameter
     if optimizer is not None and optimizer.state:
-        state["optim"] = _unstrided(get_optimizer_state_dict(model, optimizer, options=_FLAT))
+        optim = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state["optim"] = _unstrided(optim, layouts)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     except dcp.CheckpointException as e:  # a BaseException: a user's `except Exception` misses it
@@ -335,11 +357,13 @@ def load(
     optimizer: torch.optim.Optimizer | None,
     *,
     missing_ok: bool = False,
+    layouts: Mapping[str, Layout] | None = None,
 ) -> Restored | None:
     """Load the newest checkpoint in ``directory`` (or the checkpoint ``directory``) into
     ``model``'s parameters and buffers in place and into ``optimizer`` (if any), on every
     rank, and set every rank's random state to rank 0's at the save. Without a checkpoint:
     None if ``missing_ok``, else an error."""
+    layouts = layouts or {}
     found = _rank0_then_all(lambda: str(latest(directory) or ""))
     if not found:
         if missing_ok:
@@ -359,13 +383,13 @@ def load(
         ) from None
     whole = _model_state(model)
     held = _local(whole)
-    state: dict[str, Any] = {"model": _unstrided(held)}
+    state: dict[str, Any] = {"model": _unstrided(held, layouts)}
     template: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     if optimizer is not None and any(k.startswith("optim.") for k in saved):
         template = get_optimizer_state_dict(model, optimizer, options=_FLAT)
         optim = {k: v for k, v in template.items() if k.rpartition(".")[2] not in _IMPLEMENTATION}
-        state["optim"] = _unstrided(optim)
+        state["optim"] = _unstrided(optim, layouts)
     # every stage's shapes are checked on every rank (a pipeline rank has meta tensors of the
     # others')
     wanted = {f"model.{k}": v for k, v in whole.items()}
@@ -377,11 +401,11 @@ def load(
     except dcp.CheckpointException as e:
         raise CheckpointError(f"loading checkpoint {path} failed ({_failures(e)})") from None
     with torch.no_grad():  # the parameters loaded in place, those split strided here
-        for key, value in _restrided(state["model"], held).items():
-            if _strided(value):
+        for key, value in _restrided(state["model"], held, layouts).items():
+            if _strided(value) or key in layouts:
                 held[key].copy_(value)
     if optimizer is not None and template:
-        loaded = _restrided(state["optim"], optim)
+        loaded = _restrided(state["optim"], optim, layouts)
         set_optimizer_state_dict(model, optimizer, {**template, **loaded}, options=_FLAT)
     _set_rng_state(progress["rng"])
     log.info("loaded checkpoint %s (step %d)", path, progress["step"])

@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
 from autoplan.execute.checkpointed import RecomputedRegion, Selective, gathered, with_regions
-from autoplan.execute.context import causal_offsets, shifted_causal
+from autoplan.execute.context import attention, causal_offsets, grouped_heads
 from autoplan.execute.experts import (
     dispatch_axes,
     dispatched_grouped_mm,
@@ -49,6 +49,7 @@ from autoplan.execute.op_calls import (
     local_cross_entropy,
     local_embedding,
     local_shape,
+    local_slice,
     local_split,
     local_total_weight,
     reduction,
@@ -136,10 +137,13 @@ class Arguments:
     slots: tuple[int | str, ...] | None
 
     @classmethod
-    def of(cls, node: torch.fx.Node, device: torch.device, shape: Any = None) -> Arguments:
+    def of(
+        cls, node: torch.fx.Node, device: torch.device, shape: Any = None, args: Any = None
+    ) -> Arguments:
         """``shape``: a local view's or factory's size argument, or a local split's pieces, in
-        place of the traced one."""
-        args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
+        place of the traced one; ``args``: all of them (a local slice's)."""
+        if args is None:
+            args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
         # graphs traced on meta carry device=meta in factories and moves (inv_freq.to(x.device))
         args = tuple(device if isinstance(v, torch.device) else v for v in args)
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
@@ -212,7 +216,7 @@ class PlanInterpreter:
             if name not in self.nodes:
                 continue
             self.reads[name] = [n.name for n in _tensor_inputs(fx_node)]
-            shape = None
+            shape, args = None, None
             # a replicated op run whole on every rank is exact on local tensors, and only so
             # does its backward keep a partial gradient partial; a routed region's ops route
             # this rank's own rows (`autoplan.strategies.routing`)
@@ -238,7 +242,9 @@ class PlanInterpreter:
                     continue
                 elif fx_node.target in SPLITS:  # a local split's pieces
                     shape = local_split(fx_node, self.inputs[name][0], mesh.shape)
-            self.arguments[name] = Arguments.of(fx_node, self.device, shape)
+                # a slice of a fused projection's piece: its local bounds
+                args = local_slice(fx_node, self.inputs[name], mesh.shape)
+            self.arguments[name] = Arguments.of(fx_node, self.device, shape, args)
         # local embeddings and cross-entropies with the vocabulary split: this rank's piece
         self.vocab: dict[str, VocabShard] = {
             n.name: shard
@@ -246,6 +252,7 @@ class PlanInterpreter:
             if n.name in self.local and (shard := vocab_shard(n, self.inputs[n.name], mesh))
         }
         self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
+        self.heads = grouped_heads(self.graph, plan, self.local, mesh)  # key-value heads whole
         self.experts = first_experts(self.graph, self.inputs, self.local, mesh)  # experts split
         self.dispatch = dispatch_axes(self.graph, self.inputs, self.local)  # rows sent to them
 
@@ -461,8 +468,8 @@ class PlanInterpreter:
             out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
         elif name in self.vocab:
             out = local_embedding(node, args, self.vocab[name])
-        elif name in self.offsets:
-            out = shifted_causal(args, kwargs, self.offsets[name])
+        elif name in self.offsets or name in self.heads:
+            out = attention(args, kwargs, self.offsets.get(name), self.heads.get(name))
         elif name in self.dispatch:
             group = self.mesh.get_group(self.dispatch[name])
             out = dispatched_grouped_mm(node.target, args, kwargs, group)  # type: ignore[arg-type]

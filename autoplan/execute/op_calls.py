@@ -405,3 +405,27 @@ def local_split(
     if isinstance(sizes, list | tuple):
         return [int(s) // parts for s in sizes]
     return int(sizes) // parts
+
+
+def local_slice(
+    node: torch.fx.Node, inputs: Sequence[Sequence[Placement]], mesh_shape: Sequence[int]
+) -> tuple[Any, ...] | None:
+    """A slice's arguments for this rank's shard of an input split along the sliced dim: only
+    ever strided (plain splits are planned along the other dims, strategies/rules.py), and
+    the slice one of a fused projection's pieces (`autoplan.strategies.strided.tiles`), so its
+    bounds made local, as each rank holds its share of every piece side by side; None for any
+    other slice."""
+    if node.target is not _aten.slice.Tensor:
+        return None
+    size = node.args[0].meta["val"].shape  # type: ignore[union-attr]
+    dim = int(_arg(node, 1, "dim", 0)) % len(size)
+    parts = math.prod(n for p, n in zip(inputs[0], mesh_shape, strict=True) if split_dim(p) == dim)
+    if parts == 1:
+        return None
+
+    def local(bound: Any, default: int) -> int:
+        v = default if bound is None else int(bound)
+        return min(max(0, v + size[dim] if v < 0 else v), size[dim]) // parts
+
+    start, end = _arg(node, 2, "start", None), _arg(node, 3, "end", None)
+    return (node.args[0], dim, local(start, 0), local(end, size[dim]), *node.args[4:5])

@@ -48,7 +48,7 @@ from torch.export import ExportedProgram
 
 from autoplan.execute.gradients import GradientReducer
 from autoplan.execute.interpreter import Local, PlanInterpreter
-from autoplan.execute.placements import boundary_placements
+from autoplan.execute.placements import boundary_placements, held_layouts, logical
 from autoplan.execute.sharded_state import ShardedState
 from autoplan.execute.step import Placeholders, _global_loss, local_leaves
 from autoplan.execute.watchdog import note
@@ -302,11 +302,14 @@ class PipelineRunner:
         """Every parameter and buffer whole, on every rank: each stage gathers its own and
         its first rank broadcasts them."""
         owner = self.plan.param_stages()
+        layouts = held_layouts(self.plan)
         out = {}
         device = self.mesh.device_type
         for fqn, tensor in self.module.model.state_dict().items():
             s = _owner(owner, fqn)
             if s in self.indices:
+                if fqn in layouts:  # in the model's order (placements.py)
+                    tensor = logical(tensor, layouts[fqn])
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 whole = whole.detach().to(device).contiguous()
             else:

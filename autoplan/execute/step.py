@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 from autoplan.errors import AutoplanError
 from autoplan.execute.buffer_writes import BufferWrites
 from autoplan.execute.interpreter import Local, PlanInterpreter
-from autoplan.execute.placements import to_dtensor
+from autoplan.execute.placements import Layout, held_layouts, interleave, to_dtensor
 from autoplan.graph.capture import as_tuple
 from autoplan.planfile.schema import Plan
 from autoplan.torch_private import functional_all_reduce
@@ -225,6 +225,13 @@ def local_shard(
     return tensor
 
 
+def _held(whole: torch.Tensor, layout: Layout, mesh: DeviceMesh) -> torch.Tensor:
+    """A whole parameter in the order its storage holds it (`interleave`)."""
+    for axis, dim, ws in layout:
+        whole = interleave(whole, dim, ws, mesh.size(axis))
+    return whole
+
+
 def materialize(
     model: nn.Module,
     plan: Plan,
@@ -243,6 +250,7 @@ def materialize(
     device = mesh.device_type
     on_meta = False
     placed: dict[int, torch.Tensor] = {}  # by id of the tensor replaced: tied ones once
+    layouts = held_layouts(plan)  # fused projections of unequal pieces, held interleaved
     named = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -271,9 +279,11 @@ def materialize(
                 tensor.shape, dtype=tensor.dtype, device_mesh=mesh, placements=placements
             )
         elif stage_params is not None:
+            whole = _held(whole, layouts.get(fqn, ()), mesh)
             dt = distribute_tensor(whole, mesh, placements, src_data_rank=None)
         else:
-            dt = distribute_tensor(tensor.detach().to(device), mesh, placements, src_data_rank=0)
+            whole = _held(tensor.detach().to(device), layouts.get(fqn, ()), mesh)
+            dt = distribute_tensor(whole, mesh, placements, src_data_rank=0)
         if isinstance(tensor, nn.Parameter):
             placed[id(tensor)] = nn.Parameter(dt, requires_grad=tensor.requires_grad)
             setattr(owner, leaf, placed[id(tensor)])

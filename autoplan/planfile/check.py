@@ -40,7 +40,7 @@ from autoplan.planfile.sections import Placements
 from autoplan.search.stage_layout import boundary_specs
 from autoplan.strategies import routing
 from autoplan.strategies.float32_grads import kept_where_whole, weight_copies
-from autoplan.strategies.placement import R, Spec, is_valid, shard_dim
+from autoplan.strategies.placement import R, Spec, is_valid, movable, shard_dim
 from autoplan.strategies.space import RESHAPES, Strategy, node_strategies
 from autoplan.strategies.zero_state import is_valid_state
 from autoplan.version import torch_release
@@ -68,7 +68,24 @@ def check_plan(plan: Plan, graph: Graph | None = None, cluster: Cluster | None =
     _check_stages(plan, graph)
     _check_strategies(plan, graph)
     _check_routed(plan, graph)
+    _check_unmoved(plan, graph)
     return plan
+
+
+def _check_unmoved(plan: Plan, graph: Graph) -> None:
+    """No tensor split strided into unequal pieces ("S(d)x4:1:1") is moved: DTensor has no
+    such placement, and the executor holds it only as the ops that keep it make it."""
+    axes = plan.stage_axes
+    for node in graph:
+        inputs = plan.nodes[node.name].inputs
+        for ref, wanted in zip(node.refs, inputs, strict=True):
+            have = _spec(plan.nodes[ref.name].output, axes)
+            if not movable(have, _spec(wanted, axes)):
+                raise PlanFormatError(
+                    f"plan field nodes.{node.name}.inputs reads {ref.name} as {_fmt(wanted)}, "
+                    f"placed {_fmt(plan.nodes[ref.name].output)}: a strided split of unequal "
+                    "pieces is never moved; place both alike, or neither so (plan again)"
+                )
 
 
 def _fmt(spec: Placements) -> str:

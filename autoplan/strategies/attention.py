@@ -7,8 +7,10 @@ axis:
 * any dim before the sequence (batch, heads) split in every tensor alike (a mask broadcast
   along it whole); with ``enable_gqa``, the keys' and values' fewer heads split with the
   queries' heads: each rank's query heads are whole groups of consecutive heads, which share
-  its key-value heads (valid where the axis divides the key-value heads); one key-value head
-  (multi-query attention) whole beside the split queries;
+  its key-value heads (valid where the axis divides the key-value heads); or the key-value
+  heads whole beside the split queries (multi-query attention's one head; fewer heads than
+  ranks, as Megatron and vLLM replicate them): each rank attends with the key-value heads its
+  query heads read (`key_heads`), and their gradients are partial sums;
 * context parallelism: the queries split along the sequence (dim ``-2``), the keys and values
   whole, the output split along the sequence with the queries, a mask along its query dim
   (whole where it broadcasts over the queries). The keys and values come whole by an
@@ -48,6 +50,9 @@ def attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
         rules.append(
             (shard(d), *[_with_queries(d, q, t, heads and i in (1, 2)) for i, t in enumerate(ins)])
         )
+        if heads and 1 < ins[1].shape[d] < q.shape[d]:  # the key-value heads whole
+            rest = [_with_queries(d, q, t, False) for t in ins[3:]]
+            rules.append((shard(d), shard(d), R, R, *rest))
     if q.shape[-2] > 1 and not _arg(node, 4, "dropout_p", 0.0):
         masks = [
             R if len(t.shape) < 2 or t.shape[-2] == 1 else shard(len(t.shape) - 2) for t in ins[3:]
@@ -69,6 +74,44 @@ def _with_queries(d: int, q: TensorInfo, t: TensorInfo, key_heads: bool) -> str:
     return R
 
 
+def _block(
+    spec: Spec, dim: int, size: int, coordinate: Sequence[int], mesh_shape: Sequence[int]
+) -> tuple[int, int]:
+    """(first index, count) of this rank's block of a dim of ``size`` placed ``spec``: the
+    axes that split it nested outer first, as DTensor nests them."""
+    index, block = 0, size
+    for a, p in enumerate(spec):
+        if shard_dim(p) == dim:
+            index = index * mesh_shape[a] + coordinate[a]
+            block //= mesh_shape[a]
+    return index * block, block
+
+
+def key_heads(
+    inputs: Sequence[Spec],
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    coordinate: Sequence[int],
+    mesh_shape: Sequence[int],
+) -> tuple[int, ...] | None:
+    """Grouped-query attention's key-value head of each of this rank's query heads, as an
+    index into its local key-value heads, where ``scaled_dot_product_attention(...,
+    enable_gqa=True)`` on the local tensors would pair them otherwise (the key-value heads
+    whole, or split less than the queries': each local query head ``j`` would read local head
+    ``j // (local query heads / local key-value heads)``); None where it pairs them right.
+    One process's query head ``h`` reads key-value head ``h // (query heads / key-value
+    heads)``."""
+    d = len(q_shape) - 3
+    group = q_shape[d] // k_shape[d]
+    q_first, q_count = _block(inputs[0], d, q_shape[d], coordinate, mesh_shape)
+    k_first, k_count = _block(inputs[1], d, k_shape[d], coordinate, mesh_shape)
+    found = tuple((q_first + j) // group - k_first for j in range(q_count))
+    assert all(0 <= h < k_count for h in found), (inputs, q_shape, k_shape, coordinate)
+    if q_count % k_count == 0 and found == tuple(j // (q_count // k_count) for j in range(q_count)):
+        return None
+    return found
+
+
 def context_axes(inputs: Sequence[Spec], q_ndim: int) -> tuple[int, ...]:
     """The mesh axes on which an attention placed ``inputs`` (q, k, v, ...) splits its
     queries along the sequence with its keys whole: context parallelism."""
@@ -85,11 +128,6 @@ def query_offset(
 ) -> int:
     """The position in the whole sequence of this rank's first query (at ``coordinate`` on a
     mesh of ``mesh_shape``): its block's index along the sequence, the axes that split it
-    nested outer first (as DTensor nests them), times the block's length."""
-    axes = context_axes(inputs, len(q_shape))
-    block = q_shape[-2]
-    index = 0
-    for a in axes:
-        index = index * mesh_shape[a] + coordinate[a]
-        block //= mesh_shape[a]
-    return index * block
+    (the context axes: no rule splits the keys' sequence) nested outer first, times the
+    block's length."""
+    return _block(inputs[0], len(q_shape) - 2, q_shape[-2], coordinate, mesh_shape)[0]

@@ -4,14 +4,17 @@ A placement on one mesh axis is "R" (replicated), "P" (partial sums: the value i
 the axis), "S(d)" (split along tensor dim ``d``) or "S(d)xk", a strided split: dim ``d`` is
 ``k`` equal pieces side by side (a fused projection's q|k|v) and each rank holds its share of
 every piece, rank r of n the rows [j*w + r*w/n, j*w + (r+1)*w/n) of piece j of width w
-(Megatron's interleaved layout; DTensor's ``_StridedShard(d, split_factor=k)``). Chunked into
-its pieces, each piece is plainly "S(d)", with no communication. A `Spec` is one placement per
-mesh axis.
+(Megatron's interleaved layout; DTensor's ``_StridedShard(d, split_factor=k)``). Pieces of
+unequal widths are written by their widths in lowest terms, "S(d)x4:1:1" (grouped-query
+attention's q|k|v of 8 query and 2 key-value heads: pieces of 4/6, 1/6 and 1/6 of the dim),
+each rank holding its share of every piece alike. Cut into its pieces, each piece is plainly
+"S(d)", with no communication. A `Spec` is one placement per mesh axis.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,16 +23,22 @@ Spec = tuple[str, ...]
 
 R = "R"
 P = "P"
-_SHARD = re.compile(r"^S\((\d+)\)(?:x([2-9]|[1-9]\d+))?$")
+_SHARD = re.compile(r"^S\((\d+)\)(?:x([2-9]|[1-9]\d+|[1-9]\d*(?::[1-9]\d*)+))?$")
 
 
 def shard(dim: int) -> str:
     return f"S({dim})"
 
 
-def strided(dim: int, pieces: int) -> str:
-    """The strided split of dim ``dim`` made of ``pieces`` equal pieces."""
-    return f"S({dim})x{pieces}"
+def strided(dim: int, pieces: int | Sequence[int]) -> str:
+    """The strided split of dim ``dim`` made of ``pieces`` equal pieces, or of pieces of
+    these widths (in any unit: written in lowest terms)."""
+    if isinstance(pieces, int):
+        return f"S({dim})x{pieces}"
+    unit = math.gcd(*pieces)
+    if len(set(pieces)) == 1:
+        return f"S({dim})x{len(pieces)}"
+    return f"S({dim})x" + ":".join(str(w // unit) for w in pieces)
 
 
 @functools.cache  # a handful of distinct placements, asked about millions of times
@@ -40,14 +49,34 @@ def shard_dim(placement: str) -> int | None:
 
 
 @functools.cache
+def widths(placement: str) -> tuple[int, ...]:
+    """The widths of the pieces a strided split takes its share of, in lowest terms (equal
+    pieces: ones); (1,) for any other placement."""
+    m = _SHARD.match(placement)
+    if not m or not m.group(2):
+        return (1,)
+    text = m.group(2)
+    return tuple(int(w) for w in text.split(":")) if ":" in text else (1,) * int(text)
+
+
 def pieces(placement: str) -> int:
     """How many pieces a strided split takes its share of; 1 for any other placement."""
-    m = _SHARD.match(placement)
-    return int(m.group(2)) if m and m.group(2) else 1
+    return len(widths(placement))
+
+
+def unequal(placement: str) -> bool:
+    """A strided split of pieces of unequal widths (which DTensor has no placement for)."""
+    return len(set(widths(placement))) > 1
 
 
 def is_placement(text: str) -> bool:
     return text in (R, P) or _SHARD.match(text) is not None
+
+
+def movable(src: Spec, dst: Spec) -> bool:
+    """Whether a tensor placed ``src`` can be moved to ``dst``: not on an axis where either is
+    a strided split of unequal pieces and they differ (DTensor has no such placement)."""
+    return all(a == b or not (unequal(a) or unequal(b)) for a, b in zip(src, dst, strict=True))
 
 
 def replicated(num_axes: int) -> Spec:
@@ -93,7 +122,7 @@ def is_valid(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) ->
         return False
     factors = shard_factors(spec, len(shape), mesh_shape)
     for placement, d in zip(spec, dims, strict=True):
-        k = pieces(placement)
+        k = sum(widths(placement))
         if k > 1 and (dims.count(d) > 1 or shape[d] % (k * factors[d])):  # type: ignore[index]
             return False
     return all(s % f == 0 for s, f in zip(shape, factors, strict=True))

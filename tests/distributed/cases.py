@@ -387,8 +387,9 @@ CASES = [
     # Megatron's tensor parallelism of models nobody here wrote: the vocabulary split in the
     # embedding, the head and the loss (its targets shifted, the last ignored: -100); Gemma's
     # head tied to its embedding, the one weight split alike for both; attention split by
-    # heads (their 2 key-value heads on tp=2, as Megatron's query groups); GPT-2's fused
-    # Conv1D qkv strided; with sequence parallelism, reduce-scatters and all-gathers
+    # heads (their 2 key-value heads on tp=2, as Megatron's query groups; on tp=4 whole, as
+    # Megatron and vLLM replicate them); GPT-2's fused Conv1D qkv strided; with sequence
+    # parallelism, reduce-scatters and all-gathers
     *[
         Case(
             f"zoo-{model}-baseline-{name}",
@@ -400,6 +401,12 @@ CASES = [
             ("llama", "2x2", 2, 2),
             ("llama", "2x2-sp", 2, 2),
             ("llama-gqa", "2x2", 2, 2),  # its 2 key-value heads unrepeated: one a rank
+            # fewer key-value heads (2) than ranks: k and v computed whole, each rank reading
+            # the head its query head needs (test_baseline counts the repeated heads' plan)
+            ("llama-gqa", "tp", 1, 4),
+            # Phi-3's one q|k|v linear sliced into unequal pieces (8 query heads, 2
+            # key-value heads): stored "S(0)x4:1:1", each rank's share of each piece
+            ("phi3-gqa", "2x2", 2, 2),
             ("gemma3", "2x2", 2, 2),
             ("gpt2", "tp", 1, 4),
             ("gpt2", "2x2-sp", 2, 2),

@@ -37,6 +37,7 @@ from autoplan.execute.comms import (  # noqa: E402
 )
 from autoplan.execute.interpreter import PlanInterpreter  # noqa: E402
 from autoplan.execute.pipeline import batch_args  # noqa: E402
+from autoplan.execute.placements import held_layouts, logical  # noqa: E402
 from autoplan.execute.randomness import Draws  # noqa: E402
 from autoplan.planfile.show import summary  # noqa: E402
 from autoplan.version import torch_release  # noqa: E402
@@ -235,6 +236,12 @@ def first_step(
         loss.backward(torch.full(loss.shape, scale))
         named = list(step.module.named_parameters())
     trained = [(n, p) for n, p in named if isinstance(p, DTensor) and p.requires_grad]
+    # a fused projection of unequal pieces is held interleaved: its gradient in model order
+    layouts = held_layouts(step.plan) if step.plan is not None else {}
+
+    def whole(n: str, grad: Any) -> torch.Tensor:
+        return (logical(grad, layouts[n]) if n in layouts else grad).full_tensor()
+
     finite = True
     if scaler is not None:
         finite = scaler.unscale([p.grad for _, p in trained if p.grad is not None])
@@ -243,10 +250,10 @@ def first_step(
         step.clip_gradients(step.max_grad_norm)
     if not finite:
         overflowed = any(not g.isfinite().all() for g in reference.values())
-        got = {n: torch.zeros(()) if overflowed else p.grad.full_tensor() for n, p in trained}  # type: ignore[union-attr]
+        got = {n: torch.zeros(()) if overflowed else whole(n, p.grad) for n, p in trained}
         want = {n: torch.zeros(()) if overflowed else reference[n] for n, _ in trained}
     else:
-        got = {n: p.grad.full_tensor() for n, p in trained}  # type: ignore[union-attr]
+        got = {n: whole(n, p.grad) for n, p in trained}
         want = {n: reference[n] for n, _ in trained}
     diffs = [(got[n] - want[n]).abs().max().item() for n in got]
     # a frozen parameter gets no gradient here, as in one process

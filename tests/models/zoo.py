@@ -12,6 +12,8 @@ so that training can be compared with one process exactly.
 - llama-gqa: llama attending without a mask (``is_causal``, as torchtitan's Llama and
   training without padding do): transformers' sdpa then passes its 2 key-value heads to
   ``scaled_dot_product_attention`` unrepeated, ``enable_gqa=True``.
+- phi3-gqa: Phi-3 (its q|k|v one linear, sliced into pieces of unequal widths) with 8
+  query heads and 2 key-value heads.
 - mistral: llama's blocks with sliding-window attention (window 8, shorter than the
   sequences).
 - gemma2: sliding-window and global layers alternating, attention logits soft-capped, norms
@@ -87,6 +89,16 @@ def _llama(
         config._attn_implementation = "unmasked_sdpa"
     ids = torch.randint(0, VOCAB, (batch, seq))
     return transformers.LlamaForCausalLM(config), ("input_ids", "labels"), (ids, ids)
+
+
+def _phi3(batch: int, seq: int, layers: int) -> tuple[nn.Module, tuple[str, ...], tuple[Any, ...]]:
+    config = transformers.Phi3Config(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=seq,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, **NO_DROPOUT,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    return transformers.Phi3ForCausalLM(config), ("input_ids", "labels"), (ids, ids)
 
 
 def _causal(
@@ -241,6 +253,7 @@ MODELS: dict[str, Callable[[int, int, int], tuple[nn.Module, tuple[str, ...], tu
     "gpt2-dropout": functools.partial(_gpt2, dropout=0.1, attention="eager"),
     "llama": _llama,
     "llama-gqa": functools.partial(_llama, masked=False),
+    "phi3-gqa": _phi3,
     "mistral": _mistral,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
