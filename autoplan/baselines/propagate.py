@@ -226,8 +226,10 @@ def rows_indexed(graph: Graph) -> tuple[set[str], set[str]]:
         if node.op != INDEX or len(node.refs) < 2:
             continue
         data, rows = _behind(graph, node.refs[0]), _behind(graph, node.refs[1])
-        batch = data.output.shape[0] if data.outputs and data.output.shape else None
-        if data.kind == NodeKind.INPUT and rows.op == ARANGE and rows.output.shape == (batch,):
+        # an input and an arange have one output each (an index may read a topk's)
+        if data.kind != NodeKind.INPUT or rows.op != ARANGE or not data.output.shape:
+            continue
+        if rows.output.shape == data.output.shape[:1]:
             inputs.add(data.name)
             indexes.add(node.name)
     return inputs, indexes
