@@ -133,6 +133,8 @@ def plan_graph(
     # one search after the other: ILPs' time limits are wall-clock, and one search's ILPs
     # beside the other's would each have less of the machine. Pipelines first: a one-stage
     # mesh whose every plan is slower than the pipeline found is then left unsolved
+    if not pipeline and options.mesh_shape is not None:  # refused before any search
+        cluster.check_mesh_shape(options.mesh_shape)
     piped: Searched | None = None
     piped_cut_short: tuple[Unproven, ...] = ()
     weighed = False
