@@ -425,7 +425,8 @@ def solve_mesh(
     that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
     limit and recomputation, several times slower, is then not needed. Where it does not
     fit, its objective bounds every plan's from below: above ``slower_than`` (s a step) the
-    mesh is left there (`Slower`)."""
+    mesh is left there (`Slower`); with a ``slower_than``, it is solved for that bound even
+    where no plan without recomputation could fit."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     with timed("strategies"):
         space = strategy_space(graph, pricer.mesh_shape, reps)
@@ -440,10 +441,12 @@ def solve_mesh(
         )
     mesh = pricer.mesh_shape
     result = None
-    if recompute is not None and relaxed_first and min_memory(problem) <= memory_limit:
+    # solved for its bound alone where it cannot fit, if that bound may leave the mesh
+    fits = min_memory(problem) <= memory_limit
+    if recompute is not None and relaxed_first and (fits or slower_than < math.inf):
         relaxed = replace(problem, memory_limit=math.inf)
         found = solve_problem(graph, layers, space, relaxed, grouping, mesh, time_limit_s)
-        if evaluate(problem, found.solution.choice).memory <= memory_limit:
+        if fits and evaluate(problem, found.solution.choice).memory <= memory_limit:
             result = replace(found, problem=problem)
         elif lower_bound(found.solution) > slower_than:
             return Slower(lower_bound(found.solution))
