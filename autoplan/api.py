@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,7 @@ from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import V_SHAPED, schedule_refusal
 from autoplan.search.ahead import TracedAhead
-from autoplan.search.intra_op import MeshPlan, candidate_meshes, solve_mesh
+from autoplan.search.intra_op import MeshPlan, Slower, candidate_meshes, solve_mesh
 from autoplan.search.pipeline_search import (
     GraphForMicrobatches,
     search_pipelines,
@@ -130,19 +131,24 @@ def plan_graph(
     single: Searched | InfeasiblePlanError | None = None
     unproven: list[Unproven] = []  # the parts of the search that ran into the time limit
     # one search after the other: ILPs' time limits are wall-clock, and one search's ILPs
-    # beside the other's would each have less of the machine
-    if not pipeline:
-        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally)
-        unproven += cut_short
+    # beside the other's would each have less of the machine. Pipelines first: a one-stage
+    # mesh whose every plan is slower than the pipeline found is then left unsolved
+    if not pipeline and options.mesh_shape is not None:  # refused before any search
+        cluster.check_mesh_shape(options.mesh_shape)
     piped: Searched | None = None
+    piped_cut_short: tuple[Unproven, ...] = ()
     weighed = False
     if _weighs_pipelines(options, cluster, bool(graph.writes)) and microbatch_graph is not None:
         weighed = True
         # one search: each stage's layers choose their recomputation in their ILPs
-        piped, cut_short = _plan_pipelined(
+        piped, piped_cut_short = _plan_pipelined(
             graph, microbatch_graph, cluster, options, memory_limit, tally
         )
+    if not pipeline:
+        beaten = math.inf if piped is None else piped.plan.predicted.step_time_s * SLOWER_BY
+        single, cut_short = _plan_one_stage(graph, cluster, options, memory_limit, tally, beaten)
         unproven += cut_short
+    unproven += piped_cut_short
     found = [s for s in (single, piped) if isinstance(s, Searched)]
     if not found:
         assert not isinstance(single, Searched)
@@ -204,6 +210,12 @@ class Searched:
     graph: Graph
     degrees: list[Degrees]
 
+
+# a one-stage mesh is left unsolved where its ILP without the memory limit or recomputation
+# (a bound on every plan of it) is over this many times the pipeline found: a step's price
+# hides at most its gradients' reductions behind backward, so at most min(compute,
+# communication) of that objective, half of it, and the ILP misprices by a few percent more
+SLOWER_BY = 2 * 1.1
 
 # the conventional plans of a searched plan's shape are written and priced (on large
 # clusters, over a hundred of them) only where the searched plan is within this factor of the
@@ -309,12 +321,15 @@ def _plan_one_stage(
     options: PlanOptions,
     memory_limit: float,
     tally: Tally,
+    beaten_s: float = math.inf,
 ) -> tuple[Searched | InfeasiblePlanError | None, tuple[Unproven, ...]]:
     """The plan of ``graph`` as one stage: one ILP per candidate mesh, choosing the layers
     that recompute with the strategies unless ``options.recompute`` fixes them; and the
     meshes whose ILPs ran into the time limit. A mesh whose ILP found no plan by then is
-    skipped, the others still searched. Without a plan: why none fits, or None where every
-    mesh was cut short (`no_plan` says so)."""
+    skipped, the others still searched. A mesh whose every plan is slower than
+    ``beaten_s`` a step by its ILP without memory limit (`Slower`) is left there. Without a
+    plan: why none fits, None where every mesh was cut short (`no_plan` says so) or
+    slower."""
     mesh_shape = options.mesh_shape
     meshes = [mesh_shape] if mesh_shape is not None else candidate_meshes(cluster)
     for m in meshes:
@@ -335,7 +350,7 @@ def _plan_one_stage(
     unproven: list[Unproven] = []
     limit_s = options.time_limit_s
 
-    def solve(m: tuple[int, ...]) -> MeshPlan | float | None:
+    def solve(m: tuple[int, ...]) -> MeshPlan | float | Slower | None:
         """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time. Where the ILP
         choosing the layers that recompute found none, every layer recomputed (the least
         memory) with the strategies alone chosen: a plan, not proven the best."""
@@ -350,6 +365,7 @@ def _plan_one_stage(
                     functools.partial(apply_pins, graph=graph, pins=pins, mesh_shape=m),
                     float32_grads=options.float32_grads,
                     recompute=ways,
+                    slower_than=beaten_s,
                 )
             except SolverTimeLimitError:
                 if ways is None:
@@ -362,7 +378,7 @@ def _plan_one_stage(
             return found if ways is not None else _not_proven(found)
         return None
 
-    def solved(m: tuple[int, ...]) -> MeshPlan | float | None:
+    def solved(m: tuple[int, ...]) -> MeshPlan | float | Slower | None:
         log.info("mesh %s: solving ...", m)
         tally.report(f"one stage on mesh {m}")
         found = solve(m)
@@ -377,6 +393,12 @@ def _plan_one_stage(
                 "time_limit_s, --time-limit, to plan it)", m, limit_s,
             )  # fmt: skip
             unproven.append(Unproven(f"mesh {m}", SKIPPED, limit_s))
+            continue
+        if isinstance(found, Slower):
+            log.info(
+                "mesh %s: at least %.4g s per step without a memory limit, over %.2g times the "
+                "pipeline found; not solved further", m, found.bound_s, SLOWER_BY,
+            )  # fmt: skip
             continue
         if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:
             # the ILP counts recomputed activations at the layers' mean (a mode given), or
@@ -429,7 +451,7 @@ def _plan_one_stage(
     return Searched(plan, graph, degrees), tuple(unproven)
 
 
-def _not_proven(found: MeshPlan | float) -> MeshPlan | float:
+def _not_proven(found: MeshPlan | float | Slower) -> MeshPlan | float | Slower:
     """``found``, its solution marked stopped at the time limit (its gap unknown): a plan of
     a narrower search than the one asked."""
     if not isinstance(found, MeshPlan):

@@ -10,7 +10,12 @@ machine's load average is recorded with each case: times are an idle machine's o
 is low.
 
     python benchmarks/plan_real.py [--models llama3-8b,qwen2.5-7b] [--gpus 64,512]
-        [--per-gpu 0.5,2] [--clusters a100,h100] [--cases llama3-405b@512,...] [--timeout 600]
+        [--per-gpu 0.5,2] [--clusters a100,h100] [--cases llama3-405b@512@h100@2,...]
+        [--timeout 600] [--results plan_real]
+
+By default every model on 64 and 512 A100s and H100s at 0.5 and 2 sequences a GPU (48
+cases); ``--cases`` names cases instead, each ``model@gpus[@cluster[@sequences a GPU]]``
+(the cluster and sequences a GPU default to the first of ``--clusters`` and ``--per-gpu``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from benchmarks.plan_rows import (  # noqa: E402
     planning_meta,
     run_fresh,
 )
+from benchmarks.real_models import MODELS  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
 
 SEQ_LEN = 2048
@@ -72,48 +78,67 @@ def run(model: str, kind: str, gpus: int, batch: int) -> dict[str, object]:
     return row
 
 
+def _case(text: str, kind: str, per: float) -> tuple[str, int, str, float]:
+    """``model@gpus[@cluster[@per_gpu]]`` as (model, gpus, cluster, sequences a GPU)."""
+    model, gpus, *rest = text.split("@")
+    if model not in MODELS or (rest and rest[0] not in CLUSTERS) or len(rest) > 2:
+        raise SystemExit(f"case {text!r}: write model@gpus[@cluster[@per_gpu]] with a model of "
+                         f"{', '.join(MODELS)} and a cluster of {', '.join(CLUSTERS)}")  # fmt: skip
+    return model, int(gpus), rest[0] if rest else kind, float(rest[1]) if len(rest) > 1 else per
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="llama3-8b,qwen2.5-7b,mixtral-8x7b,llama3-70b")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--gpus", default="64,512")
-    parser.add_argument("--per-gpu", default="0.5")
-    parser.add_argument("--clusters", default="a100")
+    parser.add_argument("--per-gpu", default="0.5,2")
+    parser.add_argument("--clusters", default="a100,h100")
     parser.add_argument(
-        "--cases", help="model@gpus pairs, comma-separated, in place of --models x --gpus"
+        "--cases",
+        help="model@gpus[@cluster[@per_gpu]], comma-separated, in place of the grid of "
+        "--models x --gpus x --clusters x --per-gpu",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a case may take")
+    parser.add_argument(
+        "--results", default="plan_real", help="the results' name in benchmarks/results/"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a case, run in this process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run(**json.loads(args.one))), flush=True)
         return
     logging.basicConfig(level=logging.WARNING)
-    pairs = (
-        [(m, int(g)) for m, g in (c.split("@") for c in args.cases.split(","))]
+    kinds, pers = args.clusters.split(","), [float(p) for p in args.per_gpu.split(",")]
+    cases = (
+        [_case(c, kinds[0], pers[0]) for c in args.cases.split(",")]
         if args.cases
-        else [(m, int(g)) for m in args.models.split(",") for g in args.gpus.split(",")]
+        else [
+            (model, int(gpus), kind, per)
+            for kind in kinds
+            for model in args.models.split(",")
+            for gpus in args.gpus.split(",")
+            for per in pers
+        ]
     )
     rows = []
-    for kind in args.clusters.split(","):
-        for model, gpus in pairs:
-            for per in (float(p) for p in args.per_gpu.split(",")):
-                batch = max(4, int(gpus * per))
-                case = {"model": model, "kind": kind, "gpus": gpus, "batch": batch}
-                row = run_fresh(__file__, case, args.timeout)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    for model, gpus, kind, per in cases:
+        batch = max(4, int(gpus * per))
+        case = {"model": model, "kind": kind, "gpus": gpus, "batch": batch}
+        row = run_fresh(__file__, case, args.timeout)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     meta = {
         **planning_meta("plan_real.py"),
         "models": "transformers' own classes at their published configs "
         "(benchmarks/real_models.py), random weights on the meta device",
         "training": f"bf16 mixed precision, AdamW, {SEQ_LEN}-token sequences, global batch "
-        f"{args.per_gpu} sequences per GPU (at least 4)",
+        "(batch) the GPUs times the case's sequences per GPU (at least 4)",
         "plan_s": "the planner's wall time in one fresh process (imports and building the "
         "model excluded); load: the machine's 1-minute load average when the case started",
         "note": "predictions are analytic (published link and peak figures), not measured",
     }
     columns = ["model", "params_b", "cluster", "gpus", "batch", "load", *PLAN_COLUMNS, "phases"]
-    write_results("plan_real", "Planning benchmark: transformers models", meta, rows, columns)
+    write_results(args.results, "Planning benchmark: transformers models", meta, rows, columns)
 
 
 if __name__ == "__main__":

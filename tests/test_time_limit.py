@@ -1,6 +1,7 @@
 """A time limit never loses a plan: a mesh whose ILP finds no plan within it is skipped, one
-stopped with a plan keeps it, the search goes on, and the plan says which parts were not
-proven optimal (issue 34)."""
+stopped with a plan keeps it, one that chose recomputation and found none is planned again
+with its layers recomputed whole (a one-stage mesh and a pipeline layer alike), the search
+goes on, and the plan says which parts were not proven optimal (issue 34)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import autoplan
 from autoplan import PlanOptions
 from autoplan.errors import SolverTimeLimitError
 from autoplan.planfile.show import summary
-from autoplan.search import intra_op
+from autoplan.search import intra_op, layer_plans
 from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 from autoplan.workload import Workload
 from tests.conftest import example
@@ -202,3 +203,33 @@ def test_a_mesh_whose_recomputation_is_not_chosen_in_time_recomputes_every_layer
     }
     assert found.predicted.peak_memory_bytes <= found.predicted.memory_limit_bytes
     assert found.solver.unproven == (Unproven("mesh (4,)", STOPPED, 60.0),)
+
+
+def test_a_pipeline_layer_whose_recomputation_is_not_chosen_in_time_recomputes_whole(
+    cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # two one-block stages of two devices in 0.3% of a device's memory: the layers' ILPs
+    # must choose recomputation (their plans without it do not fit), and are given a
+    # nanosecond for it; before, such a layer was skipped and no pipeline was found
+    w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=128, attention="eager")
+    options = PlanOptions(num_stages=2, num_microbatches=4, mesh_shape=(2,), memory_fraction=0.003)
+    solve = intra_op.solve_problem
+
+    def cut(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
+        if args[3].recompute:  # the ILP choosing which layers recompute: a nanosecond
+            return solve(*args[:6], 1e-9)
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(intra_op, "solve_problem", cut)
+    with caplog.at_level(logging.WARNING, logger=layer_plans.__name__):
+        found = w.plan(cpu4, options)
+    assert "the ILP found no plan in 2 s; planned recomputed whole" in caplog.text
+    assert found.pipeline is not None and found.recompute
+    # every layer recomputed whole, then each stage trimmed to the fewest that fit
+    assert {layer.mode for layer in found.recompute} == {"full"}
+    assert found.predicted.peak_memory_bytes <= found.predicted.memory_limit_bytes
+    whole = [u for u in found.solver.unproven if u.part.endswith(", recomputed whole")]
+    assert whole and all(u.outcome == STOPPED and u.gap is None for u in whole)
+    assert re.search(r", \d+ layer ILPs?, recomputed whole$", whole[0].part)
+    line = f"  not proven optimal: {whole[0].part}: stopped at the 2 s time limit, gap unknown"
+    assert line in summary(found).splitlines()

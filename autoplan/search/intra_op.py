@@ -398,6 +398,14 @@ def solve_problem(
     return IntraOpResult(mesh_shape, assignment, solution, problem)
 
 
+def lower_bound(solution: IntraOpSolution) -> float:
+    """The least objective of any plan of its problem: its own where optimal, else its
+    solver's bound (``(1 - gap)`` times it; 0 where the solver did not say)."""
+    if solution.status == "optimal":
+        return solution.objective
+    return 0.0 if solution.gap is None else (1.0 - solution.gap) * solution.objective
+
+
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
     """The logical meshes tried when none is pinned: the flat mesh, and 2-D meshes whose
     inner axis stays inside a node (Alpa's choice of logical views of a physical mesh)."""
@@ -410,6 +418,14 @@ def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
 
 
 SpaceFilter = Callable[[dict[str, NodeStrategies]], dict[str, NodeStrategies]]
+
+
+@dataclass(frozen=True)
+class Slower:
+    """A mesh left unsolved: no plan on it is faster than ``bound_s`` a step by its ILP
+    (its optimum without the memory limit or recomputation, or that solve's bound)."""
+
+    bound_s: float
 
 
 @dataclass(frozen=True)
@@ -434,7 +450,8 @@ def solve_mesh(
     in_flight: float = 1.0,
     recompute: RecomputeChoice | None = None,
     relaxed_first: bool = True,
-) -> MeshPlan | float:
+    slower_than: float = math.inf,
+) -> MeshPlan | float | Slower:
     """Plan ``graph`` on ``pricer.mesh_shape``; ``restrict`` narrows the candidates (pins),
     ``once`` weighs the once-per-step work and ``in_flight`` the activations' memory
     (`build_problem`), ``float32_grads`` has every gradient reduced in float32
@@ -450,7 +467,10 @@ def solve_mesh(
     Where the ILP chooses recomputation it is first solved without recomputing or a memory
     limit (``relaxed_first``; a caller that knows that plan does not fit says False): if
     that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
-    limit and recomputation, several times slower, is then not needed."""
+    limit and recomputation, several times slower, is then not needed. Where it does not
+    fit, its objective bounds every plan's from below: above ``slower_than`` (s a step) the
+    mesh is left there (`Slower`); with a ``slower_than``, it is solved for that bound even
+    where no plan without recomputation could fit."""
     reps = {n.name for n in graph if n.name not in layers.canonical}
     with timed("strategies"):
         space = strategy_space(graph, pricer.mesh_shape, reps)
@@ -465,11 +485,15 @@ def solve_mesh(
         )
     mesh = pricer.mesh_shape
     result = None
-    if recompute is not None and relaxed_first and min_memory(problem) <= memory_limit:
+    # solved for its bound alone where it cannot fit, if that bound may leave the mesh
+    fits = min_memory(problem) <= memory_limit
+    if recompute is not None and relaxed_first and (fits or slower_than < math.inf):
         relaxed = replace(problem, memory_limit=math.inf)
         found = solve_problem(graph, layers, space, relaxed, grouping, mesh, time_limit_s)
-        if evaluate(problem, found.solution.choice).memory <= memory_limit:
+        if fits and evaluate(problem, found.solution.choice).memory <= memory_limit:
             result = replace(found, problem=problem)
+        elif lower_bound(found.solution) > slower_than:
+            return Slower(lower_bound(found.solution))
     if recompute is not None and result is None:
         ways = recompute.recomputations(problem, graph, layers, space, grouping, pricer, in_flight)
         problem = replace(problem, recompute=ways)

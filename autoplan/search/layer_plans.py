@@ -18,6 +18,13 @@ the activations a recomputed layer holds again during its backward at its share 
 balanced stage, which holds one layer's at a time (`RangeCost.of`). A layer's ILP weighs its
 once-per-step work (parameters' updates, gradient synchronization) at 1 / microbatches of its
 work per microbatch, as the stage DP amortizes it.
+
+A time limit never loses a layer's plan: an ILP stopped at it keeps its best plan (its gap
+reported, `StageSolver.unproven`); one that chose recomputation and found no plan by then is
+solved again with the layer recomputed whole (the least memory; its strategies alone chosen,
+a plain ILP), that plan kept as not proven the best, as a one-stage mesh is
+(`autoplan.api`); a stage recomputing more layers than it needs is trimmed afterwards
+(`autoplan.search.recompute_choice`). Only a layer whose plain ILP found none is skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pipeline_price import (
@@ -42,7 +50,7 @@ from autoplan.errors import SolverTimeLimitError
 from autoplan.graph.blocks import find_sharing, signature
 from autoplan.graph.cut import Layer, StageGraph, stage_graph
 from autoplan.graph.ir import Graph
-from autoplan.graph.recompute import Recompute
+from autoplan.graph.recompute import Recompute, recomputed_ops
 from autoplan.modes import NodeKind
 from autoplan.phases import timed
 from autoplan.progress import Tally
@@ -50,11 +58,17 @@ from autoplan.search.intra_op import MeshPlan, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
 from autoplan.side_by_side import mapped
-from autoplan.solvers.problem import SKIPPED, STOPPED, Outcome, Unproven
+from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
 from autoplan.strategies.placement import Spec, fitted, is_valid, replicated
 from autoplan.strategies.space import NodeStrategies
 
 log = logging.getLogger(__name__)
+
+# what became of a layer's ILP that ran into its time limit (`StageSolver.unproven`): stopped
+# with a plan, planned again recomputed whole (choosing its recomputation found none in time),
+# or skipped (its plain ILP found none)
+CutShort = Literal["stopped", "recomputed whole", "skipped"]
+RECOMPUTED_WHOLE: CutShort = "recomputed whole"
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,7 @@ class StageSolver:
         self._ranges: dict[tuple[int, int, Budget], RangeCost | None] = {}
         # the layers' ILPs that ran into the time limit: what became of each, and its gap
         # (appended from the threads of `_plan_together`; only counted, so in any order)
-        self._cut_short: list[tuple[Outcome, float | None]] = []
+        self._cut_short: list[tuple[CutShort, float | None]] = []
 
     def unplanned(self) -> int:
         """How many structures were never planned at the full budget (the DP never needed
@@ -192,15 +206,17 @@ class StageSolver:
     def unproven(self) -> tuple[Unproven, ...]:
         """The layers' ILPs that ran into the time limit, counted by what became of them:
         those stopped with a plan (at most the largest gap from their optimum; unknown if
-        one's is), those skipped without one."""
+        one's is), those planned again recomputed whole (a plan, its gap from the plan the
+        ILP choosing recomputation would have found unknown), those skipped without one."""
         found = []
-        for outcome in (STOPPED, SKIPPED):
-            gaps = [gap for kind, gap in self._cut_short if kind == outcome]
+        for kind, outcome in ((STOPPED, STOPPED), (RECOMPUTED_WHOLE, STOPPED), (SKIPPED, SKIPPED)):
+            gaps = [gap for cut, gap in self._cut_short if cut == kind]
             if not gaps:
                 continue
             known = [g for g in gaps if g is not None]
-            gap = max(known) if outcome == STOPPED and len(known) == len(gaps) else None
+            gap = max(known) if len(known) == len(gaps) else None
             part = f"{self.label}, {len(gaps)} layer ILP{'s' * (len(gaps) > 1)}"
+            part += ", recomputed whole" * (kind == RECOMPUTED_WHOLE)
             found.append(Unproven(part, outcome, self.time_limit_s, gap))
         return tuple(found)
 
@@ -350,31 +366,43 @@ class StageSolver:
         def restrict(space: dict[str, NodeStrategies]) -> dict[str, NodeStrategies]:
             return pin_boundary(space, stage, boundary)
 
-        try:
-            found = solve_mesh(
-                graph,
-                find_sharing(graph),
-                self.pricer,
-                budget.bytes(self.memory_limit),
-                self.time_limit_s,
-                restrict,
-                once=1.0 / self.num_microbatches,
-                float32_grads=self.float32_grads,
-                in_flight=budget.in_flight,
-                recompute=self.recompute and self.recompute.within(frozenset(stage.nodes)),
-                # the plan within the whole memory is the fastest plan where that fits; a tighter
-                # budget is asked for only where it does not fit (`_kept_plan`)
-                relaxed_first=budget == FULL_BUDGET,
-            )
-        except SolverTimeLimitError:
-            # a layer's ILP stops at LAYER_TIME_LIMIT_S; one that found no plan at all by then
-            # (choosing recomputation in a tight budget) leaves this budget to the others
-            log.warning(
-                "layer %d on %s%s: the ILP found no plan in %g s; not planned within it",
-                i, mesh, budget.describe(), self.time_limit_s,
-            )  # fmt: skip
+        choice = self.recompute and self.recompute.within(frozenset(stage.nodes))
+        attempts = [(self.pricer, choice)]
+        if choice is not None:  # the least memory, with the strategies alone chosen
+            layers = [(la.name, recomputed_ops(self.graph, la)) for la in choice.layers]
+            attempts.append((self.pricer.recomputing(Recompute.of(self.graph, layers)), None))
+        for pricer, ways in attempts:
+            try:
+                found = solve_mesh(
+                    graph,
+                    find_sharing(graph),
+                    pricer,
+                    budget.bytes(self.memory_limit),
+                    self.time_limit_s,
+                    restrict,
+                    once=1.0 / self.num_microbatches,
+                    float32_grads=self.float32_grads,
+                    in_flight=budget.in_flight,
+                    recompute=ways,
+                    # the plan within the whole memory is the fastest plan where that fits; a
+                    # tighter budget is asked for only where it does not fit (`_kept_plan`)
+                    relaxed_first=budget == FULL_BUDGET,
+                )
+            except SolverTimeLimitError:
+                # a layer's ILP stops at LAYER_TIME_LIMIT_S; one choosing recomputation that
+                # found no plan by then is planned again recomputed whole, as a one-stage
+                # mesh is; a plain ILP without a plan leaves this budget to the others
+                log.warning(
+                    "layer %d on %s%s: the ILP found no plan in %g s; %s",
+                    i, mesh, budget.describe(), self.time_limit_s,
+                    "not planned within it" if ways is None else "planned recomputed whole",
+                )  # fmt: skip
+                continue
+            break
+        else:
             self._cut_short.append((SKIPPED, None))
             return None, (math.inf, math.inf)
+        whole = ways is None and choice is not None
         log.debug(
             "layer %d on %s, boundary %s%s: %s",
             i,
@@ -386,7 +414,9 @@ class StageSolver:
         if not isinstance(found, MeshPlan):
             return None, (math.inf, math.inf)
         solution = found.result.solution
-        if solution.status != "optimal":
+        if whole:
+            self._cut_short.append((RECOMPUTED_WHOLE, None))
+        elif solution.status != "optimal":
             self._cut_short.append((STOPPED, solution.gap))
         solver = SolverStats(
             solution.solve_time_s,
@@ -400,7 +430,7 @@ class StageSolver:
             for n in graph
             if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
         )
-        if self.recompute is None:  # the ILP counts dropped activations at a share
+        if self.recompute is None:  # a mode given: the ILP counts dropped activations at a share
             active = sum(
                 pricer.node_memory(n, assignment[n.name]) for n in graph if n.kind == NodeKind.OP
             )
