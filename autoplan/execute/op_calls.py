@@ -280,6 +280,7 @@ LOCAL_OPS = {
     _aten.index_add.default,
     # counts over a fixed range: over a split input, partial sums (`PARTIAL_SUMS`)
     _aten.histc.default,
+    _aten.bincount.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
@@ -292,6 +293,7 @@ PARTIAL_SUMS = MEANS | {
     _aten.einsum.default,
     _aten.matmul.default,
     _aten.histc.default,
+    _aten.bincount.default,
 }
 # splits into pieces, their size argument (args[1]) made local (`local_split`): linear, so
 # partial sums in are partial sums out; run as DTensor ops, an output that no op reads would

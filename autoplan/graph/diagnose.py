@@ -69,6 +69,15 @@ _DATA_DEPENDENT = (
 )
 
 
+# bincount's length is the largest value + 1 (at least minlength): known only where the
+# model uses the counts beside a tensor of minlength's length, which fixes it when traced
+_BINCOUNT = (
+    "Count at a length the trace can see: torch.zeros(n, dtype=torch.long).scatter_add(0, x, "
+    "torch.ones_like(x)) or F.one_hot(x, n).sum(0) for n values (or torch.histc), or bincount "
+    "with minlength=n where its counts meet a tensor of n elements (counts * weights)."
+)
+
+
 def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
     """Whether the failure was raised inside torch's FlexAttention."""
     return any(
@@ -130,13 +139,14 @@ def refuse_data_dependent(ep: ExportedProgram, model: nn.Module) -> None:
     traces it as an unknown integer, but a plan places and prices tensors of known shapes."""
     for node in ep.graph.nodes:
         val = node.meta.get("val")
-        symbolic = [s for s in _sizes(val) if not isinstance(s, int)]
+        symbolic = [s for s in _sizes(val) if _unknown(s)]
         if node.op != "call_function" or not symbolic:
             continue
+        hint = _BINCOUNT if node.target is torch.ops.aten.bincount.default else _DATA_DEPENDENT
         raise TraceError(
             f"could not trace {_where(node, model)} gives {symbolic[0]}, an integer that "
             f"depends on what the tensors hold, and autoplan plans tensors of known shapes. "
-            f"{_DATA_DEPENDENT}"
+            f"{hint}"
         )
 
 
@@ -157,6 +167,12 @@ def _sizes(val: Any) -> list[Any]:
     if isinstance(val, list | tuple):
         return [s for v in val for s in _sizes(v)]
     return [val] if isinstance(val, torch.SymInt) else []
+
+
+def _unknown(size: Any) -> bool:
+    """Whether a traced size is unknown: not an integer, nor a symbol the trace then fixed
+    (bincount's length, where the model uses the counts beside a tensor of known length)."""
+    return not isinstance(size, int) and size.node.maybe_as_int() is None
 
 
 def _float_indices(node: torch.fx.Node) -> tuple[str, str] | None:
