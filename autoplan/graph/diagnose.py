@@ -88,7 +88,11 @@ def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
 def _inputs_hint(args: tuple[Any, ...]) -> str:
     return (
         f"It was called on the example inputs (then the target): {_described(args)}; "
-        "check that the model runs on inputs of these dtypes and shapes."
+        "check that the model runs on inputs of these dtypes and shapes. If it does, the line "
+        "fails only as torch.export traces it (fake tensors; a package may take another path "
+        "while tracing, under torch.compiler.is_compiling()): reproduce it with "
+        "torch.export.export(model, args, strict=False), then change the line or choose "
+        "another implementation of the module (transformers: attn_implementation)."
     )
 
 
@@ -109,9 +113,32 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
     else:
         hint = _inputs_hint(args)
     return (
-        f"could not trace {type(model).__name__}{_user_line(frames, model)}: {type(e).__name__}: "
-        f"{first_line.rstrip('.')}. {hint}"
+        f"could not trace {type(model).__name__}{_user_line(frames, model)}{_failed_in(e, model)}"
+        f": {type(e).__name__}: {first_line.rstrip('.')}. {hint}"
     )
+
+
+def _failed_in(e: BaseException, model: nn.Module) -> str:
+    """``" in module (op)"``: the innermost of ``model``'s modules whose forward the failure
+    went through, and the innermost ATen op it was running (the failure's frames' ``self``
+    and ``func``, where export dispatched it); "" for what is not found."""
+    names = {id(m): name for name, m in model.named_modules() if name}
+    module, op = "", ""
+    tb = e.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        owner = local.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module, op = names[id(owner)], ""  # an op before this module's call is not its
+        for value in (local.get("func"), owner):
+            if isinstance(value, torch._ops.OpOverload):
+                op = str(value)
+        tb = tb.tb_next
+    if not op and data_dependent(e):  # Python read a tensor's value: bool(), .item()
+        op = "aten._local_scalar_dense, a tensor's value read in Python"
+    if not module and not op:
+        return ""
+    return f" in {module or 'the model'}" + (f" ({op})" if op else "")
 
 
 # a frame of an fx node's stack trace: file, line number, then the line's code
