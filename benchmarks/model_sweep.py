@@ -24,8 +24,10 @@ one process), over time.
     python benchmarks/model_sweep.py [--models llama,gpt2,...] [--limit N] [--timeout 300]
         [--keep] [--skip-done] [--torchtitan]
 
-``--torchtitan`` sweeps torchtitan's model families instead (rows ``torchtitan/llama3``,
-``torchtitan/deepseek-v3``: tests/models/titan.py, torchtitan's modules at tiny widths).
+``--torchtitan`` sweeps torchtitan's language-model families instead (rows
+``torchtitan/llama3``, ``torchtitan/deepseek-v3``, ``torchtitan/qwen3``,
+``torchtitan/qwen3-moe``: tests/models/titan.py, torchtitan's modules at tiny widths; with
+``--models``, those named).
 
 Writes benchmarks/results/model_sweep.json and .md; with ``--keep`` the rows already there for
 model types not swept now are kept, so a sweep can run in parts (``--skip-done`` sweeps only
@@ -115,9 +117,9 @@ _DROPOUT = re.compile(
     r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_rate|drop_path_rate|drop_connect_rate|layerdrop)$"
 )
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-# torchtitan's model families, swept with ``--torchtitan`` (tests/models/titan.py: torchtitan
-# 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
-TORCHTITAN = ("torchtitan/llama3", "torchtitan/deepseek-v3")
+# torchtitan's language-model families, swept with ``--torchtitan`` (tests/models/titan.py:
+# torchtitan 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
+TORCHTITAN = tuple(f"torchtitan/{m}" for m in ("llama3", "deepseek-v3", "qwen3", "qwen3-moe"))
 
 
 def architectures() -> dict[str, tuple[str, str]]:
@@ -368,9 +370,8 @@ def main() -> None:
     if args.probe:
         probe(args.probe)
         return
-    models = args.models.split(",") if args.models else list(architectures())
-    if args.torchtitan:
-        models = list(TORCHTITAN)
+    every = list(TORCHTITAN) if args.torchtitan else list(architectures())
+    models = args.models.split(",") if args.models else every
     kept = _written() if args.keep or args.skip_done else {}
     if args.skip_done:
         models = [m for m in models if m not in kept]
