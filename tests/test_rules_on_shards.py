@@ -1,9 +1,9 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms, bincount),
-attention masks (where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter,
-select_scatter), a cache's concatenation onto an empty tensor, and splits. Each rule, run by
-the executor's local path on two ranks' shards, makes the shards (or, for ``P``, the partial
-sums) of the whole result."""
+attention masks (where, diff, factories like ``new_ones``), slice assignments (copy,
+slice_scatter, select_scatter), a cache's concatenation onto an empty tensor, splits, and RMS
+norms. Each rule, run by the executor's local path on two ranks' shards, makes the shards (or,
+for ``P``, the partial sums) of the whole result."""
 
 from __future__ import annotations
 
@@ -53,11 +53,13 @@ class _Routing(nn.Module):
         rows = x.clone()
         rows[:, 2] = x[:, 0] * 2  # select_scatter, once made functional
         head, tail = x.split([2, 4], dim=1)  # a class token split off
+        normed = nn.functional.rms_norm(x, (8,), x[0, 0])
         left, right = x.split(4, dim=2)
         return (
             *(values, order, top, picked, spread, added, pooled, counts, binned, weighed),
             *(halves, steps),
             *(ones, typed, masked, joined, buffer, rows, ranks, head, tail, left, right),
+            normed,
         )
 
 
@@ -118,6 +120,7 @@ TESTED = {
     "aten.select_scatter.default",
     "aten.split_with_sizes.default",
     "aten.split.Tensor",
+    "aten.rms_norm.default",
 }
 
 

@@ -218,6 +218,7 @@ LOCAL_OPS = {
     _aten.rand_like.default,
     _aten.randn_like.default,
     _aten.layer_norm.default,
+    _aten.rms_norm.default,
     _aten.softmax.int,
     _aten.log_softmax.int,
     _aten.scaled_dot_product_attention.default,

@@ -402,6 +402,7 @@ _RULES: dict[str, Rule] = {
     "_scaled_dot_product_flash_attention": attention,
     "_scaled_dot_product_efficient_attention": attention,
     "layer_norm": _layer_norm,
+    "rms_norm": _layer_norm,  # (input, normalized_shape, weight, eps): layer norm's layout
     "cross_entropy_loss": _cross_entropy,
     "embedding": _embedding,
     "mse_loss": _elementwise_loss,
