@@ -283,7 +283,10 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     if error is None:
         return "failed", (lines[-1] if lines else f"exit code {returncode}")[:160]
     head = lines[error]
-    detail = " ".join(line.strip() for line in lines[error : error + 2])[:240]
+    # the error whole (a refusal's module, op and what to do), a package's files from their
+    # package's folder on
+    detail = " ".join(line.strip() for line in lines[error : error + 2])
+    detail = re.sub(r"\S*/site-packages/", "", detail)[:1000]
     if re.search(r"at step \d+|after step \d+|without an error from any rank", head):
         return "failed", detail
     unchecked = any("did not check for this error" in line for line in lines[error:])
