@@ -24,8 +24,10 @@ one process), over time.
     python benchmarks/model_sweep.py [--models llama,gpt2,...] [--limit N] [--timeout 300]
         [--keep] [--skip-done] [--torchtitan]
 
-``--torchtitan`` sweeps torchtitan's model families instead (rows ``torchtitan/llama3``,
-``torchtitan/deepseek-v3``: tests/models/titan.py, torchtitan's modules at tiny widths).
+``--torchtitan`` sweeps torchtitan's language-model families instead (rows
+``torchtitan/llama3``, ``torchtitan/deepseek-v3``, ``torchtitan/qwen3``,
+``torchtitan/qwen3-moe``: tests/models/titan.py, torchtitan's modules at tiny widths; with
+``--models``, those named).
 
 Writes benchmarks/results/model_sweep.json and .md; with ``--keep`` the rows already there for
 model types not swept now are kept, so a sweep can run in parts (``--skip-done`` sweeps only
@@ -115,9 +117,9 @@ _DROPOUT = re.compile(
     r"(dropout|_pdrop|dropout_prob|dropout_rate|drop_rate|drop_path_rate|drop_connect_rate|layerdrop)$"
 )
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-# torchtitan's model families, swept with ``--torchtitan`` (tests/models/titan.py: torchtitan
-# 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
-TORCHTITAN = ("torchtitan/llama3", "torchtitan/deepseek-v3")
+# torchtitan's language-model families, swept with ``--torchtitan`` (tests/models/titan.py:
+# torchtitan 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
+TORCHTITAN = tuple(f"torchtitan/{m}" for m in ("llama3", "deepseek-v3", "qwen3", "qwen3-moe"))
 
 
 def architectures() -> dict[str, tuple[str, str]]:
@@ -281,7 +283,10 @@ def classify(returncode: int, output: str) -> tuple[str, str]:
     if error is None:
         return "failed", (lines[-1] if lines else f"exit code {returncode}")[:160]
     head = lines[error]
-    detail = " ".join(line.strip() for line in lines[error : error + 2])[:240]
+    # the error whole (a refusal's module, op and what to do), a package's files from their
+    # package's folder on
+    detail = " ".join(line.strip() for line in lines[error : error + 2])
+    detail = re.sub(r"\S*/site-packages/", "", detail)[:1000]
     if re.search(r"at step \d+|after step \d+|without an error from any rank", head):
         return "failed", detail
     unchecked = any("did not check for this error" in line for line in lines[error:])
@@ -368,9 +373,8 @@ def main() -> None:
     if args.probe:
         probe(args.probe)
         return
-    models = args.models.split(",") if args.models else list(architectures())
-    if args.torchtitan:
-        models = list(TORCHTITAN)
+    every = list(TORCHTITAN) if args.torchtitan else list(architectures())
+    models = args.models.split(",") if args.models else every
     kept = _written() if args.keep or args.skip_done else {}
     if args.skip_done:
         models = [m for m in models if m not in kept]

@@ -104,6 +104,18 @@ def test_untraceable_model_names_the_user_line(cpu4: autoplan.Cluster) -> None:
     assert "torch.where" in message  # says what to do
 
 
+class Widening(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ones(x.shape[-1] + 1)  # one too wide: no broadcast
+
+
+def test_a_failing_op_is_named_with_its_module() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Widening())
+    with pytest.raises(TraceError) as info:
+        capture(model, torch.randn(2, 4))
+    assert "no broadcast`) in 1 (aten.add.Tensor): RuntimeError" in str(info.value)
+
+
 PACKAGED = """import torch
 from torch import nn
 
@@ -142,6 +154,33 @@ def test_a_packaged_model_is_refused_at_its_own_line(
     with pytest.raises(TraceError) as info:
         capture(module.Packaged(), (torch.randint(1, 8, (2, 3)),))
     assert f"could not trace Packaged at {source}:7 (`if not mask.any():" in str(info.value)
+    # the op: the mask's value read by Python's `if`
+    assert "in the model (aten._local_scalar_dense" in str(info.value)
+
+
+class Counting(nn.Module):
+    """Tokens per expert by bincount: used beside the expert scores (their length fixed at
+    minlength) or alone (a length the data sets)."""
+
+    def __init__(self, beside: bool) -> None:
+        super().__init__()
+        self.router, self.beside = nn.Linear(8, 4), beside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x)
+        counts = torch.bincount(scores.topk(2).indices.flatten(), minlength=4).float()
+        return (scores * counts).sum() if self.beside else scores.sum() + counts.sum()
+
+
+def test_bincount_is_traced_where_its_length_is_fixed_else_refused_at_its_line() -> None:
+    graph = capture(Counting(beside=True), torch.randn(6, 8))
+    (counts,) = (n for n in graph if n.op == "aten.bincount.default")
+    assert counts.outputs[0].shape == (4,)
+    with pytest.raises(TraceError) as info:
+        capture(Counting(beside=False), torch.randn(6, 8))
+    message = str(info.value)
+    assert "test_capture.py" in message and "counts = torch.bincount(" in message
+    assert "aten.bincount.default gives u0" in message and "scatter_add" in message
 
 
 def test_loss_without_target_is_a_clear_error(cpu4: autoplan.Cluster) -> None:

@@ -48,6 +48,10 @@ def test_a_run_is_read_as_exact_refused_unchecked_or_failed() -> None:
         "  pin it or use ...\n"
     )
     assert classify(2, refused)[0] == "refused"
+    # told whole, a package's path from the package on
+    at = "at /v/lib/site-packages/transformers/models/x.py:3 (`if m.any():`) in model (aten.f): "
+    long = f"autoplan: error: could not trace X {at}{'what to do ' * 30}\n"
+    assert classify(2, long)[1] == long.strip().replace("/v/lib/site-packages/", "")
     unchecked = (
         "autoplan: error on ranks 0-3 before the first step (tracing, planning, ...):\n"
         "  NotImplementedError: Operator aten.foo ...\n"

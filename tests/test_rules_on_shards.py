@@ -1,9 +1,9 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
-mixtures of experts' routing (sort, topk, gathers and scatters, histograms), attention masks
-(where, diff, factories like ``new_ones``), slice assignments (copy, slice_scatter,
-select_scatter), a cache's concatenation onto an empty tensor, and splits. Each rule, run by
-the executor's local path on two ranks' shards, makes the shards (or, for ``P``, the partial
-sums) of the whole result."""
+mixtures of experts' routing (sort, topk, gathers and scatters, histograms, bincount),
+attention masks (where, diff, factories like ``new_ones``), slice assignments (copy,
+slice_scatter, select_scatter), a cache's concatenation onto an empty tensor, splits, and RMS
+norms. Each rule, run by the executor's local path on two ranks' shards, makes the shards (or,
+for ``P``, the partial sums) of the whole result."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from autoplan.execute.context import attention
 from autoplan.execute.interpreter import Arguments
 from autoplan.execute.op_calls import SIZED, call_op, local_shape, runs_locally
 from autoplan.graph.capture import graph_from_export
+from autoplan.graph.passes import drop_checks
 from autoplan.strategies.attention import key_heads
 from autoplan.strategies.placement import is_valid
 from autoplan.strategies.rules import own_rule
@@ -39,6 +40,10 @@ class _Routing(nn.Module):
         added = torch.zeros_like(x).scatter_add(2, chosen, top)
         pooled = x.new_zeros(4, 3, 8).index_add(1, slots, x)
         counts = torch.histc(x, bins=6, min=-2.0, max=2.0)
+        # slots per index, at the length the model uses them (3: minlength, so every slot is
+        # below it), plain and weighted
+        binned = torch.bincount(slots, minlength=3) * ids[0, :3]
+        weighed = torch.bincount(slots, x[0, :, 0], minlength=3) + x[0, 0, :3]
         halves = ids // 2
         steps = ids.diff(dim=1)
         ones = x.new_ones(4, 6)
@@ -51,10 +56,13 @@ class _Routing(nn.Module):
         rows = x.clone()
         rows[:, 2] = x[:, 0] * 2  # select_scatter, once made functional
         head, tail = x.split([2, 4], dim=1)  # a class token split off
+        normed = nn.functional.rms_norm(x, (8,), x[0, 0])
         left, right = x.split(4, dim=2)
         return (
-            *(values, order, top, picked, spread, added, pooled, counts, halves, steps),
+            *(values, order, top, picked, spread, added, pooled, counts, binned, weighed),
+            *(halves, steps),
             *(ones, typed, masked, joined, buffer, rows, ranks, head, tail, left, right),
+            normed,
         )
 
 
@@ -102,6 +110,7 @@ TESTED = {
     "aten.scatter_add.default",
     "aten.index_add.default",
     "aten.histc.default",
+    "aten.bincount.default",
     "aten.floor_divide.default",
     "aten.diff.default",
     "aten.new_ones.default",
@@ -114,12 +123,14 @@ TESTED = {
     "aten.select_scatter.default",
     "aten.split_with_sizes.default",
     "aten.split.Tensor",
+    "aten.rms_norm.default",
 }
 
 
 def test_rules_are_exact_on_two_shards() -> None:
     inputs = _inputs()
     ep = torch.export.export(_Routing(), inputs).run_decompositions({})
+    drop_checks(ep)  # as capture does: bincount's length checked at trace time
     graph = graph_from_export(ep)
     env: dict[str, Any] = {}
     supply = iter(inputs)

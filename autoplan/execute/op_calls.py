@@ -218,6 +218,7 @@ LOCAL_OPS = {
     _aten.rand_like.default,
     _aten.randn_like.default,
     _aten.layer_norm.default,
+    _aten.rms_norm.default,
     _aten.softmax.int,
     _aten.log_softmax.int,
     _aten.scaled_dot_product_attention.default,
@@ -280,6 +281,7 @@ LOCAL_OPS = {
     _aten.index_add.default,
     # counts over a fixed range: over a split input, partial sums (`PARTIAL_SUMS`)
     _aten.histc.default,
+    _aten.bincount.default,
 }
 LOSSES = ELEMENTWISE_LOSSES | {CROSS_ENTROPY}
 MEANS = {_aten.mean.dim, _aten.mean.default}
@@ -292,6 +294,7 @@ PARTIAL_SUMS = MEANS | {
     _aten.einsum.default,
     _aten.matmul.default,
     _aten.histc.default,
+    _aten.bincount.default,
 }
 # splits into pieces, their size argument (args[1]) made local (`local_split`): linear, so
 # partial sums in are partial sums out; run as DTensor ops, an output that no op reads would

@@ -69,6 +69,15 @@ _DATA_DEPENDENT = (
 )
 
 
+# bincount's length is the largest value + 1 (at least minlength): known only where the
+# model uses the counts beside a tensor of minlength's length, which fixes it when traced
+_BINCOUNT = (
+    "Count at a length the trace can see: torch.zeros(n, dtype=torch.long).scatter_add(0, x, "
+    "torch.ones_like(x)) or F.one_hot(x, n).sum(0) for n values (or torch.histc), or bincount "
+    "with minlength=n where its counts meet a tensor of n elements (counts * weights)."
+)
+
+
 def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
     """Whether the failure was raised inside torch's FlexAttention."""
     return any(
@@ -79,7 +88,11 @@ def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
 def _inputs_hint(args: tuple[Any, ...]) -> str:
     return (
         f"It was called on the example inputs (then the target): {_described(args)}; "
-        "check that the model runs on inputs of these dtypes and shapes."
+        "check that the model runs on inputs of these dtypes and shapes. If it does, the line "
+        "fails only as torch.export traces it (fake tensors; a package may take another path "
+        "while tracing, under torch.compiler.is_compiling()): reproduce it with "
+        "torch.export.export(model, args, strict=False), then change the line or choose "
+        "another implementation of the module (transformers: attn_implementation)."
     )
 
 
@@ -100,9 +113,32 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
     else:
         hint = _inputs_hint(args)
     return (
-        f"could not trace {type(model).__name__}{_user_line(frames, model)}: {type(e).__name__}: "
-        f"{first_line.rstrip('.')}. {hint}"
+        f"could not trace {type(model).__name__}{_user_line(frames, model)}{_failed_in(e, model)}"
+        f": {type(e).__name__}: {first_line.rstrip('.')}. {hint}"
     )
+
+
+def _failed_in(e: BaseException, model: nn.Module) -> str:
+    """``" in module (op)"``: the innermost of ``model``'s modules whose forward the failure
+    went through, and the innermost ATen op it was running (the failure's frames' ``self``
+    and ``func``, where export dispatched it); "" for what is not found."""
+    names = {id(m): name for name, m in model.named_modules() if name}
+    module, op = "", ""
+    tb = e.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        owner = local.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module, op = names[id(owner)], ""  # an op before this module's call is not its
+        for value in (local.get("func"), owner):
+            if isinstance(value, torch._ops.OpOverload):
+                op = str(value)
+        tb = tb.tb_next
+    if not op and data_dependent(e):  # Python read a tensor's value: bool(), .item()
+        op = "aten._local_scalar_dense, a tensor's value read in Python"
+    if not module and not op:
+        return ""
+    return f" in {module or 'the model'}" + (f" ({op})" if op else "")
 
 
 # a frame of an fx node's stack trace: file, line number, then the line's code
@@ -130,13 +166,14 @@ def refuse_data_dependent(ep: ExportedProgram, model: nn.Module) -> None:
     traces it as an unknown integer, but a plan places and prices tensors of known shapes."""
     for node in ep.graph.nodes:
         val = node.meta.get("val")
-        symbolic = [s for s in _sizes(val) if not isinstance(s, int)]
+        symbolic = [s for s in _sizes(val) if _unknown(s)]
         if node.op != "call_function" or not symbolic:
             continue
+        hint = _BINCOUNT if node.target is torch.ops.aten.bincount.default else _DATA_DEPENDENT
         raise TraceError(
             f"could not trace {_where(node, model)} gives {symbolic[0]}, an integer that "
             f"depends on what the tensors hold, and autoplan plans tensors of known shapes. "
-            f"{_DATA_DEPENDENT}"
+            f"{hint}"
         )
 
 
@@ -157,6 +194,12 @@ def _sizes(val: Any) -> list[Any]:
     if isinstance(val, list | tuple):
         return [s for v in val for s in _sizes(v)]
     return [val] if isinstance(val, torch.SymInt) else []
+
+
+def _unknown(size: Any) -> bool:
+    """Whether a traced size is unknown: not an integer, nor a symbol the trace then fixed
+    (bincount's length, where the model uses the counts beside a tensor of known length)."""
+    return not isinstance(size, int) and size.node.maybe_as_int() is None
 
 
 def _float_indices(node: torch.fx.Node) -> tuple[str, str] | None:

@@ -229,6 +229,17 @@ def _histogram(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     return [(P, shard(d)) for d in range(len(ins[0].shape))]
 
 
+def _bincount(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """bincount (input, weights, minlength): its length is the largest value + 1, at least
+    ``minlength``. Where the trace fixed it at ``minlength`` (the model uses the counts at that
+    length, so every value lies below it), each shard's counts have that length too, and the
+    counts of a split input (its weights split alike) are the sums of its shards' counts;
+    a length above ``minlength`` would be a shard's largest value + 1: whole only."""
+    if node.outputs[0].shape[0] != _arg(node, 2, "minlength", 0):
+        return []
+    return [(P, *[shard(0)] * len(ins))]
+
+
 def _factory_like(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     """new_ones / new_zeros / new_empty / new_full (input, size): the input is read for its
     dtype alone, so each dim of the output may be split whatever the input's placement; the
@@ -391,6 +402,7 @@ _RULES: dict[str, Rule] = {
     "_scaled_dot_product_flash_attention": attention,
     "_scaled_dot_product_efficient_attention": attention,
     "layer_norm": _layer_norm,
+    "rms_norm": _layer_norm,  # (input, normalized_shape, weight, eps): layer norm's layout
     "cross_entropy_loss": _cross_entropy,
     "embedding": _embedding,
     "mse_loss": _elementwise_loss,
@@ -432,6 +444,7 @@ _RULES: dict[str, Rule] = {
     "scatter_add": _indexed(1),
     "index_add": _indexed(1, whole=(1,)),
     "histc": _histogram,
+    "bincount": _bincount,
     "new_ones": _factory_like,
     "new_zeros": _factory_like,
     "new_empty": _factory_like,

@@ -1,6 +1,6 @@
-"""torchtitan's models (torchtitan 0.3.0, the test extra's pin), nobody here wrote them: Llama 3
-and DeepSeek-V3 built by torchtitan's own layer builders with its initializations, at tiny
-widths, on the CPU.
+"""torchtitan's models (torchtitan 0.3.0, the test extra's pin), nobody here wrote them: its
+language-model families built by torchtitan's own layer builders with its initializations,
+at tiny widths, on the CPU.
 
 - llama3: torchtitan's debug flavor's layout (fused q|k|v projection, complex rotary
   embeddings with Llama 3's frequency scaling, SwiGLU widths rounded as torchtitan rounds
@@ -11,11 +11,20 @@ widths, on the CPU.
   as torchtitan computes them) that counts its tokens per expert in forward (a buffer).
   Its load-balancing bias stays 0: torchtitan moves it in an optimizer hook of its trainer
   (``register_moe_load_balancing_hook``), which is no part of the model.
+- qwen3: its debug flavor's layout: grouped-query attention with RMS-normed queries and keys
+  (``qk_norm``), cosine-sine rotary embeddings, the output head tied to the embedding.
+- qwen3-moe: its MoE debug flavor's: the same attention, every layer a mixture of experts
+  (softmax router over 8 experts, top 2, renormalized; no shared expert).
+Not built here: gpt-oss, whose attention sinks rescale attention by the log-sum-exp that
+only FlexAttention (with block masks the trainer makes) or varlen attention (GPUs) return
+(FlexAttention, which autoplan refuses before training with torch's limit: no backward on the
+CPU); Kimi K2.5's, Muse Glimmer's and Qwen3.5's, multimodal (their decoders beside vision
+encoders; Kimi's decoder is DeepSeek-V3's); Flux, a diffusion model.
 
 Attention is scaled dot-product attention, torchtitan's causal ``ScaledDotProductAttention``:
 torchtitan builds its language models with FlexAttention, compiled, which needs a compiler on
-the CPU; every other module is torchtitan's. The loss is torchtitan's: cross-entropy over the
-flattened logits, in float32, averaged over the tokens.
+the CPU; every other module is torchtitan's. The loss is torchtitan's:
+cross-entropy over the flattened logits, in float32, averaged over the tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +34,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtitan.models import deepseek_v3, llama3
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models import deepseek_v3, llama3, qwen3
+from torchtitan.models.common import (
+    ComplexRoPE,
+    CosSinRoPE,
+    Embedding,
+    Linear,
+    RMSNorm,
+    compute_ffn_hidden_dim,
+)
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
 from autoplan import Workload
@@ -43,7 +59,9 @@ def _sdpa(layers: list[Any]) -> list[Any]:
 
 def _head(config: type, init: Any, **fields: Any) -> Any:
     """A model config of ``config``'s class: embedding, final norm and output head as
-    torchtitan's flavors make them (``init``: the flavor's module of initializations)."""
+    torchtitan's flavors make them (``init``: the flavor's module of initializations; its
+    output head's, or its linears' where it has none of its own)."""
+    output = getattr(init, "_output_linear_init", None)
     return config(
         dim=DIM,
         vocab_size=VOCAB,
@@ -52,7 +70,9 @@ def _head(config: type, init: Any, **fields: Any) -> Any:
         ),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=init._NORM_INIT),
         lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB, param_init=init._output_linear_init(DIM)
+            in_features=DIM,
+            out_features=VOCAB,
+            param_init=output(DIM) if output else init._LINEAR_INIT,
         ),
         **fields,
     )
@@ -84,6 +104,28 @@ def deepseek_v3_model(seq: int, layers: int) -> nn.Module:
     return _build(config)
 
 
+def _qwen3_rope(seq: int) -> Any:
+    return CosSinRoPE.Config(dim=DIM // HEADS, max_seq_len=seq, theta=1000000.0)
+
+
+def qwen3_model(seq: int, layers: int) -> nn.Module:
+    blocks = qwen3._build_qwen3_layers(
+        n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=DIM // HEADS,
+        hidden_dim=128, attn_backend="flex", rope=_qwen3_rope(seq),
+    )  # fmt: skip
+    config = _head(qwen3.Qwen3Model.Config, qwen3, layers=_sdpa(blocks), enable_weight_tying=True)
+    return _build(config)
+
+
+def qwen3_moe_model(seq: int, layers: int) -> nn.Module:
+    blocks = qwen3._build_qwen3_moe_layers(
+        n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=DIM // HEADS,
+        moe_hidden_dim=32, num_experts=8, top_k=2, attn_backend="flex",
+        moe_comm_backend="standard", rope=_qwen3_rope(seq),
+    )  # fmt: skip
+    return _build(_head(qwen3.Qwen3Model.Config, qwen3, layers=_sdpa(blocks)))
+
+
 def _build(config: Any) -> nn.Module:
     """The model, its weights and buffers initialized as torchtitan's trainer does."""
     model: nn.Module = config.build()
@@ -95,7 +137,12 @@ def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-MODELS = {"llama3": llama3_model, "deepseek-v3": deepseek_v3_model}
+MODELS = {
+    "llama3": llama3_model,
+    "deepseek-v3": deepseek_v3_model,
+    "qwen3": qwen3_model,
+    "qwen3-moe": qwen3_moe_model,
+}
 
 
 def workload(model: str, batch_size: int, seq_len: int, num_layers: int = 2) -> Workload:
