@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.baselines.grid import Degrees, batch_of, conventional_plans, shaped_degrees
+from autoplan.baselines.grid import (
+    Degrees,
+    batch_of,
+    conventional_plans,
+    shaped_degrees,
+    with_experts,
+)
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import (
@@ -44,7 +50,7 @@ from autoplan.search.pipeline_search import (
 )
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.side_by_side import mapped
-from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven
+from autoplan.solvers.problem import SKIPPED, STOPPED, IntraOpSolution, Unproven
 from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -312,7 +318,7 @@ def _plan_pipelined(
             meshes=None if options.mesh_shape is None else [options.mesh_shape],
         )
     ]
-    return Searched(plan, found.graph, degrees), search.unproven
+    return Searched(plan, found.graph, with_experts(found.graph, degrees)), search.unproven
 
 
 def _plan_one_stage(
@@ -345,7 +351,9 @@ def _plan_one_stage(
     choice = RecomputeChoice.of(graph, options.max_layers) if recompute is None else None
     every_layer = chosen(graph, options.max_layers, RecomputeMode.FULL)
     best: MeshPlan | None = None
-    step_times: dict[tuple[int, ...], float] = {}
+    # by mesh: the least a step on it could take by its ILP: its plan's price where the ILP
+    # proved it, less the solver's gap where stopped, 0 where unknown or skipped
+    fastest: dict[tuple[int, ...], float] = {}
     needs: dict[tuple[int, ...], float] = {}
     unproven: list[Unproven] = []
     limit_s = options.time_limit_s
@@ -393,6 +401,7 @@ def _plan_one_stage(
                 "time_limit_s, --time-limit, to plan it)", m, limit_s,
             )  # fmt: skip
             unproven.append(Unproven(f"mesh {m}", SKIPPED, limit_s))
+            fastest[m] = 0.0
             continue
         if isinstance(found, Slower):
             log.info(
@@ -418,7 +427,7 @@ def _plan_one_stage(
             solution.status,
             solution.solve_time_s,
         )
-        step_times[m] = found.step.time_s
+        fastest[m] = found.step.time_s * (1.0 - _gap(solution))
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
@@ -441,14 +450,24 @@ def _plan_one_stage(
         result.problem.memory_limit,
         best.pricer.recompute,
     )
-    # a mesh's conventional plans are in its ILP's space, so only a mesh whose optimum is
-    # near the best can hold one faster than the plan (the ILP misprices by a few percent);
-    # conventional plans do not take pins
-    near = [m for m, t in step_times.items() if t <= best.step.time_s * CHECKED_WITHIN]
+    # a mesh's conventional plans are in its ILP's space, so only a mesh whose optimum may be
+    # near the best can hold one faster than the plan (the ILP misprices by a few percent;
+    # an ILP stopped short may be further off, by its gap); conventional plans take no pins
+    near = [m for m, t in fastest.items() if t <= best.step.time_s * CHECKED_WITHIN]
     degrees = (
-        [] if options.pin else shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near)
+        []
+        if options.pin
+        else with_experts(graph, shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near))
     )
     return Searched(plan, graph, degrees), tuple(unproven)
+
+
+def _gap(solution: IntraOpSolution) -> float:
+    """How far below its plan an ILP's optimum may lie, a fraction: 0 where proven, the
+    solver's gap where stopped, 1 where it did not say."""
+    if solution.status == "optimal":
+        return 0.0
+    return 1.0 if solution.gap is None else min(solution.gap, 1.0)
 
 
 def _not_proven(found: MeshPlan | float | Slower) -> MeshPlan | float | Slower:

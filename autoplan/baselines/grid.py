@@ -7,8 +7,8 @@ The planner must never be slower than the best of them (tests/test_optimality.py
 benchmarks/vs_baselines.py price `every_degrees`, the whole grid). It checks
 its plans against the conventional plans of their shape (`shaped_degrees`: one stage on each
 mesh it solved, or pipelines of the stage and microbatch counts it found) and keeps the faster
-(`autoplan.api`). Expert parallelism (``ep``) is left out: it applies to mixtures of experts
-alone.
+(`autoplan.api`). Expert parallelism (``ep``) applies to mixtures of experts alone: their
+degrees are tried again with the experts split along dp (`with_experts`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from autoplan.baselines.build import baseline_of_graph
-from autoplan.baselines.propagate import Layout, mesh_of
+from autoplan.baselines.propagate import Layout, expert_weights, mesh_of
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError, InfeasiblePlanError
 from autoplan.graph.ir import Graph
@@ -43,16 +43,23 @@ class Degrees:
     virtual_stages: int = 1  # stages on each of the pp device groups (Interleaved1F1B: 2)
     # every layer recomputed in backward in this mode (none, full or selective)
     recompute: RecomputeMode = RecomputeMode.NONE
+    ep: int = 1  # experts split along the dp axis: 1 or dp (`with_experts`)
 
     @property
     def layout(self) -> Layout:
         return Layout(
-            self.dp, self.tp, self.zero_stage, self.sequence_parallel, recompute=self.recompute
+            self.dp,
+            self.tp,
+            self.zero_stage,
+            self.sequence_parallel,
+            ep=self.ep,
+            recompute=self.recompute,
         )
 
     def __str__(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp}"
         text += f" zero{self.zero_stage}" * (self.zero_stage > 0) + " sp" * self.sequence_parallel
+        text += f" ep={self.ep}" * (self.ep > 1)
         text += f" v={self.virtual_stages}" * (self.virtual_stages > 1)
         text += f" recompute={self.recompute}" * (self.recompute != RecomputeMode.NONE)
         return text + (f" mb={self.num_microbatches}" if self.pp > 1 else "")
@@ -119,6 +126,16 @@ def shaped_degrees(
         and d.num_microbatches == num_microbatches
         and (meshes is None or mesh_of(d.dp, d.tp) in meshes)
     ]
+
+
+def with_experts(graph: Graph, degrees: Iterable[Degrees]) -> list[Degrees]:
+    """``degrees``, and, where ``graph`` has experts' weights (`expert_weights`), each of
+    them with dp > 1 again with its experts split along dp (``ep = dp``), as
+    ``autoplan.baseline(ep=...)`` writes a mixture of experts."""
+    found = list(degrees)
+    if not expert_weights(graph):
+        return found
+    return found + [replace(d, ep=d.dp) for d in found if d.dp > 1 and d.ep == 1]
 
 
 def batch_of(graph: Graph) -> int:
