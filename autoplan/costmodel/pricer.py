@@ -182,7 +182,11 @@ class Pricer:
         return 2 * seconds if self.recompute.recomputes(node.name) else seconds
 
     def internal(
-        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+        self,
+        node: Node,
+        strategy: Strategy,
+        ins: Sequence[TensorInfo] = (),
+        gathered: str | None = None,
     ) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs (``ins``: its tensor
         inputs, in `Node.refs` order).
@@ -195,15 +199,15 @@ class Pricer:
         and then its target's logit with its sum of exponentials (execute/vocab.py).
 
         A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero_state`) is
-        gathered back from its updated shards after the optimizer step (phase "update").
+        gathered back from its updated shards after the optimizer step (phase "update"), in
+        ``gathered`` (`autoplan.strategies.zero_state.param_gathered_dtype`; None: its own).
         """
         if node.kind == NodeKind.PARAM:
             if strategy.state is None:
                 return ()
             info = node.output
-            found, _ = self._redistribute(
-                strategy.state, strategy.output, info.shape, itemsize(info.dtype)
-            )
+            size = itemsize(gathered or info.dtype)
+            found, _ = self._redistribute(strategy.state, strategy.output, info.shape, size)
             return tuple(Phased(c, Phase.UPDATE) for c in found)
         if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
             return ()
@@ -233,7 +237,11 @@ class Pricer:
         return tuple(issued)
 
     def internal_time(
-        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+        self,
+        node: Node,
+        strategy: Strategy,
+        ins: Sequence[TensorInfo] = (),
+        gathered: str | None = None,
     ) -> float:
         """Seconds of `internal`'s collectives: the loss's issued as they are, a ZeRO
         parameter's gather through DTensor's redistribution."""
@@ -241,7 +249,7 @@ class Pricer:
             self.redistribution_s(p.collective)
             if p.phase == "update"
             else self.collective_s(p.collective)
-            for p in self.internal(node, strategy, ins)
+            for p in self.internal(node, strategy, ins, gathered)
         )
 
     def collective_s(self, c: Collective) -> float:
