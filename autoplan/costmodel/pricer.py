@@ -92,6 +92,7 @@ class Pricer:
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
         self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
+        self._nodes = lru_cache(maxsize=None)(lambda axes: cluster.axis_nodes(mesh_shape, axes))
         self._all_reduce_s = lru_cache(maxsize=None)(
             lambda axes, nbytes: self.collective_s(Collective("all_reduce", axes, nbytes))
         )
@@ -255,7 +256,8 @@ class Pricer:
     def collective_s(self, c: Collective) -> float:
         """Seconds of one collective over the ranks along its mesh axes."""
         size = math.prod(self.mesh_shape[a] for a in c.axes)
-        return collective_time(self.cluster, c.kind, c.nbytes, size, self._link(c.axes))
+        link, nodes = self._link(c.axes), self._nodes(c.axes)
+        return collective_time(self.cluster, c.kind, c.nbytes, size, link, nodes)
 
     def redistribution_s(self, c: Collective) -> float:
         """Seconds of one collective that the executor issues through DTensor's redistribution
