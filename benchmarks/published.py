@@ -210,7 +210,8 @@ def figure(config: Published, step_s: float) -> float:
 
 
 def layout_text(config: Published) -> str:
-    dp = f"dp{config.dp}" + {3: " (FSDP)", 1: " (ZeRO-1)"}.get(config.zero_stage, "")
+    zero = {3: " (FSDP)", 2: " (ZeRO-2)", 1: " (ZeRO-1)"}.get(config.zero_stage, "")
+    dp = f"dp{config.dp}{zero}"
     sp = " +SP" if config.sequence_parallel else ""
     batch = f"{config.num_microbatches} x {config.micro_batch} seq/dp rank"
     return f"{dp} tp{config.tp}{sp} pp{config.pp}, {batch}, AC {config.recompute}"

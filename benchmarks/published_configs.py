@@ -39,6 +39,14 @@ GRAND_TETON_BANDWIDTH = 2.4e12
 # priced without it (the same bytes: one all-reduce in place of a reduce-scatter and an
 # all-gather; the norms computed whole on each tp rank)
 NO_SP = "TP without sequence parallelism, which the run had (the baseline cannot place it)"
+# Megatron's distributed optimizer reduce-scatters the gradients (its contiguous buffer, after
+# backward; with --overlap-grad-reduce bucket by bucket during it) and all-gathers the updated
+# parameters (https://github.com/NVIDIA/Megatron-LM/blob/main/docs/source/api-guide/
+# dist_optimizer.md, "Key steps"): the collectives of autoplan's ZeRO-2, which reduce-scatters
+# each gradient as backward makes it. autoplan's ZeRO-1 all-reduces them whole instead (twice
+# the bytes). Megatron keeps the whole gradient buffer, so its memory is ZeRO-1's: the memory
+# column counts ZeRO-2's shard of the gradients, less than the run held
+MEGATRON_ZERO = 2
 DGX_H100 = "H100 SXM (NVIDIA's clusters, unnamed in the README)"
 
 
@@ -72,7 +80,8 @@ class Published:
     dp: int
     tp: int
     pp: int
-    zero_stage: int  # 3: FSDP; 1: Megatron's distributed optimizer
+    # 3: FSDP; 2: Megatron's distributed optimizer, whose collectives are ZeRO-2's (below)
+    zero_stage: int
     sequence_parallel: bool
     recompute: RecomputeMode
     metric: Literal["tokens/s/GPU", "TFLOP/s/GPU"]
@@ -127,14 +136,15 @@ def _megatron_row(
         dp=48,
         tp=tp,
         pp=pp,
-        zero_stage=1,
+        zero_stage=MEGATRON_ZERO,
         sequence_parallel=False,
         recompute=RecomputeMode.NONE,
         metric="TFLOP/s/GPU",
         published=tflops,
         notes="overlaps DP, TP (--tp-comm-overlap) and PP communication with compute",
         assumed="microbatch 1, 1F1B without interleaving, no recomputation (not stated); "
-        "distributed optimizer (ZeRO-1), which --overlap-param-gather requires; bf16 (MFU is "
+        "distributed optimizer, which --overlap-param-gather requires, as ZeRO-2 (its "
+        "collectives; MEGATRON_ZERO); bf16 (MFU is "
         "against the bf16 dense peak)" + f"; {NO_SP}" * (tp > 1),
     )
 

@@ -315,6 +315,24 @@ def test_collective_time_by_hand() -> None:
     assert collective_time(cluster, "all_reduce", 800, 2, link) == pytest.approx(11.0)
 
 
+def test_a_ring_across_nodes_pays_the_network_latency_only_between_nodes() -> None:
+    """NCCL's ring model (src/graph/tuning.cc): 16 ranks on 2 nodes of 8 cross the network
+    on 1 step of a pass (2 for an all-reduce), the other 14 (28) at the NVLink latency."""
+    h100 = Cluster.load(COSTMODELS / "h100-sxm-8.json").with_nodes(2)
+    inter, intra = h100.inter_node, h100.intra_node
+    assert h100.axis_nodes((16,), 0) == 2 and h100.axis_nodes((2, 8), 0) == 2
+    assert h100.axis_nodes((2, 8), 1) == 1
+    nbytes = 2**20
+    wire = 2 * 15 / 16 * nbytes / inter.bandwidth
+    want = (2 + 1) * inter.latency + 28 * intra.latency + wire
+    got = collective_time(h100, "all_reduce", nbytes, 16, inter, num_nodes=2)
+    assert got == pytest.approx(want)
+    # one rank a node (dp across nodes, tp inside): every step crosses
+    every = (30 + 1) * inter.latency + wire
+    assert collective_time(h100, "all_reduce", nbytes, 16, inter, num_nodes=16) == every
+    assert got < every
+
+
 def test_collective_time_trivial_and_errors() -> None:
     cluster = _toy()
     link = cluster.intra_node

@@ -1,11 +1,17 @@
-"""The gradients' reductions that backward hides, as the executor issues them."""
+"""The gradients' reductions that backward hides, and the ZeRO gathers that forward hides, as
+the executor issues them."""
 
 from __future__ import annotations
 
 import pytest
 
 import autoplan
-from autoplan.costmodel.overlap import AsyncReduction, backward_timeline, hidden_s
+from autoplan.costmodel.overlap import (
+    AsyncReduction,
+    backward_timeline,
+    forward_hidden_s,
+    hidden_s,
+)
 from autoplan.costmodel.pricer import Pricer
 from autoplan.costmodel.step_price import PricedStep
 from autoplan.estimate import price_stages_ops
@@ -59,3 +65,43 @@ def test_cpu_ranks_hide_nothing(cpu4: autoplan.Cluster) -> None:
     assert step.rest.gradients_s > 0.0
     assert step.rest.hidden_s == 0.0
     assert step.time_s == step.compute_s + step.comm_s
+
+
+def test_forward_stalls_only_where_a_gather_is_not_done() -> None:
+    # gathers end at 2, 3, 7; op 0 (1 s) needs none, op 1 (1 s) gather 0: starts at 2, ends
+    # at 3; op 2 (3 s) gather 2: starts at 7, ends at 10: 4 s of 7 exposed (10 - 5 busy)
+    forward = [(1.0, []), (1.0, [0]), (3.0, [2])]
+    assert forward_hidden_s(forward, [2.0, 1.0, 4.0]) == pytest.approx(7.0 - 5.0)
+    assert forward_hidden_s([(10.0, []), (1.0, [0, 1])], [2.0, 3.0]) == pytest.approx(5.0)
+    # one nobody reads is waited for at the end
+    assert forward_hidden_s([(1.0, [])], [3.0]) == pytest.approx(1.0)
+    assert forward_hidden_s([(1.0, [])], []) == 0.0
+
+
+def _zero1_step(cluster: autoplan.Cluster, precision: str | None) -> tuple[PricedStep, int]:
+    """A ZeRO-1 MLP on 8 ranks, and the bytes of its update gathers."""
+    w = example("mlp", batch_size=4096, hidden=2048)
+    options = autoplan.PlanOptions(mixed_precision=precision)
+    plan = w.baseline(cluster, dp=8, tp=1, zero_stage=1, options=options)
+    graph_for = capture_microbatches(
+        w.model, w.example_inputs, w.loss_fn, w.example_target, precision
+    )
+    (step,) = price_stages_ops(plan, graph_for, cluster)
+    gathered = sum(p.collective.nbytes for _, _, p in step.collectives if p.phase == "update")
+    return step, gathered
+
+
+def test_zero1_gathers_while_forward_computes_and_in_bf16_under_it(
+    a100: autoplan.Cluster, cpu4: autoplan.Cluster
+) -> None:
+    """On GPUs the gathers of the updated weights run partly while the next forward
+    computes (more is hidden than the gradients' buckets alone); under bf16 the float32
+    master weights, which forward reads only cast, are gathered in bf16; CPU ranks hide
+    nothing."""
+    fp32, fp32_bytes = _zero1_step(a100, None)
+    assert fp32.rest.hidden_s > fp32.rest.gradients_s > 0.0
+    assert fp32.time_s == pytest.approx(fp32.compute_s + fp32.comm_s - fp32.rest.hidden_s)
+    _, bf16_bytes = _zero1_step(a100, "bf16")
+    assert bf16_bytes == fp32_bytes // 2  # every weight and bias read through a cast
+    cpu, _ = _zero1_step(cpu4.with_nodes(2), None)
+    assert cpu.rest.hidden_s == 0.0

@@ -99,7 +99,11 @@ def test_a_large_vocabulary_splits_the_head_and_the_loss(a100: autoplan.Cluster)
     issued = sorted(c.bytes for c in plan.collectives if c.node == "cross_entropy_loss")
     assert issued == [2 * 16384, 4 * 16384]
     whole = w.plan(a100, dataclasses.replace(options, pin={"head.weight": "R"}))
-    assert plan.predicted.step_time_s < whole.predicted.step_time_s
+    # its compute and communication (the ILP's objective): the head kept whole saves its
+    # state by ZeRO, whose gather after the update runs while forward computes, which the
+    # step's time hides and the ILP does not see (docs/status.md)
+    faster = plan.predicted.compute_s + plan.predicted.comm_s
+    assert faster < whole.predicted.compute_s + whole.predicted.comm_s
 
 
 def test_objective_equals_independent_recomputation(cpu4: autoplan.Cluster) -> None:
@@ -201,6 +205,7 @@ def test_7b_meta_model_plans_on_this_machine(a100: autoplan.Cluster) -> None:
     plan = w.plan(a100, PlanOptions(pipeline=False))
     assert sum(_numel(p.shape) for p in plan.params.values()) > 6.5e9
     assert plan.predicted.peak_memory_bytes <= plan.predicted.memory_limit_bytes
-    # bf16 parameters, gradients and Adam state are 12.8 GiB x 4 unsharded: sharding is a must
-    assert any(set(p.storage.values()) != {"R"} for p in plan.params.values())
+    # bf16 parameters, gradients and Adam state are 12.8 GiB x 4 unsharded: sharding (of the
+    # weights, or of their state: ZeRO-1/2) is a must
+    assert any(set(p.storage.values()) != {"R"} or p.state for p in plan.params.values())
     assert plan.solver.num_groups < 100  # 32 blocks share the decisions of two

@@ -215,7 +215,10 @@ def test_float32_reduction_prices_4_bytes_a_gradient(a100: autoplan.Cluster) -> 
         if (c.phase, c.kind) == ("grad_sync", "reduce_scatter") and c.tensor in copied
     ]
     assert sum(c.bytes for c in synced) == 2 * sum(c.bytes for c in in_bf16)
-    assert fp32.predicted.step_time_s > free.predicted.step_time_s
+    # in compute and communication (the ILP's objective; the step's time hides what overlaps,
+    # which the ILP does not see: docs/status.md)
+    cost = fp32.predicted.compute_s + fp32.predicted.comm_s
+    assert cost > free.predicted.compute_s + free.predicted.comm_s
 
 
 def test_baselines_reduce_in_float32_under_the_option(cpu4: autoplan.Cluster) -> None:

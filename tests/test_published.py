@@ -55,7 +55,7 @@ def _priced_with_its_degrees(config: Published) -> None:
 
 def test_a_shrunk_megatron_run_is_priced_with_its_degrees() -> None:
     config = replace(CONFIGS[7], model=TINY_GPT, global_batch=96)  # the 7.1B row's degrees
-    assert (config.dp, config.tp, config.zero_stage) == (48, 2, 1)
+    assert (config.dp, config.tp, config.zero_stage) == (48, 2, 2)
     _priced_with_its_degrees(config)
 
 

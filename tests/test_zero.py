@@ -18,6 +18,7 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, InfeasiblePlanError, PlanFormatError
 from autoplan.planfile.show import summary
 from autoplan.strategies.space import Strategy
+from autoplan.strategies.zero_state import gathered_dtype
 from autoplan.workload import Workload
 from tests.conftest import example
 
@@ -231,3 +232,14 @@ def test_a_pipelined_zero1_keeps_a_dp_shard_of_the_state(a100: autoplan.Cluster)
     ]
     assert sum(by_stage) == pytest.approx(saved, rel=1e-9)
     assert all(b > 0 for b in by_stage)
+
+
+def test_a_weight_read_only_cast_is_gathered_in_the_cast_dtype() -> None:
+    """ZeRO's gather after the update moves a weight in the narrower float dtype that all
+    its reads cast it to; any other read, two targets, or a widening cast keep its own."""
+    assert gathered_dtype("float32", ["bfloat16", "bfloat16"]) == "bfloat16"
+    assert gathered_dtype("float32", ["bfloat16", None]) == "float32"
+    assert gathered_dtype("float32", ["bfloat16", "float16"]) == "float32"
+    assert gathered_dtype("bfloat16", ["float32"]) == "bfloat16"
+    assert gathered_dtype("float32", ["int64"]) == "float32"
+    assert gathered_dtype("float32", []) == "float32"

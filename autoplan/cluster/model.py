@@ -204,6 +204,13 @@ class Cluster:
                 return self.inter_node
         return self.intra_node
 
+    def axis_nodes(self, shape: tuple[int, ...], axis: int | tuple[int, ...]) -> int:
+        """The most nodes any rank group along mesh axis `axis` of `shape` sits on (laid as
+        `axis_link` lays it, from rank 0)."""
+        check_axes(shape)
+        groups = mesh_groups(shape, axis)
+        return max((len({self.node_of(r) for r in group}) for group in groups), default=1)
+
     # ---------------------------------------------------------------- (de)serialization
 
     def fingerprint(self) -> str:

@@ -13,6 +13,15 @@ the rest of backward computes, so the step pays only what outlasts backward:
     the collectives go one after another, in the order issued:   e_i = max(e_(i-1), r_i) + d_i
     exposed = max(0, e_last - B),  hidden = sum(d_i) - exposed  (B: the backward's end)
 
+ZeRO-1/2's gathers of the updated parameters run while the next step's forward computes
+(`autoplan.execute.sharded_state.ShardedState.gather`, as Megatron's --overlap-param-gather):
+issued after the optimizer step, one after another in the parameters' order, each waited for
+by the first op that reads its parameter, so forward stalls only where a gather is not done:
+
+    gather i ends at                    g_i = g_(i-1) + d_i
+    op k starts at                      s_k = max(s_(k-1) + f_(k-1), g of what it reads)
+    exposed = end of forward - sum(f_k),  hidden = sum(d_i) - exposed    (`forward_hidden_s`)
+
 A pipeline reduces its gradients after its schedule (`GradientReducer.reduce_now`), and CPU
 ranks (gloo) do a collective's copies and sums on the cores that compute: neither hides any
 (`autoplan.costmodel.step_price.price_step` prices no overlap there). Collectives that block
@@ -26,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AsyncReduction", "backward_timeline", "hidden_s"]
+__all__ = ["AsyncReduction", "backward_timeline", "forward_hidden_s", "hidden_s"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +67,20 @@ def hidden_s(backward_s: float, issued: Sequence[AsyncReduction]) -> float:
         end = max(end, c.ready_s) + c.seconds
     exposed = max(0.0, end - backward_s)
     return sum(c.seconds for c in issued) - exposed
+
+
+def forward_hidden_s(
+    forward: Sequence[tuple[float, Sequence[int]]], gathers: Sequence[float]
+) -> float:
+    """Seconds of ``gathers`` (in the order issued, all at forward's start) that run while a
+    forward computes: ``forward`` its ops in order, each as (seconds, the indices of the
+    gathers it waits for). The forward waits at its end for any gather still running."""
+    ends: list[float] = []
+    for seconds in gathers:
+        ends.append((ends[-1] if ends else 0.0) + seconds)
+    clock = busy = 0.0
+    for seconds, waits in forward:
+        clock = max([clock, *(ends[i] for i in waits)]) + seconds
+        busy += seconds
+    clock = max(clock, ends[-1] if ends else 0.0)  # any left are waited for at its end
+    return sum(gathers) - (clock - busy)

@@ -55,6 +55,7 @@ from autoplan.schedules import (
 from autoplan.solvers.stage_problem import interleaved_time, pipeline_time
 from autoplan.strategies.placement import Spec, fitted, local_numel
 from autoplan.strategies.space import Strategy
+from autoplan.strategies.zero_state import param_gathered_dtype
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,9 @@ def priced_stage(
     extra = sum(pricer.node_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM)
     extra += pricer.gradients_s([p for _, _, p in step.collectives if p.phase == Phase.GRAD_SYNC])
     extra += sum(
-        pricer.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
+        pricer.internal_time(n, assignment[n.name], (), param_gathered_dtype(graph, n.name))
+        for n in graph
+        if n.kind == NodeKind.PARAM
     )
     static = step.recompute_bytes + sum(
         pricer.node_memory(n, assignment[n.name])

@@ -100,6 +100,7 @@ class Pricer:
         self.has_all_to_all = cluster.backend != "gloo"
         self._redistribute = lru_cache(maxsize=None)(self._redistribute_uncached)
         self._link = lru_cache(maxsize=None)(lambda axes: cluster.axis_link(mesh_shape, axes))
+        self._nodes = lru_cache(maxsize=None)(lambda axes: cluster.axis_nodes(mesh_shape, axes))
         self._all_reduce_s = lru_cache(maxsize=None)(
             lambda axes, nbytes: self.collective_s(Collective("all_reduce", axes, nbytes))
         )
@@ -190,7 +191,11 @@ class Pricer:
         return 2 * seconds if self.recompute.recomputes(node.name) else seconds
 
     def internal(
-        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+        self,
+        node: Node,
+        strategy: Strategy,
+        ins: Sequence[TensorInfo] = (),
+        gathered: str | None = None,
     ) -> tuple[Phased, ...]:
         """Collectives an op issues beyond redistributing its inputs (``ins``: its tensor
         inputs, in `Node.refs` order).
@@ -203,15 +208,15 @@ class Pricer:
         and then its target's logit with its sum of exponentials (execute/vocab.py).
 
         A parameter whose optimizer state is split (ZeRO-1/2, `autoplan.strategies.zero_state`) is
-        gathered back from its updated shards after the optimizer step (phase "update").
+        gathered back from its updated shards after the optimizer step (phase "update"), in
+        ``gathered`` (`autoplan.strategies.zero_state.param_gathered_dtype`; None: its own).
         """
         if node.kind == NodeKind.PARAM:
             if strategy.state is None:
                 return ()
             info = node.output
-            found, _ = self._redistribute(
-                strategy.state, strategy.output, info.shape, itemsize(info.dtype)
-            )
+            size = itemsize(gathered or info.dtype)
+            found, _ = self._redistribute(strategy.state, strategy.output, info.shape, size)
             return tuple(Phased(c, Phase.UPDATE) for c in found)
         if node.op in GROUPED_MMS:
             return self._dispatch(node, strategy, ins)
@@ -270,7 +275,11 @@ class Pricer:
         return tuple(issued)
 
     def internal_time(
-        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo] = ()
+        self,
+        node: Node,
+        strategy: Strategy,
+        ins: Sequence[TensorInfo] = (),
+        gathered: str | None = None,
     ) -> float:
         """Seconds of `internal`'s collectives: the loss's issued as they are, a ZeRO
         parameter's gather through DTensor's redistribution."""
@@ -278,13 +287,14 @@ class Pricer:
             self.redistribution_s(p.collective)
             if p.phase == "update"
             else self.collective_s(p.collective)
-            for p in self.internal(node, strategy, ins)
+            for p in self.internal(node, strategy, ins, gathered)
         )
 
     def collective_s(self, c: Collective) -> float:
         """Seconds of one collective over the ranks along its mesh axes."""
         size = math.prod(self.mesh_shape[a] for a in c.axes)
-        return collective_time(self.cluster, c.kind, c.nbytes, size, self._link(c.axes))
+        link, nodes = self._link(c.axes), self._nodes(c.axes)
+        return collective_time(self.cluster, c.kind, c.nbytes, size, link, nodes)
 
     def redistribution_s(self, c: Collective) -> float:
         """Seconds of one collective that the executor issues through DTensor's redistribution

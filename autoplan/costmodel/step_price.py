@@ -13,7 +13,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autoplan.costmodel.overlap import AsyncReduction, backward_timeline, hidden_s
+from autoplan.costmodel.overlap import (
+    AsyncReduction,
+    backward_timeline,
+    forward_hidden_s,
+    hidden_s,
+)
 from autoplan.costmodel.peak import peak_bytes
 from autoplan.costmodel.pricer import Phased, Pricer
 from autoplan.graph.ir import Graph
@@ -21,6 +26,7 @@ from autoplan.modes import NodeKind, Phase
 from autoplan.strategies.buckets import GRADIENTS, GradientSync, make_buckets
 from autoplan.strategies.placement import P, Spec
 from autoplan.strategies.space import Strategy, input_grad
+from autoplan.strategies.zero_state import param_gathered_dtype
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,9 @@ class StepRest:
     host_s: float = 0.0  # compute: the host issuing ops past the device's compute (GPUs)
     waits_s: float = 0.0  # communication: the waits for the ranks' skew (`Pricer.sync_s`)
     gradients_s: float = 0.0  # communication: the gradient buckets and syncs, once per step
-    # of gradients_s, what runs while backward computes (`autoplan.costmodel.overlap`): the
-    # step's time leaves it out
+    # of gradients_s, what runs while backward computes, and of the ZeRO gathers after the
+    # update (the ops' comm_s), what runs while the next forward does
+    # (`autoplan.costmodel.overlap`): the step's time leaves it out
     hidden_s: float = 0.0
     transient_bytes: float = 0.0  # memory: the largest recomputed layer's, in its backward
     # memory, subtracted: what the ops' sum counts that the step never holds at once (the
@@ -69,7 +76,8 @@ class PricedStep:
     @property
     def time_s(self) -> float:
         """The step's time: its compute and its communication, less the gradient
-        synchronization that backward hides (`StepRest.hidden_s`)."""
+        synchronization that backward hides and the ZeRO gathers that forward hides
+        (`StepRest.hidden_s`)."""
         return self.compute_s + self.comm_s - self.rest.hidden_s
 
     @property
@@ -96,7 +104,9 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     gradients (`Pricer.gradients_s`). On GPUs the compute takes at least the host's work to
     issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes, and the
     gradients' reductions run while the rest of backward computes, as the executor issues
-    them (`autoplan.costmodel.overlap`; not on CPU ranks, whose cores do both).
+    them, and ZeRO-1/2's gathers of the updated parameters (in their working dtype,
+    `param_gathered_dtype`) while the next forward computes (`autoplan.costmodel.overlap`;
+    neither on CPU ranks, whose cores do both).
 
     Recomputed ops (`Pricer.recompute`) keep only the outputs that leave their layer; the
     others are alive only while their layer's backward runs, so the step holds those of its
@@ -105,6 +115,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     compute = memory = comm = host = 0.0
     recompute = pricer.recompute
     backward: dict[str, float] = {}  # by node: its backward, with the collectives it blocks on
+    forward: dict[str, float] = {}  # by node: its forward, with the redistributions it waits for
+    gathers: dict[str, float] = {}  # by ZeRO-1/2 parameter, in graph order: after the update
     # by node: [compute, communication, memory]
     shares: dict[str, list[float]] = {n.name: [0.0, 0.0, 0.0] for n in graph}
     dropped: dict[int, float] = defaultdict(float)  # by recomputed layer
@@ -117,6 +129,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         share[0] = pricer.node_time(node, s)
         compute += share[0]
         backward[node.name] = pricer.backward_time(node, s)
+        forward[node.name] = pricer.forward_time(node, s)
         host += pricer.host_time(node)
         if recompute.drops(node.name):
             dropped[recompute.layer_of[node.name]] += pricer.activation_memory(node, s)
@@ -124,9 +137,12 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
             share[2] = pricer.node_memory(node, s)
             memory += share[2]
         ins = tuple(graph.tensor(r) for r in node.refs)
-        share[1] = pricer.internal_time(node, s, ins)
+        gathered = param_gathered_dtype(graph, node.name) if node.kind == NodeKind.PARAM else None
+        share[1] = pricer.internal_time(node, s, ins, gathered)
         comm += share[1]
-        found += [(node.name, node.name, p) for p in pricer.internal(node, s, ins)]
+        found += [(node.name, node.name, p) for p in pricer.internal(node, s, ins, gathered)]
+        if node.kind == NodeKind.PARAM and s.state is not None:
+            gathers[node.name] = share[1]
         for i, ref in enumerate(node.refs):
             grad = input_grad(node, s, i) if graph.node(ref.name).needs_grad else None
             key = (ref.name, ref.index, s.inputs[i])
@@ -148,6 +164,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         seconds, fwd = pricer.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
         shares[user][1] += seconds
+        forward[user] += seconds
         found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
         if fwd:
             waits.add(("forward", user))
@@ -192,6 +209,11 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     if pricer.cluster.backend != "gloo" and graph.nodes:
         issued.sort(key=lambda c: c.ready_s)  # stable: buckets in plan order
         hidden = hidden_s(ends[graph.nodes[0].name], issued)
+        order = {name: i for i, name in enumerate(gathers)}
+        reads = [
+            (forward[n.name], [order[r.name] for r in n.refs if r.name in order]) for n in graph
+        ]
+        hidden += forward_hidden_s(reads, list(gathers.values()))
     comm += synced
     found += gradients
     comm += len(waits) * pricer.sync_s

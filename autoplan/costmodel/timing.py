@@ -54,6 +54,12 @@ alpha (s) and bandwidth beta (bytes/s per device, one direction), with `nbytes` 
     all_to_all        (  (n-1) + 1) alpha +   (n-1)/n * nbytes / beta   nbytes = input (= output)
     send_recv                      alpha +             nbytes / beta   nbytes = message; n ignored
 
+A group whose ring crosses nodes (its ranks on m of them, m < n) pays the inter-node latency
+only on the steps that cross a node, m - 1 of them per pass (2 (m - 1) for all_reduce), and
+the intra-node latency on the others, as NCCL's ring model prices its latency
+(`ncclTopoTuneModel`, src/graph/tuning.cc: (nsteps - nInterSteps) intraLat + nInterSteps
+interLat); its bandwidth is the inter-node link's, which every step waits for.
+
 The extra alpha per group collective is the cost of issuing one call (launch and the group's
 synchronization). Without it, an all-gather plus a reduce-scatter would cost exactly one
 all-reduce, and the planner could not tell Megatron's one all-reduce per layer pair from two
@@ -184,12 +190,16 @@ def op_overhead_s(cluster: Cluster, op: str | None = None) -> float:
 
 
 def collective_time(
-    cluster: Cluster, kind: str, nbytes: float, group_size: int, link: Link
+    cluster: Cluster, kind: str, nbytes: float, group_size: int, link: Link, num_nodes: int = 0
 ) -> float:
     """Time (s) of collective `kind` (one of COLLECTIVE_KINDS) over `group_size` ranks on
     `link` (the cluster's intra_node or inter_node link): the measured curve where it covers
-    `nbytes`, else the alpha-beta model (`analytic_collective_time`)."""
-    analytic = analytic_collective_time(kind, nbytes, group_size, link)
+    `nbytes`, else the alpha-beta model (`analytic_collective_time`). `num_nodes`: the nodes
+    the group's ranks sit on, where `link` is the inter-node one (0: every step crosses one)."""
+    crossing = num_nodes if link == cluster.inter_node else 0
+    analytic = analytic_collective_time(
+        kind, nbytes, group_size, link, crossing, cluster.intra_node.latency
+    )
     if analytic == 0.0:  # nothing moves: zero bytes, or a group of one
         return analytic
     if link == cluster.intra_node:
@@ -202,9 +212,18 @@ def collective_time(
     return _measured_or(cluster.curves.collectives.get((kind, where, size)), nbytes, analytic)
 
 
-def analytic_collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+def analytic_collective_time(
+    kind: str,
+    nbytes: float,
+    group_size: int,
+    link: Link,
+    num_nodes: int = 0,
+    intra_latency: float = 0.0,
+) -> float:
     """Alpha-beta time (s) of collective `kind` over `group_size` ranks on `link`; see the
-    module docstring for what `nbytes` means for each kind."""
+    module docstring for what `nbytes` means for each kind. A group on `num_nodes` nodes
+    (0 < num_nodes < group_size) crosses `link` on its ring's steps between nodes alone, the
+    others paying `intra_latency`."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(
             f"unknown collective kind {kind!r}; expected one of {', '.join(COLLECTIVE_KINDS)}"
@@ -222,10 +241,13 @@ def analytic_collective_time(kind: str, nbytes: float, group_size: int, link: Li
     n = group_size
     if n == 1:
         return 0.0
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    passes = 2 if kind == "all_reduce" else 1
+    steps = passes * (n - 1)
     # Each ring step moves one 1/n chunk of nbytes per rank; all_reduce is a reduce_scatter
     # followed by an all_gather, hence twice the steps. One more alpha for issuing the call.
-    return (steps + 1) * alpha + steps / n * nbytes / beta
+    crossing = passes * (num_nodes - 1) if 0 < num_nodes < n else steps
+    latency = (crossing + 1) * alpha + (steps - crossing) * intra_latency
+    return latency + steps / n * nbytes / beta
 
 
 def _measured_or(curve: Curve | None, x: float, analytic: float) -> float:

@@ -263,6 +263,9 @@ class PlanInterpreter:
         self.last_uses = last_uses(order, keep=self.sent)
         self.steps = with_regions(order, recomputed)  # this stage's recomputed layers
         self.regions = Selective({n for layer in plan.recompute for n in layer.saved})
+        # placeholder -> what finishes its value, still in flight (a ZeRO gather after the
+        # optimizer's step, `ShardedState.wait`): called where the step first reads it
+        self.awaited: dict[str, Callable[[], None]] = {}
 
         # local mean cross-entropies, by each tensor their total weight needs (target, weights)
         self.weighed: dict[str, list[torch.fx.Node]] = {}
@@ -322,17 +325,28 @@ class PlanInterpreter:
         for name in values:
             weigh(name)
         for item in self.steps:
+            reads = item.reads if isinstance(item, RecomputedRegion) else self.reads.get(item.name)
+            for read in reads or ():
+                if read in self.awaited:
+                    self.awaited.pop(read)()
             if isinstance(item, RecomputedRegion):
                 self._recompute(item, env, placed, totals, weigh)
                 continue
             if item.op == "placeholder" or item.name in env:
                 continue
             if item.op == "output":
+                self._finish_awaited()
                 if self.sent:
                     break
                 return _map_tensors(item.args[0], lambda n: self._dtensor(n.name, env, placed))
             self._step(item, env, placed, totals, weigh)
+        self._finish_awaited()
         return tuple(self._sent(name, env, placed) for name in self.sent)
+
+    def _finish_awaited(self) -> None:
+        """Nothing stays in flight past the step (what it never read)."""
+        while self.awaited:
+            self.awaited.popitem()[1]()
 
     def _step(
         self,

@@ -194,6 +194,7 @@ class PipelineRunner:
         self.modules = [StageModule(model, ep, plan, self.mesh, s, gradless) for s in self.indices]
         for module in self.modules:
             module.placeholders.whole = self.zero.by_placeholder(module.placeholders.params)
+            self.zero.read_through(ep, module.placeholders.params)
         self.module = self.modules[0]
         self.num_microbatches = plan.pipeline.num_microbatches
         self.stages = [

@@ -6,6 +6,7 @@ watchdog's limit and fp16's loss scaler.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,7 @@ def build_runtime(
         module = ParallelModule(model, ep, plan, mesh)
         placeholders = module.placeholders
         placeholders.whole = zero.by_placeholder(placeholders.params)
+        zero.read_through(ep, placeholders.params)
         reduced = {**dict(module.named_parameters()), **zero.whole}
         reducer = GradientReducer(reduced, plan, 0, mesh, zero.take_gradients)
         reducer.on_arrival(
@@ -115,7 +117,7 @@ def build_runtime(
         )
     if zero.whole:  # ZeRO-1/2: the updated shards gathered back after each step
         assert made is not None  # ZeRO splits parameters, so there are some
-        made.register_step_post_hook(lambda *_: zero.gather())
+        made.register_step_post_hook(lambda *_: regather(zero, module, placeholders))
     fp16 = plan.mixed_precision == Precision.FP16
     return Runtime(
         plan=plan,
@@ -204,3 +206,18 @@ def gradients(run: Runtime) -> list[torch.Tensor]:
         return []
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
     return [p.grad for p in params if p.grad is not None]
+
+
+def regather(zero: ShardedState, module: ParallelModule | None, placeholders: Placeholders) -> None:
+    """Gather ZeRO-1/2's updated shards: a pipeline at once (its schedule reads the whole
+    parameters from several stages), one stage in flight, each waited for where the next
+    forward first reads it (`PlanInterpreter.awaited`), so that on GPUs they overlap it."""
+    if module is None:
+        zero.gather()
+        return
+    zero.gather(wait=False)
+    module.interpreter.awaited = {
+        p: functools.partial(zero.wait, (fqn,))
+        for p, fqn in placeholders.params.items()
+        if fqn in zero.pending
+    }

@@ -11,6 +11,14 @@ bucket for ZeRO-1, reduce-scattered for ZeRO-2), then handed to the shard (`take
 ZeRO-1's whole gradient cut to the shard's part, ZeRO-2's already that). After the optimizer
 steps the shards, `gather` all-gathers them into the whole parameters (the plan's "update"
 collectives), as it does after a checkpoint is loaded into the shards.
+
+A parameter that forward only reads through casts to one narrower float dtype (mixed
+precision's bf16 copy of a float32 master weight) is gathered in that dtype
+(`autoplan.strategies.zero_state.gathered_dtype`): half the bytes, and the same values where
+forward reads them, as Megatron's distributed optimizer gathers its bf16 parameters. After
+the optimizer's step the gathers may be left in flight (`gather(wait=False)`) and each waited
+for where the next forward first reads its parameter (`wait`; `PlanInterpreter.awaited`), as
+Megatron's --overlap-param-gather does: on GPUs they run while the forward computes.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
+from torch.export import ExportedProgram
 
 from autoplan.execute.placements import to_dtensor
 from autoplan.execute.watchdog import note
 from autoplan.planfile.schema import Plan
+from autoplan.strategies.zero_state import gathered_dtype
 
 
 class ShardedState:
@@ -36,6 +46,8 @@ class ShardedState:
         self.mesh = mesh
         self.whole: dict[str, DTensor] = {}
         self.shards: dict[str, DTensor] = {}  # the model's parameters (nn.Parameter DTensors)
+        self.gathered: dict[str, torch.dtype] = {}  # by FQN: the dtype its gather moves
+        self.pending: dict[str, DTensor] = {}  # by FQN: the gathers in flight
 
     @classmethod
     def split(cls, model: nn.Module, plan: Plan, mesh: DeviceMesh) -> ShardedState:
@@ -75,6 +87,23 @@ class ShardedState:
         self.shards[fqn] = made
         return made
 
+    def read_through(self, ep: ExportedProgram, params: Mapping[str, str]) -> None:
+        """Gather each parameter in the dtype the step ``ep`` reads it in (``params``:
+        placeholder -> FQN; `gathered_dtype`)."""
+        cast = torch.ops.aten._to_copy.default
+        for node in ep.graph.nodes:
+            fqn = params.get(node.name)
+            if node.op != "placeholder" or fqn not in self.whole:
+                continue
+            reads = [
+                str(user.meta["val"].dtype).removeprefix("torch.") if user.target is cast else None
+                for user in node.users
+            ]
+            stored = str(self.whole[fqn].dtype).removeprefix("torch.")
+            dtype = getattr(torch, gathered_dtype(stored, reads))
+            if dtype != self.whole[fqn].dtype:
+                self.gathered[fqn] = dtype
+
     def by_placeholder(self, params: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """The whole parameters by the step's placeholder (``params``: placeholder -> FQN)."""
         return {p: self.whole[fqn] for p, fqn in params.items() if fqn in self.whole}
@@ -109,11 +138,28 @@ class ShardedState:
             shard.grad = grad if shard.grad is None else shard.grad + grad
 
     @torch.no_grad()
-    def gather(self) -> None:
+    def gather(self, wait: bool = True) -> None:
         """All-gather the shards into the whole parameters (after the optimizer's step, or a
-        checkpoint's load), in the same order on every rank."""
+        checkpoint's load), in the same order on every rank; left in flight unless ``wait``
+        (then `wait` finishes each)."""
         assert self.mesh is not None or not self.whole
+        self.wait()  # the previous step's, if its forward never ran
         for fqn, whole in self.whole.items():
+            shard = self.shards[fqn]
+            dtype = self.gathered.get(fqn, shard.dtype)
+            moved = shard if shard.dtype == dtype else shard.to(dtype)
+            assert isinstance(moved, DTensor)
+            self.pending[fqn] = moved.redistribute(self.mesh, whole.placements, async_op=True)
+        if wait:
+            self.wait()
+
+    @torch.no_grad()
+    def wait(self, fqns: Iterable[str] | None = None) -> None:
+        """Finish the gathers in flight (of ``fqns`` only, or all): the whole parameters
+        take their values."""
+        for fqn in list(self.pending) if fqns is None else fqns:
+            full = self.pending.pop(fqn, None)
+            if full is None:
+                continue
             note(f"the gather of {fqn} after the optimizer step (ZeRO)")
-            full = self.shards[fqn].redistribute(self.mesh, whole.placements)
-            whole.to_local().copy_(full.to_local())
+            self.whole[fqn].to_local().copy_(full.to_local())

@@ -57,6 +57,7 @@ from autoplan.strategies.space import (
     searched,
     strategy_space,
 )
+from autoplan.strategies.zero_state import param_gathered_dtype
 from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -269,8 +270,9 @@ def build_problem(
         count = layers.count(node.name)
         weight = count * (once if node.kind == NodeKind.PARAM else 1.0)
         ins = tuple(graph.tensor(r) for r in node.refs)
+        gathered = param_gathered_dtype(graph, node.name) if node.kind == NodeKind.PARAM else None
         own_time = [
-            (pricer.node_time(node, s) + pricer.internal_time(node, s, ins)) * weight
+            (pricer.node_time(node, s) + pricer.internal_time(node, s, ins, gathered)) * weight
             for s in strategies
         ]
         copies = count * (in_flight if node.kind == NodeKind.OP else 1.0)

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
+from autoplan.graph.ir import Graph, itemsize
 from autoplan.strategies.placement import R, Spec, is_valid, shard, shard_dim, shard_factors
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+CAST = "aten._to_copy.default"  # the cast ops autocast traces (`autoplan.precision`)
 
 
 # asked for each parameter's storage candidates by the planner, and again by baselines and
@@ -65,3 +70,29 @@ def is_valid_state(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ..
     factors = shard_factors(spec, len(shape), mesh_shape)
     padded = tuple(-(-n // f) * f for n, f in zip(shape, factors, strict=True))
     return is_valid(spec, padded, mesh_shape)
+
+
+def gathered_dtype(stored: str, reads: Sequence[str | None]) -> str:
+    """The dtype in which a ZeRO-1/2 parameter stored as ``stored`` is gathered after the
+    optimizer step: the narrower float dtype that every one of its ``reads`` casts it to
+    (mixed precision's cast to bf16 of a float32 master weight), as Megatron's distributed
+    optimizer gathers the bf16 parameters; else ``stored``. A read is the dtype its op casts
+    to, or None for any other op. Exact: such a read sees only the cast values, which the
+    narrower gather carries unchanged."""
+    targets = set(reads)
+    if len(targets) != 1 or None in targets:
+        return stored
+    (target,) = targets
+    assert target is not None
+    narrower = itemsize(target) < itemsize(stored)
+    floats = {target, stored} <= FLOAT_DTYPES
+    return target if narrower and floats else stored
+
+
+def param_gathered_dtype(graph: Graph, name: str) -> str:
+    """`gathered_dtype` of the parameter node ``name`` of ``graph``, from its users."""
+    reads = [
+        user.output.dtype if user.op == CAST and len(user.outputs) == 1 else None
+        for user in map(graph.node, graph.users(name))
+    ]
+    return gathered_dtype(graph.node(name).output.dtype, reads)

@@ -742,6 +742,8 @@ CASES = [
     Case("mlp-tp-bf16", "mlp", MLP_SMALL_BATCH, lambda w: mlp_megatron(w, (4,)), precision="bf16"),
     Case("gpt-tp-bf16", "gpt", GPT, lambda w: gpt_megatron(w, (4,)), precision="bf16"),
     Case("gpt-zero3-bf16", "gpt", GPT, lambda w: zero3(w, (4,)), precision="bf16"),
+    # the weights gathered in bf16 after each update, waited for where forward reads them
+    Case("gpt-zero1-bf16", "gpt", GPT, zero12(1), precision="bf16"),
     Case("gpt-2x2-bf16", "gpt", {**GPT, "batch_size": 8}, own((2, 2)), precision="bf16"),
     Case(
         "gpt-baseline-sp-2x2-bf16",
