@@ -17,6 +17,7 @@ import transformers.integrations.moe  # registers transformers' grouped matmul o
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.baselines.grid import Degrees, conventional_plans, shaped_degrees, with_experts
 from autoplan.errors import PlanFormatError
 from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
@@ -93,6 +94,23 @@ def test_baseline_ep_sends_each_ranks_tokens_to_their_experts() -> None:
     assert "each rank routes its own tokens, sent to their experts and back by all-to-alls" in (
         summary(plan)
     )
+
+
+def test_the_conventional_plans_of_a_mixture_of_experts_split_its_experts_too() -> None:
+    """The planner keeps the faster of its plan and the conventional plans of its shape: for
+    a mixture of experts, those include every degree with dp > 1 again with its experts
+    split along dp (``baseline(ep=dp)``), written as the baseline writes them; a dense
+    model's are left as they are."""
+    graph = workload("mixtral", batch_size=16, seq_len=16).trace()
+    degrees = shaped_degrees(4, 16)
+    found = with_experts(graph, degrees)
+    assert found[: len(degrees)] == degrees
+    assert found[len(degrees) :] == [replace(d, ep=d.dp) for d in degrees if d.dp > 1]
+    assert with_experts(workload("llama", batch_size=16, seq_len=16).trace(), degrees) == degrees
+    ((d, plan),) = conventional_plans(lambda _: graph, cluster(4), [Degrees(4, 1, ep=4)])
+    assert str(d) == "dp=4 tp=1 pp=1 ep=4"
+    experts = [p for n, p in plan.params.items() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert experts and all(p.storage == {plan.mesh.axes[0]: "S(0)"} for p in experts)
 
 
 def _qwen3_moe(experts: int, width: int, batch: int, top_k: int) -> autoplan.Workload:
