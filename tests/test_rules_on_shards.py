@@ -1,7 +1,7 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms, bincount),
 attention masks (where, diff, factories like ``new_ones``), slice assignments (copy,
-slice_scatter, select_scatter), a cache's concatenation onto an empty tensor, splits, and RMS
+slice_scatter, select_scatter), indexed assignments (index_put), a cache's concatenation onto an empty tensor, splits, and RMS
 norms. Each rule, run by the executor's local path on two ranks' shards, makes the shards (or,
 for ``P``, the partial sums) of the whole result."""
 
@@ -57,12 +57,18 @@ class _Routing(nn.Module):
         rows[:, 2] = x[:, 0] * 2  # select_scatter, once made functional
         head, tail = x.split([2, 4], dim=1)  # a class token split off
         normed = nn.functional.rms_norm(x, (8,), x[0, 0])
+        put = x.new_zeros(4, 6, 8)
+        put[:, slots[:3]] = x[:, :3] * 2  # index_put, once made functional
+        put[:, slots[3:]] = x[0, :3]  # values broadcast along the batch
+        summed = x.new_zeros(3, 8).index_put_((slots,), x[0], accumulate=True)
         left, right = x.split(4, dim=2)
         return (
             *(values, order, top, picked, spread, added, pooled, counts, binned, weighed),
             *(halves, steps),
             *(ones, typed, masked, joined, buffer, rows, ranks, head, tail, left, right),
             normed,
+            put,
+            summed,
         )
 
 
@@ -124,6 +130,7 @@ TESTED = {
     "aten.split_with_sizes.default",
     "aten.split.Tensor",
     "aten.rms_norm.default",
+    "aten.index_put.default",
 }
 
 

@@ -279,6 +279,7 @@ LOCAL_OPS = {
     _aten.scatter.src,
     _aten.scatter_add.default,
     _aten.index_add.default,
+    _aten.index_put.default,
     # counts over a fixed range: over a split input, partial sums (`PARTIAL_SUMS`)
     _aten.histc.default,
     _aten.bincount.default,

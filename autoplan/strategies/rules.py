@@ -220,6 +220,40 @@ def _indexed(dim_index: int, whole: Sequence[int] = ()) -> Rule:
     return rule
 
 
+def _index_put(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    """index_put (input, indices, values, accumulate): ``input[indices] = values`` (or ``+=``).
+    A dim of the input that no index covers may be split, each rank writing its own part,
+    the values split along the dim they have there (whole where they broadcast along it),
+    the indices whole. Integer indices of consecutive dims only: their dims' positions in
+    the indexed shape are then where the indices stand."""
+    indices = _arg(node, 1, "indices", ())
+    assert isinstance(indices, tuple | list)
+    x, index_ins, values = ins[0], ins[1:-1], ins[-1]
+    at = [k for k, i in enumerate(indices) if i is not None]
+    if not at or at != list(range(at[0], at[0] + len(at))):
+        return []
+    if any(not t.dtype.startswith(("int", "uint")) for t in index_ins):
+        return []  # a boolean mask: its dims are the input's, and the values' count the data's
+    first, num = at[0], len(at)
+    index_ndim = max(len(t.shape) for t in index_ins)
+    # values broadcast against the indexed shape: input's dims before the indices, the
+    # indices' broadcast dims, the input's dims after them
+    offset = len(x.shape) - num + index_ndim - len(values.shape)
+    rules: list[AxisRule] = []
+    for d in range(len(x.shape)):
+        if first <= d < first + num:
+            continue
+        v = (d if d < first else d - num + index_ndim) - offset  # its dim in the values
+        if v < 0 or values.shape[v] == 1:
+            value = R
+        elif values.shape[v] == x.shape[d]:
+            value = shard(v)
+        else:
+            continue
+        rules.append((shard(d), shard(d), *[R] * len(index_ins), value))
+    return rules
+
+
 def _histogram(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # histc(input, bins, min, max): over a fixed range, the counts of a split input are the
     # sums of its shards' counts; min == max takes the range from the data: whole only
@@ -444,6 +478,7 @@ _RULES: dict[str, Rule] = {
     "scatter_add": _indexed(1),
     "index_add": _indexed(1, whole=(1,)),
     "histc": _histogram,
+    "index_put": _index_put,
     "bincount": _bincount,
     "new_ones": _factory_like,
     "new_zeros": _factory_like,
