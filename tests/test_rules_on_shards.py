@@ -1,9 +1,9 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
 mixtures of experts' routing (sort, topk, gathers and scatters, histograms, bincount),
 attention masks (where, diff, factories like ``new_ones``), slice assignments (copy,
-slice_scatter, select_scatter), indexed assignments (index_put), a cache's concatenation onto an empty tensor, splits, and RMS
-norms. Each rule, run by the executor's local path on two ranks' shards, makes the shards (or,
-for ``P``, the partial sums) of the whole result."""
+slice_scatter, select_scatter), indexed assignments (index_put), a cache's concatenation
+onto an empty tensor, splits, and RMS norms. Each rule, run by the executor's local path on
+two ranks' shards, makes the shards (or, for ``P``, the partial sums) of the whole result."""
 
 from __future__ import annotations
 
