@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import platform
 import subprocess
@@ -30,7 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,8 +58,14 @@ MODELS: dict[str, Callable[[], Workload]] = {
 }
 
 
-# plans of 4 ranks measured: model, logical mesh
+# plans of 4 ranks measured: model, the planner's logical mesh or a baseline (`ranked_step`)
 RANKED = ("mlp:4", "gpt-small:4", "gpt-small:2x2")
+BASELINES: dict[str, dict[str, int]] = {
+    "dp4": {"dp": 4, "tp": 1},
+    "tp4": {"dp": 1, "tp": 4},
+    "dp2tp2": {"dp": 2, "tp": 2},
+    "zero3": {"dp": 4, "tp": 1, "zero_stage": 3},
+}
 CPU4 = ROOT / "costmodels/cpu-gloo-4.json"
 
 
@@ -81,18 +90,38 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def tracked_peak(step: Callable[[], object], *tracked: Any) -> dict[str, int]:
+def tracked_peak(
+    step: Callable[[], object], *tracked: Any, held: Callable[[], list[torch.Tensor]] | None = None
+) -> dict[str, int]:
     """MemTracker's peak snapshot of the second of two calls of ``step`` (``tracked``: what it
-    holds from before, a module, an optimizer, tensors): bytes by kind, and "Total"."""
+    holds from before, a module, an optimizer, tensors; ``held``: more such tensors, found
+    after the first call): bytes by kind, and "Total"."""
     step()
     tracker = MemTracker()
-    tracker.track_external(*tracked)
+    # the tensors found first, so that MemTracker's own kinds name those it knows
+    tracker.track_external(*(held() if held is not None else ()), *tracked)
     with tracker, warnings.catch_warnings():
         # its module hooks find the loss's wrapper module gone by backward
         warnings.filterwarnings("ignore", "Module is None")
         step()
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    snapshots = tracker.get_tracker_snapshot("peak")
+    (snapshot,) = (s for device, s in snapshots.items() if device.type != "meta")
     return {getattr(k, "value", str(k)): v for k, v in snapshot.items()}
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor with storage this process holds now (a rank's gradient buckets' buffers,
+    its inputs' shards, ...): MemTracker sees only those made while it tracks and those it is
+    given. Fake tensors (the rank's check of the plan on fakes) hold none."""
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        local = obj.to_local() if isinstance(obj, DTensor) else obj
+        if not isinstance(local, FakeTensor) and local.device.type != "meta":
+            found.append(obj)
+    return found
 
 
 def measured_peak(w: Workload) -> dict[str, int]:
@@ -112,20 +141,34 @@ def _parts(measured: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**20:.2f}" for k, v in measured.items() if v and k != "Total")
 
 
+def ranked_step(w: Workload, kind: str) -> autoplan.Step:
+    """``w`` parallelized on 4 ranks of the CPU cluster as ``kind`` says: a logical mesh for
+    the planner's own plan ("4", "2x2"), or a baseline's degrees ("dp4", "tp4", "dp2tp2",
+    "zero3": ZeRO-3 over 4)."""
+    cluster = autoplan.Cluster.load(CPU4)
+    if kind in BASELINES:
+        plan = w.baseline(cluster, **BASELINES[kind])
+        return w.parallelize(cluster, plan=plan)
+    options = autoplan.PlanOptions(
+        mesh_shape=tuple(int(n) for n in kind.split("x")), pipeline=False
+    )
+    return w.parallelize(cluster, options=options)
+
+
 def rank_worker(ranked: str, out: Path) -> None:
-    """Under torchrun: plan ``ranked`` ("model:mesh"), train two steps, and (rank 0) write the
-    prediction and every rank's peak to ``out``."""
+    """Under torchrun: plan ``ranked`` ("model:kind", `ranked_step`), train two steps, and
+    (rank 0) write the prediction and every rank's peak to ``out``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    name, mesh = ranked.split(":")
+    name, kind = ranked.split(":")
     w = MODELS[name]()
-    options = autoplan.PlanOptions(
-        mesh_shape=tuple(int(n) for n in mesh.split("x")), pipeline=False
-    )
-    step = w.parallelize(autoplan.Cluster.load(CPU4), options=options)
+    step = ranked_step(w, kind)
     run = step.runtime
     measured = tracked_peak(
-        lambda: step(w.example_inputs, w.example_target), run.module, run.optimizer
+        lambda: step(w.example_inputs, w.example_target),
+        run.module,
+        run.optimizer,
+        held=live_tensors,
     )
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, measured)
@@ -152,12 +195,14 @@ def ranked_row(ranked: str) -> dict[str, Any]:
         subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
         doc = json.loads(out.read_text())
     largest = max(doc["ranks"], key=lambda r: r["Total"])
+    smallest = min(r["Total"] for r in doc["ranks"])
     return {
         "model": f"{ranked} (4 ranks)",
         "params": sum(p.numel() for p in MODELS[ranked.split(":")[0]]().model.parameters()),
         "predicted_MiB": round(doc["predicted"] / 2**20, 3),
         "measured_MiB": round(largest["Total"] / 2**20, 3),
         "ratio": round(doc["predicted"] / largest["Total"], 3),
+        "ratio_smallest_rank": round(doc["predicted"] / smallest, 3),
         "measured_parts_MiB": _parts(largest),
     }
 
@@ -173,6 +218,7 @@ def row(name: str) -> dict[str, Any]:
         "predicted_MiB": round(predicted / 2**20, 3),
         "measured_MiB": round(total / 2**20, 3),
         "ratio": round(predicted / total, 3),
+        "ratio_smallest_rank": "",
         "measured_parts_MiB": _parts(measured),
     }
 
@@ -188,7 +234,15 @@ def main() -> None:
         rank_worker(args.worker, args.out)
         return
     torch.set_num_threads(1)
-    columns = ["model", "params", "predicted_MiB", "measured_MiB", "ratio", "measured_parts_MiB"]
+    columns = [
+        "model",
+        "params",
+        "predicted_MiB",
+        "measured_MiB",
+        "ratio",
+        "ratio_smallest_rank",
+        "measured_parts_MiB",
+    ]
     rows: list[dict[str, Any]] = []
 
     def add(r: dict[str, Any]) -> None:

@@ -4,13 +4,21 @@ has every model)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from autoplan import Workload
+from autoplan import Cluster, Workload
+from autoplan.costmodel.held import saved_copies
+from autoplan.costmodel.peak import peak_bytes
+from autoplan.costmodel.pricer import Pricer
 from autoplan.modes import NodeKind
-from benchmarks.memory_truth import MODELS, measured_peak, predicted_peak
+from autoplan.strategies.buckets import Bucket
+from autoplan.strategies.placement import R, shard
+from autoplan.strategies.space import Strategy
+from benchmarks.memory_truth import CPU4, MODELS, measured_peak, predicted_peak
 
 TOLERANCE = 0.05  # benchmarks/results/memory_truth.md: every model measured is within it
 
@@ -48,3 +56,66 @@ def test_saved_tensors_are_what_autograd_saves() -> None:
         "sum_2": ((), ""),
         "add": ((), ""),
     }
+
+
+class _Two(torch.nn.Module):
+    """Two linears: the second's backward saves its input and its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x)).sum()
+
+
+def _two(specs: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]]) -> Any:
+    """The traced `_Two`, a `Pricer` on two CPU ranks and an assignment: every node
+    replicated but those ``specs`` place (output, inputs)."""
+    graph = Workload(_Two(), (torch.randn(4, 8),)).trace()
+    pricer = Pricer(Cluster.load(CPU4), (2,), "adamw")
+    whole = {n.name: ((R,), ((R,),) * len(n.refs)) for n in graph}
+    assignment = {name: Strategy(*specs.get(name, spec)) for name, spec in whole.items()}
+    return graph, assignment, pricer
+
+
+def test_a_gathered_weight_that_backward_saves_is_held() -> None:
+    """ZeRO-3: the second linear reads its weight, stored split, gathered, and saves it: the
+    gathered copy (16 x 8 floats) is held from its forward to its backward."""
+    split = {"p_model_down_weight": ((shard(0),), ())}
+    graph, assignment, pricer = _two(split)
+    copies = saved_copies(graph, assignment, pricer)
+    assert copies.made == {"linear_1": 16 * 8 * 4}
+    assert copies.unkept == {}
+    # read as stored, the weight moves nothing and backward keeps the stored shard
+    stored = {**split, "linear_1": ((R,), ((R,), (shard(0),)))}
+    graph, assignment, pricer = _two(stored)
+    assert saved_copies(graph, assignment, pricer).made == {}
+
+
+def test_a_gathered_activation_is_held_in_place_of_its_shard() -> None:
+    """Tensor parallelism: the first linear's output is split by features and the second
+    reads it gathered: backward keeps the gathered 4 x 16 floats, not the shard (which only
+    the second linear saved)."""
+    specs = {
+        "p_model_up_weight": ((shard(0),), ()),
+        "linear": ((shard(1),), ((R,), (shard(0),))),
+    }
+    graph, assignment, pricer = _two(specs)
+    copies = saved_copies(graph, assignment, pricer)
+    assert copies.made == {"linear_1": 4 * 16 * 4}
+    assert copies.unkept == {"linear": 4 * 8 * 4}
+
+
+def test_gradient_buckets_are_held_throughout() -> None:
+    """A bucket's buffer is held from forward on; its gradients leave backward's count when
+    it is copied in. Both weights in one bucket: forward holds the buffer beside the
+    activations, and the optimizer step holds the buffer in place of the gradients."""
+    graph, assignment, pricer = _two({})
+    grads = 8 * 16 * 4 * 2
+    bucket = Bucket(("p_model_down_weight", "p_model_up_weight"), (0,), grads)
+    unbucketed = peak_bytes(graph, assignment, pricer)
+    bucketed = peak_bytes(graph, assignment, pricer, [bucket])
+    # the peak is backward's last op, with every gradient made: the buffer comes on top
+    assert bucketed == unbucketed + grads

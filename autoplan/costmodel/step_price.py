@@ -182,7 +182,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
             gradients += [(user, name, p) for p in own]
             issued.append(AsyncReduction(ends[user], sum(pricer.phased_s(p) for p in own)))
     ready = 0.0  # a bucket is issued once its gradients are in and the earlier buckets issued
-    for i, bucket in enumerate(make_buckets(bucketed[::-1])):
+    buckets = make_buckets(bucketed[::-1])
+    for i, bucket in enumerate(buckets):
         phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
         ready = max([ready, *(ends[syncs[p][0][0]] for p in bucket.params)])
@@ -197,7 +198,7 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
     ops = tuple(OpPrice(name, *share) for name, share in shares.items())
-    held = peak_bytes(graph, assignment, pricer)
+    held = peak_bytes(graph, assignment, pricer, buckets)
     rest = StepRest(
         max(0.0, host - compute),
         len(waits) * pricer.sync_s,
