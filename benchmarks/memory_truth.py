@@ -10,7 +10,8 @@ plan's prediction: the largest rank's peak.
 Prints, and writes to benchmarks/results/memory_truth.json and .md, per model: predicted and
 measured peak bytes and their ratio, and the measured peak's parts as MemTracker names them.
 
-    python benchmarks/memory_truth.py [--models gpt-tiny,mlp] [--ranked mlp:4,gpt-small:2x2]
+    python benchmarks/memory_truth.py [--models gpt-tiny,mlp] [--ranked mlp:4,gpt-small:dp4]
+    python benchmarks/memory_truth.py --full  # every row of the results file (~25 min)
 """
 
 from __future__ import annotations
@@ -53,13 +54,26 @@ MODELS: dict[str, Callable[[], Workload]] = {
     "llama-small": lambda: hf_llama.workload("small", batch_size=4, seq_len=64),
     **{
         f"zoo-{name}": (lambda name=name: zoo.workload(name, batch_size=8, seq_len=32))
-        for name in ("gpt2", "llama", "mistral", "bert", "bart", "vit", "cnn", "deepseek-v3")
+        for name in (
+            *("gpt2", "llama", "mistral", "gemma2", "gemma3", "bert", "bart", "vit", "cnn"),
+            *("deepseek-v3", *zoo.SWEPT, *zoo.SWEPT_IMAGES, "torchtitan-llama3"),
+        )
     },
 }
 
 
 # plans of 4 ranks measured: model, the planner's logical mesh or a baseline (`ranked_step`)
-RANKED = ("mlp:4", "gpt-small:4", "gpt-small:2x2")
+RANKED = (
+    *("mlp:4", "gpt-small:4", "gpt-small:2x2"),
+    *("gpt-small:dp4", "gpt-small:tp4", "gpt-small:zero3"),
+)
+# --full: the transformers models of the zoo too (about a minute each on 2 cores)
+FULL = (
+    *RANKED,
+    *("zoo-gpt2:4", "zoo-gpt2:2x2", "zoo-gpt2:zero3", "zoo-llama:4", "zoo-llama:tp4"),
+    *("zoo-llama:zero3", "zoo-mistral:dp2tp2", "zoo-bert:4", "zoo-bert:tp4", "zoo-qwen2:4"),
+    *("zoo-qwen2:zero3", "zoo-opt:dp4", "zoo-phi3:tp4", "zoo-bart:4", "zoo-vit:4"),
+)
 BASELINES: dict[str, dict[str, int]] = {
     "dp4": {"dp": 4, "tp": 1},
     "tp4": {"dp": 1, "tp": 4},
@@ -226,7 +240,8 @@ def row(name: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--ranked", default=",".join(RANKED), help="model:mesh plans, 4 ranks")
+    parser.add_argument("--ranked", default=",".join(RANKED), help="model:kind plans, 4 ranks")
+    parser.add_argument("--full", action="store_true", help="the 4-rank plans of FULL")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # under torchrun: this plan
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -251,10 +266,10 @@ def main() -> None:
 
     for name in filter(None, args.models.split(",")):
         add(row(name))
-    for ranked in filter(None, args.ranked.split(",")):
+    for ranked in FULL if args.full else filter(None, args.ranked.split(",")):
         add(ranked_row(ranked))
     meta = {
-        "command": "python benchmarks/memory_truth.py",
+        "command": "python benchmarks/memory_truth.py --full",
         "torch": torch.__version__,
         "machine": platform.machine(),
         "measured": "MemTracker peak of live tensors, second AdamW (fused) step, one process; "

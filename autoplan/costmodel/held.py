@@ -1,5 +1,5 @@
 """What a step holds on a device beyond its ops' outputs as placed: the tensors an op reads
-redistributed and saves for backward, and the gradient buckets' buffers.
+redistributed (saved for backward, or in forward only), and the gradient buckets' buffers.
 
 * An op's backward saves its inputs as it reads them (`Node.saves`). The executor places a
   tensor once per placement its readers need (`autoplan.execute.interpreter`), so an input
@@ -9,7 +9,8 @@ redistributed and saves for backward, and the gradient buckets' buffers.
   a replicated tensor, a placement unchanged) is a view of the producer's tensor: the
   producer's own storage is kept. A producer's output that every saver reads moved, and
   that the producer does not save itself, is freed at its last read in forward: its
-  `Node.kept` bytes are not held (`SavedCopies.unkept`).
+  `Node.kept` bytes are not held (`SavedCopies.unkept`). A copy no op saves is held in
+  forward from its first reader to the last reader of the tensor it was moved from.
 * A gradient bucket's flat buffer (`autoplan.execute.gradients`) is allocated at the first
   step and reused: it is held throughout, forward included. A bucketed gradient is copied
   into it once the bucket is complete and in turn (buckets are issued in order), and the
@@ -37,6 +38,10 @@ class SavedCopies:
 
     made: Mapping[str, float] = field(default_factory=dict)
     unkept: Mapping[str, float] = field(default_factory=dict)
+    # the copies no op saves: made by their first reader, freed after the last op reading
+    # the tensor they were moved from (the executor keeps them as long)
+    passing: Mapping[str, float] = field(default_factory=dict)
+    passed: Mapping[str, float] = field(default_factory=dict)
 
 
 def _base(graph: Graph, ref: Ref) -> Ref:
@@ -49,33 +54,40 @@ def _base(graph: Graph, ref: Ref) -> Ref:
 
 
 def saved_copies(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer) -> SavedCopies:
-    """The saved inputs an op reads moved by a collective (`SavedCopies`)."""
+    """The inputs ops read moved by a collective (`SavedCopies`)."""
     made: dict[str, float] = {}
-    copies: set[tuple[Ref, tuple[str, ...]]] = set()
+    passing: dict[str, float] = {}
+    passed: dict[str, float] = {}
     as_placed: set[Ref] = set()  # producers' outputs some saver keeps as they are
     moved: set[Ref] = set()  # those some saver keeps as a copy
     recompute = pricer.recompute
+    last_read: dict[str, str] = {}  # by tensor: the last op to read it in forward
+    first: dict[tuple[Ref, tuple[str, ...]], str] = {}  # a copy: its first reader
+    saver: dict[tuple[Ref, tuple[str, ...]], str] = {}  # a saved copy: its first saver
     for node in graph:
-        if node.kind != NodeKind.OP or not node.needs_grad or recompute.drops(node.name):
+        if node.kind != NodeKind.OP:
             continue
         strategy = assignment[node.name]
-        for i in node.saves:
-            ref = node.refs[i]
-            tensor = graph.tensor(ref)
-            dst = strategy.inputs[i]
-            _, found = pricer.forward(tensor, assignment[ref.name], strategy, i)
-            base = _base(graph, ref)
-            if not found:
-                as_placed.add(base)
-                continue
-            moved.add(base)
-            if (ref, dst) in copies:
-                continue  # one redistribution per tensor and placement, shared
-            copies.add((ref, dst))
-            nbytes = float(local_numel(dst, tensor.shape, pricer.mesh_shape))
-            nbytes *= itemsize(tensor.dtype)
+        saves = set(node.saves) if node.needs_grad and not recompute.drops(node.name) else set()
+        for i, ref in enumerate(node.refs):
+            last_read[ref.name] = node.name
+            _, found = pricer.forward(graph.tensor(ref), assignment[ref.name], strategy, i)
+            if i in saves:
+                (moved if found else as_placed).add(_base(graph, ref))
+            if found:
+                first.setdefault((ref, strategy.inputs[i]), node.name)
+                if i in saves:
+                    saver.setdefault((ref, strategy.inputs[i]), node.name)
+    for (ref, dst), reader in first.items():
+        tensor = graph.tensor(ref)
+        nbytes = float(local_numel(dst, tensor.shape, pricer.mesh_shape) * itemsize(tensor.dtype))
+        if (ref, dst) in saver:
             # its first saver in graph order: the last whose backward runs frees it
-            made[node.name] = made.get(node.name, 0.0) + nbytes
+            by = saver[(ref, dst)]
+            made[by] = made.get(by, 0.0) + nbytes
+        else:  # freed with the tensor it was moved from, after its last read in forward
+            passing[reader] = passing.get(reader, 0.0) + nbytes
+            passed[last_read[ref.name]] = passed.get(last_read[ref.name], 0.0) + nbytes
     unkept: dict[str, float] = {}
     for ref in moved - as_placed:
         producer = graph.node(ref.name)
@@ -87,7 +99,7 @@ def saved_copies(graph: Graph, assignment: Mapping[str, Strategy], pricer: Price
         spec = assignment[producer.name].output
         nbytes = local_numel(spec, info.shape, pricer.mesh_shape) * itemsize(info.dtype)
         unkept[producer.name] = unkept.get(producer.name, 0.0) + float(nbytes)
-    return SavedCopies(made, unkept)
+    return SavedCopies(made, unkept, passing, passed)
 
 
 def bucket_bytes(buckets: Sequence[Bucket]) -> float:

@@ -87,7 +87,9 @@ def peak_bytes(
         if not node.is_view:
             made_now[node.name] = max(0.0, _output_bytes(node, s, pricer, False) - saved + extra)
             transient += made_now[node.name]
+        transient += copies.passing.get(node.name, 0.0)
         peak = max(peak, static + alive + transient)
+        transient -= copies.passed.get(node.name, 0.0)
         for name in last.get(i, ()):
             transient -= made_now.pop(name, 0.0)
     grads = 0.0  # gradients alive: parameters' and activations' not yet consumed

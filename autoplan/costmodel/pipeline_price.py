@@ -193,10 +193,15 @@ def priced_stage(
     extra += sum(
         pricer.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
     )
-    static = step.recompute_bytes + sum(
-        pricer.node_memory(n, assignment[n.name])
-        for n in graph
-        if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
+    # the gradient buckets' buffers once, however many microbatches are in flight
+    static = (
+        step.recompute_bytes
+        + step.rest.bucket_bytes
+        + sum(
+            pricer.node_memory(n, assignment[n.name])
+            for n in graph
+            if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
+        )
     )
     flops = sum(n.flops for n in graph)
     backward_flops = sum(n.bwd_flops for n in graph)
