@@ -4,21 +4,25 @@ has every model)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import autoplan
 from autoplan import Cluster, Workload
 from autoplan.costmodel.held import saved_copies
 from autoplan.costmodel.peak import peak_bytes
 from autoplan.costmodel.pricer import Pricer
+from autoplan.errors import ClusterFormatError
 from autoplan.modes import NodeKind
+from autoplan.planfile.show import summary
 from autoplan.strategies.buckets import Bucket
 from autoplan.strategies.placement import R, shard
 from autoplan.strategies.space import Strategy
-from benchmarks.memory_truth import CPU4, MODELS, measured_peak, predicted_peak
+from benchmarks.memory_truth import CPU4, MODELS, ROOT, measured_peak, one_device, predicted_peak
 
 TOLERANCE = 0.05  # benchmarks/results/memory_truth.md: every model measured is within it
 
@@ -119,3 +123,25 @@ def test_gradient_buckets_are_held_throughout() -> None:
     bucketed = peak_bytes(graph, assignment, pricer, [bucket])
     # the peak is backward's last op, with every gradient made: the buffer comes on top
     assert bucketed == unbucketed + grads
+
+
+def test_the_allocator_margin_is_taken_off_the_limit() -> None:
+    """A device's allocator margin shrinks what a plan's tensors may hold; the plan records
+    it, reads it back and shows it; a margin of the whole memory is refused."""
+    cpu = one_device()
+    assert cpu.device.allocator_margin == 0.0  # the CPU files have none
+    device = dataclasses.replace(cpu.device, allocator_margin=0.25)
+    cluster = dataclasses.replace(cpu, device=device)
+    w = MODELS["mlp"]()
+    plan = w.plan(cluster, autoplan.PlanOptions(memory_fraction=0.5))
+    assert plan.predicted.memory_limit_bytes == cpu.device.memory_bytes * 0.5 * 0.75
+    assert plan.predicted.allocator_margin == 0.25
+    assert autoplan.Plan.from_json(plan.to_json()) == plan
+    assert "the allocator's margin of 25% taken off" in summary(plan)
+    assert "allocator_margin" not in w.plan(cpu).to_json()  # plans without one read as before
+    data = cluster.to_dict()
+    data["device"]["allocator_margin"] = 1.0
+    with pytest.raises(ClusterFormatError, match=r"allocator_margin must be a number in \[0, 1\)"):
+        Cluster.from_dict(data)
+    a100 = Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
+    assert a100.device.allocator_margin == 0.15  # its source: costmodels/README.md
