@@ -206,7 +206,9 @@ def ranked_row(ranked: str) -> dict[str, Any]:
             "--worker",
             ranked,
         ]
-        subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+        done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{ranked}: the 4-rank run failed:\n{done.stderr[-3000:]}")
         doc = json.loads(out.read_text())
     largest = max(doc["ranks"], key=lambda r: r["Total"])
     smallest = min(r["Total"] for r in doc["ranks"])

@@ -13,7 +13,10 @@ walks that order and returns the most held at once:
   outputs made and not yet read for the last time (a loss's logits and log-probabilities);
 * an op's backward: static + the tensors still kept + the parameters' gradients made so far
   + the gradients of activations made and not yet consumed (its outputs' among them) + the
-  gradients of its inputs it makes (a view's is its output's, moved: nothing new);
+  gradients of its inputs it makes (a view's is its output's, moved: nothing new), with, for
+  the while it runs, the gradients of the tensors of its own it saved (a loss's
+  log-probabilities: its decomposition's intermediates) and of the inputs it read moved, as
+  it read them;
 * the optimizer step: static + every parameter's gradient outside the buckets (the fused
   AdamW makes no more).
 
@@ -101,11 +104,21 @@ def peak_bytes(
         if recompute.drops(node.name):  # its layer's forward runs again, once
             alive += remade.pop(recompute.layer_of[node.name], 0.0)
         consumed = pending.pop(node.name, 0.0)
+        s = assignment[node.name]
         new = 0.0
-        for ref in dict.fromkeys(node.refs):
+        # inside its backward: the gradients of the tensors of its own it saved (a loss's
+        # log-probabilities), and of inputs it read moved, made as it read them before they
+        # are moved back to where their producers keep them
+        inside = pricer.saved_extra_memory(node, s)
+        first = {r: i for i, r in reversed(list(enumerate(node.refs)))}  # by input: its index
+        for ref, i in first.items():
             producer = graph.node(ref.name)
             if not producer.needs_grad or ref.name in made or ref.name in pending:
                 continue
+            tensor = graph.tensor(ref)
+            if s.inputs[i] != assignment[ref.name].output and tensor.is_differentiable:
+                local = local_numel(s.inputs[i], tensor.shape, pricer.mesh_shape)
+                inside += float(local * itemsize(tensor.dtype))
             if producer.kind == NodeKind.PARAM:
                 made.add(ref.name)
                 new += param_grads[ref.name]
@@ -115,7 +128,7 @@ def peak_bytes(
                 pending[ref.name] = _output_bytes(producer, assignment[ref.name], pricer, True)
                 new += pending[ref.name]
         if not node.is_view:
-            peak = max(peak, static + alive + grads + new)
+            peak = max(peak, static + alive + grads + new + inside)
         grads += new - consumed
         alive -= freed[node.name]
         while issued < len(buckets) and waiting[issued] == 0:
