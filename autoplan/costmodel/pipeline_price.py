@@ -193,15 +193,10 @@ def priced_stage(
     extra += sum(
         pricer.internal_time(n, assignment[n.name]) for n in graph if n.kind == NodeKind.PARAM
     )
-    # the gradient buckets' buffers once, however many microbatches are in flight
-    static = (
-        step.recompute_bytes
-        + step.rest.bucket_bytes
-        + sum(
-            pricer.node_memory(n, assignment[n.name])
-            for n in graph
-            if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
-        )
+    static = step.recompute_bytes + sum(
+        pricer.node_memory(n, assignment[n.name])
+        for n in graph
+        if n.kind in (NodeKind.PARAM, NodeKind.INPUT)
     )
     flops = sum(n.flops for n in graph)
     backward_flops = sum(n.bwd_flops for n in graph)
@@ -223,7 +218,8 @@ def priced_stage(
         send_s=send_s,
         extra_s=extra,
         memory_bytes=static,
-        activation_bytes=step.memory_bytes - static,
+        # the buckets' buffers are not counted in a pipeline's stages (docs/status.md)
+        activation_bytes=step.memory_bytes - step.rest.bucket_bytes - static,
         solver=solver,
         recompute_bytes=step.recompute_bytes,
         recomputed=pricer.recompute.within(frozenset(stage.nodes)),
