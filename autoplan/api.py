@@ -132,7 +132,7 @@ def plan_graph(
         raise AutoplanError("pins are not supported with pipeline stages yet; drop pin=")
     if pipeline:
         refuse_pipelined_writes(graph)
-    memory_limit = cluster.device.memory_bytes * options.memory_fraction
+    memory_limit = cluster.device.tensor_bytes(options.memory_fraction)
     tally = Tally(options.on_progress, "ILP")
     single: Searched | InfeasiblePlanError | None = None
     unproven: list[Unproven] = []  # the parts of the search that ran into the time limit

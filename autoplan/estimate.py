@@ -98,7 +98,7 @@ def derive(
     if not isinstance(plan, Plan):
         plan = Plan.from_json(str(plan))
     graph, checked, recompute = _checked(plan, graph_for, cluster)
-    limit = cluster.device.memory_bytes * memory_fraction
+    limit = cluster.device.tensor_bytes(memory_fraction)
     if checked.pipeline is not None:
         derived = _derive_pipeline(checked, graph, cluster, optimizer, limit, recompute)
     else:
@@ -108,7 +108,7 @@ def derive(
             checked,
             provenance=provenance(graph, cluster),
             collectives=collective_plans(step, checked.mesh.axes),
-            predicted=predicted(step, limit),
+            predicted=predicted(step, limit, cluster.device.allocator_margin),
         )
     if derived.collectives != plan.collectives:
         log.warning(

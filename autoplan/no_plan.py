@@ -73,7 +73,7 @@ def infeasible(
         f"the model does not fit: even sharded as far as mesh {mesh} allows{recomputed}, each "
         f"device needs {amount} (parameters alone are {fmt_bytes(param_bytes)} "
         f"unsharded, plus gradients, optimizer state and activations), but a device of cluster "
-        f"{cluster.name!r} offers {fmt_bytes(limit)} ({fraction * 100:g}% of "
-        f"{fmt_bytes(cluster.device.memory_bytes)}). Use more devices (--nodes), a smaller "
+        f"{cluster.name!r} offers {fmt_bytes(limit)} "
+        f"({cluster.device.tensor_bytes_words(fraction)}). Use more devices (--nodes), a smaller "
         f"batch, lower-precision parameters{hint}, or a lighter optimizer."
     )

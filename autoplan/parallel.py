@@ -377,7 +377,7 @@ def _check_fits(plan: Plan, cluster: Cluster, memory_fraction: float) -> None:
         raise InfeasiblePlanError(
             f"the plan does not fit: it needs {fmt_bytes(need)} per device (predicted), but a "
             f"device of cluster {cluster.name!r} offers {fmt_bytes(limit)} "
-            f"({memory_fraction * 100:g}% of {fmt_bytes(cluster.device.memory_bytes)}); plan again "
+            f"({cluster.device.tensor_bytes_words(memory_fraction)}); plan again "
             "(autoplan plan), edit the plan to shard or recompute more, or raise "
             "--memory-fraction (PlanOptions.memory_fraction)"
         )

@@ -143,7 +143,8 @@ def test_a_frozen_parameter_has_no_gradient_to_reduce_or_store(cpu4: autoplan.Cl
 
     assert "layers.0.weight" in bucketed(trained)
     assert bucketed(frozen) == bucketed(trained) - {"layers.0.weight"}
-    # its optimizer state is not stored, 32 x 32 floats x 2 AdamW moments, nor its gradient
-    # made (which counts as far as the step's peak holds it)
+    # its optimizer state is not stored, 32 x 32 floats x 2 AdamW moments, nor its slice of
+    # its bucket's buffer, nor its gradient made (which counts as far as the step's peak
+    # holds it)
     saved = trained.predicted.peak_memory_bytes - frozen.predicted.peak_memory_bytes
-    assert 32 * 32 * 4 * 2 <= saved <= 32 * 32 * 4 * 3
+    assert 32 * 32 * 4 * 3 <= saved <= 32 * 32 * 4 * 4

@@ -234,7 +234,8 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     # A100-like nodes of 2 devices of 40 MiB: the activations of this small GPT need more
     # than one node has however it is sharded, unless recomputed
     base = autoplan.Cluster.load("costmodels/dgx-a100-80gb.json")
-    device = dataclasses.replace(base.device, memory_bytes=40 * 2**20)
+    # 40 MiB, of which 36 the plan may use (no allocator margin)
+    device = dataclasses.replace(base.device, memory_bytes=40 * 2**20, allocator_margin=0.0)
     node = dataclasses.replace(base, device=device, devices_per_node=2, num_nodes=1, name="tiny")
     w = example("gpt", size="small", num_layers=4, batch_size=16, seq_len=64)
     keep = PlanOptions(recompute="none")

@@ -440,7 +440,7 @@ def baseline_of_graph(
     dp, tp = layout.dp, layout.tp
     schedule = _schedule(options, virtual_stages)
     optimizer, memory_fraction = options.optimizer, options.memory_fraction
-    limit = cluster.device.memory_bytes * memory_fraction
+    limit = cluster.device.tensor_bytes(memory_fraction)
     degrees = f"dp={dp} tp={tp}" + f" cp={layout.cp}" * (layout.cp > 1)
     degrees += f" recompute={layout.recompute}" * (layout.recompute != RecomputeMode.NONE)
 
@@ -449,8 +449,8 @@ def baseline_of_graph(
             raise InfeasiblePlanError(
                 f"the baseline {degrees} zero_stage={layout.zero_stage} needs "
                 f"{fmt_bytes(need)} per device, but a device of cluster {cluster.name!r} "
-                f"offers {fmt_bytes(limit)} ({memory_fraction * 100:g}% of "
-                f"{fmt_bytes(cluster.device.memory_bytes)})"
+                f"offers {fmt_bytes(limit)} "
+                f"({cluster.device.tensor_bytes_words(memory_fraction)})"
             )
 
     if pp == 1:

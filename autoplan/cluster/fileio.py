@@ -76,6 +76,7 @@ _TOP_FIELDS = (
     "source",
 )
 _DEVICE_FIELDS = (
+    "allocator_margin",
     "compute_efficiency",
     "kind",
     "memory_bandwidth",
@@ -168,7 +169,18 @@ def _device(f: JsonField) -> Device:
         memory_bandwidth=f["memory_bandwidth"].positive(),
         compute_efficiency=f["compute_efficiency"].fraction(),
         memory_efficiency=f["memory_efficiency"].fraction(),
+        allocator_margin=_margin(f.get("allocator_margin")),
     )
+
+
+def _margin(f: JsonField | None) -> float:
+    """`device.allocator_margin`: a number in [0, 1); absent, 0."""
+    if f is None:
+        return 0.0
+    value = f.number()
+    if not 0.0 <= value < 1.0:
+        raise f.fail("a number in [0, 1) (the share of the allocator's memory no tensor holds)")
+    return value
 
 
 def _link(f: JsonField) -> Link:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.units import fmt_bytes
+
 __all__ = ["BACKENDS", "DTYPES", "FALLBACK_DTYPE", "REQUIRED_DTYPES", "Device", "Link"]
 
 BACKENDS = ("gloo", "nccl")
@@ -43,7 +45,9 @@ class Device:
 
     `peak_flops` maps torch dtype names ("float32", "bfloat16", "float16") to FLOP/s;
     `memory_bandwidth` is bytes/s; the efficiencies are the fractions of those peaks that a
-    large matmul and an element-wise op reach (0 < x <= 1).
+    large matmul and an element-wise op reach (0 < x <= 1). `allocator_margin` is the share
+    of the memory the allocator holds that no live tensor does (0 <= x < 1): the step's live
+    tensors may hold the rest (`tensor_bytes`).
     """
 
     kind: str
@@ -52,6 +56,7 @@ class Device:
     memory_bandwidth: float
     compute_efficiency: float
     memory_efficiency: float
+    allocator_margin: float = 0.0
 
     def __post_init__(self) -> None:
         # Sorted, read-only copy with float values so equal devices compare, hash and
@@ -61,6 +66,20 @@ class Device:
         object.__setattr__(self, "memory_bandwidth", float(self.memory_bandwidth))
         object.__setattr__(self, "compute_efficiency", float(self.compute_efficiency))
         object.__setattr__(self, "memory_efficiency", float(self.memory_efficiency))
+        object.__setattr__(self, "allocator_margin", float(self.allocator_margin))
+
+    def tensor_bytes(self, memory_fraction: float) -> float:
+        """The bytes a step's live tensors may hold at once when it may use
+        ``memory_fraction`` of the device's memory: that share, less what the allocator
+        holds beyond them (`allocator_margin`)."""
+        return self.memory_bytes * memory_fraction * (1.0 - self.allocator_margin)
+
+    def tensor_bytes_words(self, memory_fraction: float) -> str:
+        """Where `tensor_bytes` comes from, in words: "90% of 80 GiB, less ..."."""
+        words = f"{memory_fraction * 100:g}% of {fmt_bytes(self.memory_bytes)}"
+        if self.allocator_margin:
+            words += f", less the allocator's margin of {self.allocator_margin:.0%}"
+        return words
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain values instead.
@@ -73,6 +92,7 @@ class Device:
                 self.memory_bandwidth,
                 self.compute_efficiency,
                 self.memory_efficiency,
+                self.allocator_margin,
             ),
         )
 
@@ -85,6 +105,7 @@ class Device:
                 self.memory_bandwidth,
                 self.compute_efficiency,
                 self.memory_efficiency,
+                self.allocator_margin,
             )
         )
 
@@ -97,6 +118,8 @@ class Device:
             "memory_bandwidth": self.memory_bandwidth,
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
+            # absent: none (CPU ranks: glibc's allocator, no cache of its own)
+            **({"allocator_margin": self.allocator_margin} if self.allocator_margin else {}),
         }
 
 

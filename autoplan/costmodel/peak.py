@@ -7,13 +7,23 @@ the parameters, optimizer state, inputs and the kept tensors; backward, run in r
 order, frees each op's kept tensors after the op's backward and makes the gradients. This
 walks that order and returns the most held at once:
 
-* static: parameters, optimizer state (ZeRO: as stored) and inputs, throughout;
+* static: parameters, optimizer state (ZeRO: as stored) and inputs, and the gradient
+  buckets' buffers, throughout;
 * an op's forward: static + the tensors kept so far (`Pricer.activation_memory`) + the
   outputs made and not yet read for the last time (a loss's logits and log-probabilities);
 * an op's backward: static + the tensors still kept + the parameters' gradients made so far
   + the gradients of activations made and not yet consumed (its outputs' among them) + the
-  gradients of its inputs it makes (a view's is its output's, moved: nothing new);
-* the optimizer step: static + every parameter's gradient (the fused AdamW makes no more).
+  gradients of its inputs it makes (a view's is its output's, moved: nothing new), with, for
+  the while it runs, the gradients of the tensors of its own it saved (a loss's
+  log-probabilities: its decomposition's intermediates) and of the inputs it read moved, as
+  it read them;
+* the optimizer step: static + every parameter's gradient outside the buckets (the fused
+  AdamW makes no more).
+
+What the executor holds beyond the ops' outputs as placed (`autoplan.costmodel.held`): an
+op's saved inputs that it reads moved by a collective are copies of their own, made in its
+forward, freed after its backward; a bucket's gradients leave backward's count once the
+bucket, complete and in turn, is copied into its buffer.
 
 A kept tensor is freed after the backward of the first op that saves it (`Node.kept_by`), an
 op's own saved tensors after its own backward. A recomputed layer
@@ -24,24 +34,39 @@ all again.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from autoplan.costmodel.held import bucket_bytes, saved_copies
 from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.ir import Graph, Node, itemsize
 from autoplan.modes import NodeKind
+from autoplan.strategies.buckets import Bucket
 from autoplan.strategies.placement import local_numel
 from autoplan.strategies.space import Strategy
 
 
-def peak_bytes(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer) -> float:
-    """The step's peak bytes per device."""
+def peak_bytes(
+    graph: Graph,
+    assignment: Mapping[str, Strategy],
+    pricer: Pricer,
+    buckets: Sequence[Bucket] = (),
+) -> float:
+    """The step's peak bytes per device; ``buckets``: its gradient buckets, in the order
+    they are issued."""
     recompute = pricer.recompute
-    static = grads_total = 0.0
+    copies = saved_copies(graph, assignment, pricer)
+    static = bucket_bytes(buckets)
+    param_grads: dict[str, float] = {}
     for node in graph:
         if node.kind in (NodeKind.PARAM, NodeKind.INPUT):
             grad = pricer.gradient_memory(node, assignment[node.name])
             static += pricer.node_memory(node, assignment[node.name]) - grad
-            grads_total += grad
+            param_grads[node.name] = grad
+    in_bucket = {p: i for i, b in enumerate(buckets) for p in b.params}
+    # at the optimizer step the bucketed gradients are views of the buffers
+    grads_total = sum(g for p, g in param_grads.items() if p not in in_bucket)
+    waiting = [len(b.params) for b in buckets]  # by bucket: its gradients not yet made
+    issued = 0
     last = _last_readers(graph)
     alive = transient = 0.0  # forward: kept for backward; made and not yet read for the last time
     made_now: dict[str, float] = {}
@@ -54,16 +79,20 @@ def peak_bytes(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         s = assignment[node.name]
         saved = pricer.activation_memory(node, s)
         extra = min(saved, pricer.saved_extra_memory(node, s))
-        freed[node.kept_by or node.name] += saved - extra
-        freed[node.name] += extra
+        kept = max(0.0, saved - extra - copies.unkept.get(node.name, 0.0))
+        freed[node.kept_by or node.name] += kept
+        freed[node.name] += extra + copies.made.get(node.name, 0.0)
+        saved = kept + extra
         if recompute.drops(node.name):
             remade[recompute.layer_of[node.name]] += saved
             saved = 0.0
-        alive += saved
+        alive += saved + copies.made.get(node.name, 0.0)
         if not node.is_view:
             made_now[node.name] = max(0.0, _output_bytes(node, s, pricer, False) - saved + extra)
             transient += made_now[node.name]
+        transient += copies.passing.get(node.name, 0.0)
         peak = max(peak, static + alive + transient)
+        transient -= copies.passed.get(node.name, 0.0)
         for name in last.get(i, ()):
             transient -= made_now.pop(name, 0.0)
     grads = 0.0  # gradients alive: parameters' and activations' not yet consumed
@@ -75,21 +104,37 @@ def peak_bytes(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         if recompute.drops(node.name):  # its layer's forward runs again, once
             alive += remade.pop(recompute.layer_of[node.name], 0.0)
         consumed = pending.pop(node.name, 0.0)
+        s = assignment[node.name]
         new = 0.0
-        for ref in dict.fromkeys(node.refs):
+        # inside its backward: the gradients of the tensors of its own it saved (a loss's
+        # log-probabilities), and of inputs it read moved, made as it read them before they
+        # are moved back to where their producers keep them
+        inside = pricer.saved_extra_memory(node, s)
+        first = {r: i for i, r in reversed(list(enumerate(node.refs)))}  # by input: its index
+        for ref, i in first.items():
             producer = graph.node(ref.name)
             if not producer.needs_grad or ref.name in made or ref.name in pending:
                 continue
+            tensor = graph.tensor(ref)
+            if s.inputs[i] != assignment[ref.name].output and tensor.is_differentiable:
+                local = local_numel(s.inputs[i], tensor.shape, pricer.mesh_shape)
+                inside += float(local * itemsize(tensor.dtype))
             if producer.kind == NodeKind.PARAM:
                 made.add(ref.name)
-                new += pricer.gradient_memory(producer, assignment[ref.name])
+                new += param_grads[ref.name]
+                if ref.name in in_bucket:
+                    waiting[in_bucket[ref.name]] -= 1
             else:
                 pending[ref.name] = _output_bytes(producer, assignment[ref.name], pricer, True)
                 new += pending[ref.name]
         if not node.is_view:
-            peak = max(peak, static + alive + grads + new)
+            peak = max(peak, static + alive + grads + new + inside)
         grads += new - consumed
         alive -= freed[node.name]
+        while issued < len(buckets) and waiting[issued] == 0:
+            # complete and in turn: copied into its buffer, backward's gradients freed
+            grads -= sum(param_grads[p] for p in buckets[issued].params)
+            issued += 1
     return max(peak, static + grads_total)
 
 

@@ -221,7 +221,8 @@ def priced_stage(
         send_s=send_s,
         extra_s=extra,
         memory_bytes=static,
-        activation_bytes=step.memory_bytes - static,
+        # the buckets' buffers are not counted in a pipeline's stages (docs/status.md)
+        activation_bytes=step.memory_bytes - step.rest.bucket_bytes - static,
         solver=solver,
         recompute_bytes=step.recompute_bytes,
         recomputed=pricer.recompute.within(frozenset(stage.nodes)),

@@ -355,6 +355,19 @@ class Pricer:
         elems = local_numel(placed, node.output.shape, self.mesh_shape)
         return float(elems * itemsize(node.output.dtype))
 
+    def bucket_memory(self, node: Node, strategy: Strategy) -> float:
+        """The ILP's estimate of a parameter's share of the gradient buckets' buffers
+        (`autoplan.costmodel.held`): its gradient as kept, where it is stored replicated
+        along an axis of several devices and not reduce-scattered (ZeRO-2), so that its
+        gradient is all-reduced, in a bucket. A plan's price counts the buckets it makes."""
+        if node.kind != NodeKind.PARAM or not node.needs_grad:
+            return 0.0
+        if strategy.grad_target != strategy.output:
+            return 0.0
+        if not any(p == R and n > 1 for p, n in zip(strategy.output, self.mesh_shape, strict=True)):
+            return 0.0
+        return self.gradient_memory(node, strategy)
+
     def memory_floor(self, node: Node) -> float:
         """A floor under `node_memory` of ``node`` whatever its strategy: every tensor split
         over all the mesh's devices (ZeRO's copies are more), a dropped activation nothing.

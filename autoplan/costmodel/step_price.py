@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from autoplan.costmodel.held import saved_copies
 from autoplan.costmodel.overlap import (
     AsyncReduction,
     backward_timeline,
@@ -57,6 +58,11 @@ class StepRest:
     # memory, subtracted: what the ops' sum counts that the step never holds at once (the
     # gradients not yet made while backward's tensors are kept; `autoplan.costmodel.peak`)
     unheld_bytes: float = 0.0
+    # not in the memory sum (the ILP's), but in the peak: the saved inputs read moved, kept
+    # as copies, less the outputs they leave unkept (`autoplan.costmodel.held`)
+    copied_bytes: float = 0.0
+    # memory: the gradient buckets' buffers, held throughout, as the ILP estimates them
+    bucket_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,9 @@ class PricedStep:
     @property
     def peak_bytes(self) -> float:
         """The most it holds at once: `memory_bytes` counts every gradient and every tensor
-        backward keeps together, as a pipeline stage's microbatches may (and the ILP does)."""
-        return self.memory_bytes - self.rest.unheld_bytes
+        backward keeps together, as a pipeline stage's microbatches may (and the ILP does),
+        but not the saved inputs kept as copies (`StepRest.copied_bytes`)."""
+        return self.memory_bytes + self.rest.copied_bytes - self.rest.unheld_bytes
 
 
 def summed_gradient(a: Spec | None, b: Spec | None) -> Spec | None:
@@ -199,7 +206,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
             gradients += [(user, name, p) for p in own]
             issued.append(AsyncReduction(ends[user], sum(pricer.phased_s(p) for p in own)))
     ready = 0.0  # a bucket is issued once its gradients are in and the earlier buckets issued
-    for i, bucket in enumerate(make_buckets(bucketed[::-1])):
+    buckets = make_buckets(bucketed[::-1])
+    for i, bucket in enumerate(buckets):
         phased = Phased(bucket.collective, Phase.GRAD_SYNC, bucket.params)
         gradients.append((GRADIENTS, f"bucket{i}", phased))
         ready = max([ready, *(ends[syncs[p][0][0]] for p in bucket.params)])
@@ -219,15 +227,21 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     comm += len(waits) * pricer.sync_s
     transient = max(dropped.values(), default=0.0)
     ops = tuple(OpPrice(name, *share) for name, share in shares.items())
-    held = peak_bytes(graph, assignment, pricer)
+    held = peak_bytes(graph, assignment, pricer, buckets)
+    copies = saved_copies(graph, assignment, pricer)
+    copied = sum(copies.made.values()) - sum(copies.unkept.values())
+    # the buckets' buffers as the ILP estimates them (`Pricer.bucket_memory`): the memory
+    # sum stays the ILP's; the peak counts the buckets made
+    buffers = sum(pricer.bucket_memory(n, assignment[n.name]) for n in graph)
+    memory += transient + buffers
     rest = StepRest(
         max(0.0, host - compute),
         len(waits) * pricer.sync_s,
         synced,
         hidden,
         transient,
-        memory + transient - held,
+        memory + copied - held,
+        copied,
+        buffers,
     )
-    return PricedStep(
-        max(compute, host), comm, memory + transient, tuple(found), transient, ops, rest
-    )
+    return PricedStep(max(compute, host), comm, memory, tuple(found), transient, ops, rest)

@@ -96,6 +96,9 @@ class Node:
     # resolved to the tensor they read; `autoplan.graph.saved`); None: not known, all of them
     kept: tuple[int, ...] | None = None
     kept_by: str = ""  # the op whose backward frees them (the first to save them); "": itself
+    # of an op: the positions in `refs` of the inputs its own backward saves, as it reads them
+    # (placed as it needs them: a redistributed input is kept redistributed)
+    saves: tuple[int, ...] = ()
     kept_extra_bytes: float = 0.0  # what its backward saves that is no input or output, whole
     kept_extra_like: int = -1  # split as its tensor input of this index (-1: its output)
     # of an attention: its keys' and values' bytes, whole (kept gathered by the ranks that

@@ -160,10 +160,12 @@ def _keys_bytes(graph: Graph, node: Node) -> int:
 
 
 def with_saved(graph: Graph, aliases: Mapping[Ref, Ref]) -> Graph:
-    """``graph`` with each op's `Node.kept`, `Node.kept_by` and `Node.kept_extra_bytes`;
+    """``graph`` with each op's `Node.kept`, `Node.kept_by`, `Node.saves` and
+    `Node.kept_extra_bytes`;
     ``aliases``: each op output that is a view of an input, as traced -> that input."""
     saver: dict[Ref, str] = {}  # a kept tensor -> its first saver in graph order
     extra: dict[str, int] = {}
+    saves: dict[str, tuple[int, ...]] = {}  # by op: the positions in its refs it saves
 
     def keep(ref: Ref, by: str) -> None:
         saver.setdefault(_base(ref, aliases), by)
@@ -180,6 +182,8 @@ def with_saved(graph: Graph, aliases: Mapping[Ref, Ref]) -> Graph:
         distinct = list(dict.fromkeys(node.refs))
         for i in sorted(ins):
             keep(distinct[i], node.name)
+        saved_refs = {distinct[i] for i in ins}
+        saves[node.name] = tuple(i for i, r in enumerate(node.refs) if r in saved_refs)
         for j in sorted(outs):
             keep(Ref(node.name, j), node.name)
         if own:
@@ -194,6 +198,7 @@ def with_saved(graph: Graph, aliases: Mapping[Ref, Ref]) -> Graph:
                 n,
                 kept=kept,
                 kept_by=by,
+                saves=saves.get(n.name, ()),
                 kept_extra_bytes=extra.get(n.name, 0),
                 kept_extra_like=_largest_input(graph, n) if n.name in extra else -1,
                 keys_bytes=_keys_bytes(graph, n),

@@ -87,13 +87,14 @@ def collective_plans(step: PricedStep, axes: tuple[str, ...]) -> tuple[Collectiv
     )
 
 
-def predicted(step: PricedStep, memory_limit: float) -> Predicted:
+def predicted(step: PricedStep, memory_limit: float, allocator_margin: float) -> Predicted:
     return Predicted(
         step_time_s=step.time_s,
         compute_s=step.compute_s,
         comm_s=step.comm_s,
         peak_memory_bytes=step.peak_bytes,
         memory_limit_bytes=memory_limit,
+        allocator_margin=allocator_margin,
     )
 
 
@@ -143,7 +144,7 @@ def assemble_plan(
         params=params,
         nodes=nodes,
         collectives=collectives,
-        predicted=predicted(step, memory_limit),
+        predicted=predicted(step, memory_limit, cluster.device.allocator_margin),
         solver=solver,
         mixed_precision=graph.precision,
         recompute=recomputed_layers(recompute),
@@ -259,6 +260,7 @@ def assemble_pipeline_plan(
             comm_s=sum(st.step.comm_s for st in pipe.stages),
             peak_memory_bytes=max(pipe.stage_memory(s) for s in range(num_stages)),
             memory_limit_bytes=pipe.memory_limit,
+            allocator_margin=cluster.device.allocator_margin,
         ),
         solver=SolverInfo(
             status="optimal",

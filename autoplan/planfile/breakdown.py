@@ -54,6 +54,8 @@ class Breakdown:
     transient_bytes: float
     unheld_bytes: float  # subtracted: the ops' memory never held at once (`StepRest`)
     per_microbatch: bool  # a pipeline's: one microbatch's, all stages together
+    copied_bytes: float = 0.0  # saved inputs read moved, kept as copies (`StepRest`)
+    bucket_bytes: float = 0.0  # the gradient buckets' buffers
 
     @property
     def compute_s(self) -> float:
@@ -65,7 +67,8 @@ class Breakdown:
 
     @property
     def memory_bytes(self) -> float:
-        return sum(o.memory_bytes for o in self.ops) + self.transient_bytes - self.unheld_bytes
+        beyond = self.transient_bytes + self.copied_bytes + self.bucket_bytes
+        return sum(o.memory_bytes for o in self.ops) + beyond - self.unheld_bytes
 
 
 def layer_of(module: str) -> str:
@@ -122,6 +125,8 @@ def breakdown(plan: Plan, steps: Sequence[PricedStep]) -> Breakdown:
         transient_bytes=sum(st.rest.transient_bytes for st in steps),
         unheld_bytes=sum(st.rest.unheld_bytes for st in steps),
         per_microbatch=plan.pipeline is not None,
+        copied_bytes=sum(st.rest.copied_bytes for st in steps),
+        bucket_bytes=sum(st.rest.bucket_bytes for st in steps),
     )
 
 
@@ -205,6 +210,8 @@ def top_lines(plan: Plan, b: Breakdown, n: int) -> list[str]:
         f"  waits for the ranks' skew            {fmt_time(b.waits_s)}",
         f"  gradient buckets and syncs           {fmt_time(b.gradients_s)}",
         f"  a recomputed layer in its backward   {fmt_bytes(b.transient_bytes)}",
+        f"  saved inputs kept as read, moved     {fmt_bytes(b.copied_bytes)}",
+        f"  gradient buckets' buffers            {fmt_bytes(b.bucket_bytes)}",
         f"  {'not held at once (subtracted)':<37}{fmt_bytes(b.unheld_bytes)}",
         "",
         f"sums: compute {fmt_time(b.compute_s)}, communication {fmt_time(b.comm_s)}; "

@@ -200,6 +200,7 @@ def _read_fields(doc: JsonField) -> dict[str, Any]:
         comm_s=pr["comm_s"].number(),
         peak_memory_bytes=pr["peak_memory_bytes"].number(),
         memory_limit_bytes=pr["memory_limit_bytes"].number(),
+        allocator_margin=margin.number() if (margin := pr.get("allocator_margin")) else 0.0,
     )
     s = doc["solver"]
     solver = SolverInfo(

@@ -89,7 +89,8 @@ class Plan:
         written only when set, so plans without them have the bytes they had before: a plan
         in the model's own dtypes has no mixed_precision key, one without recomputation no
         recompute key, a recomputed layer that saves no ops no ``saved``, one proven optimal
-        no ``solver.unproven``, and a parameter no ZeRO-1/2 ``grad`` or ``state``."""
+        no ``solver.unproven``, one on a device of no allocator margin no
+        ``predicted.allocator_margin``, and a parameter no ZeRO-1/2 ``grad`` or ``state``."""
         data = asdict(self)
         if data["mixed_precision"] is None:
             del data["mixed_precision"]
@@ -100,6 +101,8 @@ class Plan:
                 del layer["saved"]
         if not self.solver.unproven:
             del data["solver"]["unproven"]
+        if not self.predicted.allocator_margin:
+            del data["predicted"]["allocator_margin"]
         for param in data["params"].values():
             for key in OPTIONAL_PARAM_FIELDS:
                 if not param[key]:

@@ -169,7 +169,10 @@ class Predicted:
     compute_s: float
     comm_s: float
     peak_memory_bytes: float
+    # what the step's live tensors may hold: the device's share, less its allocator's margin
     memory_limit_bytes: float
+    # the cluster's `Device.allocator_margin` taken off the limit; written only when set
+    allocator_margin: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -393,7 +393,12 @@ def summary(plan: Plan) -> str:
             else " per microbatch, all stages)"
         ),
         f"predicted memory per device: {fmt_bytes(pr.peak_memory_bytes)} of "
-        f"{fmt_bytes(pr.memory_limit_bytes)} allowed",
+        f"{fmt_bytes(pr.memory_limit_bytes)} allowed"
+        + (
+            f" (the allocator's margin of {pr.allocator_margin:.0%} taken off)"
+            if pr.allocator_margin
+            else ""
+        ),
         f"solver: {so.status}, {so.num_groups} decision groups, {so.num_variables} variables, "
         f"{so.solve_time_s:.2f} s",
         *(f"  not proven optimal: {part.describe()}" for part in so.unproven),

@@ -276,7 +276,10 @@ def build_problem(
             for s in strategies
         ]
         copies = count * (in_flight if node.kind == NodeKind.OP else 1.0)
-        own_mem = [pricer.node_memory(node, s) * copies for s in strategies]
+        own_mem = [
+            (pricer.node_memory(node, s) + pricer.bucket_memory(node, s)) * copies
+            for s in strategies
+        ]
         producer = _follower_producer(node, graph)
         follow = (
             _exact_follow(space[producer], space[node.name], pick[producer]) if producer else None
