@@ -23,7 +23,7 @@ from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.planfile.check import check_plan
 from autoplan.planfile.show import summary
-from autoplan.strategies.routing import NO_REGION, Op, region
+from autoplan.strategies.routing import NO_REGION, RegionOp, region
 from autoplan.strategies.rules import own_rule
 from tests.distributed.cases import cluster
 from tests.models.zoo import workload
@@ -157,26 +157,26 @@ def test_planner_sends_tokens_to_their_experts_where_it_pays(
     assert plan.predicted.step_time_s < other.predicted.step_time_s
 
 
-def _routed(*tail: Op) -> list[Op]:
+def _routed(*tail: RegionOp) -> list[RegionOp]:
     """transformers' grouped experts as the planner's graph has them (one grouped matmul),
     then ``tail``."""
     return [
-        Op("sort", "aten.sort.default", ("ids",)),
-        Op("token", "aten.floor_divide.default", ("sort",)),
-        Op("rows", "aten.index.Tensor", ("hidden", "token")),
-        Op("counts", "aten.histc.default", ("sort",)),
-        Op("offs", "aten.cumsum.default", ("counts",)),
-        Op("mm", GROUPED_MMS[0], ("rows", "w", "offs")),
-        Op("empty", "aten.empty_like.default", ("sort",)),
-        Op("positions", "aten.arange.default", ()),
-        Op("inverse", "aten.index_put.default", ("empty", "sort", "positions")),
-        Op("back", "aten.index.Tensor", ("mm", "inverse")),
+        RegionOp("sort", "aten.sort.default", ("ids",)),
+        RegionOp("token", "aten.floor_divide.default", ("sort",)),
+        RegionOp("rows", "aten.index.Tensor", ("hidden", "token")),
+        RegionOp("counts", "aten.histc.default", ("sort",)),
+        RegionOp("offs", "aten.cumsum.default", ("counts",)),
+        RegionOp("mm", GROUPED_MMS[0], ("rows", "w", "offs")),
+        RegionOp("empty", "aten.empty_like.default", ("sort",)),
+        RegionOp("positions", "aten.arange.default", ()),
+        RegionOp("inverse", "aten.index_put.default", ("empty", "sort", "positions")),
+        RegionOp("back", "aten.index.Tensor", ("mm", "inverse")),
         *tail,
     ]
 
 
 def test_routed_region_runs_from_the_sort_to_the_inverse_permutation() -> None:
-    found = region(_routed(Op("out", "aten.view.default", ("back",))))
+    found = region(_routed(RegionOp("out", "aten.view.default", ("back",))))
     assert found.inside == {"sort", "token", "rows", "counts", "offs", "mm", "empty"} | {
         "positions",
         "inverse",
@@ -187,12 +187,12 @@ def test_routed_region_runs_from_the_sort_to_the_inverse_permutation() -> None:
 @pytest.mark.parametrize(
     "tail",
     [
-        Op("leak", "aten.sum.default", ("rows",)),  # the sorted rows read outside
-        Op("mix", "aten.mul.Tensor", ("mm", "hidden")),  # mixed with tokens in their order
+        RegionOp("leak", "aten.sum.default", ("rows",)),  # the sorted rows read outside
+        RegionOp("mix", "aten.mul.Tensor", ("mm", "hidden")),  # mixed with tokens in their order
     ],
     ids=["read-outside", "mixed-with-tokens"],
 )
-def test_a_region_that_is_not_closed_routes_nothing(tail: Op) -> None:
+def test_a_region_that_is_not_closed_routes_nothing(tail: RegionOp) -> None:
     assert region(_routed(tail)) == NO_REGION
 
 

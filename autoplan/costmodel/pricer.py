@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 from autoplan.cluster.model import Cluster
+from autoplan.costmodel.issued import Phased, dispatch_collectives, loss_collectives
 from autoplan.costmodel.tiles import matmul_tile_share
 from autoplan.costmodel.timing import (
     activation_time,
@@ -67,15 +67,6 @@ OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
 # pieces by a split, never moved. Priced so that no plan moves one (`movable` refuses those
 # that do, read from a file)
 UNMOVABLE_S = 10.0
-
-
-@dataclass(frozen=True)
-class Phased:
-    """A collective with the phase of the step that issues it."""
-
-    collective: Collective
-    phase: Phase
-    params: tuple[str, ...] = ()  # a gradient bucket's parameters (see strategies/buckets.py)
 
 
 class Pricer:
@@ -219,60 +210,8 @@ class Pricer:
             found, _ = self._redistribute(strategy.state, strategy.output, info.shape, size)
             return tuple(Phased(c, Phase.UPDATE) for c in found)
         if node.op in GROUPED_MMS:
-            return self._dispatch(node, strategy, ins)
-        if node.op.split(".")[:2] != ["aten", "cross_entropy_loss"] or not strategy.inputs:
-            return ()
-        reduction = node.args[3] if len(node.args) > 3 else dict(node.kwargs).get("reduction", 1)
-        logits, target = strategy.inputs[0], strategy.inputs[1]
-        axes = [a for a, size in enumerate(self.mesh_shape) if size > 1]
-        issued: list[Phased] = []
-        if ins and len(ins[0].shape) == len(ins[1].shape) + 1:  # targets are class indices
-            # the maximum, then the target's logit and the sum, of each element of the shard;
-            # again in backward where the loss is recomputed
-            size = itemsize(ins[0].dtype) * local_numel(target, ins[1].shape, self.mesh_shape)
-            again = self.recompute.recomputes(node.name)
-            issued += [
-                Phased(Collective("all_reduce", (axis,), n * size), phase)
-                for phase in (Phase.FORWARD, Phase.RECOMPUTE)[: 1 + again]
-                for axis in axes
-                if shard_dim(logits[axis]) == 1
-                for n in (1, 2)
-            ]
-        if reduction == 1:
-            size = itemsize(node.outputs[0].dtype)
-            issued += [
-                Phased(Collective("all_reduce", (axis,), size), Phase.FORWARD)
-                for axis in axes
-                if shard_dim(target[axis]) is not None
-            ]
-        return tuple(issued)
-
-    def _dispatch(
-        self, node: Node, strategy: Strategy, ins: Sequence[TensorInfo]
-    ) -> tuple[Phased, ...]:
-        """A grouped matmul whose rows and experts split along the same axis sends each
-        rank's rows to its experts' ranks and back (`execute/experts.py`): in forward an
-        all-to-all of the counts per expert, one of the rows and one of the products; in
-        backward one of each's gradient (again where recomputed). The rows' share of each
-        rank depends on the routing: priced at the balanced expectation, each rank sending
-        and receiving its own rows' bytes."""
-        if len(ins) < 3 or not strategy.inputs:
-            return ()
-        x, w = strategy.inputs[0], strategy.inputs[1]
-        axes = [a for a in range(len(x)) if shard_dim(x[a]) == 0 == shard_dim(w[a])]
-        if not axes:
-            return ()
-        (axis,) = axes  # one axis (`strategies.grouped_mm.supported`)
-        rows = itemsize(ins[0].dtype) * local_numel(x, ins[0].shape, self.mesh_shape)
-        out = node.outputs[0]
-        products = itemsize(out.dtype) * local_numel(strategy.output, out.shape, self.mesh_shape)
-        counts = itemsize(ins[2].dtype) * math.prod(ins[2].shape)
-        sent = [Collective("all_to_all", (axis,), n) for n in (counts, rows, products)]
-        phases = [Phase.FORWARD] + [Phase.RECOMPUTE] * self.recompute.recomputes(node.name)
-        issued = [Phased(c, phase) for phase in phases for c in sent]
-        if node.needs_grad:
-            issued += [Phased(c, Phase.BACKWARD) for c in sent[:0:-1]]
-        return tuple(issued)
+            return dispatch_collectives(node, strategy, ins, self.mesh_shape, self.recompute)
+        return loss_collectives(node, strategy, ins, self.mesh_shape, self.recompute)
 
     def internal_time(
         self,

@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.graph.flops import GROUPED_MMS
-from autoplan.strategies.routing import Op, Region, region
+from autoplan.strategies.routing import Region, RegionOp, region
 from autoplan.torch_private import functional_all_to_all, functional_all_to_all_autograd
 
 
@@ -43,7 +43,7 @@ def routed_region(graph: torch.fx.Graph) -> Region:
     """`autoplan.strategies.routing.region` of a traced graph, a multi-output op's outputs
     (``getitem``) read as the op, as the planner's graph reads them."""
     source: dict[str, str] = {}
-    ops: list[Op] = []
+    ops: list[RegionOp] = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -52,7 +52,7 @@ def routed_region(graph: torch.fx.Graph) -> Region:
             source[node.name] = source.get(reads[0].name, reads[0].name)
             continue
         names = [source.get(n.name, n.name) for n in _tensor_reads(node)]
-        ops.append(Op(node.name, str(node.target), tuple(names)))
+        ops.append(RegionOp(node.name, str(node.target), tuple(names)))
     return region(ops)
 
 

@@ -38,6 +38,7 @@ from autoplan.execute.experts import (
     local_grouped_mm,
     routed_region,
 )
+from autoplan.execute.op_arguments import Arguments, last_uses, map_tensors, tensor_inputs
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
     MEAN,
@@ -72,15 +73,6 @@ from autoplan.torch_private import from_local, redistribute
 log = logging.getLogger(__name__)
 
 
-def _map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every fx Node in ``value`` (lists and tuples walked in order)."""
-    if isinstance(value, torch.fx.Node):
-        return fn(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
-
-
 # tensor name -> (placement[, gradient placement]) -> the tensor so placed
 Placed = dict[str, dict[Any, Any]]
 
@@ -95,77 +87,6 @@ class Local:
     tensor: torch.Tensor
     placements: tuple[Placement, ...]
     grad: tuple[Placement, ...] | None = None
-
-
-def _nodes_in(value: Any) -> list[torch.fx.Node]:
-    found: list[torch.fx.Node] = []
-    _map_tensors(value, found.append)
-    return found
-
-
-def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """``node``'s tensor inputs in the order the plan lists them: args, then kwargs."""
-    return _nodes_in([node.args, *node.kwargs.values()])
-
-
-def last_uses(nodes: Sequence[torch.fx.Node], keep: Sequence[str] = ()) -> dict[str, list[str]]:
-    """By node, the values it is the last to read (``nodes`` in the order they run), to free
-    once it has run;
-    ``keep``: values needed after the last node (a stage's sent tensors). A value kept to the
-    end of the step would hold its memory through the whole forward, and every op would write
-    into fresh pages, which the kernel maps and zeroes (the module's own forward frees as it
-    goes)."""
-    freed: dict[str, list[str]] = {}
-    seen: set[str] = set(keep)
-    for node in reversed(nodes):
-        for read in _tensor_inputs(node):
-            if read.name not in seen:
-                seen.add(read.name)
-                freed.setdefault(node.name, []).append(read.name)
-    return freed
-
-
-@dataclass(frozen=True)
-class Arguments:
-    """An op's arguments with its tensor inputs to fill in, in `_tensor_inputs` order (made
-    once per op: the executor fills them for every op of every step)."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    # where each tensor input goes: a position in args or a keyword; None where one sits
-    # inside a list (``cat``)
-    slots: tuple[int | str, ...] | None
-
-    @classmethod
-    def of(
-        cls, node: torch.fx.Node, device: torch.device, shape: Any = None, args: Any = None
-    ) -> Arguments:
-        """``shape``: a local view's or factory's size argument, or a local split's pieces, in
-        place of the traced one; ``args``: all of them (a local slice's)."""
-        if args is None:
-            args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
-        # graphs traced on meta carry device=meta in factories and moves (inv_freq.to(x.device))
-        args = tuple(device if isinstance(v, torch.device) else v for v in args)
-        kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
-        places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-        if any(not isinstance(v, torch.fx.Node) and _nodes_in(v) for _, v in places):
-            return cls(args, kwargs, None)
-        slots = tuple(where for where, v in places if isinstance(v, torch.fx.Node))
-        return cls(args, kwargs, slots)
-
-    def fill(self, values: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.slots is None:
-            supply = iter(values)
-            args = _map_tensors(self.args, lambda _: next(supply))
-            kwargs = {k: _map_tensors(v, lambda _: next(supply)) for k, v in self.kwargs.items()}
-            return args, kwargs
-        args, kwargs = list(self.args), dict(self.kwargs)
-        for slot, value in zip(self.slots, values, strict=True):
-            if isinstance(slot, int):
-                args[slot] = value
-            else:
-                kwargs[slot] = value
-        return tuple(args), kwargs
 
 
 class PlanInterpreter:
@@ -215,7 +136,7 @@ class PlanInterpreter:
             name = fx_node.name
             if name not in self.nodes:
                 continue
-            self.reads[name] = [n.name for n in _tensor_inputs(fx_node)]
+            self.reads[name] = [n.name for n in tensor_inputs(fx_node)]
             shape, args = None, None
             # a replicated op run whole on every rank is exact on local tensors, and only so
             # does its backward keep a partial gradient partial; a routed region's ops route
@@ -290,7 +211,7 @@ class PlanInterpreter:
             if node.name not in self.local:
                 return None
             uses = zip(
-                _tensor_inputs(node), self.inputs[node.name], self.grads[node.name], strict=True
+                tensor_inputs(node), self.inputs[node.name], self.grads[node.name], strict=True
             )
             for read, target, grad in uses:
                 if read.name == placeholder:
@@ -338,7 +259,7 @@ class PlanInterpreter:
                 self._finish_awaited()
                 if self.sent:
                     break
-                return _map_tensors(item.args[0], lambda n: self._dtensor(n.name, env, placed))
+                return map_tensors(item.args[0], lambda n: self._dtensor(n.name, env, placed))
             self._step(item, env, placed, totals, weigh)
         self._finish_awaited()
         return tuple(self._sent(name, env, placed) for name in self.sent)

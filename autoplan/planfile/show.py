@@ -388,7 +388,7 @@ def summary(plan: Plan) -> str:
         f"predicted step time: {fmt_time(pr.step_time_s)}  (compute {fmt_time(pr.compute_s)}, "
         f"communication {fmt_time(pr.comm_s)}"
         + (
-            f"; {fmt_time(max(0.0, hidden))} of it hidden behind backward)"
+            f"; {fmt_time(max(0.0, hidden))} of it hidden behind compute)"
             if plan.pipeline is None
             else " per microbatch, all stages)"
         ),

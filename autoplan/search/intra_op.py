@@ -14,7 +14,7 @@ each, counted as DDP fills them (a bucket cost). What the ILP cannot see exactly
 gradients share a bucket, ops waiting once for several moved inputs) is why the planner also
 prices the conventional plans of the shape it found (`autoplan.api`). A move that would mix
 a routed region's local rows with the one-process tensor's shards (`strategies.routing`)
-costs more than any plan without one (`_forbidden`).
+costs more than any plan without one (`autoplan.solvers.forbidden`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
 The plan found is priced again from its assignment, node by node (`costmodel.step_price`).
 """
@@ -37,6 +37,7 @@ from autoplan.modes import NodeKind
 from autoplan.phases import timed
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.forbidden import priced_forbidden
 from autoplan.solvers.ilp import solve_intra_op
 from autoplan.solvers.problem import (
     BucketCost,
@@ -45,6 +46,7 @@ from autoplan.solvers.problem import (
     IntraOpProblem,
     IntraOpSolution,
     SharedCost,
+    lower_bound,
 )
 from autoplan.strategies import routing
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
@@ -108,7 +110,7 @@ def _edge_matrix(
     routed = u in routing.graph_region(graph).inside
     return [
         [
-            math.inf  # made a cost above any plan's (`_forbidden`)
+            math.inf  # made a cost above any plan's (`autoplan.solvers.forbidden`)
             if routed and routing.moves_routed_rows(su.output, sv.inputs[i])
             else pricer.edge(producer, tensor, su, consumer, sv, i, once)
             for sv in space[v].strategies
@@ -329,7 +331,7 @@ def build_problem(
         if graph.node(key[0]).kind == NodeKind.PARAM and graph.node(key[0]).needs_grad
     }
     if routing.graph_region(graph).inside:
-        grouped, shared = _forbidden(node_costs, grouped, shared)
+        grouped, shared = priced_forbidden(node_costs, grouped, shared)
     problem = IntraOpProblem(
         names=tuple(roots),
         node_costs=tuple(tuple(c) for c in node_costs),
@@ -342,32 +344,6 @@ def build_problem(
         buckets=tuple(_bucket_costs(graph, layers, space, pricer, grouping, trained, once)),
     )
     return problem, grouping
-
-
-def _forbidden(
-    node_costs: list[list[float]],
-    edges: dict[tuple[int, int], list[list[float]]],
-    shared: list[SharedCost],
-) -> tuple[dict[tuple[int, int], list[list[float]]], list[SharedCost]]:
-    """The moves that would mix a routed region's local rows with the one-process tensor's
-    shards (`autoplan.strategies.routing`), priced above twice the dearest plan without
-    them: a constant far above every cost would cost the solver its precision (its
-    tolerances are relative to the largest coefficient)."""
-
-    def dearest(values: list[float] | tuple[float, ...]) -> float:
-        return max((v for v in values if math.isfinite(v)), default=0.0)
-
-    bound = sum(dearest(c) for c in node_costs)
-    bound += sum(dearest([v for row in m for v in row]) for m in edges.values())
-    bound += sum(dearest(c.cost) for c in shared)
-    cost = 2.0 * bound + 1e-3
-
-    def priced(v: float) -> float:
-        return v if math.isfinite(v) else cost
-
-    edges = {k: [[priced(v) for v in row] for row in m] for k, m in edges.items()}
-    shared = [replace(c, cost=tuple(priced(v) for v in c.cost)) for c in shared]
-    return edges, shared
 
 
 def decode(
@@ -401,14 +377,6 @@ def solve_problem(
     assert check.feasible, check.violations
     assignment = decode(graph, layers, space, grouping, solution.choice)
     return IntraOpResult(mesh_shape, assignment, solution, problem)
-
-
-def lower_bound(solution: IntraOpSolution) -> float:
-    """The least objective of any plan of its problem: its own where optimal, else its
-    solver's bound (``(1 - gap)`` times it; 0 where the solver did not say)."""
-    if solution.status == "optimal":
-        return solution.objective
-    return 0.0 if solution.gap is None else (1.0 - solution.gap) * solution.objective
 
 
 def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:

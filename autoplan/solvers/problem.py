@@ -192,3 +192,11 @@ class Grouping:
 
     group_of: dict[str, int]
     pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy
+
+
+def lower_bound(solution: IntraOpSolution) -> float:
+    """The least objective of any plan of its problem: its own where optimal, else its
+    solver's bound (``(1 - gap)`` times it; 0 where the solver did not say)."""
+    if solution.status == "optimal":
+        return solution.objective
+    return 0.0 if solution.gap is None else (1.0 - solution.gap) * solution.objective

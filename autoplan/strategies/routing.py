@@ -60,7 +60,7 @@ ROW_OPS = frozenset(
 
 
 @dataclass(frozen=True)
-class Op:
+class RegionOp:
     """One node as the analysis sees it: its name, op (``aten.sort.default``) and the
     producers of its tensor inputs in argument order (an output of several outputs by its
     producer's name)."""
@@ -85,11 +85,11 @@ class Region:
 NO_REGION = Region(frozenset(), frozenset())
 
 
-def region(ops: Sequence[Op]) -> Region:
+def region(ops: Sequence[RegionOp]) -> Region:
     """Every closed routed region of ``ops`` (graph order), from each sort whose values
     reach a grouped matmul's offsets; a sort whose region is not closed routes nothing."""
     by_name = {o.name: o for o in ops}
-    readers: dict[str, list[Op]] = {}
+    readers: dict[str, list[RegionOp]] = {}
     for o in ops:
         for r in dict.fromkeys(o.reads):
             readers.setdefault(r, []).append(o)
@@ -111,7 +111,7 @@ def graph_region(graph: Graph) -> Region:
     def find() -> Region:
         return region(
             [
-                Op(n.name, n.op, tuple(r.name for r in n.refs))
+                RegionOp(n.name, n.op, tuple(r.name for r in n.refs))
                 for n in graph
                 if n.kind == NodeKind.OP
             ]
@@ -121,7 +121,7 @@ def graph_region(graph: Graph) -> Region:
 
 
 def _closed(
-    seed: Op, by_name: dict[str, Op], readers: dict[str, list[Op]]
+    seed: RegionOp, by_name: dict[str, RegionOp], readers: dict[str, list[RegionOp]]
 ) -> tuple[set[str], set[str]] | None:
     inside, exits = {seed.name}, set()
     todo = [seed.name]
@@ -160,7 +160,7 @@ def _closed(
     return (inside, exits) if grouped and counted and exits else None
 
 
-def _routes(op: Op) -> bool:
+def _routes(op: RegionOp) -> bool:
     return (
         op.op in ROW_OPS
         or op.op in COUNTS
@@ -174,7 +174,7 @@ def _routes(op: Op) -> bool:
     )
 
 
-def _is_exit(op: Op, by_name: dict[str, Op]) -> bool:
+def _is_exit(op: RegionOp, by_name: dict[str, RegionOp]) -> bool:
     """An ``index`` of rows by an inverse permutation (an ``index_put`` of positions)."""
     if op.op != INDEX or len(op.reads) != 2:
         return False
@@ -202,7 +202,7 @@ def local_rules(op: str, num_inputs: int, exit: bool) -> list[AxisRule]:
     return []
 
 
-def keeps(rule: AxisRule, op: Op, found: Region) -> bool:
+def keeps(rule: AxisRule, op: RegionOp, found: Region) -> bool:
     """Whether a region's ``op`` keeps its own rule ``rule`` there. A row-wise op does: inside,
     a split along dim 0 is this rank's rows in its own order, row for row the same op. An
     op that reads positions (``index``, ``index_put``) does not where it splits a region's

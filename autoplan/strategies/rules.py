@@ -9,19 +9,21 @@ all-replicated tuple is added by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
 from autoplan.strategies.attention import attention
 from autoplan.strategies.grouped_mm import RULES as EXPERT_RULES
+from autoplan.strategies.index_rules import (
+    AxisRule,
+    Rule,
+    arg,
+    bincount,
+    histogram,
+    index_put,
+    indexed,
+)
 from autoplan.strategies.placement import P, R, shard
-
-AxisRule = tuple[str, ...]
-Rule = Callable[[Node, Sequence[TensorInfo]], list[AxisRule]]
-
-
-def _arg(node: Node, index: int, name: str, default: object) -> object:
-    return node.args[index] if len(node.args) > index else dict(node.kwargs).get(name, default)
 
 
 def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -40,7 +42,7 @@ def _linear(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 def _layer_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     x = ins[0]
-    normalized = _arg(node, 1, "normalized_shape", ())
+    normalized = arg(node, 1, "normalized_shape", ())
     num_norm = len(normalized) if isinstance(normalized, tuple | list) else 1
     rest = [R] * (len(ins) - 1)  # weight, bias
     return [(shard(d), shard(d), *rest) for d in range(len(x.shape) - num_norm)]
@@ -56,7 +58,7 @@ def _cross_entropy(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     rules: list[AxisRule] = [(P, shard(0), shard(0), *[R] * (len(ins) - 2))]
     for d in range(2, len(logits.shape)):
         rules.append((P, shard(d), shard(d - classes), *[R] * (len(ins) - 2)))
-    if classes == 1 and not _arg(node, 5, "label_smoothing", 0.0):
+    if classes == 1 and not arg(node, 5, "label_smoothing", 0.0):
         rules.append((R, shard(1), R, *[R] * (len(ins) - 2)))
     return rules
 
@@ -66,14 +68,14 @@ def _embedding(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     for a gradient sparse or scaled by frequency) the vocabulary, each rank's lookup masked
     to its rows (execute/vocab.py): partial sums, where DTensor's rule makes a MaskPartial."""
     n = len(ins[1].shape)
-    vocab = not _arg(node, 3, "scale_grad_by_freq", False) and not _arg(node, 4, "sparse", False)
+    vocab = not arg(node, 3, "scale_grad_by_freq", False) and not arg(node, 4, "sparse", False)
     split: list[AxisRule] = [(shard(d), R, shard(d)) for d in range(n)]
     return split + [(shard(n), shard(1), R)] + [(P, shard(0), R)] * vocab
 
 
 def _elementwise_loss(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     x = ins[0]
-    reduction = _arg(node, 2, "reduction", 1)
+    reduction = arg(node, 2, "reduction", 1)
     out = P if reduction != 0 else None
     return [(out or shard(d), *[shard(d)] * len(ins)) for d in range(len(x.shape))]
 
@@ -141,7 +143,7 @@ def _identity(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 
 def _split(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     ndim = len(ins[0].shape)
-    dim = int(_arg(node, 2, "dim", 0)) % ndim  # type: ignore[call-overload]
+    dim = int(arg(node, 2, "dim", 0)) % ndim  # type: ignore[call-overload]
     return _from_dim_map({d: d for d in range(ndim) if d != dim})
 
 
@@ -163,7 +165,7 @@ def _pad(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # (as labels are shifted for a language model's loss); a dim that is not padded may stay
     # split, and the pad value fills each shard's padded dims alike
     x = ins[0]
-    amounts: Sequence[int] = _arg(node, 1, "pad", ())  # type: ignore[assignment]
+    amounts: Sequence[int] = arg(node, 1, "pad", ())  # type: ignore[assignment]
     padded = {len(x.shape) - 1 - i // 2 for i, a in enumerate(amounts) if a != 0}
     return [(shard(d), shard(d)) for d in range(len(x.shape)) if d not in padded]
 
@@ -176,7 +178,7 @@ def _other_dims(
     empty input stays whole: cat skips it (transformers' caches start from one, and a key
     or value joined to it may still split by batch or heads)."""
     ndim = len(node.outputs[0].shape)
-    dim = int(_arg(node, index, "dim", default)) % ndim  # type: ignore[call-overload]
+    dim = int(arg(node, index, "dim", default)) % ndim  # type: ignore[call-overload]
     skipped = [t.shape == (0,) and ndim > 1 for t in ins]
     same = all(len(t.shape) == ndim or skip for t, skip in zip(ins, skipped, strict=True))
     return [
@@ -198,80 +200,6 @@ def _along_last(index: int) -> Rule:
         return _other_dims(node, ins, index, default=-1)
 
     return rule
-
-
-def _indexed(dim_index: int, whole: Sequence[int] = ()) -> Rule:
-    """gather (input, dim, index), scatter (input, dim, index, src), scatter_add, index_add
-    (input, dim, index, source): a dim other than ``dim`` (argument ``dim_index``) may be split
-    where every tensor has it at one size, each element then reading and writing within its
-    own shard. Inputs numbered in ``whole`` (index_add's 1-dim index) stay whole."""
-
-    def rule(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-        ndim = len(ins[0].shape)
-        dim = int(_arg(node, dim_index, "dim", 0)) % ndim  # type: ignore[call-overload]
-        split = [i for i in range(len(ins)) if i not in whole]
-        rules: list[AxisRule] = []
-        for d in range(ndim):
-            sizes = {ins[i].shape[d] if len(ins[i].shape) == ndim else -1 for i in split}
-            if d != dim and len(sizes) == 1:
-                rules.append((shard(d), *[R if i in whole else shard(d) for i in range(len(ins))]))
-        return rules
-
-    return rule
-
-
-def _index_put(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    """index_put (input, indices, values, accumulate): ``input[indices] = values`` (or ``+=``).
-    A dim of the input that no index covers may be split, each rank writing its own part,
-    the values split along the dim they have there (whole where they broadcast along it),
-    the indices whole. Integer indices of consecutive dims only: their dims' positions in
-    the indexed shape are then where the indices stand."""
-    indices = _arg(node, 1, "indices", ())
-    assert isinstance(indices, tuple | list)
-    x, index_ins, values = ins[0], ins[1:-1], ins[-1]
-    at = [k for k, i in enumerate(indices) if i is not None]
-    if not at or at != list(range(at[0], at[0] + len(at))):
-        return []
-    if any(not t.dtype.startswith(("int", "uint")) for t in index_ins):
-        return []  # a boolean mask: its dims are the input's, and the values' count the data's
-    first, num = at[0], len(at)
-    index_ndim = max(len(t.shape) for t in index_ins)
-    # values broadcast against the indexed shape: input's dims before the indices, the
-    # indices' broadcast dims, the input's dims after them
-    offset = len(x.shape) - num + index_ndim - len(values.shape)
-    rules: list[AxisRule] = []
-    for d in range(len(x.shape)):
-        if first <= d < first + num:
-            continue
-        v = (d if d < first else d - num + index_ndim) - offset  # its dim in the values
-        if v < 0 or values.shape[v] == 1:
-            value = R
-        elif values.shape[v] == x.shape[d]:
-            value = shard(v)
-        else:
-            continue
-        rules.append((shard(d), shard(d), *[R] * len(index_ins), value))
-    return rules
-
-
-def _histogram(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    # histc(input, bins, min, max): over a fixed range, the counts of a split input are the
-    # sums of its shards' counts; min == max takes the range from the data: whole only
-    low, high = _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
-    if low == high:
-        return []
-    return [(P, shard(d)) for d in range(len(ins[0].shape))]
-
-
-def _bincount(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
-    """bincount (input, weights, minlength): its length is the largest value + 1, at least
-    ``minlength``. Where the trace fixed it at ``minlength`` (the model uses the counts at that
-    length, so every value lies below it), each shard's counts have that length too, and the
-    counts of a split input (its weights split alike) are the sums of its shards' counts;
-    a length above ``minlength`` would be a shard's largest value + 1: whole only."""
-    if node.outputs[0].shape[0] != _arg(node, 2, "minlength", 0):
-        return []
-    return [(P, *[shard(0)] * len(ins))]
 
 
 def _factory_like(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
@@ -297,11 +225,11 @@ def _arg_reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # argmax / argmin (input, dim, keepdim): the other dims may stay split (an index is not a
     # sum: no partial outputs)
     ndim = len(ins[0].shape)
-    dim = _arg(node, 1, "dim", None)
+    dim = arg(node, 1, "dim", None)
     if dim is None:
         return []
     dim = int(dim) % ndim  # type: ignore[call-overload]
-    keep = bool(_arg(node, 2, "keepdim", False))
+    keep = bool(arg(node, 2, "keepdim", False))
     kept = [d for d in range(ndim) if d != dim]
     return [(shard(d if keep else kept.index(d)), shard(d)) for d in kept]
 
@@ -359,7 +287,7 @@ def _einsum(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
 def _stack(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # stack(tensors, dim): every input split alike, the output one dim further past ``dim``
     ndim = len(ins[0].shape)
-    dim = int(_arg(node, 1, "dim", 0)) % (ndim + 1)  # type: ignore[call-overload]
+    dim = int(arg(node, 1, "dim", 0)) % (ndim + 1)  # type: ignore[call-overload]
     return [(shard(d if d < dim else d + 1), *[shard(d)] * len(ins)) for d in range(ndim)]
 
 
@@ -380,9 +308,9 @@ def _reduce(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # sum / mean (input, dims, keepdim): a dim not reduced may stay split; a reduction over a
     # split dim is a partial sum (the executor runs a mean as a sum over the global count)
     ndim = len(ins[0].shape)
-    dims = _arg(node, 1, "dim", None) if node.op.endswith((".dim", ".dim_IntList")) else None
+    dims = arg(node, 1, "dim", None) if node.op.endswith((".dim", ".dim_IntList")) else None
     reduced = {int(d) % ndim for d in dims} if dims else set(range(ndim))  # type: ignore[attr-defined]
-    keep = bool(_arg(node, 2, "keepdim", False))
+    keep = bool(arg(node, 2, "keepdim", False))
     kept = [d for d in range(ndim) if d not in reduced]
     rules: list[AxisRule] = [(shard(d if keep else kept.index(d)), shard(d)) for d in kept]
     return rules + [(P, shard(d)) for d in sorted(reduced)]
@@ -394,7 +322,7 @@ def _select(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # split alike (ours: DTensor's backward of it adds plain zeros to a DTensor gradient)
     scatter = len(ins) == 2
     ndim = len(ins[0].shape)
-    dim = int(_arg(node, 1 + scatter, "dim", 0)) % ndim  # type: ignore[call-overload]
+    dim = int(arg(node, 1 + scatter, "dim", 0)) % ndim  # type: ignore[call-overload]
     pairs = [(d, d if d < dim else d - 1) for d in range(ndim) if d != dim]
     return [(shard(d), shard(d), shard(s)) if scatter else (shard(s), shard(d)) for d, s in pairs]
 
@@ -414,7 +342,7 @@ def _batch_norm(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
     # batch_norm(input, weight, bias, running_mean, running_var, training, ...): with its
     # running statistics (eval mode) each sample is normalized alone, so the batch may be
     # split; in training it normalizes by the batch's statistics: whole only
-    if _arg(node, 5, "training", True):
+    if arg(node, 5, "training", True):
         return []
     return [(shard(0), shard(0), *[R] * (len(ins) - 1))]
 
@@ -473,13 +401,13 @@ _RULES: dict[str, Rule] = {
     "argsort": _along_last(1),
     "topk": _along_last(2),
     "diff": _along_last(2),
-    "gather": _indexed(1),
-    "scatter": _indexed(1),
-    "scatter_add": _indexed(1),
-    "index_add": _indexed(1, whole=(1,)),
-    "histc": _histogram,
-    "index_put": _index_put,
-    "bincount": _bincount,
+    "gather": indexed(1),
+    "scatter": indexed(1),
+    "scatter_add": indexed(1),
+    "index_add": indexed(1, whole=(1,)),
+    "histc": histogram,
+    "index_put": index_put,
+    "bincount": bincount,
     "new_ones": _factory_like,
     "new_zeros": _factory_like,
     "new_empty": _factory_like,
