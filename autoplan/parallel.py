@@ -337,6 +337,7 @@ class Step:
         if self._runtime.pipeline is not None:
             return self._runtime.pipeline.state_dict()
         assert self._runtime.module is not None
+        self._runtime.zero.wait()  # ZeRO-1/2's gathers still in flight after the last step
         layouts = held_layouts(self._runtime.plan)  # in the model's order (placements.py)
         return {
             k: (logical(v, layouts[k]) if k in layouts else v).full_tensor().detach().clone()

@@ -210,9 +210,12 @@ def gradients(run: Runtime) -> list[torch.Tensor]:
 
 def regather(zero: ShardedState, module: ParallelModule | None, placeholders: Placeholders) -> None:
     """Gather ZeRO-1/2's updated shards: a pipeline at once (its schedule reads the whole
-    parameters from several stages), one stage in flight, each waited for where the next
-    forward first reads it (`PlanInterpreter.awaited`), so that on GPUs they overlap it."""
-    if module is None:
+    parameters from several stages), one stage on GPUs in flight, each waited for where the
+    next forward first reads it (`PlanInterpreter.awaited`), so that they overlap it. CPU
+    ranks (gloo) gather at once: their cores do the copies and sums, so nothing would be
+    hidden (`costmodel.step_price` hides none there), and gloo's collectives left in flight
+    past the step beside others (a state dict's gathers) aborted a rank in malloc."""
+    if module is None or zero.mesh is None or zero.mesh.device_type == "cpu":
         zero.gather()
         return
     zero.gather(wait=False)
