@@ -181,20 +181,26 @@ def test_a_mesh_whose_priced_peak_is_over_the_limit_is_skipped(
     assert re.search(r"mesh \(2, 2\): the ILP's plan is priced at .* over the limit", caplog.text)
 
 
+def _recomputation_cut_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ILP that chooses which layers recompute is given a nanosecond; the others run
+    as asked."""
+    solve = intra_op.solve_problem
+
+    def cut(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
+        if args[3].recompute:
+            return solve(*args[:6], 1e-9)
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(intra_op, "solve_problem", cut)
+
+
 def test_a_mesh_whose_recomputation_is_not_chosen_in_time_recomputes_every_layer(
     cpu4: autoplan.Cluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # the setup of tests/test_recompute.py's mixed modes: only some recomputation fits
     w = example("gpt", size="small", num_layers=3, batch_size=8, seq_len=128, attention="eager")
     options = PlanOptions(mesh_shape=(4,), memory_fraction=0.0055, pipeline=False)
-    solve = intra_op.solve_problem
-
-    def cut(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
-        if args[3].recompute:  # the ILP choosing which layers recompute: a nanosecond
-            return solve(*args[:6], 1e-9)
-        return solve(*args, **kwargs)
-
-    monkeypatch.setattr(intra_op, "solve_problem", cut)
+    _recomputation_cut_short(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=autoplan.api.__name__):
         found = w.plan(cpu4, options)
     assert "planned with every layer recomputed" in caplog.text
@@ -213,14 +219,7 @@ def test_a_pipeline_layer_whose_recomputation_is_not_chosen_in_time_recomputes_w
     # nanosecond for it; before, such a layer was skipped and no pipeline was found
     w = example("gpt", size="small", num_layers=2, batch_size=8, seq_len=128, attention="eager")
     options = PlanOptions(num_stages=2, num_microbatches=4, mesh_shape=(2,), memory_fraction=0.003)
-    solve = intra_op.solve_problem
-
-    def cut(*args: Any, **kwargs: Any) -> intra_op.IntraOpResult:
-        if args[3].recompute:  # the ILP choosing which layers recompute: a nanosecond
-            return solve(*args[:6], 1e-9)
-        return solve(*args, **kwargs)
-
-    monkeypatch.setattr(intra_op, "solve_problem", cut)
+    _recomputation_cut_short(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=layer_plans.__name__):
         found = w.plan(cpu4, options)
     assert "the ILP found no plan in 2 s; planned recomputed whole" in caplog.text
