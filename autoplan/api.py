@@ -50,7 +50,7 @@ from autoplan.search.pipeline_search import (
 )
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.side_by_side import mapped
-from autoplan.solvers.problem import SKIPPED, STOPPED, IntraOpSolution, Unproven
+from autoplan.solvers.problem import SKIPPED, STOPPED, Unproven, optimum_gap
 from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -427,7 +427,7 @@ def _plan_one_stage(
             solution.status,
             solution.solve_time_s,
         )
-        fastest[m] = found.step.time_s * (1.0 - _gap(solution))
+        fastest[m] = found.step.time_s * (1.0 - optimum_gap(solution))
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
@@ -460,14 +460,6 @@ def _plan_one_stage(
         else with_experts(graph, shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near))
     )
     return Searched(plan, graph, degrees), tuple(unproven)
-
-
-def _gap(solution: IntraOpSolution) -> float:
-    """How far below its plan an ILP's optimum may lie, a fraction: 0 where proven, the
-    solver's gap where stopped, 1 where it did not say."""
-    if solution.status == "optimal":
-        return 0.0
-    return 1.0 if solution.gap is None else min(solution.gap, 1.0)
 
 
 def _not_proven(found: MeshPlan | float | Slower) -> MeshPlan | float | Slower:

@@ -194,9 +194,14 @@ class Grouping:
     pick: dict[str, tuple[int, ...]]  # for each strategy k of the group, the node's strategy
 
 
-def lower_bound(solution: IntraOpSolution) -> float:
-    """The least objective of any plan of its problem: its own where optimal, else its
-    solver's bound (``(1 - gap)`` times it; 0 where the solver did not say)."""
+def optimum_gap(solution: IntraOpSolution) -> float:
+    """How far below its plan its problem's optimum may lie, a fraction: 0 where proven, the
+    solver's gap where stopped, 1 where it did not say."""
     if solution.status == "optimal":
-        return solution.objective
-    return 0.0 if solution.gap is None else (1.0 - solution.gap) * solution.objective
+        return 0.0
+    return 1.0 if solution.gap is None else min(solution.gap, 1.0)
+
+
+def lower_bound(solution: IntraOpSolution) -> float:
+    """The least objective of any plan of its problem (`optimum_gap` below its own)."""
+    return (1.0 - optimum_gap(solution)) * solution.objective
