@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 from autoplan.cluster.model import Cluster
 from autoplan.errors import AutoplanError
 from autoplan.execute import checkpoint
+from autoplan.execute.live_memory import live_tensors, tracked_peak
 from autoplan.execute.step import make_optimizer
 from autoplan.execute.watchdog import watched
 from autoplan.graph.capture import as_tuple
@@ -31,6 +32,10 @@ from autoplan.workload import Workload
 
 log = logging.getLogger(__name__)
 
+# on CPU ranks, a run of more steps than this traces its last one's memory (`memory_traced`):
+# the first step warms up and the traced one is slow, so one between them is timed
+TRACED_AFTER = 2
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -42,14 +47,19 @@ class StepRecord:
     # model FLOPs per second over the cluster's peak for the compute dtype (`mfu`); None
     # where the step's FLOPs are not known
     mfu: float | None = None
+    # this rank's peak of live tensor memory over the step, where MemTracker measured it
+    # (`memory_traced`: the last step of a run on CPU ranks, slower for the tracking)
+    peak_bytes: float | None = None
 
     def line(self, steps: int) -> str:
-        """``step   3/5  loss 4.123456  12.3 ms  1,234 tokens/s  MFU 0.12%`` (of ``steps``)."""
+        """``step   3/5  loss 4.123456  12.3 ms  1,234 tokens/s  MFU 0.12%`` (of ``steps``),
+        and ``  memory traced: 21.3 MiB`` where it was."""
         mfu = "" if self.mfu is None else f"  MFU {100 * self.mfu:.2f}%"
+        peak = "" if self.peak_bytes is None else f"  memory traced: {fmt_bytes(self.peak_bytes)}"
         width = len(str(steps))
         return (
             f"step {self.step:>{width}}/{steps}  loss {self.loss:.6f}  "
-            f"{self.seconds * 1e3:8.1f} ms  {self.throughput:,.0f} {self.unit}{mfu}"
+            f"{self.seconds * 1e3:8.1f} ms  {self.throughput:,.0f} {self.unit}{mfu}{peak}"
         )
 
 
@@ -82,9 +92,11 @@ class RunSummary:
     throughput: float  # at the median step time
     unit: str
     mfu: float | None
-    # torch.cuda.max_memory_allocated, the largest rank's; None where not measured (CPU)
+    # the largest rank's peak: torch.cuda.max_memory_allocated on GPUs, MemTracker's peak of
+    # live tensors over the last step on CPUs (`memory_traced`); None where not measured
     peak_memory_bytes: float | None
     predicted_memory_bytes: float
+    peak_memory_source: str = "torch.cuda.max_memory_allocated"
 
     def lines(self) -> list[str]:
         first, last = self.steps[0], self.steps[-1]
@@ -93,10 +105,11 @@ class RunSummary:
         ratio = self.step_s / self.predicted_step_s if self.predicted_step_s else float("nan")
         predicted = fmt_bytes(self.predicted_memory_bytes)
         memory = (
-            f"  peak memory  not measured on CPU (predicted {predicted} per device)"
+            f"  peak memory  not measured (predicted {predicted} per device; on CPU ranks "
+            f"a run of {TRACED_AFTER + 1} steps or more traces its last)"
             if self.peak_memory_bytes is None
             else f"  peak memory  measured {fmt_bytes(self.peak_memory_bytes)} "
-            f"(torch.cuda.max_memory_allocated, the largest rank), predicted {predicted}: "
+            f"({self.peak_memory_source}, the largest rank), predicted {predicted}: "
             f"x{self.peak_memory_bytes / self.predicted_memory_bytes:.2f} of predicted"
         )
         return [
@@ -111,8 +124,10 @@ class RunSummary:
 def summarize(
     records: Sequence[StepRecord], plan: Plan, peak_memory_bytes: float | None
 ) -> RunSummary:
-    """``records`` (at least one) against ``plan``'s predictions."""
-    kept = list(records[1:]) or list(records)
+    """``records`` (at least one) against ``plan``'s predictions; a step whose memory was
+    traced is timed slow for it, and counts only where no other step is left."""
+    timed = [r for r in records if r.peak_bytes is None] or list(records)
+    kept = timed[1:] or timed
     step_s = statistics.median(r.seconds for r in kept)
     median = min(kept, key=lambda r: (abs(r.seconds - step_s), r.step))
     return RunSummary(
@@ -124,6 +139,11 @@ def summarize(
         mfu=None if median.mfu is None else median.mfu * median.seconds / step_s,
         peak_memory_bytes=peak_memory_bytes,
         predicted_memory_bytes=plan.predicted.peak_memory_bytes,
+        peak_memory_source=(
+            "torch.cuda.max_memory_allocated"
+            if records[-1].peak_bytes is None
+            else "MemTracker's peak of live tensors over the last step"
+        ),
     )
 
 
@@ -189,15 +209,26 @@ def train(
     assert step.plan is not None
     dtype = compute_dtype(w.model, step.plan.mixed_precision)
 
+    def call() -> float:
+        return step(w.example_inputs, w.example_target).item()
+
+    # the last step traced slow, so that at least one more than the first is timed
+    traced = memory_traced(cluster) and steps - step.steps_done > TRACED_AFTER
+
     def run() -> Iterator[StepRecord]:
         for i in range(step.steps_done, steps):
             with watched(i + 1, "the barrier before the step", step.step_limit_s):
                 dist.barrier()
             start = time.perf_counter()
-            loss = step(w.example_inputs, w.example_target).item()
+            peak: float | None = None
+            if traced and i + 1 == steps:
+                loss, parts = tracked_peak(call, *live_tensors())
+                peak = parts["Total"]
+            else:
+                loss = call()
             seconds = time.perf_counter() - start
             used = mfu(step.flops, seconds, cluster, dtype) if step.flops else None
-            yield StepRecord(i + 1, loss, seconds, items / seconds, unit, used)
+            yield StepRecord(i + 1, loss, seconds, items / seconds, unit, used, peak)
             if ckpt.directory is not None and (
                 i + 1 == steps or (ckpt.every is not None and (i + 1) % ckpt.every == 0)
             ):
@@ -206,6 +237,12 @@ def train(
             step.export(ckpt.export_to)
 
     return step, run()
+
+
+def memory_traced(cluster: Cluster) -> bool:
+    """Whether a run measures its last step's memory with MemTracker: on CPU ranks (gloo),
+    where torch's allocator counts no peak; GPUs have ``torch.cuda.max_memory_allocated``."""
+    return cluster.backend != "nccl"
 
 
 def one_process(

@@ -19,27 +19,24 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import platform
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
+from autoplan.execute.live_memory import live_tensors  # noqa: E402
+from autoplan.execute.live_memory import tracked_peak as peak_of  # noqa: E402
 from autoplan.execute.step import make_optimizer  # noqa: E402
 from autoplan.workload import Workload  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
@@ -111,31 +108,7 @@ def tracked_peak(
     holds from before, a module, an optimizer, tensors; ``held``: more such tensors, found
     after the first call): bytes by kind, and "Total"."""
     step()
-    tracker = MemTracker()
-    # the tensors found first, so that MemTracker's own kinds name those it knows
-    tracker.track_external(*(held() if held is not None else ()), *tracked)
-    with tracker, warnings.catch_warnings():
-        # its module hooks find the loss's wrapper module gone by backward
-        warnings.filterwarnings("ignore", "Module is None")
-        step()
-    snapshots = tracker.get_tracker_snapshot("peak")
-    (snapshot,) = (s for device, s in snapshots.items() if device.type != "meta")
-    return {getattr(k, "value", str(k)): v for k, v in snapshot.items()}
-
-
-def live_tensors() -> list[torch.Tensor]:
-    """Every tensor with storage this process holds now (a rank's gradient buckets' buffers,
-    its inputs' shards, ...): MemTracker sees only those made while it tracks and those it is
-    given. Fake tensors (the rank's check of the plan on fakes) hold none."""
-    gc.collect()
-    found = []
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
-            continue
-        local = obj.to_local() if isinstance(obj, DTensor) else obj
-        if not isinstance(local, FakeTensor) and local.device.type != "meta":
-            found.append(obj)
-    return found
+    return peak_of(step, *(held() if held is not None else ()), *tracked)[1]
 
 
 def measured_peak(w: Workload) -> dict[str, int]:

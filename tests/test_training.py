@@ -57,8 +57,24 @@ def test_summary_is_the_median_after_the_first_step(plan: autoplan.Plan) -> None
         "summary (median of steps 2-4):",
         "  step time    measured 14.000 ms, predicted 10.000 ms: x1.40 of predicted",
         "  throughput   71,429 tokens/s, MFU 17.14%",
-        "  peak memory  not measured on CPU (predicted 3.00 MiB per device)",
+        "  peak memory  not measured (predicted 3.00 MiB per device; on CPU ranks a run of "
+        "3 steps or more traces its last)",
     ]
+
+
+def test_a_traced_step_is_timed_only_where_no_other_is(plan: autoplan.Plan) -> None:
+    # the last step's memory traced (slow for it): the median is of the steps between
+    records = _records([0.5, 0.012, 0.016, 0.014, 0.090])
+    records[-1] = dataclasses.replace(records[-1], peak_bytes=4.5 * 2**20)
+    assert records[-1].line(5).endswith("memory traced: 4.50 MiB")
+    s = summarize(records, plan, 4.5 * 2**20)
+    assert s.steps == (2, 3, 4) and s.step_s == pytest.approx(0.014)
+    assert s.lines()[3] == (
+        "  peak memory  measured 4.50 MiB (MemTracker's peak of live tensors over the last "
+        "step, the largest rank), predicted 3.00 MiB: x1.50 of predicted"
+    )
+    alone = [dataclasses.replace(_records([0.020])[0], peak_bytes=2**20)]
+    assert summarize(alone, plan, 2**20).steps == (1,)
 
 
 def test_summary_of_one_step_with_measured_memory(plan: autoplan.Plan) -> None:

@@ -37,6 +37,7 @@ from autoplan.training import (
     StepRecord,
     compare,
     float32_rounding,
+    memory_traced,
     one_process,
     summarize,
     train,
@@ -272,15 +273,19 @@ def _shown(records: Iterable[StepRecord], line: StepLine) -> list[StepRecord]:
     return done
 
 
-def _peak_memory(cluster: Cluster) -> float | None:
-    """The largest rank's ``torch.cuda.max_memory_allocated`` on GPUs; None on CPU ranks,
-    where torch keeps no such count. Every rank calls it (a collective on GPUs)."""
-    if cluster.backend != "nccl":
-        return None
+def _peak_memory(cluster: Cluster, done: Sequence[StepRecord]) -> float | None:
+    """The largest rank's peak memory: ``torch.cuda.max_memory_allocated`` on GPUs, on CPU
+    ranks the last step's as MemTracker traced it (`autoplan.training.memory_traced`); None
+    where no step ran. Every rank calls it (a collective)."""
     import torch
     import torch.distributed as dist
 
-    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+    if not memory_traced(cluster):
+        peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+    elif done and done[-1].peak_bytes is not None:
+        peak = torch.tensor([done[-1].peak_bytes])
+    else:
+        return None
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return peak.item()
 
@@ -340,7 +345,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"\ntraining {steps} on {world} processes ({cluster.backend})")
     done = list(records) if not rank0 else _shown(records, StepLine(args.steps, start))
     losses = [r.loss for r in done]
-    peak = _peak_memory(cluster)
+    peak = _peak_memory(cluster, done)
     if rank0 and done:
         assert step.plan is not None
         print("\n".join(["", *summarize(done, step.plan, peak).lines()]), flush=True)

@@ -56,6 +56,8 @@ the torch at hand has rather than comparing version numbers.
 - `TorchDispatchMode`, the functional collective ops and c10d's in-place all-reduce op (with
   the process group its arguments box): record the collectives a step really issues, as
   torch's own CommDebugMode does (execute/comms.py).
+- `MemTracker`: the peak of live tensor memory during a call, by kind, which CPU ranks have
+  no allocator count of (execute/live_memory.py).
 - `FakeTensorMode` / `reparametrize_module`: trace a meta model on fake CPU tensors, which
   autocast has kernels for (graph/fake.py).
 - `non_finite_check_and_unscale`: GradScaler's fused unscale and inf/nan check
@@ -83,6 +85,7 @@ from torch.distributed._functional_collectives import (
 from torch.distributed._functional_collectives import (
     all_to_all_single_autograd as functional_all_to_all_autograd,
 )
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.pipelining import _utils as pipelining_utils
@@ -126,6 +129,7 @@ __all__ = [
     "STATIC_STAGES",
     "FakeTensorMode",
     "MaskPartial",
+    "MemTracker",
     "RuntimeSchemaInfo",
     "ShardingPlaceholder",
     "StridedShard",
