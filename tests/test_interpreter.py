@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
+from autoplan.execute.checkpointed import RecomputedRegion, gathers_ahead
 from autoplan.execute.interpreter import Arguments, last_uses
 
 
@@ -98,3 +100,22 @@ def test_moves_traced_on_meta_run_on_the_device() -> None:
     assert torch.device("meta") in move.args
     args, _ = Arguments.of(move, torch.device("cpu")).fill(["scale"])
     assert args[1:] == (torch.device("cpu"), torch.float32)
+
+
+def test_zero3_gathers_issue_at_forward_start_or_at_their_region() -> None:
+    """A parameter stored split and read whole is gathered once, ahead: at forward's start
+    (-1), or, first read inside a recomputed region, at the region's index (`steps`)."""
+    ep = torch.export.export(_Residual(), (torch.randn(8, 6),))
+    nodes = list(ep.graph.nodes)
+    (weight, bias) = ep.graph_signature.inputs_to_parameters
+    linear = next(n for n in nodes if n.target is torch.ops.aten.linear.default)
+    reads = {linear.name: [r.name for r in linear.all_input_nodes]}
+    whole, split = (Replicate(),), (Shard(0),)
+    inputs = {linear.name: [whole, whole, whole]}
+    stored = {weight: split, bias: whole}  # the bias is read as stored: nothing to gather
+    params = {weight, bias}
+    assert gathers_ahead(nodes, params, reads, inputs, stored) == {-1: [(weight, whole)]}
+    at = nodes.index(linear)
+    region = RecomputedRegion((linear,), tuple(reads[linear.name]))
+    steps = [*nodes[:at], region, *nodes[at + 1 :]]
+    assert gathers_ahead(steps, params, reads, inputs, stored) == {at: [(weight, whole)]}

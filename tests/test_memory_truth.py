@@ -145,3 +145,29 @@ def test_the_allocator_margin_is_taken_off_the_limit() -> None:
         Cluster.from_dict(data)
     a100 = Cluster.load(ROOT / "costmodels/dgx-a100-80gb.json")
     assert a100.device.allocator_margin == 0.15  # its source: costmodels/README.md
+
+
+class _GatedAttention(torch.nn.Module):
+    """A softmax through a dropout that drops nothing (transformers' attention dropout at
+    its default 0) into a product; a fused projection split into a gate and its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = F.dropout(torch.softmax(x @ x.transpose(-1, -2), -1), 0.0, training=True)
+        gate, up = self.gate_up(weights @ x).split(32, -1)
+        return (F.silu(gate) * up).sum()
+
+
+def test_a_dropout_dropping_nothing_and_split_pieces_are_counted_as_torch_holds_them() -> None:
+    """ATen returns such a dropout's input itself: a view, its output kept as the softmax's
+    (once); the split's pieces get their gradients one by one (the product's backward makes
+    its up's, not the gate's too). The predicted peak is the measured one."""
+    w = Workload(_GatedAttention(), (torch.randn(8, 64, 16),))
+    graph = w.trace()
+    (dropout,) = [n for n in graph if n.op == "aten.dropout.default"]
+    assert dropout.is_view and dropout.kept == ()
+    predicted, measured = predicted_peak(w), measured_peak(w)["Total"]
+    assert abs(predicted / measured - 1) <= 0.01, (predicted, measured)

@@ -7,6 +7,7 @@ import pytest
 
 import autoplan
 from autoplan.costmodel.overlap import (
+    AsyncGather,
     AsyncReduction,
     backward_timeline,
     forward_hidden_s,
@@ -71,11 +72,26 @@ def test_forward_stalls_only_where_a_gather_is_not_done() -> None:
     # gathers end at 2, 3, 7; op 0 (1 s) needs none, op 1 (1 s) gather 0: starts at 2, ends
     # at 3; op 2 (3 s) gather 2: starts at 7, ends at 10: 4 s of 7 exposed (10 - 5 busy)
     forward = [(1.0, []), (1.0, [0]), (3.0, [2])]
-    assert forward_hidden_s(forward, [2.0, 1.0, 4.0]) == pytest.approx(7.0 - 5.0)
-    assert forward_hidden_s([(10.0, []), (1.0, [0, 1])], [2.0, 3.0]) == pytest.approx(5.0)
+    at_start = [AsyncGather(0, s) for s in (2.0, 1.0, 4.0)]
+    assert forward_hidden_s(forward, at_start) == pytest.approx(7.0 - 5.0)
+    two = [AsyncGather(0, 2.0), AsyncGather(0, 3.0)]
+    assert forward_hidden_s([(10.0, []), (1.0, [0, 1])], two) == pytest.approx(5.0)
     # one nobody reads is waited for at the end
-    assert forward_hidden_s([(1.0, [])], [3.0]) == pytest.approx(1.0)
+    assert forward_hidden_s([(1.0, [])], [AsyncGather(0, 3.0)]) == pytest.approx(1.0)
     assert forward_hidden_s([(1.0, [])], []) == 0.0
+
+
+def test_a_gather_issued_ahead_starts_when_forward_reaches_its_op() -> None:
+    # op 0 (4 s); gather 0 (3 s) issued at op 1's start (4), ends at 7, op 1 (1 s) needs
+    # none, op 2 (2 s) waits for it: 7 to 9, 2 s of its 3 exposed (9 - 7 busy)
+    forward = [(4.0, []), (1.0, []), (2.0, [0])]
+    assert forward_hidden_s(forward, [AsyncGather(1, 3.0)]) == pytest.approx(3.0 - 2.0)
+    # issued at forward's start it hides whole behind op 0
+    assert forward_hidden_s(forward, [AsyncGather(0, 3.0)]) == pytest.approx(3.0)
+    # one issued at the start (0-3), the second at op 1 (4-6), which op 2 waits for: 6 to 8
+    queued = [AsyncGather(0, 3.0), AsyncGather(1, 2.0)]
+    waits = [(4.0, []), (1.0, []), (2.0, [1])]
+    assert forward_hidden_s(waits, queued) == pytest.approx(5.0 - 1.0)
 
 
 def _zero1_step(cluster: autoplan.Cluster, precision: str | None) -> tuple[PricedStep, int]:
@@ -105,3 +121,35 @@ def test_zero1_gathers_while_forward_computes_and_in_bf16_under_it(
     assert bf16_bytes == fp32_bytes // 2  # every weight and bias read through a cast
     cpu, _ = _zero1_step(cpu4.with_nodes(2), None)
     assert cpu.rest.hidden_s == 0.0
+
+
+def _zero3_step(cluster: autoplan.Cluster, recompute: str) -> PricedStep:
+    """A GPT under ZeRO-3 on 8 ranks, every block recomputed in ``recompute``'s mode."""
+    w = example("gpt", size="350m", num_layers=2, vocab_size=8192, seq_len=1024, batch_size=64)
+    options = autoplan.PlanOptions(recompute=recompute)
+    plan = w.baseline(cluster, dp=8, tp=1, zero_stage=3, options=options)
+    graph_for = capture_microbatches(w.model, w.example_inputs, w.loss_fn, w.example_target)
+    (step,) = price_stages_ops(plan, graph_for, cluster)
+    return step
+
+
+def _seconds(step: PricedStep, pricer: Pricer, phase: str) -> float:
+    return sum(pricer.phased_s(p) for _, _, p in step.collectives if p.phase == phase)
+
+
+def test_zero3_gathers_issued_ahead_run_while_forward_computes(
+    a100: autoplan.Cluster, cpu4: autoplan.Cluster
+) -> None:
+    """ZeRO-3's gathers, issued ahead as the executor issues them, hide behind forward (and,
+    recomputed, behind backward with the reductions) on GPUs; CPU ranks hide nothing."""
+    pricer = Pricer(a100, (8,), "adamw")
+    kept = _zero3_step(a100, "none")
+    gathers = _seconds(kept, pricer, "forward")
+    assert gathers > 0.0 and _seconds(kept, pricer, "recompute") == 0.0
+    reductions = kept.rest.gradients_s
+    # more is hidden than the reductions could be alone, and no more than there is
+    assert reductions < kept.rest.hidden_s <= reductions + gathers * (1 + 1e-9)
+    again = _zero3_step(a100, "full")
+    assert 0.0 < _seconds(again, pricer, "recompute") < gathers  # the blocks' alone
+    assert again.rest.hidden_s > kept.rest.hidden_s
+    assert _zero3_step(cpu4.with_nodes(2), "none").rest.hidden_s == 0.0

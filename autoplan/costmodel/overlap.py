@@ -16,11 +16,19 @@ the rest of backward computes, so the step pays only what outlasts backward:
 ZeRO-1/2's gathers of the updated parameters run while the next step's forward computes
 (`autoplan.execute.sharded_state.ShardedState.gather`, as Megatron's --overlap-param-gather):
 issued after the optimizer step, one after another in the parameters' order, each waited for
-by the first op that reads its parameter, so forward stalls only where a gather is not done:
+by the first op that reads its parameter, so forward stalls only where a gather is not done.
+ZeRO-3's gathers of the parameters stored split (`autoplan.execute.interpreter`, as FSDP2
+prefetches) are issued ahead too: those read outside recomputed layers at forward's start
+(their copies are kept for backward anyway, so issuing them early holds no more at the peak),
+those a recomputed layer reads at its region's start, then all on the same link:
 
-    gather i ends at                    g_i = g_(i-1) + d_i
+    gather i, issued as forward reaches op a_i, ends at   g_i = max(g_(i-1), s_(a_i)) + d_i
     op k starts at                      s_k = max(s_(k-1) + f_(k-1), g of what it reads)
     exposed = end of forward - sum(f_k),  hidden = sum(d_i) - exposed    (`forward_hidden_s`)
+
+A recomputed layer's gathers, issued again as backward reaches its region, join the
+gradients' reductions on that link (`hidden_s`): the backward ops are not priced as waiting
+for them, only the link as busy.
 
 A pipeline reduces its gradients after its schedule (`GradientReducer.reduce_now`), and CPU
 ranks (gloo) do a collective's copies and sums on the cores that compute: neither hides any
@@ -35,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AsyncReduction", "backward_timeline", "forward_hidden_s", "hidden_s"]
+__all__ = ["AsyncGather", "AsyncReduction", "backward_timeline", "forward_hidden_s", "hidden_s"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,15 @@ class AsyncReduction:
     from backward's start) and how long it takes."""
 
     ready_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class AsyncGather:
+    """One parameter gather left in flight: issued as forward reaches its op of index
+    ``issued_at`` (0: at forward's start), and how long it takes."""
+
+    issued_at: int
     seconds: float
 
 
@@ -70,17 +87,21 @@ def hidden_s(backward_s: float, issued: Sequence[AsyncReduction]) -> float:
 
 
 def forward_hidden_s(
-    forward: Sequence[tuple[float, Sequence[int]]], gathers: Sequence[float]
+    forward: Sequence[tuple[float, Sequence[int]]], gathers: Sequence[AsyncGather]
 ) -> float:
-    """Seconds of ``gathers`` (in the order issued, all at forward's start) that run while a
-    forward computes: ``forward`` its ops in order, each as (seconds, the indices of the
-    gathers it waits for). The forward waits at its end for any gather still running."""
+    """Seconds of ``gathers`` (in the order issued, each as forward reaches its op) that run
+    while a forward computes: ``forward`` its ops in order, each as (seconds, the indices of
+    the gathers it waits for, issued at or before it). The forward waits at its end for any
+    gather still running."""
     ends: list[float] = []
-    for seconds in gathers:
-        ends.append((ends[-1] if ends else 0.0) + seconds)
-    clock = busy = 0.0
-    for seconds, waits in forward:
+    link = clock = busy = 0.0  # when the link is free; when the last op ended
+    for k, (seconds, waits) in enumerate(forward):
+        while len(ends) < len(gathers) and gathers[len(ends)].issued_at <= k:
+            link = max(link, clock) + gathers[len(ends)].seconds
+            ends.append(link)
         clock = max([clock, *(ends[i] for i in waits)]) + seconds
         busy += seconds
-    clock = max(clock, ends[-1] if ends else 0.0)  # any left are waited for at its end
-    return sum(gathers) - (clock - busy)
+    for gather in gathers[len(ends) :]:  # issued past the last op
+        link = max(link, clock) + gather.seconds
+    clock = max(clock, link)  # any left are waited for at its end
+    return sum(g.seconds for g in gathers) - (clock - busy)

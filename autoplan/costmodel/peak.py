@@ -13,7 +13,9 @@ walks that order and returns the most held at once:
   outputs made and not yet read for the last time (a loss's logits and log-probabilities);
 * an op's backward: static + the tensors still kept + the parameters' gradients made so far
   + the gradients of activations made and not yet consumed (its outputs' among them) + the
-  gradients of its inputs it makes (a view's is its output's, moved: nothing new), with, for
+  gradients of its inputs it makes, each output's apart (a split's pieces get theirs from
+  their readers one by one, which its backward joins; a view's is its output's, moved:
+  nothing new), with, for
   the while it runs, the gradients of the tensors of its own it saved (a loss's
   log-probabilities: its decomposition's intermediates) and of the inputs it read moved, as
   it read them;
@@ -38,7 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from autoplan.costmodel.held import bucket_bytes, saved_copies
 from autoplan.costmodel.pricer import Pricer
-from autoplan.graph.ir import Graph, Node, itemsize
+from autoplan.graph.ir import Graph, Node, Ref, itemsize
 from autoplan.modes import NodeKind
 from autoplan.strategies.buckets import Bucket
 from autoplan.strategies.placement import local_numel
@@ -88,7 +90,7 @@ def peak_bytes(
             saved = 0.0
         alive += saved + copies.made.get(node.name, 0.0)
         if not node.is_view:
-            made_now[node.name] = max(0.0, _output_bytes(node, s, pricer, False) - saved + extra)
+            made_now[node.name] = max(0.0, _output_bytes(node, s, pricer) - saved + extra)
             transient += made_now[node.name]
         transient += copies.passing.get(node.name, 0.0)
         peak = max(peak, static + alive + transient)
@@ -96,14 +98,14 @@ def peak_bytes(
         for name in last.get(i, ()):
             transient -= made_now.pop(name, 0.0)
     grads = 0.0  # gradients alive: parameters' and activations' not yet consumed
-    pending: dict[str, float] = {}  # an op's output gradients made, not yet consumed
+    pending: dict[Ref, float] = {}  # an op's output gradients made, not yet consumed
     made: set[str] = set()  # parameters whose gradient exists
     for node in reversed(graph.nodes):
         if node.kind != NodeKind.OP or not node.needs_grad:
             continue
         if recompute.drops(node.name):  # its layer's forward runs again, once
             alive += remade.pop(recompute.layer_of[node.name], 0.0)
-        consumed = pending.pop(node.name, 0.0)
+        consumed = sum(pending.pop(Ref(node.name, j), 0.0) for j in range(len(node.outputs)))
         s = assignment[node.name]
         new = 0.0
         # inside its backward: the gradients of the tensors of its own it saved (a loss's
@@ -113,7 +115,7 @@ def peak_bytes(
         first = {r: i for i, r in reversed(list(enumerate(node.refs)))}  # by input: its index
         for ref, i in first.items():
             producer = graph.node(ref.name)
-            if not producer.needs_grad or ref.name in made or ref.name in pending:
+            if not producer.needs_grad or ref.name in made or ref in pending:
                 continue
             tensor = graph.tensor(ref)
             if s.inputs[i] != assignment[ref.name].output and tensor.is_differentiable:
@@ -125,8 +127,8 @@ def peak_bytes(
                 if ref.name in in_bucket:
                     waiting[in_bucket[ref.name]] -= 1
             else:
-                pending[ref.name] = _output_bytes(producer, assignment[ref.name], pricer, True)
-                new += pending[ref.name]
+                pending[ref] = _gradient_bytes(producer, ref.index, assignment[ref.name], pricer)
+                new += pending[ref]
         if not node.is_view:
             peak = max(peak, static + alive + grads + new + inside)
         grads += new - consumed
@@ -154,13 +156,17 @@ def _last_readers(graph: Graph) -> dict[int, list[str]]:
     return by_reader
 
 
-def _output_bytes(node: Node, strategy: Strategy, pricer: Pricer, floats: bool) -> float:
-    """The bytes of ``node``'s outputs (``floats``: its float ones, whose gradients backward
-    makes), placed as they are."""
-    return float(
-        sum(
-            local_numel(strategy.output, o.shape, pricer.mesh_shape) * itemsize(o.dtype)
-            for o in node.outputs
-            if o.is_differentiable or not floats
-        )
-    )
+def _output_bytes(node: Node, strategy: Strategy, pricer: Pricer) -> float:
+    """The bytes of ``node``'s outputs, placed as they are."""
+    return sum(_bytes(node, j, strategy, pricer) for j in range(len(node.outputs)))
+
+
+def _bytes(node: Node, index: int, strategy: Strategy, pricer: Pricer) -> float:
+    o = node.outputs[index]
+    return float(local_numel(strategy.output, o.shape, pricer.mesh_shape) * itemsize(o.dtype))
+
+
+def _gradient_bytes(node: Node, index: int, strategy: Strategy, pricer: Pricer) -> float:
+    """The bytes of the gradient of ``node``'s output ``index`` (0 for one of integers):
+    each output's arrives apart, from its own readers (a split's pieces)."""
+    return _bytes(node, index, strategy, pricer) if node.outputs[index].is_differentiable else 0.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from autoplan.costmodel.held import saved_copies
 from autoplan.costmodel.overlap import (
+    AsyncGather,
     AsyncReduction,
     backward_timeline,
     forward_hidden_s,
@@ -50,9 +51,9 @@ class StepRest:
     host_s: float = 0.0  # compute: the host issuing ops past the device's compute (GPUs)
     waits_s: float = 0.0  # communication: the waits for the ranks' skew (`Pricer.sync_s`)
     gradients_s: float = 0.0  # communication: the gradient buckets and syncs, once per step
-    # of gradients_s, what runs while backward computes, and of the ZeRO gathers after the
-    # update (the ops' comm_s), what runs while the next forward does
-    # (`autoplan.costmodel.overlap`): the step's time leaves it out
+    # of gradients_s, what runs while backward computes, and of the ZeRO gathers (the ops'
+    # comm_s: ZeRO-1/2's after the update, ZeRO-3's issued ahead), what runs while forward
+    # does (`autoplan.costmodel.overlap`): the step's time leaves it out
     hidden_s: float = 0.0
     transient_bytes: float = 0.0  # memory: the largest recomputed layer's, in its backward
     # memory, subtracted: what the ops' sum counts that the step never holds at once (the
@@ -112,8 +113,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     issue the ops (`Pricer.host_time`), which runs ahead while the GPU computes, and the
     gradients' reductions run while the rest of backward computes, as the executor issues
     them, and ZeRO-1/2's gathers of the updated parameters (in their working dtype,
-    `param_gathered_dtype`) while the next forward computes (`autoplan.costmodel.overlap`;
-    neither on CPU ranks, whose cores do both).
+    `param_gathered_dtype`) and ZeRO-3's of the parameters stored split, issued ahead, while
+    forward computes (`autoplan.costmodel.overlap`; none on CPU ranks, whose cores do both).
 
     Recomputed ops (`Pricer.recompute`) keep only the outputs that leave their layer; the
     others are alive only while their layer's backward runs, so the step holds those of its
@@ -130,6 +131,8 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     found: list[tuple[str, str, Phased]] = []
     # (tensor, placement needed) -> (first user, input index, the gradient's placement or None)
     needs: dict[tuple[str, int, Spec], tuple[str, int, Spec | None]] = {}
+    prefetched: list[tuple[str, float]] = []  # ZeRO-3's gathers: (first user, seconds)
+    regathered: list[tuple[str, float]] = []  # and those issued again in backward
     for node in graph:
         s = assignment[node.name]
         share = shares[node.name]
@@ -171,15 +174,23 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         seconds, fwd = pricer.forward(tensor, assignment[name], assignment[user], i)
         comm += seconds
         shares[user][1] += seconds
-        forward[user] += seconds
         found += [(user, name, Phased(c, Phase.FORWARD)) for c in fwd]
+        gather = bool(fwd) and producer.kind == NodeKind.PARAM  # issued ahead, in flight
+        if gather:
+            prefetched.append((user, seconds))
+        else:
+            forward[user] += seconds
         if fwd:
             waits.add(("forward", user))
             if recompute.reruns(user):
                 comm += seconds
                 shares[user][1] += seconds
                 found += [(user, name, Phased(c, Phase.RECOMPUTE)) for c in fwd]
-                blocks(user, seconds, ("recompute", user))
+                if gather:
+                    regathered.append((user, seconds))
+                    waits.add(("recompute", user))
+                else:
+                    blocks(user, seconds, ("recompute", user))
         if grad is None:
             continue
         seconds, bwd = pricer.gradient(tensor, grad, assignment[name])
@@ -215,13 +226,14 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
     synced = pricer.gradients_s([p for _, _, p in gradients])
     hidden = 0.0
     if pricer.cluster.backend != "gloo" and graph.nodes:
+        position = {n.name: i for i, n in enumerate(graph)}
+        regions = [[position[o] for o in ops if o in position] for _, _, ops in recompute.layers]
+        for user, seconds in regathered:  # issued as backward reaches the region
+            last = graph.nodes[max(regions[recompute.layer_of[user]])].name
+            issued.append(AsyncReduction(ends[last] - backward[last], seconds))
         issued.sort(key=lambda c: c.ready_s)  # stable: buckets in plan order
         hidden = hidden_s(ends[graph.nodes[0].name], issued)
-        order = {name: i for i, name in enumerate(gathers)}
-        reads = [
-            (forward[n.name], [order[r.name] for r in n.refs if r.name in order]) for n in graph
-        ]
-        hidden += forward_hidden_s(reads, list(gathers.values()))
+        hidden += forward_hidden_s(*_forward_gathers(graph, forward, gathers, prefetched, regions))
     comm += synced
     found += gradients
     comm += len(waits) * pricer.sync_s
@@ -245,3 +257,25 @@ def price_step(graph: Graph, assignment: Mapping[str, Strategy], pricer: Pricer)
         buffers,
     )
     return PricedStep(max(compute, host), comm, memory, tuple(found), transient, ops, rest)
+
+
+def _forward_gathers(
+    graph: Graph,
+    forward: Mapping[str, float],
+    updated: Mapping[str, float],
+    prefetched: list[tuple[str, float]],
+    regions: list[list[int]],
+) -> tuple[list[tuple[float, list[int]]], list[AsyncGather]]:
+    """The forward's ops (their seconds, the gathers each waits for) and its gathers in the
+    order the executor issues them: ZeRO-1/2's (``updated``, by parameter) after the update,
+    then ZeRO-3's (``prefetched``: first user, seconds), those read outside recomputed layers
+    at forward's start, a recomputed layer's (``regions``: its ops' indices) at its first op."""
+    order = {name: i for i, name in enumerate(updated)}
+    gathers = [AsyncGather(0, seconds) for seconds in updated.values()]
+    waiting = {n.name: [order[r.name] for r in n.refs if r.name in order] for n in graph}
+    region_start = {graph.nodes[k].name: min(ops) for ops in regions for k in ops}
+    ahead = [(region_start.get(user, 0), user, seconds) for user, seconds in prefetched]
+    for at, user, seconds in sorted(ahead, key=lambda g: g[0]):  # stable: first-use order
+        waiting[user].append(len(gathers))
+        gathers.append(AsyncGather(at, seconds))
+    return [(forward[n.name], waiting[n.name]) for n in graph], gathers

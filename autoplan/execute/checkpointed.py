@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 from torch._functorch.partitioners import get_default_op_list
 from torch._ops import OpOverloadPacket
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -165,3 +166,34 @@ class Selective:
                 return
             contexts = functools.partial(create_selective_checkpoint_contexts, self.policy)
             checkpoint(body, use_reentrant=False, context_fn=contexts)
+
+
+def gathers_ahead(
+    steps: Sequence[torch.fx.Node | RecomputedRegion],
+    params: Collection[str],
+    reads: Mapping[str, Sequence[str]],
+    inputs: Mapping[str, Sequence[tuple[Placement, ...]]],
+    stored: Mapping[str, tuple[Placement, ...]],
+) -> dict[int, list[tuple[str, tuple[Placement, ...]]]]:
+    """Where the interpreter issues each redistribution of a parameter placeholder (``params``)
+    read otherwise than ``stored`` (ZeRO-3's gathers), as FSDP2 prefetches: (placeholder,
+    placement) once, in the order first read, at its first reader's recomputed region (its
+    index in ``steps``; issued again there in backward) or, read first outside any, at -1
+    (forward's start: autograd keeps the gathered copies for backward anyway, so the peak
+    holds no more). On GPUs they are left in flight, each waited for by the first op that
+    reads it, so that they run while forward computes (`autoplan.costmodel.overlap`); CPU
+    ranks gather at once (their cores do the copies and sums, so nothing would be hidden,
+    and gloo's collectives left in flight beside others aborted a rank,
+    `autoplan.execute.runtime.regather`)."""
+    ahead: dict[int, list[tuple[str, tuple[Placement, ...]]]] = {}
+    seen: set[tuple[str, tuple[Placement, ...]]] = set()
+    for at, item in enumerate(steps):
+        region = isinstance(item, RecomputedRegion)
+        for node in item.nodes if isinstance(item, RecomputedRegion) else (item,):
+            placements = inputs.get(node.name, ())
+            for read, target in zip(reads.get(node.name, ()), placements, strict=False):
+                key = (read, tuple(target))
+                if read in params and key not in seen and key[1] != stored.get(read):
+                    seen.add(key)
+                    ahead.setdefault(at if region else -1, []).append(key)
+    return ahead

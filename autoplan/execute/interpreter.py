@@ -7,6 +7,9 @@ mirror of these redistributions and of DTensor's op rules). Ops that create tens
 the plan, the output is moved to the plan's placement and the difference is logged: the
 plan's collectives list then misses that move, which the fidelity tests catch.
 
+ZeRO-3's gathers are issued ahead, as FSDP2 prefetches (`checkpointed.gathers_ahead`): on GPUs
+in flight, each waited for by the first op that reads it; on CPU ranks at once.
+
 The ops `execute/op_calls.py` finds local (no partial sums, the local result the local shard of
 the result) run on this rank's shards as plain torch, as do the replicated ops that keep their
 output's gradient partial (the plan's ``grad``), cross-entropy (its targets' total weight
@@ -29,7 +32,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
-from autoplan.execute.checkpointed import RecomputedRegion, Selective, gathered, with_regions
+from autoplan.execute.checkpointed import (
+    RecomputedRegion,
+    Selective,
+    gathered,
+    gathers_ahead,
+    with_regions,
+)
 from autoplan.execute.context import attention, causal_offsets, grouped_heads
 from autoplan.execute.experts import (
     dispatch_axes,
@@ -184,6 +193,9 @@ class PlanInterpreter:
         self.last_uses = last_uses(order, keep=self.sent)
         self.steps = with_regions(order, recomputed)  # this stage's recomputed layers
         self.regions = Selective({n for layer in plan.recompute for n in layer.saved})
+        params = set(ep.graph_signature.inputs_to_parameters)
+        self.ahead = gathers_ahead(self.steps, params, self.reads, self.inputs, self.outputs)
+        self.in_flight = mesh.device_type != "cpu"  # ZeRO-3's gathers left in flight
         # placeholder -> what finishes its value, still in flight (a ZeRO gather after the
         # optimizer's step, `ShardedState.wait`): called where the step first reads it
         self.awaited: dict[str, Callable[[], None]] = {}
@@ -220,11 +232,23 @@ class PlanInterpreter:
                     grads.add(tuple(grad))
         return grads.pop() if len(grads) == 1 else None
 
-    def _place(self, value: Any, target: Sequence[Placement]) -> Any:
+    def _place(self, value: Any, target: Sequence[Placement], async_op: bool = False) -> Any:
         if not isinstance(value, DTensor):
             return value
         goal = reachable(value.placements, target)
-        return value if tuple(value.placements) == goal else redistribute(value, self.mesh, goal)
+        if tuple(value.placements) == goal:
+            return value
+        return redistribute(value, self.mesh, goal, async_op)
+
+    def _gather_ahead(self, at: int, env: dict[str, Any], placed: Placed) -> None:
+        """Issue the ZeRO-3 gathers `gathers_ahead` puts at ``at`` (in flight on GPUs)."""
+        for name, target in self.ahead.get(at, ()):
+            if name not in env or target in placed.get(name, {}):
+                continue
+            if name in self.awaited:  # its ZeRO-1/2 gather after the update, first
+                self.awaited.pop(name)()
+            dtensor = self._dtensor(name, env, placed)
+            placed.setdefault(name, {})[target] = self._place(dtensor, target, self.in_flight)
 
     def run(self, values: Mapping[str, Any]) -> Any:
         """``values``: the stage's placeholders (parameters, and the batch on the first stage)
@@ -245,13 +269,14 @@ class PlanInterpreter:
 
         for name in values:
             weigh(name)
-        for item in self.steps:
+        self._gather_ahead(-1, env, placed)
+        for at, item in enumerate(self.steps):
             reads = item.reads if isinstance(item, RecomputedRegion) else self.reads.get(item.name)
             for read in reads or ():
                 if read in self.awaited:
                     self.awaited.pop(read)()
             if isinstance(item, RecomputedRegion):
-                self._recompute(item, env, placed, totals, weigh)
+                self._recompute(item, at, env, placed, totals, weigh)
                 continue
             if item.op == "placeholder" or item.name in env:
                 continue
@@ -298,6 +323,7 @@ class PlanInterpreter:
     def _recompute(
         self,
         region: RecomputedRegion,
+        at: int,
         env: dict[str, Any],
         placed: Placed,
         totals: dict[str, Summed],
@@ -305,7 +331,8 @@ class PlanInterpreter:
     ) -> None:
         """Run a recomputed region under ``torch.utils.checkpoint``: in backward it runs again
         from the values it read (and their placements made before it), drawing the same random
-        numbers, and its ops' saved tensors come from that run."""
+        numbers, and its ops' saved tensors come from that run; each run first issues the
+        region's ZeRO-3 gathers (``at``: its index in `steps`)."""
         env_in = {n: env[n] for n in region.reads if n in env}
         placed_in = {n: dict(placed[n]) for n in region.reads if n in placed}
         start = self.draws.state
@@ -315,11 +342,13 @@ class PlanInterpreter:
             nonlocal runs
             runs += 1
             if runs == 1:
+                self._gather_ahead(at, env, placed)
                 self.regions.forward(region, lambda n: self._step(n, env, placed, totals, weigh))
                 return
             ahead, self.draws.state = self.draws.state, start
             again_env = dict(env_in)
             again_placed = {n: dict(p) for n, p in placed_in.items()}
+            self._gather_ahead(at, again_env, again_placed)
             for node in region.nodes:
                 self._step(node, again_env, again_placed, totals, None)
             self.draws.state = ahead

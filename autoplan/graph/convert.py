@@ -168,6 +168,7 @@ def _convert(
     needs_grad = any(grads) and any(o.is_differentiable for o in outputs) and op not in _GRAD_STOPS
     schema = getattr(fx_node.target, "_schema", None)
     is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+    is_view = is_view or returns_input(fx_node)
     # `aten.to` may return its input (its schema says alias), but to a new dtype it copies:
     # its time is priced as a copy's (its memory stays a view's, as benchmarks/memory_truth.py
     # measured it)
@@ -196,6 +197,28 @@ def _convert(
     )
 
 
+_DROPOUTS = frozenset(
+    {
+        torch.ops.aten.dropout.default,
+        torch.ops.aten.feature_dropout.default,
+        torch.ops.aten.alpha_dropout.default,
+        torch.ops.aten.feature_alpha_dropout.default,
+    }
+)
+
+
+def returns_input(fx_node: torch.fx.Node) -> bool:
+    """A dropout that drops nothing (``p`` 0, or not training), which ATen's ``dropout``
+    returns as its input itself (aten/src/ATen/native/Dropout.cpp: ``if (p == 0 || !train
+    || input.sym_numel() == 0) return input``): a view, no compute, no memory of its own
+    (transformers' attention dropout at its default 0; the traced value, a copy, says
+    otherwise)."""
+    if fx_node.target not in _DROPOUTS or len(fx_node.args) < 3:
+        return False
+    _, p, train = fx_node.args[:3]
+    return bool(p == 0 or train is False)
+
+
 def _aliases(ep: ExportedProgram, done: dict[str, Node]) -> dict[Ref, Ref]:
     """Each op output that shares its storage with one of the op's inputs as traced (a view;
     not a ``reshape`` that copied an expanded tensor): output -> that input."""
@@ -207,6 +230,9 @@ def _aliases(ep: ExportedProgram, done: dict[str, Node]) -> dict[Ref, Ref]:
     found: dict[Ref, Ref] = {}
     for name, node in done.items():
         if node.kind != NodeKind.OP:
+            continue
+        if returns_input(by_name[name]):  # as run, though export's value is a copy
+            found[Ref(name, 0)] = node.refs[0]
             continue
         ins: dict[StorageWeakRef, Ref] = {}
         for ref in node.refs:

@@ -321,8 +321,11 @@ class _FromLocal(torch.autograd.Function):
         return local, None, None, None
 
 
-def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
-    """``tensor.redistribute(mesh, placements)``, where ``placements`` may also make a
+def redistribute(
+    tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...], async_op: bool = False
+) -> DTensor:
+    """``tensor.redistribute(mesh, placements, async_op=async_op)`` (in flight, waited for
+    where an op first reads it, when ``async_op``), where ``placements`` may also make a
     replicated or split axis partial: a split one is gathered, then each rank keeps its part of
     the replicated value (the sum's 1/n, as DTensor's own rules do inside an op: no
     communication). A tensor of integers stays replicated there, for the op's rule to read:
@@ -333,7 +336,7 @@ def redistribute(tensor: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
         for c, p in zip(tensor.placements, placements, strict=True)
     )
     if whole != tuple(tensor.placements):
-        tensor = tensor.redistribute(mesh, whole)
+        tensor = tensor.redistribute(mesh, whole, async_op=async_op)
         if tensor.requires_grad:
             tensor.register_hook(_contiguous)
     if whole == placements or not (tensor.is_floating_point() or tensor.is_complex()):

@@ -637,6 +637,16 @@ CASES = [
         recomputed(own((2, 2))),
         recompute=("full",),
     ),
+    # ZeRO-3 under torchtitan's op-level recomputation: a block's gathers issued ahead at its
+    # region's start, in forward and again in backward (`checkpointed.gathers_ahead`)
+    Case(
+        "gpt-zero3-recompute-ops",
+        "gpt",
+        GPT,
+        recomputed(lambda w: zero3(w, (4,)), "ops"),
+        recompute=("ops",),
+        recompute_collectives=True,
+    ),
     Case(
         "mlp-tp-recompute",
         "mlp",
