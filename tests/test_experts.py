@@ -176,6 +176,9 @@ def test_planner_is_no_slower_than_baseline_ep_where_its_ilps_plans_do_not_fit()
     assert plan.predicted.step_time_s <= ep.predicted.step_time_s
     (axis,) = plan.mesh.axes
     assert {p.storage[axis] for n, p in plan.params.items() if ".experts." in n} == {"S(0)"}
+    assert "each rank routes its own tokens, sent to their experts and back by all-to-alls" in (
+        summary(plan)
+    )
 
 
 def _routed(*tail: RegionOp) -> list[RegionOp]:
