@@ -17,7 +17,7 @@ from torch import nn
 from autoplan.baselines.grid import (
     Degrees,
     batch_of,
-    conventional_plans,
+    fastest_conventional,
     shaped_degrees,
     with_experts,
 )
@@ -43,7 +43,8 @@ from autoplan.planfile.schema import Plan
 from autoplan.progress import Tally
 from autoplan.schedules import V_SHAPED, schedule_refusal
 from autoplan.search.ahead import TracedAhead
-from autoplan.search.intra_op import MeshPlan, Slower, candidate_meshes, solve_mesh
+from autoplan.search.intra_op import candidate_meshes
+from autoplan.search.mesh_plans import MeshPlan, Overshot, Slower, solve_mesh
 from autoplan.search.pipeline_search import (
     GraphForMicrobatches,
     search_pipelines,
@@ -234,10 +235,7 @@ def _keep_faster_conventional(found: Searched, cluster: Cluster, options: PlanOp
     The search's objective only approximates a plan's price (gradient buckets fill up in
     steps, the stage DP sums its layers' plans), and no plan the baselines write of the
     shape the search found is to beat it."""
-    best = None
-    for d, plan in conventional_plans(lambda _: found.graph, cluster, found.degrees, options):
-        if best is None or plan.predicted.step_time_s < best[1].predicted.step_time_s:
-            best = (d, plan)
+    best = fastest_conventional(found.graph, cluster, found.degrees, options)
     searched = found.plan
     if best is None or best[1].predicted.step_time_s >= searched.predicted.step_time_s:
         return searched
@@ -358,7 +356,7 @@ def _plan_one_stage(
     unproven: list[Unproven] = []
     limit_s = options.time_limit_s
 
-    def solve(m: tuple[int, ...]) -> MeshPlan | float | Slower | None:
+    def solve(m: tuple[int, ...]) -> MeshPlan | float | Slower | Overshot | None:
         """`solve_mesh` on mesh ``m``; None where its ILP found no plan in time. Where the ILP
         choosing the layers that recompute found none, every layer recomputed (the least
         memory) with the strategies alone chosen: a plan, not proven the best."""
@@ -386,7 +384,7 @@ def _plan_one_stage(
             return found if ways is not None else _not_proven(found)
         return None
 
-    def solved(m: tuple[int, ...]) -> MeshPlan | float | Slower | None:
+    def solved(m: tuple[int, ...]) -> MeshPlan | float | Slower | Overshot | None:
         log.info("mesh %s: solving ...", m)
         tally.report(f"one stage on mesh {m}")
         found = solve(m)
@@ -412,7 +410,16 @@ def _plan_one_stage(
         if isinstance(found, MeshPlan) and found.step.memory_bytes > memory_limit:
             # the ILP counts recomputed activations at the layers' mean (a mode given), or
             # prices a unit's layers on its first (chosen); the step's price is exact
-            found = found.step.memory_bytes
+            found = Overshot(found.step.memory_bytes)
+        if isinstance(found, Overshot):
+            # no proof that none of the mesh's plans fits: its conventional plans are tried
+            log.info(
+                "mesh %s: its ILP's plans are priced at %s per device, over the limit; its "
+                "conventional plans are tried", m, fmt_bytes(found.peak_bytes),
+            )  # fmt: skip
+            needs[m] = found.peak_bytes
+            fastest[m] = 0.0
+            continue
         if not isinstance(found, MeshPlan):
             needs[m] = found
             log.info("mesh %s: needs at least %s per device, skipped", m, fmt_bytes(found))
@@ -431,8 +438,22 @@ def _plan_one_stage(
         # meshes compare by the step's price, which the ILP's objective only approximates
         if best is None or found.step.time_s < best.step.time_s:
             best = found
+    # a mesh's conventional plans are in its ILP's space, so only a mesh whose optimum may be
+    # near the best can hold one faster than the plan (the ILP misprices by a few percent;
+    # an ILP stopped short may be further off, by its gap, and one whose plans are priced
+    # over the memory limit is unknown); conventional plans take no pins
+    bar = math.inf if best is None else best.step.time_s * CHECKED_WITHIN
+    near = [m for m, t in fastest.items() if t <= bar]
+    degrees = (
+        []
+        if options.pin
+        else with_experts(graph, shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near))
+    )
     if best is None and not needs:
         return None, tuple(unproven)
+    if best is None and (conventional := fastest_conventional(graph, cluster, degrees, options)):
+        log.info("no plan searched fits; the conventional plan %s does", conventional[0])
+        return Searched(conventional[1], graph, []), tuple(unproven)
     if best is None:
         # the ILP that chooses finds none only where every layer recomputed does not fit
         mode = RecomputeMode.FULL if recompute is None else recompute
@@ -450,19 +471,12 @@ def _plan_one_stage(
         result.problem.memory_limit,
         best.pricer.recompute,
     )
-    # a mesh's conventional plans are in its ILP's space, so only a mesh whose optimum may be
-    # near the best can hold one faster than the plan (the ILP misprices by a few percent;
-    # an ILP stopped short may be further off, by its gap); conventional plans take no pins
-    near = [m for m, t in fastest.items() if t <= best.step.time_s * CHECKED_WITHIN]
-    degrees = (
-        []
-        if options.pin
-        else with_experts(graph, shaped_degrees(cluster.num_devices, batch_of(graph), meshes=near))
-    )
     return Searched(plan, graph, degrees), tuple(unproven)
 
 
-def _not_proven(found: MeshPlan | float | Slower) -> MeshPlan | float | Slower:
+def _not_proven(
+    found: MeshPlan | float | Slower | Overshot,
+) -> MeshPlan | float | Slower | Overshot:
     """``found``, its solution marked stopped at the time limit (its gap unknown): a plan of
     a narrower search than the one asked."""
     if not isinstance(found, MeshPlan):

@@ -32,7 +32,7 @@ from autoplan.graph.cut import DEFAULT_MAX_LAYERS  # noqa: E402
 from autoplan.graph.ir import Graph  # noqa: E402
 from autoplan.graph.recompute import FUSED_ATTENTION  # noqa: E402
 from autoplan.modes import RecomputeMode  # noqa: E402
-from autoplan.search.intra_op import SpaceFilter, solve_mesh  # noqa: E402
+from autoplan.search.mesh_plans import SpaceFilter, solve_mesh  # noqa: E402
 from autoplan.search.recompute_ilp import RecomputeChoice  # noqa: E402
 from autoplan.strategies.attention import context_axes  # noqa: E402
 from autoplan.strategies.space import NodeStrategies  # noqa: E402

@@ -13,10 +13,10 @@ from autoplan import PlanOptions, api
 from autoplan.costmodel.pricer import Pricer
 from autoplan.graph.blocks import find_sharing
 from autoplan.graph.recompute import NO_RECOMPUTE
-from autoplan.search.intra_op import MeshPlan, Slower, lower_bound, solve_mesh
+from autoplan.search.mesh_plans import MeshPlan, Slower, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.solvers.evaluate import min_memory
-from autoplan.solvers.problem import IntraOpSolution
+from autoplan.solvers.problem import IntraOpSolution, lower_bound
 from tests.conftest import example
 
 

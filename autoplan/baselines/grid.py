@@ -192,3 +192,18 @@ def conventional_plans(
                 break
             yield tried, plan
             break
+
+
+def fastest_conventional(
+    graph: Graph,
+    cluster: Cluster,
+    degrees: Iterable[Degrees],
+    options: PlanOptions | None = None,
+) -> tuple[Degrees, Plan] | None:
+    """The fastest of `conventional_plans` of one stage's ``graph`` (a pipeline's: of one
+    microbatch) for ``degrees``, with its degrees; None where none can be written and fit."""
+    best = None
+    for d, plan in conventional_plans(lambda _: graph, cluster, degrees, options):
+        if best is None or plan.predicted.step_time_s < best[1].predicted.step_time_s:
+            best = (d, plan)
+    return best

@@ -3,8 +3,9 @@ pipelines of stages on submeshes (inter-operator), each priced as the executor w
 
 One logical mesh
     `intra_op`: a graph, its candidate strategies and their costs made into the ILP of
-    `autoplan.solvers.ilp` (decision groups), solved and decoded (`solve_mesh`), and the
-    logical meshes tried (`candidate_meshes`), each priced by `autoplan.costmodel`.
+    `autoplan.solvers.ilp` (decision groups), solved and decoded, and the logical meshes
+    tried (`candidate_meshes`). `mesh_plans`: a mesh's plan (`solve_mesh`), priced by
+    `autoplan.costmodel`, solved again where its priced peak is over the memory limit.
 
 Pipelines
     `stage_layout`: the devices of a uniform stage, its logical meshes and the boundary

@@ -16,7 +16,7 @@ prices the conventional plans of the shape it found (`autoplan.api`). A move tha
 a routed region's local rows with the one-process tensor's shards (`strategies.routing`)
 costs more than any plan without one (`autoplan.solvers.forbidden`).
 The ILP itself lives in `solve.ilp` and never sees a node; `evaluate` rechecks its answer.
-The plan found is priced again from its assignment, node by node (`costmodel.step_price`).
+A mesh's problem is built, solved and priced by `search.mesh_plans`.
 """
 
 from __future__ import annotations
@@ -24,19 +24,16 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from autoplan.cluster.model import Cluster
 from autoplan.costmodel.pricer import Pricer
-from autoplan.costmodel.step_price import PricedStep, price_step
-from autoplan.errors import InfeasiblePlanError
 from autoplan.graph.blocks import BlockSharing, block_of
 from autoplan.graph.ir import Graph, Node, Ref
 from autoplan.modes import NodeKind
 from autoplan.phases import timed
-from autoplan.search.recompute_ilp import RecomputeChoice
-from autoplan.solvers.evaluate import evaluate, min_memory
+from autoplan.solvers.evaluate import evaluate
 from autoplan.solvers.forbidden import priced_forbidden
 from autoplan.solvers.ilp import solve_intra_op
 from autoplan.solvers.problem import (
@@ -46,21 +43,16 @@ from autoplan.solvers.problem import (
     IntraOpProblem,
     IntraOpSolution,
     SharedCost,
-    lower_bound,
 )
 from autoplan.strategies import routing
 from autoplan.strategies.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
-from autoplan.strategies.float32_grads import searched_in_float32
 from autoplan.strategies.placement import Spec, grad_spec
 from autoplan.strategies.space import (
     NodeStrategies,
     Strategy,
     input_grad,
-    searched,
-    strategy_space,
 )
 from autoplan.strategies.zero_state import param_gathered_dtype
-from autoplan.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -388,113 +380,3 @@ def candidate_meshes(cluster: Cluster) -> list[tuple[int, ...]]:
         if cluster.devices_per_node % inner == 0 and n % inner == 0:
             meshes.append((n // inner, inner))
     return meshes
-
-
-SpaceFilter = Callable[[dict[str, NodeStrategies]], dict[str, NodeStrategies]]
-
-
-@dataclass(frozen=True)
-class Slower:
-    """A mesh left unsolved: no plan on it is faster than ``bound_s`` a step by its ILP
-    (its optimum without the memory limit or recomputation, or that solve's bound)."""
-
-    bound_s: float
-
-
-@dataclass(frozen=True)
-class MeshPlan:
-    """The solved plan of a graph on one logical mesh."""
-
-    result: IntraOpResult
-    pricer: Pricer
-    step: PricedStep
-    rules: dict[str, str]  # node -> where its strategy came from
-
-
-def solve_mesh(
-    graph: Graph,
-    layers: BlockSharing,
-    pricer: Pricer,
-    memory_limit: float,
-    time_limit_s: float,
-    restrict: SpaceFilter | None = None,
-    once: float = 1.0,
-    float32_grads: bool = False,
-    in_flight: float = 1.0,
-    recompute: RecomputeChoice | None = None,
-    relaxed_first: bool = True,
-    slower_than: float = math.inf,
-) -> MeshPlan | float | Slower:
-    """Plan ``graph`` on ``pricer.mesh_shape``; ``restrict`` narrows the candidates (pins),
-    ``once`` weighs the once-per-step work and ``in_flight`` the activations' memory
-    (`build_problem`), ``float32_grads`` has every gradient reduced in float32
-    (`searched_in_float32`), ``recompute`` lets the ILP choose which layers recompute (the
-    plan's `MeshPlan.pricer` then recompute those). Returns the least memory any plan would
-    need per device when none fits (where recomputation is chosen, at least that: just over
-    ``memory_limit`` when only the activations a recomputed layer holds again during its
-    backward keep it from fitting; where the ILP's plan fits by its summed memory but not by
-    the peak `price_step` prices, that peak). Raises `SolverTimeLimitError` where an ILP
-    found no plan within ``time_limit_s`` (a plan found by then is kept, its solution saying
-    so).
-
-    Where the ILP chooses recomputation it is first solved without recomputing or a memory
-    limit (``relaxed_first``; a caller that knows that plan does not fit says False): if
-    that plan fits, no plan is faster, since recomputing only adds time; the ILP with the
-    limit and recomputation, several times slower, is then not needed. Where it does not
-    fit, its objective bounds every plan's from below: above ``slower_than`` (s a step) the
-    mesh is left there (`Slower`); with a ``slower_than``, it is solved for that bound even
-    where no plan without recomputation could fit."""
-    reps = {n.name for n in graph if n.name not in layers.canonical}
-    with timed("strategies"):
-        space = strategy_space(graph, pricer.mesh_shape, reps)
-    if float32_grads:
-        space = searched_in_float32(space, graph, pricer.mesh_shape)
-    if restrict is not None:
-        space = restrict(space)
-    space = searched(space, graph, pricer.mesh_shape)
-    with timed("ILP build"):
-        problem, grouping = build_problem(
-            graph, layers, space, pricer, memory_limit, once, in_flight
-        )
-    mesh = pricer.mesh_shape
-    result = None
-    # solved for its bound alone where it cannot fit, if that bound may leave the mesh
-    fits = min_memory(problem) <= memory_limit
-    if recompute is not None and relaxed_first and (fits or slower_than < math.inf):
-        relaxed = replace(problem, memory_limit=math.inf)
-        found = solve_problem(graph, layers, space, relaxed, grouping, mesh, time_limit_s)
-        if fits and evaluate(problem, found.solution.choice).memory <= memory_limit:
-            result = replace(found, problem=problem)
-        elif lower_bound(found.solution) > slower_than:
-            return Slower(lower_bound(found.solution))
-    if recompute is not None and result is None:
-        ways = recompute.recomputations(problem, graph, layers, space, grouping, pricer, in_flight)
-        problem = replace(problem, recompute=ways)
-    need = min_memory(problem)
-    if need > memory_limit:
-        return need
-    if result is None:
-        try:
-            result = solve_problem(graph, layers, space, problem, grouping, mesh, time_limit_s)
-        except InfeasiblePlanError:
-            assert problem.recompute, "min_memory is exact without recomputation"
-            return math.nextafter(memory_limit, math.inf)
-    if problem.recompute:
-        assert recompute is not None
-        counts = result.solution.recomputed
-        pricer = pricer.recomputing(recompute.chosen(graph, layers, problem.recompute, counts))
-    rules = {n.name: space[layers.rep(n.name)].source for n in graph}
-    with timed("pricing"):
-        step = price_step(graph, result.assignment, pricer)
-    if step.peak_bytes > memory_limit:
-        # the ILP's memory (`build_problem`) was within the limit and the priced peak is not:
-        # a plan that does not fit is none, whatever the ILP estimated
-        log.warning(
-            "mesh %s: the ILP's plan is priced at %s per device, over the limit of %s; "
-            "this mesh is skipped",
-            mesh,
-            fmt_bytes(step.peak_bytes),
-            fmt_bytes(memory_limit),
-        )
-        return step.peak_bytes
-    return MeshPlan(result, pricer, step, rules)

@@ -54,7 +54,7 @@ from autoplan.graph.recompute import Recompute, recomputed_ops
 from autoplan.modes import NodeKind
 from autoplan.phases import timed
 from autoplan.progress import Tally
-from autoplan.search.intra_op import MeshPlan, solve_mesh
+from autoplan.search.mesh_plans import MeshPlan, solve_mesh
 from autoplan.search.recompute_ilp import RecomputeChoice
 from autoplan.search.stage_layout import boundary_assignment, pin_boundary
 from autoplan.side_by_side import mapped
