@@ -103,10 +103,13 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
     first_line = next((ln for ln in str(e).strip().splitlines() if ln.strip()), type(e).__name__)
     if _flex_attention(frames):
         hint = (
-            "FlexAttention runs its backward on GPUs only and traces on no meta device (torch's "
-            "limits, not autoplan's), so autoplan cannot plan or train it here: choose another "
-            'attention for the model (transformers: attn_implementation="sdpa", which autoplan '
-            "plans as attention; or your own scaled_dot_product_attention with the same mask)."
+            "autoplan traces FlexAttention as torch's operator (torch.ops.higher_order."
+            "flex_attention), which torch traces by calling score_mod and mask_mod on index "
+            "tensors under vmap: a function that reads a tensor's value in Python, or indexes "
+            "with more than the indices it is given, fails there. Make the function tensor "
+            "ops of its indices, or choose another attention (transformers: "
+            'attn_implementation="sdpa", which autoplan plans as attention; or '
+            "scaled_dot_product_attention with the same mask)."
         )
     elif data_dependent(e):
         hint = _DATA_DEPENDENT
