@@ -136,6 +136,36 @@ def workload():
     return Workload(Masked(), (torch.randn(4, 8, 16),))
 """
 
+NONE_WHILE_TRACED = """import torch
+from torch import nn
+from autoplan import Workload
+
+def padded(mask, length):
+    return nn.functional.pad(mask, (0, length - mask.shape[1]))
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():  # as transformers' LongT5
+            mask = torch.ones(x.shape[:2])
+        local = padded(mask, 8)
+        return (self.fc(x) * local[..., None]).sum()
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+
+    def forward(self, x):
+        return self.encoder(x)
+
+def workload():
+    return Workload(Model(), (torch.randn(2, 6, 8),))
+"""
+
 INT_INPUTS = """from autoplan import Workload
 from examples.mlp import workload as mlp
 
@@ -442,6 +472,14 @@ CASES = [
         r"could not trace Masked at .*flexmask\.py:\d+ \(`return qi >= ki if qi > 0 else qi == "
         r"ki`\) in the model \(aten\.item\.default\).*calling score_mod and mask_mod on index "
         r"tensors under vmap.*attn_implementation=\"sdpa\"",
+    ),
+    Bad(
+        "none-while-traced",  # Python fails, no op running: the module's line, and the input
+        lambda d: plan(written(d, "nonemask.py", NONE_WHILE_TRACED)),
+        r"could not trace Model at .*nonemask\.py:\d+ \(`return nn\.functional\.pad\(mask, .*\) "
+        r"in encoder \(no op running, at line \d+ of its forward \(`local = padded\(mask, 8\)`"
+        r"\)\): AttributeError: 'NoneType' .*is None as torch\.export traces it.*Pass that input "
+        r"with the example inputs",
     ),
     Bad(
         "data-dependent-size",  # export traces .tolist(); the graph held an unknown integer
