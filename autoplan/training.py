@@ -28,6 +28,7 @@ from autoplan.parallel import Step, init_distributed
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import fmt_bytes, fmt_time
 from autoplan.precision import COMPUTE_DTYPES, autocast
+from autoplan.torch_private.flex_op import eager_flex_attention
 from autoplan.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,10 @@ def _trained(
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     losses = []
     for _ in range(steps):
-        with autocast(precision, "cpu"):
+        # FlexAttention's operator uncompiled (its dense forward and backward, which torch's
+        # function refuses on the CPU with gradients): what autoplan's ranks run
+        # (torch_private/flex_op.py)
+        with autocast(precision, "cpu"), eager_flex_attention():
             loss = w.loss(model)
         scaler.scale(loss).backward()
         scaler.step(opt)

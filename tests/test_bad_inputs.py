@@ -113,17 +113,57 @@ def workload():
     w = gpt()
     return Workload(w.model, (w.example_inputs[0].float(),), w.loss_fn, w.example_target)
 """
-FLEX_ATTENTION = """import torch
-import transformers
+FLEX_MASK = """import torch
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from autoplan import Workload
 
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(4, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+
+        def causal(b, h, qi, ki):
+            return qi >= ki if qi > 0 else qi == ki
+
+        mask = create_block_mask(causal, None, None, 8, 8, device=x.device)
+        return flex_attention(q, k, v, block_mask=mask).sum()
+
 def workload():
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=64, attn_implementation="flex_attention",
-    )
-    ids = torch.randint(0, 64, (4, 16))
-    return Workload(transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids})
+    return Workload(Masked(), (torch.randn(4, 8, 16),))
+"""
+
+NONE_WHILE_TRACED = """import torch
+from torch import nn
+from autoplan import Workload
+
+def padded(mask, length):
+    return nn.functional.pad(mask, (0, length - mask.shape[1]))
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():  # as transformers' LongT5
+            mask = torch.ones(x.shape[:2])
+        local = padded(mask, 8)
+        return (self.fc(x) * local[..., None]).sum()
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+
+    def forward(self, x):
+        return self.encoder(x)
+
+def workload():
+    return Workload(Model(), (torch.randn(2, 6, 8),))
 """
 
 INT_INPUTS = """from autoplan import Workload
@@ -427,11 +467,19 @@ CASES = [
         r"could not trace GPT at .*gpt\.py:\d+ .*Long, Int",
     ),
     Bad(
-        "flex-attention",  # torch's limit on CPU, told with what to use instead
-        lambda d: plan(written(d, "flex.py", FLEX_ATTENTION)),
-        r"could not trace LlamaForCausalLM at .*modeling_llama\.py:\d+ .*FlexAttention does "
-        r"not support backward on CPU.*choose another attention for the model \(transformers: "
-        r'attn_implementation="sdpa"',
+        "flex-attention-mask",  # FlexAttention is planned; a mask_mod vmap cannot trace is not
+        lambda d: plan(written(d, "flexmask.py", FLEX_MASK)),
+        r"could not trace Masked at .*flexmask\.py:\d+ \(`return qi >= ki if qi > 0 else qi == "
+        r"ki`\) in the model \(aten\.item\.default\).*calling score_mod and mask_mod on index "
+        r"tensors under vmap.*attn_implementation=\"sdpa\"",
+    ),
+    Bad(
+        "none-while-traced",  # Python fails, no op running: the module's line, and the input
+        lambda d: plan(written(d, "nonemask.py", NONE_WHILE_TRACED)),
+        r"could not trace Model at .*nonemask\.py:\d+ \(`return nn\.functional\.pad\(mask, .*\) "
+        r"in encoder \(no op running, at line \d+ of its forward \(`local = padded\(mask, 8\)`"
+        r"\)\): AttributeError: 'NoneType' .*is None as torch\.export traces it.*Pass that input "
+        r"with the example inputs",
     ),
     Bad(
         "data-dependent-size",  # export traces .tolist(); the graph held an unknown integer

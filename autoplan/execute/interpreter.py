@@ -47,6 +47,7 @@ from autoplan.execute.experts import (
     local_grouped_mm,
     routed_region,
 )
+from autoplan.execute.flex_shards import flex_starts, local_flex_attention
 from autoplan.execute.op_arguments import Arguments, last_uses, map_tensors, tensor_inputs
 from autoplan.execute.op_calls import (
     CROSS_ENTROPY,
@@ -78,6 +79,7 @@ from autoplan.strategies.dtensor_rules import register_missing_rules
 from autoplan.strategies.placement import grad_spec
 from autoplan.strategies.routing import routes_locally
 from autoplan.torch_private import from_local, redistribute
+from autoplan.torch_private.flex_op import FLEX_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +185,7 @@ class PlanInterpreter:
         }
         self.offsets = causal_offsets(self.graph, plan, self.local, mesh)  # context parallel
         self.heads = grouped_heads(self.graph, plan, self.local, mesh)  # key-value heads whole
+        self.flex = flex_starts(self.graph, plan, self.local, mesh)  # FlexAttention split
         self.experts = first_experts(self.graph, self.inputs, self.local, mesh)  # experts split
         self.dispatch = dispatch_axes(self.graph, self.inputs, self.local)  # rows sent to them
 
@@ -432,6 +435,8 @@ class PlanInterpreter:
             out = local_cross_entropy(node, args, kwargs, total, self.vocab.get(name))
         elif name in self.vocab:
             out = local_embedding(node, args, self.vocab[name])
+        elif node.target is FLEX_ATTENTION:
+            out = local_flex_attention(args, self.flex.get(name))
         elif name in self.offsets or name in self.heads:
             out = attention(args, kwargs, self.offsets.get(name), self.heads.get(name))
         elif name in self.dispatch:

@@ -13,8 +13,9 @@ import torch.fx
 
 
 def map_tensors(value: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every fx Node in ``value`` (lists and tuples walked in order)."""
-    if isinstance(value, torch.fx.Node):
+    """Apply ``fn`` to every fx Node in ``value`` that is a tensor (lists and tuples walked in
+    order); a function's graph (FlexAttention's ``score_mod``, a ``get_attr``) is no tensor."""
+    if isinstance(value, torch.fx.Node) and value.op != "get_attr":
         return fn(value)
     if isinstance(value, list | tuple):
         return type(value)(map_tensors(v, fn) for v in value)
@@ -49,6 +50,18 @@ def last_uses(nodes: Sequence[torch.fx.Node], keep: Sequence[str] = ()) -> dict[
     return freed
 
 
+def _function(value: Any) -> Any:
+    """``value`` with each ``get_attr`` of a function's graph (FlexAttention's ``score_mod``,
+    its mask's ``mask_mod``) replaced by that graph, which the op calls."""
+    if isinstance(value, torch.fx.Node) and value.op == "get_attr":
+        module = value.graph.owning_module
+        assert module is not None, value
+        return getattr(module, str(value.target))
+    if isinstance(value, list | tuple):
+        return type(value)(_function(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class Arguments:
     """An op's arguments with its tensor inputs to fill in, in `tensor_inputs` order (made
@@ -69,7 +82,7 @@ class Arguments:
         if args is None:
             args = tuple(node.args) if shape is None else (node.args[0], shape, *node.args[2:])
         # graphs traced on meta carry device=meta in factories and moves (inv_freq.to(x.device))
-        args = tuple(device if isinstance(v, torch.device) else v for v in args)
+        args = tuple(device if isinstance(v, torch.device) else _function(v) for v in args)
         kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
         places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
         if any(not isinstance(v, torch.fx.Node) and nodes_in(v) for _, v in places):

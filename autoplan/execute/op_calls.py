@@ -36,6 +36,7 @@ from autoplan.execute.vocab import (
 )
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.torch_private import dtensor_runs
+from autoplan.torch_private.flex_op import FLEX_ATTENTION
 
 NONE, MEAN, SUM = 0, 1, 2  # torch's Reduction
 # DTensor runs these by decomposition, and on a split batch the backward of the mean divides
@@ -332,6 +333,8 @@ def runs_locally(
     output: Sequence[Placement],
 ) -> bool:
     """Whether ``node``, placed as planned (``inputs``, ``output``), runs on local shards."""
+    if node.target is FLEX_ATTENTION:
+        return True  # no DTensor rule: torch's operator on local shards (execute/flex_shards.py)
     if str(node.target) in GROUPED_MMS:
         # experts split or whole, rows whole (execute/experts.py): DTensor's rule for torch's
         # grouped matmul would place it otherwise

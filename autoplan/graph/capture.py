@@ -41,6 +41,7 @@ from autoplan.graph.passes import (
     tie_parameters,
 )
 from autoplan.precision import autocast, autocast_device
+from autoplan.torch_private.flex_op import traced_flex_attention
 
 
 class TrainStep(nn.Module):
@@ -165,7 +166,10 @@ def export_step(
     args = step_args(model, example_inputs, example_target, loss_fn is not None)
     wrapper = TrainStep(model, loss_fn, keywords(example_inputs), precision)
     try:
-        with on_fake_cpu(wrapper, args, precision is not None) as fake_args:
+        with (
+            traced_flex_attention(),
+            on_fake_cpu(wrapper, args, precision is not None) as fake_args,
+        ):
             ep = torch.export.export(wrapper, fake_args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(explain_trace_failure(model, e, args)) from e

@@ -53,6 +53,8 @@ def graph_from_export(ep: ExportedProgram, precision: str | None = None) -> Grap
     for fx_node in ep.graph.nodes:
         if fx_node.op == "call_function" and fx_node.target is operator.getitem:
             continue  # its users refer to the multi-output op directly (see _to_ir)
+        if fx_node.op == "get_attr":
+            continue  # a function's graph (FlexAttention's score_mod), no tensor: see _to_ir
         node = _convert(fx_node, kinds, done)
         done[node.name] = node
     nodes = tuple(done.values())
@@ -100,9 +102,13 @@ def _to_ir(value: Any) -> Any:
         if value.op == "call_function" and value.target is operator.getitem:
             # getitem of a multi-output op refers to that op's output directly
             return Ref(value.args[0].name, int(value.args[1]))  # type: ignore[union-attr, arg-type]
+        if value.op == "get_attr":  # FlexAttention's score_mod and mask_mod, by name
+            return f"<{value.target}>"
         return Ref(value.name)
     if isinstance(value, list | tuple):
         return tuple(_to_ir(v) for v in value)
+    if isinstance(value, dict):  # FlexAttention's kernel options
+        return tuple(sorted((k, _to_ir(v)) for k, v in value.items()))
     return value
 
 

@@ -3,6 +3,7 @@ the user's line and what to change: the messages of `autoplan.graph.capture`."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import sys
@@ -78,6 +79,21 @@ _BINCOUNT = (
 )
 
 
+# a Python error on None while tracing: transformers builds some inputs only outside
+# torch.compile and torch.export (LongT5's attention_mask, under is_torchdynamo_compiling())
+_NONE = (
+    "A value the model reads is None as torch.export traces it: an optional input the model "
+    "makes itself only when not compiling (transformers: `if attention_mask is None and not "
+    "is_torchdynamo_compiling()`), or a config value left None. Pass that input with the "
+    "example inputs (attention_mask=torch.ones_like(input_ids)), or set the value."
+)
+
+
+def _of_none(e: BaseException) -> bool:
+    """Whether Python failed on a value that is None (an attribute, a subscript, a call)."""
+    return isinstance(e, AttributeError | TypeError) and "'NoneType'" in str(e)
+
+
 def _flex_attention(frames: Sequence[tuple[str, int, str]]) -> bool:
     """Whether the failure was raised inside torch's FlexAttention."""
     return any(
@@ -103,13 +119,18 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
     first_line = next((ln for ln in str(e).strip().splitlines() if ln.strip()), type(e).__name__)
     if _flex_attention(frames):
         hint = (
-            "FlexAttention runs its backward on GPUs only and traces on no meta device (torch's "
-            "limits, not autoplan's), so autoplan cannot plan or train it here: choose another "
-            'attention for the model (transformers: attn_implementation="sdpa", which autoplan '
-            "plans as attention; or your own scaled_dot_product_attention with the same mask)."
+            "autoplan traces FlexAttention as torch's operator (torch.ops.higher_order."
+            "flex_attention), which torch traces by calling score_mod and mask_mod on index "
+            "tensors under vmap: a function that reads a tensor's value in Python, or indexes "
+            "with more than the indices it is given, fails there. Make the function tensor "
+            "ops of its indices, or choose another attention (transformers: "
+            'attn_implementation="sdpa", which autoplan plans as attention; or '
+            "scaled_dot_product_attention with the same mask)."
         )
     elif data_dependent(e):
         hint = _DATA_DEPENDENT
+    elif _of_none(e):
+        hint = _NONE + " " + _inputs_hint(args)
     else:
         hint = _inputs_hint(args)
     return (
@@ -121,21 +142,26 @@ def explain_trace_failure(model: nn.Module, e: Exception, args: tuple[Any, ...])
 def _failed_in(e: BaseException, model: nn.Module) -> str:
     """``" in module (op)"``: the innermost of ``model``'s modules whose forward the failure
     went through, and the innermost ATen op it was running (the failure's frames' ``self``
-    and ``func``, where export dispatched it); "" for what is not found."""
-    names = {id(m): name for name, m in model.named_modules() if name}
-    module, op = "", ""
+    and ``func``, where export dispatched it), or where no op was running (Python failed),
+    the module's line it reached; "" for what is not found."""
+    names = {id(m): name for name, m in model.named_modules()}
+    module, op, line = "", "", ""
     tb = e.__traceback__
     while tb is not None:
         local = tb.tb_frame.f_locals
         owner = local.get("self")
         if isinstance(owner, nn.Module) and id(owner) in names:
             module, op = names[id(owner)], ""  # an op before this module's call is not its
+            code = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+            line = f"line {tb.tb_lineno} of its {tb.tb_frame.f_code.co_name} (`{code}`)"
         for value in (local.get("func"), owner):
             if isinstance(value, torch._ops.OpOverload):
                 op = str(value)
         tb = tb.tb_next
     if not op and data_dependent(e):  # Python read a tensor's value: bool(), .item()
         op = "aten._local_scalar_dense, a tensor's value read in Python"
+    elif not op and line:  # Python failed, no op running: the module's line it reached
+        op = f"no op running, at {line}"
     if not module and not op:
         return ""
     return f" in {module or 'the model'}" + (f" ({op})" if op else "")

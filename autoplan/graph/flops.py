@@ -32,6 +32,11 @@ def _prod(xs: Sequence[int]) -> int:
     return n
 
 
+# attention's ops: scaled dot-product attention's, and FlexAttention's (its score_mod's and
+# mask's few element-wise ops per score are left out, as an attention mask's are)
+_ATTENTION = ("scaled_dot_product", "_scaled_dot_product", "flex_attention")
+
+
 def op_flops(
     op: str, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], grads: Sequence[bool]
 ) -> tuple[float, float]:
@@ -45,7 +50,7 @@ def op_flops(
         a = 1 if name in ("addmm", "baddbmm") else 0
         fwd = 2.0 * out_numel * inputs[a].shape[-1]
         return fwd, fwd * (grads[a] + grads[a + 1])
-    if name.startswith(("scaled_dot_product", "_scaled_dot_product")):
+    if name.startswith(_ATTENTION):
         q, k = inputs[0], inputs[1]
         batch = _prod(q.shape[:-2])
         tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -77,7 +82,7 @@ def transcendental(op: str, inputs: Sequence[TensorInfo], outputs: Sequence[Tens
         return float(outputs[0].numel)
     if name == "cross_entropy_loss" and inputs:
         return float(inputs[0].numel)  # log_softmax over the logits
-    if name.startswith(("scaled_dot_product", "_scaled_dot_product")) and len(inputs) > 1:
+    if name.startswith(_ATTENTION) and len(inputs) > 1:
         q, k = inputs[0], inputs[1]
         return float(_prod(q.shape[:-1]) * k.shape[-2])  # softmax over the scores
     return 0.0

@@ -22,6 +22,16 @@ axis:
   (no ring, no load balancing: the first rank's queries see fewest keys, all ranks compute
   all). With dropout, the draws of each rank's block would not be those of one process:
   not offered.
+
+FlexAttention (``torch.ops.higher_order.flex_attention(q, k, v, score_mod, block_mask,
+scale, kernel_options, score_mod_buffers, mask_mod_buffers)``, its tensors ``q, k, v``, the
+block mask's tensors, then the buffers) splits the batch or the heads in ``q``, ``k``, ``v``
+and its outputs (out, log-sum-exp, max) alike, the key-value heads with the queries' where
+the axis divides them, and keeps the sequence whole. The block mask's tensors and the
+buffers stay whole: its score_mod and mask_mod are given the batch and head index each local
+score has in one process (`flex_offsets`: the rank's block start added), so a function that
+reads them (a head's ALiBi slope, a document mask's row of a whole buffer) is exact on
+shards, and the dense implementation that runs it reads no block of the block mask.
 """
 
 from __future__ import annotations
@@ -59,6 +69,29 @@ def attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
         ]
         rules.append((shard(ndim - 2), shard(ndim - 2), R, R, *masks))
     return rules
+
+
+def flex_attention(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
+    q = ins[0]
+    rules: list[AxisRule] = []
+    for d in (0, 1):  # batch, heads
+        qkv = [_with_queries(d, q, t, d == 1) for t in ins[:3]]
+        if d == 1 and R in qkv[1:]:
+            continue  # fewer key-value heads than ranks: the local heads would pair wrongly
+        rules.append((shard(d), *qkv, *[R] * (len(ins) - 3)))
+    return rules
+
+
+def flex_offsets(
+    inputs: Sequence[Spec],
+    q_shape: tuple[int, ...],
+    coordinate: Sequence[int],
+    mesh_shape: Sequence[int],
+) -> tuple[int, int]:
+    """The batch and head index in one process of this rank's first query of a FlexAttention
+    placed ``inputs``: what its score_mod and mask_mod are given added to the local ones."""
+    batch = _block(inputs[0], 0, q_shape[0], coordinate, mesh_shape)[0]
+    return batch, _block(inputs[0], 1, q_shape[1], coordinate, mesh_shape)[0]
 
 
 def _with_queries(d: int, q: TensorInfo, t: TensorInfo, key_heads: bool) -> str:

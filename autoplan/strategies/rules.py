@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autoplan.graph.ir import Node, TensorInfo
-from autoplan.strategies.attention import attention
+from autoplan.strategies.attention import attention, flex_attention
 from autoplan.strategies.grouped_mm import RULES as EXPERT_RULES
 from autoplan.strategies.index_rules import (
     AxisRule,
@@ -468,6 +468,8 @@ def own_rule(op: str) -> Rule | None:
     """Our rule for ``op`` ("aten.<name>.<overload>"): one for that overload, else one for
     every overload of the name, else None; for another library's op, its full name's."""
     parts = op.split(".")
+    if op == "flex_attention":  # torch's higher-order op, by its name
+        return flex_attention
     if op in EXPERT_RULES or len(parts) != 3 or parts[0] != "aten":
         return EXPERT_RULES.get(op)
     return _RULES.get(f"{parts[1]}.{parts[2]}", _RULES.get(parts[1]))
