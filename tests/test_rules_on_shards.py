@@ -1,5 +1,6 @@
 """Our rules for the ops real models carry beside their matmuls (strategies/rules.py): the
-mixtures of experts' routing (sort, topk, gathers and scatters, histograms, bincount),
+mixtures of experts' routing (sort, topk, gathers and scatters, torchtitan's
+deterministic_scatter_add, histograms, bincount),
 attention masks (where, diff, factories like ``new_ones``), slice assignments (copy,
 slice_scatter, select_scatter), indexed assignments (index_put), a cache's concatenation
 onto an empty tensor, splits, and RMS norms. Each rule, run by the executor's local path on
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torchtitan.ops.scatter_add import deterministic_scatter_add
 
 from autoplan.execute.context import attention
 from autoplan.execute.interpreter import Arguments
@@ -38,6 +40,9 @@ class _Routing(nn.Module):
         picked = x.gather(2, chosen)
         spread = torch.zeros_like(x).scatter(2, chosen, 1.0)
         added = torch.zeros_like(x).scatter_add(2, chosen, top)
+        # torchtitan's MoE combine: rows added into their tokens along dim 0
+        tokens = (ids[:2] % 4).unsqueeze(-1).expand(2, 6, 8)
+        combined = deterministic_scatter_add(torch.zeros_like(x), tokens, x[:2] * 2)
         pooled = x.new_zeros(4, 3, 8).index_add(1, slots, x)
         counts = torch.histc(x, bins=6, min=-2.0, max=2.0)
         # slots per index, at the length the model uses them (3: minlength, so every slot is
@@ -64,7 +69,7 @@ class _Routing(nn.Module):
         left, right = x.split(4, dim=2)
         return (
             *(values, order, top, picked, spread, added, pooled, counts, binned, weighed),
-            *(halves, steps),
+            *(halves, steps, combined),
             *(ones, typed, masked, joined, buffer, rows, ranks, head, tail, left, right),
             normed,
             put,
@@ -114,6 +119,7 @@ TESTED = {
     "aten.gather.default",
     "aten.scatter.value",
     "aten.scatter_add.default",
+    "torchtitan.deterministic_scatter_add.default",
     "aten.index_add.default",
     "aten.histc.default",
     "aten.bincount.default",

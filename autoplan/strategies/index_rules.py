@@ -18,15 +18,17 @@ def arg(node: Node, index: int, name: str, default: object) -> object:
     return node.args[index] if len(node.args) > index else dict(node.kwargs).get(name, default)
 
 
-def indexed(dim_index: int, whole: Sequence[int] = ()) -> Rule:
+def indexed(dim_index: int | None, whole: Sequence[int] = ()) -> Rule:
     """gather (input, dim, index), scatter (input, dim, index, src), scatter_add, index_add
-    (input, dim, index, source): a dim other than ``dim`` (argument ``dim_index``) may be split
-    where every tensor has it at one size, each element then reading and writing within its
-    own shard. Inputs numbered in ``whole`` (index_add's 1-dim index) stay whole."""
+    (input, dim, index, source): a dim other than ``dim`` (argument ``dim_index``; dim 0 for
+    an op without one, torchtitan's ``deterministic_scatter_add (out, index, src)``) may be
+    split where every tensor has it at one size, each element then reading and writing within
+    its own shard. Inputs numbered in ``whole`` (index_add's 1-dim index) stay whole."""
 
     def rule(node: Node, ins: Sequence[TensorInfo]) -> list[AxisRule]:
         ndim = len(ins[0].shape)
-        dim = int(arg(node, dim_index, "dim", 0)) % ndim  # type: ignore[call-overload]
+        at = 0 if dim_index is None else arg(node, dim_index, "dim", 0)
+        dim = int(at) % ndim  # type: ignore[call-overload]
         split = [i for i in range(len(ins)) if i not in whole]
         rules: list[AxisRule] = []
         for d in range(ndim):

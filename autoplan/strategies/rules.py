@@ -464,12 +464,20 @@ _RULES: dict[str, Rule] = {
 }
 
 
+# other libraries' ops, by full name: the experts' grouped matmuls, and torchtitan's MoE
+# combine (``out.scatter_add(0, index, src)`` under deterministic algorithms)
+LIBRARY_RULES: dict[str, Rule] = {
+    **EXPERT_RULES,
+    "torchtitan.deterministic_scatter_add.default": indexed(None),
+}
+
+
 def own_rule(op: str) -> Rule | None:
     """Our rule for ``op`` ("aten.<name>.<overload>"): one for that overload, else one for
     every overload of the name, else None; for another library's op, its full name's."""
     parts = op.split(".")
     if op == "flex_attention":  # torch's higher-order op, by its name
         return flex_attention
-    if op in EXPERT_RULES or len(parts) != 3 or parts[0] != "aten":
-        return EXPERT_RULES.get(op)
+    if op in LIBRARY_RULES or len(parts) != 3 or parts[0] != "aten":
+        return LIBRARY_RULES.get(op)
     return _RULES.get(f"{parts[1]}.{parts[2]}", _RULES.get(parts[1]))
