@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.export import ExportedProgram
 
@@ -69,6 +69,7 @@ from autoplan.execute.op_calls import (
 from autoplan.execute.placements import (
     boundary_placements,
     from_dtensor,
+    gradient_to,
     reachable,
     to_dtensor,
 )
@@ -470,7 +471,7 @@ class PlanInterpreter:
             )
             out = self._place(out, planned)
         if isinstance(out, DTensor) and out.requires_grad:
-            out.register_hook(self._gradient_to(planned))
+            out.register_hook(gradient_to(self.mesh, planned))
         return out
 
     def _call_op(
@@ -484,19 +485,6 @@ class PlanInterpreter:
             return call_op(node, args, kwargs)
         with self.draws.drawing(output):
             return call_op(node, args, kwargs)
-
-    def _gradient_to(self, planned: Sequence[Placement]) -> Callable[[Any], Any]:
-        """Backward mirrors forward: the gradient of an op's output, summed over its users, is
-        brought to the output's planned placement (a partial one reduced to replicated) before
-        the op's backward runs, so DTensor's backward rules never choose another reduction."""
-        goal = tuple(Replicate() if isinstance(p, Partial) else p for p in planned)
-
-        def hook(grad: Any) -> Any:
-            if isinstance(grad, DTensor) and tuple(grad.placements) != goal:
-                return grad.redistribute(self.mesh, goal)
-            return grad
-
-        return hook
 
 
 def _local_value(value: Any) -> torch.Tensor:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -172,3 +174,18 @@ def _reorder(value: DTensor, layout: Layout, how: Callable[..., torch.Tensor]) -
         split = [*whole[:axis], Shard(dim), *whole[axis + 1 :]]
         value = value.redistribute(mesh, split)
     return value
+
+
+def gradient_to(mesh: DeviceMesh, planned: Sequence[Placement]) -> Callable[[Any], Any]:
+    """A hook for an op's output: backward mirrors forward, so the output's gradient, summed
+    over its users, is brought to the output's planned placement (a partial one reduced to
+    replicated) before the op's backward runs, and DTensor's backward rules never choose
+    another reduction."""
+    goal = tuple(Replicate() if isinstance(p, Partial) else p for p in planned)
+
+    def hook(grad: Any) -> Any:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != goal:
+            return grad.redistribute(mesh, goal)
+        return grad
+
+    return hook
