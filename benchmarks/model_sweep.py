@@ -26,8 +26,9 @@ one process), over time.
 
 ``--torchtitan`` sweeps torchtitan's language-model families instead (rows
 ``torchtitan/llama3``, ``torchtitan/deepseek-v3``, ``torchtitan/qwen3``,
-``torchtitan/qwen3-moe``: tests/models/titan.py, torchtitan's modules at tiny widths; with
-``--models``, those named).
+``torchtitan/qwen3-moe``: tests/models/titan.py, torchtitan's modules at tiny widths, with
+scaled dot-product attention; each again with "-flex" after it, with torchtitan's default
+FlexAttention; with ``--models``, those named).
 
 Writes benchmarks/results/model_sweep.json and .md; with ``--keep`` the rows already there for
 model types not swept now are kept, so a sweep can run in parts (``--skip-done`` sweeps only
@@ -58,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from autoplan import Workload  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.torch_private.flex_op import eager_flex_attention  # noqa: E402
 from benchmarks.results_io import RESULTS, write_results  # noqa: E402
 
 try:
@@ -118,8 +120,13 @@ _DROPOUT = re.compile(
 )
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # torchtitan's language-model families, swept with ``--torchtitan`` (tests/models/titan.py:
-# torchtitan 0.3.0's own modules at tiny widths, scaled dot-product attention for FlexAttention)
-TORCHTITAN = tuple(f"torchtitan/{m}" for m in ("llama3", "deepseek-v3", "qwen3", "qwen3-moe"))
+# torchtitan 0.3.0's own modules at tiny widths, with scaled dot-product attention or its
+# FlexAttention)
+TORCHTITAN = tuple(
+    f"torchtitan/{m}{a}"
+    for a in ("", "-flex")  # scaled dot-product attention; torchtitan's default FlexAttention
+    for m in ("llama3", "deepseek-v3", "qwen3", "qwen3-moe")
+)
 
 
 def architectures() -> dict[str, tuple[str, str]]:
@@ -297,9 +304,11 @@ PROBE_BYTES = 4 * 2**30  # the address space a tiny model may take in one proces
 
 
 def probe(model: str) -> None:
-    """Build the tiny ``model`` and compute its loss once, as one process trains it."""
+    """Build the tiny ``model`` and compute its loss once, as one process trains it (the
+    reference of ``--check``: FlexAttention uncompiled, which torch refuses on the CPU)."""
     w = workload(model)
-    w.loss(w.model).backward()
+    with eager_flex_attention():
+        w.loss(w.model).backward()
 
 
 def _capped() -> None:

@@ -28,6 +28,7 @@ from autoplan.torch_private import FakeTensorMode, FakeValues
 
 # the operator the function calls; what a traced step's graph holds
 FLEX_ATTENTION: Any = torch.ops.higher_order.flex_attention
+_CREATE_MASK = _flex.create_mask  # what create_block_mask calls first
 
 # the step's check on fake tensors (execute/dry_run.py) runs under `FakeValues`, which a
 # higher-order operator finds no rule for (it looks its mode's type up exactly): FakeTensorMode's
@@ -37,10 +38,26 @@ for _op in (FLEX_ATTENTION, flex_attention_backward):
 _DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "meta")
 
 
+def _uncached() -> None:
+    """The trace's fake tensors cache no more op results: FlexAttention's tracing (``vmap``
+    over the indices in ``create_block_mask`` and in the operator) leaves entries in
+    FakeTensorMode's cache, which every mode shares, that a later trace then fails on
+    ("... is not tracked with proxy"); other traces keep the cache."""
+    mode = torch._guards.detect_fake_mode()
+    if mode is not None:
+        mode.cache_enabled = False
+
+
+def _create_mask(*args: Any, **kwargs: Any) -> Any:
+    _uncached()
+    return _CREATE_MASK(*args, **kwargs)
+
+
 def _validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """torch's check without its refusal of a gradient on the CPU and of the meta device
     (the fake tensors of a trace): any other device is still refused as torch refuses it."""
     del key, value
+    _uncached()
     if query.device.type not in _DEVICES:
         raise ValueError(
             "FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices. "
@@ -52,12 +69,11 @@ def _validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def traced_flex_attention() -> Iterator[None]:
     """Within, ``flex_attention`` takes CPU tensors that need a gradient, and meta tensors."""
     original = _flex._validate_device
-    _flex._validate_device = _validate_device
+    _flex._validate_device, _flex.create_mask = _validate_device, _create_mask
     try:
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-            yield
+        yield
     finally:
-        _flex._validate_device = original
+        _flex._validate_device, _flex.create_mask = original, _CREATE_MASK
 
 
 @contextmanager

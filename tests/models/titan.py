@@ -17,13 +17,15 @@ at tiny widths, on the CPU.
   (softmax router over 8 experts, top 2, renormalized; no shared expert).
 Not built here: gpt-oss, whose attention sinks rescale attention by the log-sum-exp that
 only FlexAttention (with block masks the trainer makes) or varlen attention (GPUs) return
-(FlexAttention, which autoplan refuses before training with torch's limit: no backward on the
-CPU); Kimi K2.5's, Muse Glimmer's and Qwen3.5's, multimodal (their decoders beside vision
-encoders; Kimi's decoder is DeepSeek-V3's); Flux, a diffusion model.
+(FlexAttention's log-sum-exp is planned; gpt-oss is not yet built); Kimi K2.5's, Muse
+Glimmer's and Qwen3.5's, multimodal (their decoders beside vision encoders; Kimi's decoder
+is DeepSeek-V3's); Flux, a diffusion model.
 
-Attention is scaled dot-product attention, torchtitan's causal ``ScaledDotProductAttention``:
-torchtitan builds its language models with FlexAttention, compiled, which needs a compiler on
-the CPU; every other module is torchtitan's. The loss is torchtitan's:
+Attention is scaled dot-product attention, torchtitan's causal ``ScaledDotProductAttention``,
+or, for a model named with "-flex" after it, torchtitan's default: its ``FlexAttention``
+(compiled in torchtitan; traced and run uncompiled here, autoplan/torch_private/flex_op.py)
+with the causal document mask its trainer makes (`WithMasks`). Every other module is
+torchtitan's. The loss is torchtitan's:
 cross-entropy over the flattened logits, in float32, averaged over the tokens.
 """
 
@@ -50,11 +52,28 @@ from autoplan import Workload
 VOCAB, DIM, HEADS = 128, 64, 4
 
 
-def _sdpa(layers: list[Any]) -> list[Any]:
-    """The layers' configs with scaled dot-product attention for FlexAttention."""
-    for layer in layers:
+def _attention(layers: list[Any], flex: bool) -> list[Any]:
+    """The layers' configs with scaled dot-product attention for FlexAttention, unless
+    ``flex``."""
+    for layer in layers if not flex else ():
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return layers
+
+
+class WithMasks(nn.Module):
+    """torchtitan's model with FlexAttention, called as its trainer calls it: the block mask
+    made by the model's ``get_attention_masks`` from the tokens' positions (causal within a
+    document; one document a sequence, positions 0, 1, ...), then ``model(tokens,
+    attention_masks=...)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
+        masks = self.model.get_attention_masks(positions)  # type: ignore[operator]
+        return self.model(tokens, attention_masks=masks)  # type: ignore[no-any-return]
 
 
 def _head(config: type, init: Any, **fields: Any) -> Any:
@@ -78,16 +97,16 @@ def _head(config: type, init: Any, **fields: Any) -> Any:
     )
 
 
-def llama3_model(seq: int, layers: int) -> nn.Module:
+def llama3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=seq, theta=500000, scaling="llama")
     blocks = llama3._build_llama3_layers(
         n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, rope=rope, attn_backend="flex",
         hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
     )  # fmt: skip
-    return _build(_head(llama3.Llama3Model.Config, llama3, layers=_sdpa(blocks)))
+    return _build(_head(llama3.Llama3Model.Config, llama3, layers=_attention(blocks, flex)))
 
 
-def deepseek_v3_model(seq: int, layers: int) -> nn.Module:
+def deepseek_v3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     rope_dim = 8
     rope = ComplexRoPE.Config(
         dim=rope_dim, max_seq_len=seq, theta=10000.0, scaling="yarn", rope_factor=40.0,
@@ -100,7 +119,7 @@ def deepseek_v3_model(seq: int, layers: int) -> nn.Module:
         num_shared_experts=2, router_top_k=3, router_score_func="softmax", rope=rope,
         attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
     )  # fmt: skip
-    config = _head(deepseek_v3.DeepSeekV3Model.Config, deepseek_v3, layers=_sdpa(blocks))
+    config = _head(deepseek_v3.DeepSeekV3Model.Config, deepseek_v3, layers=_attention(blocks, flex))
     return _build(config)
 
 
@@ -108,22 +127,24 @@ def _qwen3_rope(seq: int) -> Any:
     return CosSinRoPE.Config(dim=DIM // HEADS, max_seq_len=seq, theta=1000000.0)
 
 
-def qwen3_model(seq: int, layers: int) -> nn.Module:
+def qwen3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     blocks = qwen3._build_qwen3_layers(
         n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=DIM // HEADS,
         hidden_dim=128, attn_backend="flex", rope=_qwen3_rope(seq),
     )  # fmt: skip
-    config = _head(qwen3.Qwen3Model.Config, qwen3, layers=_sdpa(blocks), enable_weight_tying=True)
+    config = _head(
+        qwen3.Qwen3Model.Config, qwen3, layers=_attention(blocks, flex), enable_weight_tying=True
+    )
     return _build(config)
 
 
-def qwen3_moe_model(seq: int, layers: int) -> nn.Module:
+def qwen3_moe_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     blocks = qwen3._build_qwen3_moe_layers(
         n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=DIM // HEADS,
         moe_hidden_dim=32, num_experts=8, top_k=2, attn_backend="flex",
         moe_comm_backend="standard", rope=_qwen3_rope(seq),
     )  # fmt: skip
-    return _build(_head(qwen3.Qwen3Model.Config, qwen3, layers=_sdpa(blocks)))
+    return _build(_head(qwen3.Qwen3Model.Config, qwen3, layers=_attention(blocks, flex)))
 
 
 def _build(config: Any) -> nn.Module:
@@ -147,9 +168,13 @@ MODELS = {
 
 def workload(model: str, batch_size: int, seq_len: int, num_layers: int = 2) -> Workload:
     """torchtitan's ``model``, drawn from torch's generator as it stands, on token ids; the
-    targets are the next tokens (the inputs shifted by one, as torchtitan's data loader)."""
-    if model not in MODELS:
+    targets are the next tokens (the inputs shifted by one, as torchtitan's data loader).
+    ``model`` with "-flex" after it: with torchtitan's own FlexAttention (`WithMasks`)."""
+    name, flex = model.removesuffix("-flex"), model.endswith("-flex")
+    if name not in MODELS:
         raise ValueError(f"torchtitan model {model!r} is not built here; use one of {list(MODELS)}")
-    built = MODELS[model](seq_len, num_layers)
+    built: nn.Module = MODELS[name](seq_len, num_layers, flex)
+    if flex:
+        built = WithMasks(built)
     tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
     return Workload(built, (tokens[:, :-1].clone(),), loss, tokens[:, 1:].clone())
