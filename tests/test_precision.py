@@ -17,8 +17,10 @@ from torch import nn
 
 import autoplan
 from autoplan import PlanOptions
+from autoplan.api import plan_graph
 from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, PlanFormatError, TraceError
+from autoplan.graph import capture as capture_module
 from autoplan.graph.capture import capture
 from autoplan.graph.ir import Graph
 from autoplan.planfile.sections import CollectivePlan
@@ -27,7 +29,7 @@ from autoplan.precision import LossScaler
 from autoplan.strategies.float32_grads import weight_copies
 from autoplan.strategies.placement import R
 from autoplan.strategies.space import Strategy
-from autoplan.workload import Workload
+from autoplan.workload import Workload, load_workload
 from tests.conftest import ROOT, example
 
 CAST = "aten._to_copy.default"
@@ -252,3 +254,44 @@ def test_cli_takes_reduce_dtype(tmp_path: Path) -> None:
     assert refused.returncode != 0 and "needs mixed precision" in refused.stderr
     subprocess.run([*run, "--mixed-precision", "bf16"], check=True, capture_output=True, cwd=ROOT)
     assert autoplan.Plan.from_json(str(out)).mixed_precision == "bf16"
+
+
+def _traced_alike(graph: Graph) -> list[tuple[object, ...]]:
+    """What a plan reads of each op, in order, its inputs by position (names aside): export's
+    one ATen trace names a constant's copy ``lift_fresh_copy``, where the retrace made it a
+    ``clone``, and the two number the clones after it apart."""
+    position = {n.name: i for i, n in enumerate(n for n in graph if n.kind == "op")}
+    copies = ("aten.clone.default", "aten.lift_fresh_copy.default")
+    return [
+        (
+            "copy" if n.op in copies else n.op,
+            n.module_path,
+            n.outputs,
+            n.flops,
+            n.bwd_flops,
+            n.needs_grad,
+            tuple(position.get(r.name, r.name) for r in n.refs),
+        )
+        for n in graph
+        if n.kind == "op"
+    ]
+
+
+def test_one_aten_trace_gives_the_two_traces_step(
+    monkeypatch: pytest.MonkeyPatch, cpu4: autoplan.Cluster
+) -> None:
+    """Under autocast the step is exported at the ATen level in one trace
+    (`autoplan.torch_private.aten_export`), no longer exported and then retraced by
+    ``run_decompositions``: the same ops, casts, shapes, module paths and wiring, and the
+    same plan."""
+    w = load_workload(ROOT / "examples" / "hf_llama.py", size="small", batch_size=4, seq_len=8)
+    ids = w.example_inputs["input_ids"]  # labels apart: export picks either of one tensor
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    found = {}
+    for once in (False, True):
+        monkeypatch.setattr(capture_module, "ATEN_EXPORT", once)
+        graph = capture(w.model, inputs, precision="bf16")
+        plan = plan_graph(graph, cpu4, PlanOptions(mixed_precision="bf16"))
+        found[once] = (_traced_alike(graph), len(list(graph.params)), plan.predicted)
+    assert any(op[0] == CAST for op in found[True][0])
+    assert found[True] == found[False]

@@ -41,6 +41,7 @@ from autoplan.graph.passes import (
     tie_parameters,
 )
 from autoplan.precision import autocast, autocast_device
+from autoplan.torch_private.aten_export import ATEN_EXPORT, export_aten
 from autoplan.torch_private.flex_op import traced_flex_attention
 
 
@@ -162,18 +163,26 @@ def export_step(
     precision: str | None = None,
 ) -> ExportedProgram:
     """Export the train step (under autocast for a ``precision``, `autoplan.precision`); a
-    failure becomes a `TraceError` that names the user's line."""
+    failure becomes a `TraceError` that names the user's line. Under autocast the step is
+    exported at the ATen level in one trace, where autocast's casts are ops
+    (`autoplan.torch_private.aten_export`); a torch without that export traces it and then
+    retraces it so (`decomposed`)."""
     args = step_args(model, example_inputs, example_target, loss_fn is not None)
     wrapper = TrainStep(model, loss_fn, keywords(example_inputs), precision)
+    # under autocast, traced at the ATen level at once: its casts are ops from the start
+    at_aten = precision is not None and ATEN_EXPORT
     try:
         with (
             traced_flex_attention(),
             on_fake_cpu(wrapper, args, precision is not None) as fake_args,
         ):
-            ep = torch.export.export(wrapper, fake_args, strict=False)
+            if at_aten:
+                ep = export_aten(wrapper, fake_args)
+            else:
+                ep = torch.export.export(wrapper, fake_args, strict=False)
     except Exception as e:  # torch raises many types here; all become one clear error
         raise TraceError(explain_trace_failure(model, e, args)) from e
-    if precision is not None:  # autocast's region inlined, each of its casts an op
+    if precision is not None and not at_aten:  # autocast's region inlined, its casts ops
         ep = decomposed(ep)
     inline_regions(ep)
     if mutates(ep) or trains_batch_norm(ep.graph):

@@ -37,6 +37,8 @@ the torch at hand has rather than comparing version numbers.
   when every stage was given its shapes (the warm-up vote's STATIC outcome, torch 2.13 on),
   without the vote's messages between stages, which fake tensors cannot carry
   (execute/dry_run.py); `STATIC_STAGES`: whether the torch at hand has that mode.
+- `aten_export.export_aten`: a step exported at the ATen level in one trace, the level
+  `run_decompositions` retraces to (autocast's casts ops from the start; aten_export.py).
 - `zero_bubble_order` / `zbv_order` / `dualpipev_order`: the steps
   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV run on each rank
   (their ``_calculate_single_rank_operations``), computed without stages or a process group,
