@@ -368,7 +368,8 @@ def test_a_run_that_differs_from_one_process_is_told_once(tmp_path: Path) -> Non
     (tmp_path / "differs.py").write_text(REFERENCE_DIFFERS)
     argv = [sys.executable, "-m", "autoplan.cli", "run", str(tmp_path / "differs.py")]
     argv += ["--cluster", str(ROOT / "costmodels/cpu-gloo-4.json"), "--nproc", "2"]
-    argv += ["--mesh", "2", "--steps", "2", "--check"]
+    # no progress line on stderr, however long a loaded host takes to plan
+    argv += ["--mesh", "2", "--steps", "2", "--check", "--progress-after", "300"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 2, proc.stderr
