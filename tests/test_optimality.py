@@ -14,6 +14,7 @@ import pytest
 import autoplan
 from autoplan import PlanOptions
 from autoplan.api import Searched, _keep_faster_conventional
+from autoplan.baselines import grid
 from autoplan.baselines.grid import (
     Degrees,
     all_degrees,
@@ -228,14 +229,14 @@ def test_only_meshes_near_the_fastest_have_their_conventional_plans_priced(
     # slower than the fastest mesh's, none of them can beat the plan, and none is priced
     w = example("mlp", hidden=1024, batch_size=64, device="meta")
     priced: list[Degrees] = []
-    real = autoplan.api.conventional_plans
+    real = grid.conventional_plans
 
     def recording(graph_for, cluster, degrees, options=None):  # type: ignore[no-untyped-def]
         degrees = list(degrees)
         priced.extend(degrees)
         return real(graph_for, cluster, degrees, options)
 
-    monkeypatch.setattr(autoplan.api, "conventional_plans", recording)
+    monkeypatch.setattr(grid, "conventional_plans", recording)
     found = w.plan(a100, PlanOptions(pipeline=False))
     checked = {mesh_of(d.dp, d.tp) for d in priced}
     times = {
