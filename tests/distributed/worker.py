@@ -12,7 +12,6 @@ import json
 import operator
 import os
 import sys
-import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -78,11 +77,9 @@ def workload(case: Case) -> Workload:
 
 
 def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
-    start = time.perf_counter()
     w = workload(case)
     initial = {n: v.detach().clone() for n, v in w.model.state_dict().items()}
     ref = reference(w, case.max_grad_norm, precision=case.precision, init_scale=case.init_scale)
-    referenced = time.perf_counter()
     step = parallel(
         w,
         c,
@@ -95,7 +92,6 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
         **layout_keyword(case.plan_layout(w)),
     )
     assert step.optimizer is not None and step.plan is not None
-    built = time.perf_counter()
     first_loss, grad, grad_rel = first_step(step, w, ref["grads"])
     losses = [first_loss]
 
@@ -129,14 +125,7 @@ def run_case(case: Case, c: autoplan.Cluster) -> dict[str, Any]:
     routed: list[Any] = [None] * dist.get_world_size()
     mine = (planned_routed_bytes(step.plan), issued_routed_bytes(recorder.issued))
     dist.all_gather_object(routed, mine)
-    done = time.perf_counter()
     return {
-        # where a case's seconds go on rank 0, to keep the suite's minutes in view
-        "seconds": {
-            "reference": referenced - start,
-            "parallelize": built - referenced,
-            "train": done - built,
-        },
         "routed_bytes": [sum(p for p, _ in routed), sum(i for _, i in routed)],
         "axes": list(step.plan.mesh.axes),
         "shape": list(step.plan.mesh.shape),
@@ -590,20 +579,12 @@ def main() -> None:
 
 def _other_checks(c: autoplan.Cluster, world: int, out: Path, results: dict[str, Any]) -> None:
     """The checks beside the cases' parity, each under its own key of ``results``."""
-    seconds: dict[str, float] = {}
-
-    def timed(name: str, check: Callable[[], Any]) -> None:
-        start = time.perf_counter()
-        results[name] = check()
-        seconds[name] = time.perf_counter() - start
-
-    timed("accumulation", lambda: accumulation(c))
-    timed("optimizers", lambda: optimizers(c))
-    timed("randomness", lambda: randomness(c))
+    results["accumulation"] = accumulation(c)
+    results["optimizers"] = optimizers(c)
+    results["randomness"] = randomness(c)
     if world == 4:
-        timed("recompute_dropout", lambda: recompute_dropout(c))
-    timed("checkpoints", lambda: checkpoints(c, out.parent))
-    results["check_seconds"] = seconds
+        results["recompute_dropout"] = recompute_dropout(c)
+    results["checkpoints"] = checkpoints(c, out.parent)
     errors = error_cases(c)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, errors)
