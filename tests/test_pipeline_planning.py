@@ -244,8 +244,8 @@ def test_too_big_for_one_node_gets_stages_across_nodes() -> None:
     assert w.plan(node).recompute  # recomputation fits it on one node
     cluster = node.with_nodes(2)
     # under 1F1B, whose step the formula below says (ZeroBubble's is simulated). The one-stage
-    # (2, 2) mesh's ILP, its memory tight, stops at any time limit 2% from proven (60 s: the
-    # default, 1.8-2.4%); its plan is over the limit anyway, so 10 s serve as well
+    # (2, 2) mesh's ILP, its memory tight, stopped at the 60 s default 1.8-2.4% from proven;
+    # its plan is over the limit anyway, so 10 s serve as well
     tight = dataclasses.replace(keep, schedule="1F1B", time_limit_s=10.0)
     plan = w.plan(cluster, tight)
     assert plan.pipeline is not None and plan.mesh.axes[0] == "pp"

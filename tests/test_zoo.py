@@ -27,7 +27,7 @@ def test_zoo_model_plans_on_eight_a100s(model: str) -> None:
     w = load_workload(ROOT / "tests/models/zoo.py", model=model, batch_size=512, seq_len=128)
     # one 2-D mesh, one stage: both axes' rules on each model's ops, in one ILP (the search
     # over meshes and pipelines is tested on models of our own; here it would cost minutes).
-    # 20 s: DeepSeek-V3's ILP (209 groups, 132k variables) stops at any limit unproven
+    # 20 s: DeepSeek-V3's ILP (209 groups, 132k variables) stopped at the 60 s default unproven
     options = autoplan.PlanOptions(mesh_shape=(4, 2), pipeline=False, time_limit_s=20.0)
     plan = w.plan(cluster, options=options)
     assert plan.mesh.shape == (4, 2)
