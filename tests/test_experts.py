@@ -1,9 +1,10 @@
 """Expert parallelism of index-routed mixtures of experts (transformers' Mixtral, Qwen3-MoE,
-DeepSeek-V3): the grouped matmul's expert split (strategies/grouped_mm.py, execute/experts.py).
+DeepSeek-V3, torchtitan's MoE): the grouped matmul's expert split (strategies/grouped_mm.py,
+strategies/routing.py, execute/experts.py).
 
 Training under it is checked against one process on 4 gloo ranks in tests/test_distributed.py
 (zoo-mixtral-baseline-ep, zoo-qwen3-moe-baseline-ep, zoo-deepseek-v3-baseline-ep,
-zoo-mixtral-baseline-ep-2x2)."""
+zoo-torchtitan-deepseek-v3-baseline-ep, zoo-mixtral-baseline-ep-2x2)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from autoplan.execute.experts import by_expert, local_grouped_mm
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.planfile.check import check_plan
 from autoplan.planfile.show import summary
-from autoplan.strategies.routing import NO_REGION, RegionOp, region
+from autoplan.strategies.routing import NO_REGION, RegionOp, keeps_rows, region
 from autoplan.strategies.rules import own_rule
 from tests.distributed.cases import cluster
 from tests.models.zoo import workload
@@ -31,6 +32,7 @@ from tests.models.zoo import workload
 ROOT = Path(__file__).resolve().parents[1]
 FALLBACK = torch.ops.transformers.grouped_mm_fallback.default
 GROUPED = torch.ops.aten._grouped_mm.default
+SCATTER_ADD = "torchtitan.deterministic_scatter_add.default"
 
 
 def test_grouped_matmuls_split_their_experts_into_partial_sums() -> None:
@@ -227,3 +229,99 @@ def test_received_rows_are_regrouped_by_expert() -> None:
     # received: s0 e0 e0 e1 | s1 e1 e1 e1 | s2 e0
     order = by_expert(got)
     assert order.tolist() == [0, 1, 6, 2, 3, 4, 5]
+
+
+def _titan(*tail: RegionOp, kept: bool = True) -> list[RegionOp]:
+    """torchtitan's MoE as the planner's graph has it (one grouped matmul): its routed ids
+    sorted by ``argsort``, the offsets counted from the routing map outside, the products
+    scaled by their scores and scatter-added into zeros at their tokens (``kept``: whether
+    its views keep dim 0), then ``tail``."""
+    return [
+        RegionOp("flat", "aten.view.default", ("topk",)),
+        RegionOp("argsort", "aten.argsort.stable", ("flat",)),
+        RegionOp("scores", "aten.index.Tensor", ("top_scores", "argsort")),
+        RegionOp("token", "aten.floor_divide.default", ("argsort",)),
+        RegionOp("rows", "aten.index.Tensor", ("hidden", "token")),
+        RegionOp("counts", "aten.sum.dim_IntList", ("routing_map",)),
+        RegionOp("offs", "aten.cumsum.default", ("counts",)),
+        RegionOp("mm", GROUPED_MMS[0], ("rows", "w", "offs")),
+        RegionOp("cast", "aten.type_as.default", ("mm", "rows")),
+        RegionOp("column", "aten.view.default", ("scores",), rows_kept=kept),
+        RegionOp("scaled", "aten.mul.Tensor", ("cast", "column")),
+        RegionOp("at", "aten.view.default", ("token",), rows_kept=kept),
+        RegionOp("wide", "aten.expand.default", ("at",), rows_kept=kept),
+        RegionOp("zeros", "aten.zeros_like.default", ("hidden",)),
+        RegionOp("combined", SCATTER_ADD, ("zeros", "wide", "scaled")),
+        *tail,
+    ]
+
+
+def test_torchtitans_routed_region_runs_from_argsort_to_its_scatter_add() -> None:
+    """Its offsets come in as counts from outside (partial over a split batch), its views
+    and expand keep dim 0, and its products leave added into the tokens' zeros."""
+    found = region(_titan(RegionOp("out", "aten.view.default", ("combined",))))
+    assert found.inside == {"argsort", "scores", "token", "rows", "offs", "mm", "cast"} | {
+        "column",
+        "scaled",
+        "at",
+        "wide",
+    }
+    assert found.exits == {"combined"}
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        _titan(kept=False),  # a view or expand that may mix rows
+        _titan(RegionOp("leak", "aten.sum.default", ("offs",))),  # its offsets read outside
+        [  # the products added into the scores (outside) rather than zeros
+            *_titan()[:-1],
+            RegionOp("combined", SCATTER_ADD, ("top_scores", "wide", "scaled")),
+        ],
+    ],
+    ids=["rows-mixed", "offsets-read-outside", "not-into-zeros"],
+)
+def test_torchtitans_region_that_is_not_closed_routes_nothing(ops: list[RegionOp]) -> None:
+    assert region(ops) == NO_REGION
+
+
+@pytest.mark.parametrize(
+    ("op", "shape_in", "shape_out", "kept"),
+    [
+        ("aten.view.default", (12,), (12, 1), True),
+        ("aten.view.default", (12, 4), (6, 8), False),
+        ("aten.expand.default", (12, 1), (12, 8), True),
+        ("aten.expand.default", (12, 1), (3, 12, 1), False),
+        ("aten.mul.Tensor", (12,), (12,), False),
+    ],
+)
+def test_views_and_expands_that_keep_dim_0_are_row_wise(
+    op: str, shape_in: tuple[int, ...], shape_out: tuple[int, ...], kept: bool
+) -> None:
+    assert keeps_rows(op, shape_in, shape_out) == kept
+
+
+def test_baseline_ep_routes_torchtitans_tokens_with_their_counts_partial() -> None:
+    """`baseline(ep=4)` of torchtitan's DeepSeek-V3: its experts split, each rank's tokens
+    routed on it with its own counts (the routing map's sum, partial, into the offsets),
+    its products scatter-added into its own tokens; a plan that reads those counts made
+    partial from whole ones is refused."""
+    w = workload("torchtitan-deepseek-v3", batch_size=16, seq_len=16)
+    plan = w.baseline(cluster(4), dp=4, tp=1, ep=4)
+    (axis,) = plan.mesh.axes
+    rows, counts = {axis: "S(0)"}, {axis: "P"}
+    grouped = {n: p for n, p in plan.nodes.items() if p.op in GROUPED_MMS}
+    assert len(grouped) == 3
+    assert all(p.inputs == (rows, rows, counts) and p.output == rows for p in grouped.values())
+    (cumsum,) = [p for p in plan.nodes.values() if p.op == "aten.cumsum.default"]
+    assert cumsum.inputs == (counts,) and cumsum.output == counts
+    (combine,) = [p for n, p in plan.nodes.items() if p.op == SCATTER_ADD]
+    assert combine.inputs == (rows, rows, rows) and combine.output == rows
+    routed = [c for c in plan.collectives if c.node in grouped]
+    assert len(routed) == 5 * len(grouped) and all(c.kind == "all_to_all" for c in routed)
+    (name,) = [n for n, p in plan.nodes.items() if p.op == "aten.cumsum.default"]
+    source = w.trace().node(name).refs[0].name
+    whole = replace(plan.nodes[source], inputs=({axis: "R"},), output={axis: "R"})
+    wrong = replace(plan, nodes={**plan.nodes, source: whole})
+    with pytest.raises(PlanFormatError, match=rf"nodes\.{name}\.inputs\[0\] reads {source}"):
+        check_plan(wrong, w.trace())

@@ -303,8 +303,13 @@ def _propagated(
             _route_positions(node, placed, read)
             if read[node.name] == P:  # a rank's counts of its own rows: its offsets' too
                 continue
-        # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank
-        if read[node.name] == P and param_of(graph, node.name) is None:
+        # a parameter's cast (mixed precision) passes a row bias on as read: added on one rank;
+        # counts a routed region reads (torchtitan's) are each rank's own there, kept partial
+        counted = any(
+            u in routed.inside and graph.node(u).op in routing.COUNTS
+            for u in graph.users(node.name)
+        )
+        if read[node.name] == P and param_of(graph, node.name) is None and not counted:
             read[node.name] = _partial_read(graph, node, sequence)
     return placed
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.graph.flops import GROUPED_MMS
-from autoplan.strategies.routing import Region, RegionOp, region
+from autoplan.strategies.routing import Region, RegionOp, keeps_rows, region
 from autoplan.torch_private import functional_all_to_all, functional_all_to_all_autograd
 
 
@@ -51,8 +51,11 @@ def routed_region(graph: torch.fx.Graph) -> Region:
         if node.target is operator.getitem:
             source[node.name] = source.get(reads[0].name, reads[0].name)
             continue
-        names = [source.get(n.name, n.name) for n in _tensor_reads(node)]
-        ops.append(RegionOp(node.name, str(node.target), tuple(names)))
+        tensors = _tensor_reads(node)
+        names = [source.get(n.name, n.name) for n in tensors]
+        shapes = [getattr(n.meta.get("val"), "shape", ()) for n in (*tensors[:1], node)]
+        rows_kept = len(tensors) > 0 and keeps_rows(str(node.target), *shapes)
+        ops.append(RegionOp(node.name, str(node.target), tuple(names), rows_kept))
     return region(ops)
 
 
@@ -128,6 +131,8 @@ def dispatched_grouped_mm(
     each = [counts.numel() // num_ranks] * num_ranks  # split sizes given: routed (comms.py)
     got = functional_all_to_all(counts, each, each, group).view(num_ranks, -1)
     sent = counts.view(num_ranks, -1).sum(1).tolist()  # rows to each rank
+    # the offsets count this rank's own rows (`strategies/routing.py`), all of them
+    assert sum(sent) == x.shape[0], f"offsets count {sum(sent)} rows of {x.shape[0]}"
     received = got.sum(1).tolist()  # rows from each rank
     rows = functional_all_to_all_autograd(x, received, sent, group)
     order = by_expert(got)

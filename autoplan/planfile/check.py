@@ -355,10 +355,20 @@ def _check_routed(plan: Plan, graph: Graph) -> None:
     axes = plan.stage_axes
     for node in graph:
         for i, ref in enumerate(node.refs):
-            if ref.name not in region.inside:
+            counted = node.name in region.inside and node.op in routing.COUNTS
+            if ref.name not in region.inside and not counted:
                 continue
             made = _spec(plan.nodes[ref.name].output, axes)
             read = _spec(plan.nodes[node.name].inputs[i], axes)
+            if ref.name not in region.inside:
+                if routing.makes_counts(made, read):
+                    raise PlanFormatError(
+                        f"plan field nodes.{node.name}.inputs[{i}] reads {ref.name} as "
+                        f"{_fmt(plan.nodes[node.name].inputs[i])} from "
+                        f"{_fmt(plan.nodes[ref.name].output)}: a routed region's partial "
+                        "counts must be each rank's own counts as computed; read it as placed"
+                    )
+                continue
             if routing.moves_routed_rows(made, read):
                 raise PlanFormatError(
                     f"plan field nodes.{node.name}.inputs[{i}] reads {ref.name} as "

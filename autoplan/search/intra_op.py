@@ -99,11 +99,14 @@ def _edge_matrix(
     u, v, i = key
     producer, consumer = graph.node(u), graph.node(v)
     tensor = graph.tensor(consumer.refs[i])
-    routed = u in routing.graph_region(graph).inside
+    found = routing.graph_region(graph)
+    routed = u in found.inside
+    counted = v in found.inside and consumer.op in routing.COUNTS
     return [
         [
             math.inf  # made a cost above any plan's (`autoplan.solvers.forbidden`)
-            if routed and routing.moves_routed_rows(su.output, sv.inputs[i])
+            if (routed and routing.moves_routed_rows(su.output, sv.inputs[i]))
+            or (counted and routing.makes_counts(su.output, sv.inputs[i]))
             else pricer.edge(producer, tensor, su, consumer, sv, i, once)
             for sv in space[v].strategies
         ]
@@ -131,19 +134,25 @@ def _shared_costs(
     sources = [space[name].strategies[k] for k in grouping.pick[name]]
     moves: dict[Spec, list[tuple[int, int]]] = defaultdict(list)
     grads: dict[tuple[Spec, Spec], list[tuple[int, int]]] = defaultdict(list)
+    region = routing.graph_region(graph)
+    counted: set[Spec] = set()  # placements a routed region's ops read it in
     for consumer, i in readers:
         group = grouping.group_of[consumer]
         reader = graph.node(consumer)
         for k, j in enumerate(grouping.pick[consumer]):
             dst = space[consumer].strategies[j]
             moves[dst.inputs[i]].append((group, k))
+            if consumer in region.inside and reader.op in routing.COUNTS:
+                counted.add(dst.inputs[i])
             if producer.needs_grad:
                 grads[(dst.inputs[i], input_grad(reader, dst, i))].append((group, k))
     src = grouping.group_of[name]
-    routed = name in routing.graph_region(graph).inside
+    routed = name in region.inside
 
     def read_s(s: Strategy, p: Spec) -> float:
         if routed and routing.moves_routed_rows(s.output, p):
+            return math.inf
+        if p in counted and routing.makes_counts(s.output, p):
             return math.inf
         return count * pricer.read_s(tensor, s, p)
 

@@ -14,6 +14,12 @@ not the shards of the one-process tensor. That is exact where the region is clos
 reader of its tensors is in it, they are the ops below, and its only way out is the inverse
 permutation, whose output is the rank's tokens' rows in token order again (a true ``S(0)``).
 
+torchtitan's MoE routes the same way with other ops: ``argsort`` of the routed ids, offsets
+counted outside (the routing map summed over the tokens, read by the region's ``cumsum``
+alone: partial, each rank's counts of its own tokens, as computed), views and expands that
+keep dim 0 (`keeps_rows`), and for its exit the scatter-add of the region's rows at the
+region's positions into zeros of the tokens made outside (``deterministic_scatter_add``).
+
 `region` finds such regions from the graph alone; `local_rules` are the rules its ops take
 there on top of their own (the rows split, the counts partial), and `moves_routed_rows` says
 which redistributions of a region's tensors would mix the two meanings of ``S(0)``: the
@@ -27,20 +33,32 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autoplan.graph.flops import GROUPED_MMS
-from autoplan.graph.ir import Graph
+from autoplan.graph.ir import Graph, Node
 from autoplan.modes import NodeKind
 from autoplan.strategies.placement import P, R, Spec, shard, shard_dim
 
 AxisRule = tuple[str, ...]  # (output, tensor input 0, ...) on one mesh axis, as in rules.py
 
-SORTS = frozenset({"aten.sort.default", "aten.sort.stable", "aten.argsort.default"})
+SORTS = frozenset(
+    {"aten.sort.default", "aten.sort.stable", "aten.argsort.default", "aten.argsort.stable"}
+)
 INDEX, INDEX_PUT, ARANGE = "aten.index.Tensor", "aten.index_put.default", "aten.arange.default"
-COUNTS = frozenset({"aten.histc.default", "aten.cumsum.default"})
+CUMSUM = "aten.cumsum.default"
+COUNTS = frozenset({"aten.histc.default", CUMSUM})
+# torchtitan's combine: the products added into zeros at their tokens' positions (dim 0)
+SCATTER_ADDS = frozenset({"torchtitan.deterministic_scatter_add.default"})
+ZEROS = frozenset({"aten.zeros_like.default", "aten.zeros.default", "aten.new_zeros.default"})
+EXPAND = "aten.expand.default"
+# row-wise where they keep dim 0 (`keeps_rows`)
+RESHAPES = frozenset(
+    {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", EXPAND}
+)
 # row-wise ops: each output row depends on the same row of each input (or on none)
 ROW_OPS = frozenset(
     {
         "aten.floor_divide.default",
         "aten._to_copy.default",
+        "aten.type_as.default",
         "aten.empty_like.default",
         "aten.split.Tensor",
         "aten.split_with_sizes.default",
@@ -61,13 +79,25 @@ ROW_OPS = frozenset(
 
 @dataclass(frozen=True)
 class RegionOp:
-    """One node as the analysis sees it: its name, op (``aten.sort.default``) and the
+    """One node as the analysis sees it: its name, op (``aten.sort.default``), the
     producers of its tensor inputs in argument order (an output of several outputs by its
-    producer's name)."""
+    producer's name) and, of a view or expand, whether it keeps its input's rows
+    (`keeps_rows`)."""
 
     name: str
     op: str
     reads: tuple[str, ...]
+    rows_kept: bool = False
+
+
+def keeps_rows(op: str, shape_in: Sequence[int], shape_out: Sequence[int]) -> bool:
+    """Whether a view or expand ``op`` of a ``shape_in`` tensor to ``shape_out`` is row-wise:
+    row ``i`` of its output made of row ``i`` of its input alone. A view keeps the elements'
+    order, so one that keeps dim 0's size keeps each row's elements; an expand does where it
+    adds no dim and does not expand dim 0."""
+    if op not in RESHAPES or not shape_in or not shape_out or shape_in[0] != shape_out[0]:
+        return False
+    return op != EXPAND or len(shape_in) == len(shape_out)
 
 
 @dataclass(frozen=True)
@@ -109,15 +139,17 @@ def graph_region(graph: Graph) -> Region:
     """`region` of a traced graph, once per graph."""
 
     def find() -> Region:
-        return region(
-            [
-                RegionOp(n.name, n.op, tuple(r.name for r in n.refs))
-                for n in graph
-                if n.kind == NodeKind.OP
-            ]
-        )
+        return region([region_op(n, graph) for n in graph if n.kind == NodeKind.OP])
 
     return graph.memo("routed region", find)
+
+
+def region_op(node: Node, graph: Graph) -> RegionOp:
+    """``node`` of ``graph`` as the analysis sees it."""
+    rows_kept = bool(node.refs and node.outputs) and keeps_rows(
+        node.op, graph.tensor(node.refs[0]).shape, node.outputs[0].shape
+    )
+    return RegionOp(node.name, node.op, tuple(r.name for r in node.refs), rows_kept)
 
 
 def _closed(
@@ -136,6 +168,17 @@ def _closed(
                 return None
             inside.add(user.name)
             todo.append(user.name)
+    # offsets counted outside (torchtitan's: the routing map summed over the tokens, a
+    # rank's counts of its own rows where they are partial) and read by the region alone
+    for name in list(inside):
+        op = by_name[name]
+        if op.op in GROUPED_MMS and len(op.reads) == 3 and op.reads[2] not in inside:
+            offs = by_name.get(op.reads[2])
+            if offs is None or offs.op != CUMSUM:
+                return None
+            if any(u.name not in inside for u in readers.get(offs.name, ())):
+                return None
+            inside.add(offs.name)
     # the inverse permutations' positions: an arange read by the region alone
     for name in list(inside):
         op = by_name[name]
@@ -151,9 +194,19 @@ def _closed(
         op = by_name[name]
         outer = [i for i, r in enumerate(op.reads) if r not in inside]
         allowed = (
-            {0} if op.op == INDEX or op.op in SORTS else {1} if op.op in GROUPED_MMS else set()
+            {0}
+            if op.op in (INDEX, CUMSUM) or op.op in SORTS
+            else {1}
+            if op.op in GROUPED_MMS
+            else set()
         )
         if not set(outer) <= allowed:
+            return None
+    # a scatter-add adds rows of the region at positions of the region into outer zeros
+    for name in exits:
+        op = by_name[name]
+        into, added = op.reads[0], set(op.reads[1:])
+        if op.op in SCATTER_ADDS and (into in inside or not added <= inside):
             return None
     grouped = [n for n in inside if by_name[n].op in GROUPED_MMS]
     counted = any(by_name[n].op in COUNTS for n in inside)
@@ -163,6 +216,7 @@ def _closed(
 def _routes(op: RegionOp) -> bool:
     return (
         op.op in ROW_OPS
+        or op.rows_kept
         or op.op in COUNTS
         or op.op in GROUPED_MMS
         or op.op
@@ -175,7 +229,11 @@ def _routes(op: RegionOp) -> bool:
 
 
 def _is_exit(op: RegionOp, by_name: dict[str, RegionOp]) -> bool:
-    """An ``index`` of rows by an inverse permutation (an ``index_put`` of positions)."""
+    """An ``index`` of rows by an inverse permutation (an ``index_put`` of positions), or a
+    scatter-add of rows into zeros at their tokens' positions (torchtitan's combine)."""
+    if op.op in SCATTER_ADDS and len(op.reads) == 3:
+        zeros = by_name.get(op.reads[0])
+        return zeros is not None and zeros.op in ZEROS
     if op.op != INDEX or len(op.reads) != 2:
         return False
     positions = by_name.get(op.reads[1])
@@ -195,7 +253,7 @@ def local_rules(op: str, num_inputs: int, exit: bool) -> list[AxisRule]:
         return [(rows,)]
     if op in (INDEX, INDEX_PUT) or exit:
         return [(rows, *[rows] * num_inputs)]
-    if op == "aten.cumsum.default":
+    if op == CUMSUM:
         return [(P, P)]
     if op in GROUPED_MMS:
         return [(rows, rows, R, P), (rows, rows, shard(0), P)]
@@ -208,7 +266,7 @@ def keeps(rule: AxisRule, op: RegionOp, found: Region) -> bool:
     op that reads positions (``index``, ``index_put``) does not where it splits a region's
     tensor (its output inside, an input read from inside) along dim 0: its positions there
     are this rank's own (`local_rules`), not the one-process tensor's."""
-    if op.op in ROW_OPS or op.op in COUNTS:
+    if op.op in ROW_OPS or op.op in COUNTS or op.rows_kept:
         return True
     out, *ins = rule
     if op.name in found.inside and shard_dim(out) == 0:
@@ -225,6 +283,14 @@ def moves_routed_rows(src: Spec, dst: Spec) -> bool:
         a != b and (shard_dim(a) == 0 or shard_dim(b) == 0 or b == P)
         for a, b in zip(src, dst, strict=True)
     )
+
+
+def makes_counts(src: Spec, dst: Spec) -> bool:
+    """Whether moving a tensor from outside into a routed region's counts (``COUNTS``) from
+    ``src`` to ``dst`` would make partial sums of it: counts partial there must be each
+    rank's counts of its own rows, as computed (a sum over its tokens), not a share of
+    whole ones."""
+    return any(a != b and b == P for a, b in zip(src, dst, strict=True))
 
 
 def routes_locally(placements: Iterable[Spec]) -> bool:

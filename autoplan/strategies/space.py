@@ -144,7 +144,7 @@ def axis_rules(node: Node, graph: Graph) -> tuple[list[AxisRule], str]:
     rules, source = _axis_rules(node, tuple(graph.tensor(r) for r in node.refs))
     found = routing.graph_region(graph)
     if node.name in found:  # routing each rank's own tokens (`autoplan.strategies.routing`)
-        op = routing.RegionOp(node.name, node.op, tuple(r.name for r in node.refs))
+        op = routing.region_op(node, graph)
         rules = tuple(r for r in rules if routing.keeps(r, op, found))
         rules += tuple(routing.local_rules(node.op, len(node.refs), node.name in found.exits))
         source = "ours" if source == "replicated" else source

@@ -423,7 +423,9 @@ CASES = [
             {"model": model, "batch_size": 16, "seq_len": 16},
             baseline_plan(dp=4, tp=1, ep=4),
         )
-        for model in ("mixtral", "qwen3-moe", "deepseek-v3")
+        # torchtitan's own: its experts' offsets counted outside the routing (the routing map
+        # summed over the tokens, partial), its products scatter-added into the tokens
+        for model in ("mixtral", "qwen3-moe", "deepseek-v3", "torchtitan-deepseek-v3")
     ],
     # the experts split over 2 ranks (dp of a (2, 2) mesh), attention split by heads on tp
     Case(
