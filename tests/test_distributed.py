@@ -106,7 +106,7 @@ def test_trains_like_one_process_and_as_planned(
     r = results[case.world][case.name]
     assert "error" not in r, f"the case raised on rank {r.get('rank')}:\n{r.get('error')}"
     assert r["precision"] == case.precision and r["dtype_changes"] == [], r
-    if case.precision is None:
+    if case.precision is None and not case.model_bf16:
         assert r["loss"] <= TOLERANCE, f"losses differ by {r['loss']}"
         assert r["grad"] <= TOLERANCE, f"gradients differ by {r['grad']}"
         assert r["param"] <= TOLERANCE, f"parameters differ by {r['param']} after 3 AdamW steps"

@@ -30,6 +30,10 @@ class Case:
     precision: str | None = None
     init_scale: float = 2.0**16
     reduce_dtype: str | None = None  # "fp32": every gradient reduced in float32
+    # the model computes parts in bf16 itself, whatever the plan (torchtitan casts its experts'
+    # grouped matmuls): a batch split rounds their partial sums otherwise, so the run is
+    # compared as mixed precision is
+    model_bf16: bool = False
     # What the run must show besides training like one process, each asserted by the test:
     pipelined: bool = False  # the plan has 2 or more stages, and they send to each other
     recompute: tuple[str, ...] = ()  # the modes of its recomputed layers; () recomputes none
@@ -200,6 +204,10 @@ ZOO = (
 # inside the executor (a cache built in forward, a functional copy's derivative, a buffer
 # written in forward); tests/test_dry_run.py checks the others' layouts alone
 CHECKED = ("mistral", "gemma3", "deepseek-v3", "torchtitan-deepseek-v3")
+# torchtitan's MoE computes its experts in bf16: one process and the split batch of the
+# planner's plan (experts replicated, each rank's tokens routed) differ in their gradients by
+# 2-4e-3 of their norm, as one process differs from itself summing the batch's quarters' (2.3e-3)
+BF16_INSIDE = ("torchtitan-deepseek-v3",)
 # Swin's windowed blocks make the 2-D mesh's ILP a minute's solve: planned on one axis
 PINNED: dict[str, Mesh] = {"swin": (4,)}
 GPT = {"size": "small", "num_layers": 2, "batch_size": 4, "seq_len": 64}
@@ -371,6 +379,7 @@ CASES = [
             {"model": model, "batch_size": 64, "seq_len": 32},
             own(PINNED.get(model)),
             check_step=model in CHECKED,
+            model_bf16=model in BF16_INSIDE,
         )
         for model in ZOO
     ],
