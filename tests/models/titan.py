@@ -76,22 +76,22 @@ class WithMasks(nn.Module):
         return self.model(tokens, attention_masks=masks)  # type: ignore[no-any-return]
 
 
-def _head(config: type, init: Any, **fields: Any) -> Any:
+def _head(config: type, init: Any, dim: int = DIM, **fields: Any) -> Any:
     """A model config of ``config``'s class: embedding, final norm and output head as
     torchtitan's flavors make them (``init``: the flavor's module of initializations; its
     output head's, or its linears' where it has none of its own)."""
     output = getattr(init, "_output_linear_init", None)
     return config(
-        dim=DIM,
+        dim=dim,
         vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=init._EMBEDDING_INIT
+            num_embeddings=VOCAB, embedding_dim=dim, param_init=init._EMBEDDING_INIT
         ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=init._NORM_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=init._NORM_INIT),
         lm_head=Linear.Config(
-            in_features=DIM,
+            in_features=dim,
             out_features=VOCAB,
-            param_init=output(DIM) if output else init._LINEAR_INIT,
+            param_init=output(dim) if output else init._LINEAR_INIT,
         ),
         **fields,
     )
@@ -123,8 +123,8 @@ def deepseek_v3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     return _build(config)
 
 
-def _qwen3_rope(seq: int) -> Any:
-    return CosSinRoPE.Config(dim=DIM // HEADS, max_seq_len=seq, theta=1000000.0)
+def _qwen3_rope(seq: int, dim: int = DIM) -> Any:
+    return CosSinRoPE.Config(dim=dim // HEADS, max_seq_len=seq, theta=1000000.0)
 
 
 def qwen3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
@@ -138,13 +138,18 @@ def qwen3_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
     return _build(config)
 
 
-def qwen3_moe_model(seq: int, layers: int, flex: bool = False) -> nn.Module:
+def qwen3_moe_model(
+    seq: int, layers: int, flex: bool = False, *, dim: int = DIM, experts: int = 8,
+    width: int = 32, top_k: int = 2,
+) -> nn.Module:  # fmt: skip
+    """torchtitan's Qwen3-MoE: ``experts`` of hidden ``width``, the top ``top_k`` a token."""
     blocks = qwen3._build_qwen3_moe_layers(
-        n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=2, head_dim=DIM // HEADS,
-        moe_hidden_dim=32, num_experts=8, top_k=2, attn_backend="flex",
-        moe_comm_backend="standard", rope=_qwen3_rope(seq),
+        n_layers=layers, dim=dim, n_heads=HEADS, n_kv_heads=2, head_dim=dim // HEADS,
+        moe_hidden_dim=width, num_experts=experts, top_k=top_k, attn_backend="flex",
+        moe_comm_backend="standard", rope=_qwen3_rope(seq, dim),
     )  # fmt: skip
-    return _build(_head(qwen3.Qwen3Model.Config, qwen3, layers=_attention(blocks, flex)))
+    config = _head(qwen3.Qwen3Model.Config, qwen3, dim, layers=_attention(blocks, flex))
+    return _build(config)
 
 
 def _build(config: Any) -> nn.Module:
