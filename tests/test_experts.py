@@ -165,7 +165,7 @@ def test_planner_sends_torchtitans_tokens_to_their_experts_where_it_pays() -> No
     at the sizes of the test above where sending pays: 128 experts of width 512, top 8 of
     2048 tokens, on one 8-GPU H100 node. The planner splits the experts of all three grouped
     matmuls and sends each rank's rows to them by all-to-all, its counts each rank's own,
-    faster than data parallelism and than `baseline(ep=8)`."""
+    faster than data parallelism and than `baseline(ep=8)`, and `autoplan show` says so."""
     model = titan.qwen3_moe_model(256, 1, dim=1024, experts=128, width=512, top_k=8)
     ids = torch.randint(0, titan.VOCAB, (8, 257))
     w = autoplan.Workload(model, (ids[:, :-1],), titan.loss, ids[:, 1:])
@@ -180,6 +180,13 @@ def test_planner_sends_torchtitans_tokens_to_their_experts_where_it_pays() -> No
     assert {c.kind for c in plan.collectives if c.node in grouped} == {"all_to_all"}
     for other in (w.baseline(h100, dp=8, tp=1), w.baseline(h100, dp=8, tp=1, ep=8)):
         assert plan.predicted.step_time_s < other.predicted.step_time_s
+    # `autoplan show` says so, and calls no batch-split norm sequence parallelism: no weight
+    # but the experts' is split
+    words = summary(plan)
+    assert "each rank routes its own tokens, sent to their experts and back by all-to-alls" in (
+        words
+    )
+    assert "norms split along" not in words
 
 
 def test_planner_is_no_slower_than_baseline_ep_where_its_ilps_plans_do_not_fit() -> None:

@@ -107,8 +107,13 @@ def _words(plan: Plan) -> list[str]:
     ]
     norms = [n for n in plan.nodes.values() if n.op in _NORMS]
     for axis in plan.mesh.axes:
-        # on an axis that splits weights, norms split along the tokens: sequence parallelism
-        if all(p.placements.get(axis, "R") == "R" for p in plan.params.values()):
+        # on an axis that splits weights (not experts alone: every rank multiplies its own
+        # tokens there), norms split along the tokens: sequence parallelism
+        split = experts.get(axis, {})
+        if all(
+            p.placements.get(axis, "R") == "R" or _INDEX.sub(".*.", n, count=1) in split
+            for n, p in plan.params.items()
+        ):
             continue
         for dim, what in (("S(1)", "sequence"), ("S(0)", "batch")):
             count = sum(n.output.get(axis) == dim for n in norms)
