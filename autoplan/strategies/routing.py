@@ -169,26 +169,11 @@ def _closed(
             inside.add(user.name)
             todo.append(user.name)
     # offsets counted outside (torchtitan's: the routing map summed over the tokens, a
-    # rank's counts of its own rows where they are partial) and read by the region alone
-    for name in list(inside):
-        op = by_name[name]
-        if op.op in GROUPED_MMS and len(op.reads) == 3 and op.reads[2] not in inside:
-            offs = by_name.get(op.reads[2])
-            if offs is None or offs.op != CUMSUM:
-                return None
-            if any(u.name not in inside for u in readers.get(offs.name, ())):
-                return None
-            inside.add(offs.name)
-    # the inverse permutations' positions: an arange read by the region alone
-    for name in list(inside):
-        op = by_name[name]
-        if op.op == INDEX_PUT and len(op.reads) == 3:
-            values = by_name.get(op.reads[2])
-            if values is None or values.op != ARANGE:
-                return None
-            if any(u.name not in inside for u in readers.get(values.name, ())):
-                return None
-            inside.add(values.name)
+    # rank's counts of its own rows where they are partial), and the inverse permutations'
+    # positions (an arange), each read by the region alone
+    for readers_op, arg, producer in ((GROUPED_MMS, 2, CUMSUM), ((INDEX_PUT,), 2, ARANGE)):
+        if not _pull_in(inside, by_name, readers, readers_op, arg, producer):
+            return None
     # the rows come in only as the sorted ids, gathered tokens and the experts' weights
     for name in inside:
         op = by_name[name]
@@ -211,6 +196,30 @@ def _closed(
     grouped = [n for n in inside if by_name[n].op in GROUPED_MMS]
     counted = any(by_name[n].op in COUNTS for n in inside)
     return (inside, exits) if grouped and counted and exits else None
+
+
+def _pull_in(
+    inside: set[str],
+    by_name: dict[str, RegionOp],
+    readers: dict[str, list[RegionOp]],
+    ops: Sequence[str],
+    arg: int,
+    producer: str,
+) -> bool:
+    """Adds to ``inside`` the outer producer of argument ``arg`` of each region op in ``ops``
+    (of 3 tensor inputs) where it is a ``producer`` op read by the region alone; False where
+    one is not."""
+    for name in list(inside):
+        op = by_name[name]
+        if op.op not in ops or len(op.reads) != 3 or op.reads[arg] in inside:
+            continue
+        made = by_name.get(op.reads[arg])
+        if made is None or made.op != producer:
+            return False
+        if any(u.name not in inside for u in readers.get(made.name, ())):
+            return False
+        inside.add(made.name)
+    return True
 
 
 def _routes(op: RegionOp) -> bool:
