@@ -317,20 +317,52 @@ def test_collective_time_by_hand() -> None:
 
 def test_a_ring_across_nodes_pays_the_network_latency_only_between_nodes() -> None:
     """NCCL's ring model (src/graph/tuning.cc): 16 ranks on 2 nodes of 8 cross the network
-    on 1 step of a pass (2 for an all-reduce), the other 14 (28) at the NVLink latency."""
+    on 1 step of a pass (2 for an all-reduce), the other 14 (28) at the NVLink latency; the
+    8 ranks of a node carry 8 rings side by side, one through each GPU's NIC."""
     h100 = Cluster.load(COSTMODELS / "h100-sxm-8.json").with_nodes(2)
     inter, intra = h100.inter_node, h100.intra_node
     assert h100.axis_nodes((16,), 0) == 2 and h100.axis_nodes((2, 8), 0) == 2
     assert h100.axis_nodes((2, 8), 1) == 1
-    nbytes = 2**20
-    wire = 2 * 15 / 16 * nbytes / inter.bandwidth
-    want = (2 + 1) * inter.latency + 28 * intra.latency + wire
+    nbytes = 2**26  # large: Simple, NCCL's protocol for bandwidth
+    rings = min(8 * inter.bandwidth, intra.bandwidth)
+    want = (2 + 1) * inter.latency + 28 * intra.latency + 2 * 15 / 16 * nbytes / rings
     got = collective_time(h100, "all_reduce", nbytes, 16, inter, num_nodes=2)
     assert got == pytest.approx(want)
-    # one rank a node (dp across nodes, tp inside): every step crosses
-    every = (30 + 1) * inter.latency + wire
+    # one rank a node (dp across nodes, tp inside): every step crosses, through one NIC
+    every = (30 + 1) * inter.latency + 2 * 15 / 16 * nbytes / inter.bandwidth
     assert collective_time(h100, "all_reduce", nbytes, 16, inter, num_nodes=16) == every
     assert got < every
+    # all_to_all goes rank to rank: each rank's NIC carries its own rows
+    a2a = (1 + 1) * inter.latency + 14 * intra.latency + 15 / 16 * nbytes / inter.bandwidth
+    assert collective_time(h100, "all_to_all", nbytes, 16, inter, num_nodes=2) == a2a
+
+
+def test_nccl_takes_the_low_latency_protocol_for_small_messages() -> None:
+    """NCCL's LL protocol (src/graph/tuning.cc's ring latencies, as shares of Simple's) for
+    a small all-gather: far less latency, a quarter of the bandwidth across nodes; Simple for
+    a large one. gloo has Simple alone."""
+    h100 = Cluster.load(COSTMODELS / "h100-sxm-8.json").with_nodes(6)
+    inter, intra = h100.inter_node, h100.intra_node
+    rings = min(8 * inter.bandwidth, intra.bandwidth)
+
+    def simple(nbytes: int) -> float:
+        return 6 * inter.latency + 42 * intra.latency + 47 / 48 * nbytes / rings
+
+    def ll(nbytes: int) -> float:
+        latency = (
+            3.6 / 8.4 + 5 * 2.7 / 9.6
+        ) * inter.latency + 42 * 1.8 * 0.47 / 3.4 * intra.latency
+        return latency + 47 / 48 * nbytes / (rings / 4)
+
+    small, large = 2**16, 2**26
+    assert ll(small) < simple(small) and simple(large) < ll(large)
+    for nbytes in (small, large):
+        got = collective_time(h100, "all_gather", nbytes, 48, inter, num_nodes=6)
+        assert got == pytest.approx(min(simple(nbytes), ll(nbytes)))
+    gloo = dataclasses.replace(h100, backend="gloo")
+    assert collective_time(gloo, "all_gather", small, 48, inter, num_nodes=6) == pytest.approx(
+        simple(small)
+    )
 
 
 def test_collective_time_trivial_and_errors() -> None:

@@ -221,12 +221,10 @@ def test_slow_links_keep_tensor_sharding_inside_nodes(nodes: int) -> None:
     across = set(plan.stage_axes) - inside
     for axis in across:
         assert all(n.output[axis] == "S(0)" and n.inputs[1][axis] == "R" for n in linears), axis
-    # on 2 nodes some tensor parallelism inside them; on 4 (one sequence a device) data
-    # parallelism over all 32 may price within a few percent of it, and then wins: either
-    # way the check above saw an axis across nodes
+    # inside the nodes, tensor parallelism or more data parallelism, whichever prices faster:
+    # a data-parallel ring across nodes runs one ring through each GPU's NIC, so it is
+    # not slowed to one NIC's bandwidth; either way the check above saw an axis across nodes
     assert across
-    if nodes == 2:
-        assert any(n.inputs[1][a] != "R" for n in linears for a in inside)
 
 
 @pytest.mark.slow

@@ -41,12 +41,13 @@ def _zero(plan: autoplan.Plan) -> dict[str, tuple[str, str]]:
 
 
 def test_the_planner_splits_the_state_where_memory_needs_it(a100: autoplan.Cluster) -> None:
-    """The issue's MLP (6 layers of 1024, batch 1024) on 8 A100s, data parallel: whole
-    parameters train fastest, but in a budget they do not fit, the planner splits the weights'
-    optimizer state and gradients 8 ways (ZeRO-2), and the plan fits."""
+    """The issue's MLP (6 layers of 1024, batch 1024) on 8 A100s, data parallel: with room,
+    the search keeps the parameters whole (it prices no overlap, and the gathers after the
+    update cost more than the update saves), but in a budget they do not fit, it splits the
+    weights' optimizer state and gradients 8 ways (ZeRO-2), and the plan fits."""
     w = example("mlp", hidden=1024, batch_size=1024, device="meta")
     roomy = w.plan(a100, PlanOptions(mesh_shape=(8,), pin=_data_parallel(w)))
-    assert _zero(roomy) == {}  # the gathers after the update cost more than they save
+    assert _zero(roomy) == {}
     need = roomy.predicted.peak_memory_bytes
     fraction = need * 0.6 / a100.device.memory_bytes
     tight = PlanOptions(mesh_shape=(8,), pin=_data_parallel(w), memory_fraction=fraction)
@@ -54,7 +55,6 @@ def test_the_planner_splits_the_state_where_memory_needs_it(a100: autoplan.Clust
     assert planned.predicted.peak_memory_bytes <= fraction * a100.device.memory_bytes
     split = _zero(planned)
     assert split and all(v == ("S(0)", "S(0)") for v in split.values()), split
-    assert planned.predicted.step_time_s > roomy.predicted.step_time_s
     # whole state everywhere (plain data parallelism) does not fit that budget
     whole = PlanOptions(mesh_shape=(8,), pin=_data_parallel(w, state="R"), memory_fraction=fraction)
     with pytest.raises(InfeasiblePlanError):

@@ -58,7 +58,21 @@ A group whose ring crosses nodes (its ranks on m of them, m < n) pays the inter-
 only on the steps that cross a node, m - 1 of them per pass (2 (m - 1) for all_reduce), and
 the intra-node latency on the others, as NCCL's ring model prices its latency
 (`ncclTopoTuneModel`, src/graph/tuning.cc: (nsteps - nInterSteps) intraLat + nInterSteps
-interLat); its bandwidth is the inter-node link's, which every step waits for.
+interLat). Its bandwidth is the inter-node link's, a GPU's share of the node's network
+(one NIC each), times the group's ranks on each node, at most the intra-node link's: k ranks of
+a node carry k rings side by side, each through one of their NICs (NCCL's channels, its
+`busBw = nChannels * speedInter`), where one rank a node has one NIC to itself. all_to_all and
+send_recv go rank to rank, each through its own NIC.
+
+On NCCL, a ring collective also has the LL ("low latency") protocol, which NCCL picks for small
+messages (`ncclTopoGetAlgoTime` takes the fastest protocol by its model): a flag in every
+8-byte word in place of Simple's fences, so far less latency for a quarter of the bandwidth (a
+third on one node, but for all-reduce). The files' latencies are Simple's; LL's are NCCL's own
+ratios of its two (src/graph/tuning.cc, `baseLat` and `hwLat` of the ring: the call 3.6 of
+8.4 us, an NVLink hop 0.47 of 3.4 us, 1.8 times that where the ring spans nodes, a network hop
+2.7 of 9.6 us), and `collective_time` takes the faster of the two for all_reduce, all_gather
+and reduce_scatter on an NCCL cluster (`NCCL_LL`; all_to_all and send_recv go by send and
+receive, Simple's).
 
 The extra alpha per group collective is the cost of issuing one call (launch and the group's
 synchronization). Without it, an all-gather plus a reduce-scatter would cost exactly one
@@ -74,6 +88,8 @@ value, so where the two are equal, as on one host, the intra curves are read; se
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from autoplan.cluster.hardware import Link
 from autoplan.cluster.measured import COLLECTIVE_KINDS, Curve
@@ -189,17 +205,45 @@ def op_overhead_s(cluster: Cluster, op: str | None = None) -> float:
     return overhead or 0.0
 
 
+@dataclass(frozen=True)
+class Protocol:
+    """A ring protocol's latencies and bandwidth as shares of Simple's (the files' own)."""
+
+    call: float  # the alpha paid once a call
+    intra_hop: float  # a step inside a node; `spanning_intra_hop` where the ring spans nodes
+    spanning_intra_hop: float
+    inter_hop: float  # a step between nodes
+    bandwidth: float  # of the link's, where the ring spans nodes or all-reduces
+    one_node_bandwidth: float  # of the link's, a gather or scatter inside one node
+
+
+SIMPLE = Protocol(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+NCCL_LL = Protocol(3.6 / 8.4, 0.47 / 3.4, 1.8 * 0.47 / 3.4, 2.7 / 9.6, 1 / 4, 1 / 3)
+RING_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+
+
 def collective_time(
     cluster: Cluster, kind: str, nbytes: float, group_size: int, link: Link, num_nodes: int = 0
 ) -> float:
     """Time (s) of collective `kind` (one of COLLECTIVE_KINDS) over `group_size` ranks on
     `link` (the cluster's intra_node or inter_node link): the measured curve where it covers
-    `nbytes`, else the alpha-beta model (`analytic_collective_time`). `num_nodes`: the nodes
-    the group's ranks sit on, where `link` is the inter-node one (0: every step crosses one)."""
+    `nbytes`, else the alpha-beta model (`analytic_collective_time`), on NCCL the faster of
+    its Simple and LL protocols for a ring. `num_nodes`: the nodes the group's ranks sit on,
+    where `link` is the inter-node one (0: every step crosses one)."""
     crossing = num_nodes if link == cluster.inter_node else 0
-    analytic = analytic_collective_time(
-        kind, nbytes, group_size, link, crossing, cluster.intra_node.latency
-    )
+    intra = cluster.intra_node.latency
+    network = link == cluster.inter_node and link != cluster.intra_node
+    if network and kind in RING_KINDS and 0 < num_nodes < group_size:
+        link = Link(
+            min(link.bandwidth * (group_size // num_nodes), cluster.intra_node.bandwidth),
+            link.latency,
+        )
+    analytic = analytic_collective_time(kind, nbytes, group_size, link, crossing, intra)
+    if cluster.backend == "nccl" and kind in RING_KINDS:
+        ll = analytic_collective_time(
+            kind, nbytes, group_size, link, crossing, intra, NCCL_LL, network
+        )
+        analytic = min(analytic, ll)
     if analytic == 0.0:  # nothing moves: zero bytes, or a group of one
         return analytic
     if link == cluster.intra_node:
@@ -219,11 +263,14 @@ def analytic_collective_time(
     link: Link,
     num_nodes: int = 0,
     intra_latency: float = 0.0,
+    protocol: Protocol = SIMPLE,
+    network: bool = False,
 ) -> float:
     """Alpha-beta time (s) of collective `kind` over `group_size` ranks on `link`; see the
     module docstring for what `nbytes` means for each kind. A group on `num_nodes` nodes
     (0 < num_nodes < group_size) crosses `link` on its ring's steps between nodes alone, the
-    others paying `intra_latency`."""
+    others paying `intra_latency`. A ring's ``protocol`` scales the latencies and bandwidth,
+    by its shares for the network where `link` is one (``network``)."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(
             f"unknown collective kind {kind!r}; expected one of {', '.join(COLLECTIVE_KINDS)}"
@@ -245,9 +292,15 @@ def analytic_collective_time(
     steps = passes * (n - 1)
     # Each ring step moves one 1/n chunk of nbytes per rank; all_reduce is a reduce_scatter
     # followed by an all_gather, hence twice the steps. One more alpha for issuing the call.
-    crossing = passes * (num_nodes - 1) if 0 < num_nodes < n else steps
-    latency = (crossing + 1) * alpha + (steps - crossing) * intra_latency
-    return latency + steps / n * nbytes / beta
+    spans = 0 < num_nodes < n
+    crossing = passes * (num_nodes - 1) if spans else steps
+    inside = protocol.spanning_intra_hop if spans else protocol.intra_hop
+    hop = protocol.inter_hop if network else protocol.intra_hop  # of the steps on `link`
+    latency = protocol.call * alpha + crossing * hop * alpha
+    latency += (steps - crossing) * inside * intra_latency
+    one_node = not network and kind != "all_reduce"
+    share = protocol.one_node_bandwidth if one_node else protocol.bandwidth
+    return latency + steps / n * nbytes / (beta * share)
 
 
 def _measured_or(curve: Curve | None, x: float, analytic: float) -> float:
