@@ -52,10 +52,13 @@ class BaselineStyle(Mode):
 
 
 class Precision(Mode):
-    """The dtype a mixed-precision step computes in (`autoplan.precision`)."""
+    """The dtype a mixed-precision step computes in, and how (`autoplan.precision`)."""
 
-    BF16 = "bf16"
-    FP16 = "fp16"  # trains with dynamic loss scaling
+    BF16 = "bf16"  # under autocast
+    FP16 = "fp16"  # under autocast, with dynamic loss scaling
+    # the parameters cast to bf16 where the step reads them, every op in bf16 (FSDP2's
+    # param_dtype, Megatron's --bf16)
+    BF16_PARAMS = "bf16-params"
 
 
 class ReduceDtype(Mode):

@@ -93,7 +93,9 @@ class PlanOptions:
     while parameters, gradients and optimizer state stay float32 (`autoplan.precision`; a
     gradient is reduced in float32 at its parameter or in the compute dtype at its cast,
     whichever the plan prices cheaper, unless `reduce_dtype` says); "fp16" trains with dynamic
-    loss scaling. None computes in the model's own dtypes."""
+    loss scaling. "bf16-params": each parameter cast to bf16 where an op reads it and every
+    op in bf16, the loss in float32 (FSDP2's ``param_dtype``, Megatron's ``--bf16``). None
+    computes in the model's own dtypes."""
 
     reduce_dtype: ReduceDtype | None = None
     """"fp32": under `mixed_precision`, every trained parameter's gradient is reduced in

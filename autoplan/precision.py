@@ -13,6 +13,14 @@ casts' backward: a plan reduces a gradient in float32 at its parameter (FSDP2's
 
 float16's narrow range needs loss scaling (`LossScaler`): torch's ``GradScaler`` semantics
 across ranks.
+
+"bf16-params" computes as torchtitan (FSDP2's ``param_dtype=torch.bfloat16``) and Megatron
+(``--bf16``) train: each floating-point parameter is cast to bf16 once a step, where the step
+first reads it, and every op then runs in bf16 (the residual stream and the norms' outputs
+too, where autocast keeps them float32); the model's floating-point inputs are cast to bf16
+(FSDP2's ``cast_forward_inputs``) and its output back to float32 for the loss, as torchtitan's
+loss and Megatron's cross-entropy compute it. No autocast: the graph's casts are the
+parameters' and those, and the master weights, gradients and state stay float32.
 """
 
 from __future__ import annotations
@@ -26,12 +34,17 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import AutoplanError
 from autoplan.modes import Precision
-from autoplan.torch_private import non_finite_check_and_unscale, wait_collective
+from autoplan.torch_private import (
+    non_finite_check_and_unscale,
+    reparametrize_module,
+    wait_collective,
+)
 
 # the dtype each mixed precision computes in
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
     Precision.BF16: torch.bfloat16,
     Precision.FP16: torch.float16,
+    Precision.BF16_PARAMS: torch.bfloat16,
 }
 
 
@@ -54,13 +67,43 @@ def autocast_device(tensors: Iterable[torch.Tensor]) -> str:
 
 
 @contextmanager
-def autocast(precision: str | None, device_type: str) -> Iterator[None]:
-    """Runs the body under ``torch.autocast(device_type, compute dtype)``; nothing for None."""
+def computing(precision: str | None, module: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """Runs the body, a step of ``module``, in ``precision``: under ``torch.autocast(device_type,
+    compute dtype)`` for bf16 and fp16; for bf16-params, with ``module``'s floating-point
+    parameters replaced by their bf16 casts (one cast a tensor, so tied parameters stay one);
+    as it is for None."""
     if precision is None:
         yield
         return
-    with torch.autocast(device_type, dtype=COMPUTE_DTYPES[precision]):
+    dtype = COMPUTE_DTYPES[precision]
+    if precision != Precision.BF16_PARAMS:
+        with torch.autocast(device_type, dtype=dtype):
+            yield
+        return
+    named = list(module.named_parameters(remove_duplicate=False))
+    cast: dict[int, torch.Tensor] = {}
+    for _, p in named:
+        if id(p) not in cast and p.is_floating_point() and p.dtype != dtype:
+            cast[id(p)] = p.to(dtype)
+    with reparametrize_module(module, {n: cast[id(p)] for n, p in named if id(p) in cast}):
         yield
+
+
+def model_input(precision: str | None, value: object) -> object:
+    """A step's input to the model as ``precision`` passes it: a floating-point tensor in bf16
+    for bf16-params, else as given."""
+    if precision != Precision.BF16_PARAMS or not isinstance(value, torch.Tensor):
+        return value
+    return value.to(COMPUTE_DTYPES[precision]) if value.is_floating_point() else value
+
+
+def loss_input(precision: str | None, output: object) -> object:
+    """The model's output as ``precision`` passes it to the loss: a floating-point tensor in
+    float32 for bf16-params, else as given (a model that takes its own loss, or returns a
+    structure, computes the loss in the dtype it chooses)."""
+    if precision != Precision.BF16_PARAMS or not isinstance(output, torch.Tensor):
+        return output
+    return output.float() if output.is_floating_point() else output
 
 
 class LossScaler:

@@ -27,7 +27,7 @@ from autoplan.options import PlanOptions, TrainOptions
 from autoplan.parallel import Step, init_distributed
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.show import fmt_bytes, fmt_time
-from autoplan.precision import COMPUTE_DTYPES, autocast
+from autoplan.precision import COMPUTE_DTYPES
 from autoplan.torch_private.flex_op import eager_flex_attention
 from autoplan.workload import Workload
 
@@ -276,8 +276,8 @@ def _trained(
         # FlexAttention's operator uncompiled (its dense forward and backward, which torch's
         # function refuses on the CPU with gradients): what autoplan's ranks run
         # (torch_private/flex_op.py)
-        with autocast(precision, "cpu"), eager_flex_attention():
-            loss = w.loss(model)
+        with eager_flex_attention():
+            loss = w.loss(model, precision)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

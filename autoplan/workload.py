@@ -38,14 +38,14 @@ class Workload:
     loss_fn: Callable[..., torch.Tensor] | None = None
     example_target: Any = None
 
-    def loss(self, model: nn.Module | None = None) -> torch.Tensor:
+    def loss(self, model: nn.Module | None = None, precision: str | None = None) -> torch.Tensor:
         """One step's loss as it is traced: ``loss_fn(model(*example_inputs), example_target)``,
-        or the model's own output without a ``loss_fn``. ``model`` (a copy, to train apart)
-        defaults to the workload's."""
+        or the model's own output without a ``loss_fn``, in a mixed ``precision`` (or the
+        model's dtypes). ``model`` (a copy, to train apart) defaults to the workload's."""
         model = self.model if model is None else model
         with_loss = self.loss_fn is not None
         args = step_args(model, self.example_inputs, self.example_target, with_loss)
-        return TrainStep(model, self.loss_fn, keywords(self.example_inputs))(*args)
+        return TrainStep(model, self.loss_fn, keywords(self.example_inputs), precision)(*args)
 
     def trace(self, num_microbatches: int = 1, precision: str | None = None) -> Graph:
         """The step traced (`autoplan.graph.capture`) at the shape of one of

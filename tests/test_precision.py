@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from autoplan.costmodel.pricer import Pricer
 from autoplan.errors import AutoplanError, PlanFormatError, TraceError
 from autoplan.graph import capture as capture_module
 from autoplan.graph.capture import capture
-from autoplan.graph.ir import Graph
+from autoplan.graph.ir import Graph, NodeKind
 from autoplan.planfile.sections import CollectivePlan
 from autoplan.planfile.show import summary
 from autoplan.precision import LossScaler
@@ -33,6 +34,7 @@ from autoplan.workload import Workload, load_workload
 from tests.conftest import ROOT, example
 
 CAST = "aten._to_copy.default"
+VIEW = "aten.view.default"
 
 
 def test_unknown_precision_is_refused() -> None:
@@ -57,6 +59,42 @@ def test_the_step_is_traced_with_autocasts_casts() -> None:
     assert loss.output.dtype == "float32"
     plain = capture(w.model, w.example_inputs, w.loss_fn, w.example_target)
     assert plain.fingerprint != graph.fingerprint and not any(n.op == CAST for n in plain)
+
+
+def test_bf16_params_casts_each_parameter_once_and_computes_every_op_in_bf16(
+    cpu4: autoplan.Cluster,
+) -> None:
+    """The bf16-params mode (FSDP2's param_dtype, Megatron's --bf16): each float32 parameter
+    is cast to bf16 once, just before the op that reads it (a tied one before each of its two
+    readers); every op then computes in bf16, the residual stream and the norms too; the
+    output goes back to float32 for the loss. Its step is priced below autocast's, which
+    casts the activations too, and the plan says how it computes."""
+    w = example("gpt", size="tiny", num_layers=2, batch_size=4, seq_len=16)
+    w.model.head.weight = w.model.tok_emb.weight  # tied, as GPT-2's
+    graph = w.trace(precision="bf16-params")
+    assert graph.precision == "bf16-params"
+    params = {p.name: p for p in graph.params}
+    assert {p.output.dtype for p in params.values()} == {"float32"}
+    nodes = list(graph)
+    casts = [n for n in nodes if n.op == CAST]
+    cast_params = Counter(n.refs[0].name for n in casts if n.refs[0].name in params)
+    tied = {n.name for n in graph.params if n.target == "tok_emb.weight"}
+    assert len(tied) == 1
+    assert cast_params == {p: 1 + (p in tied) for p in params}
+    assert len(casts) == sum(cast_params.values()) + 1  # and the logits back to float32
+    for cast in casts[:-1]:  # each just before its reader (after its other casts)
+        after = next(n for n in nodes[nodes.index(cast) :] if n.op != CAST)
+        assert cast.name in {r.name for r in after.refs}, (cast.name, after.name)
+    computed = [n for n in graph if n.kind == NodeKind.OP and n.op not in (CAST, VIEW)]
+    float32 = {n.op for n in computed if n.outputs and n.output.dtype == "float32"}
+    assert float32 == {"aten.cross_entropy_loss.default"}, float32
+    loss = float(w.loss(precision="bf16-params"))
+    assert loss == pytest.approx(float(w.loss()), rel=1e-2)
+    autocast = w.trace(precision="bf16")
+    plans = [plan_graph(g, cpu4, PlanOptions(mesh_shape=(4,))) for g in (graph, autocast)]
+    assert plans[0].predicted.compute_s < plans[1].predicted.compute_s
+    assert "bf16 compute on the parameters cast to bf16" in summary(plans[0])
+    assert autoplan.Plan.from_json(plans[0].to_json()).mixed_precision == "bf16-params"
 
 
 @pytest.mark.slow

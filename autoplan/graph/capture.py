@@ -33,6 +33,7 @@ from autoplan.graph.diagnose import (
 from autoplan.graph.fake import on_fake_cpu
 from autoplan.graph.ir import Graph
 from autoplan.graph.passes import (
+    casts_to_readers,
     decomposed,
     drop_checks,
     inline_regions,
@@ -40,7 +41,8 @@ from autoplan.graph.passes import (
     refuse_other_writes,
     tie_parameters,
 )
-from autoplan.precision import autocast, autocast_device
+from autoplan.modes import Precision
+from autoplan.precision import autocast_device, computing, loss_input, model_input
 from autoplan.torch_private.aten_export import ATEN_EXPORT, export_aten
 from autoplan.torch_private.flex_op import traced_flex_attention
 
@@ -50,7 +52,8 @@ class TrainStep(nn.Module):
     a ``loss_fn`` the model computes its own loss: its output, or the output's ``loss``
     (Hugging Face's ``ModelOutput``, or a dict with a "loss"). The last ``len(keywords)``
     inputs are passed to ``model`` by those names (see `keywords`). With a ``precision``
-    (`autoplan.precision`) model and loss run under ``torch.autocast`` of its dtype."""
+    (`autoplan.precision`) model and loss run in it: under ``torch.autocast`` of its dtype,
+    or (bf16-params) on the parameters and inputs cast to bf16, the loss on a float32 output."""
 
     def __init__(
         self,
@@ -67,16 +70,17 @@ class TrainStep(nn.Module):
         self.device_type = autocast_device(model.parameters())
 
     def forward(self, *args: Any) -> Any:
-        with autocast(self.precision, self.device_type):
+        with computing(self.precision, self.model, self.device_type):
             return self._loss(*args)
 
     def _loss(self, *args: Any) -> Any:
         inputs, target = (args, None) if self.loss_fn is None else (args[:-1], args[-1])
+        inputs = tuple(model_input(self.precision, a) for a in inputs)
         positional = len(inputs) - len(self.keywords)
         named = dict(zip(self.keywords, inputs[positional:], strict=True))
         output = self.model(*inputs[:positional], **named)
         if self.loss_fn is not None:
-            return self.loss_fn(output, target)
+            return self.loss_fn(loss_input(self.precision, output), target)
         if isinstance(output, Mapping) and "loss" in output:
             return output["loss"]
         return output
@@ -193,6 +197,8 @@ def export_step(
     drop_checks(ep)
     refuse_data_dependent(ep, model)  # what only the dropped checks read is gone
     tie_parameters(ep)
+    if precision == Precision.BF16_PARAMS:
+        casts_to_readers(ep)
     return ep
 
 

@@ -1,7 +1,7 @@
 """Passes over an exported step before it becomes the graph IR: regions export wraps
 (autocast, no_grad) inlined, functionalized where it mutates (batch norm in training made of
-its reductions), shape checks dropped, tied parameters made one, and writes in forward to
-anything but buffers refused."""
+its reductions), shape checks dropped, tied parameters made one, parameters' casts moved to
+their readers, and writes in forward to anything but buffers refused."""
 
 from __future__ import annotations
 
@@ -165,6 +165,32 @@ def tie_parameters(ep: ExportedProgram) -> None:
         specs = ep.graph_signature.input_specs
         specs[:] = [spec for spec in specs if spec.arg.name not in aliases]
         ep.graph_module.recompile()
+
+
+def casts_to_readers(ep: ExportedProgram) -> None:
+    """Each op that reads parameters alone (bf16-params' cast of each parameter, made as the
+    step begins, `autoplan.precision.computing`) moved to just before its reader, one copy
+    for each op that reads it: the cast of a layer's weight sits with the layer, so that a
+    pipeline stage casts its own weights rather than receiving them, and a tied weight's
+    readers (an embedding and a head, stages apart) cast it each."""
+    params = {
+        spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
+    }
+    graph = ep.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        reads = node.all_input_nodes
+        if node.op != "call_function" or not reads or not node.users:
+            continue
+        if not all(r.op == "placeholder" and r.name in params for r in reads):
+            continue
+        first, *others = sorted(node.users, key=order.__getitem__)
+        first.prepend(node)
+        for user in others:
+            with graph.inserting_before(user):
+                copy = graph.node_copy(node)
+            user.replace_input_with(node, copy)
+    ep.graph_module.recompile()
 
 
 def _is_check(node: torch.fx.Node) -> bool:

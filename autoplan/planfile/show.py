@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from autoplan.graph.flops import GROUPED_MMS
 from autoplan.graph.recompute import FUSED_ATTENTION
+from autoplan.modes import Precision
 from autoplan.planfile.schema import Plan
 from autoplan.planfile.sections import ParamPlan, Pipeline, Placements, Stage
 from autoplan.schedules import SPLIT_BACKWARD, V_SHAPED, simulate
@@ -326,11 +327,12 @@ def _pipeline_lines(plan: Plan, pipeline: Pipeline) -> list[str]:
 
 
 def _precision_line(precision: str) -> str:
-    scaling = ", with dynamic loss scaling" if precision == "fp16" else ""
-    return (
-        f"mixed precision: {precision} compute under autocast{scaling}; float32 parameters, "
-        "gradients and optimizer state"
-    )
+    if precision == Precision.BF16_PARAMS:
+        how = "bf16 compute on the parameters cast to bf16 (every op in bf16, the loss float32)"
+    else:
+        scaling = ", with dynamic loss scaling" if precision == Precision.FP16 else ""
+        how = f"{precision} compute under autocast{scaling}"
+    return f"mixed precision: {how}; float32 parameters, gradients and optimizer state"
 
 
 def recompute_lines(plan: Plan) -> list[str]:

@@ -766,6 +766,29 @@ CASES = [
     # the weights gathered in bf16 after each update, waited for where forward reads them
     Case("gpt-zero1-bf16", "gpt", GPT, zero12(1), precision="bf16"),
     Case("gpt-2x2-bf16", "gpt", {**GPT, "batch_size": 8}, own((2, 2)), precision="bf16"),
+    # the parameters cast to bf16 and every op in bf16 (FSDP2's param_dtype, Megatron's --bf16)
+    Case(
+        "gpt-2x2-bf16-params",
+        "gpt",
+        {**GPT, "batch_size": 8},
+        own((2, 2)),
+        precision="bf16-params",
+    ),
+    Case(
+        "gpt-pipeline-2x2-bf16-params",
+        "gpt",
+        GPT,
+        pipeline(stages=2, microbatches=2, mesh=(2,)),
+        precision="bf16-params",
+        pipelined=True,
+    ),
+    Case(
+        "zoo-llama-zero3-bf16-params",
+        "zoo",
+        {"model": "llama", "batch_size": 64, "seq_len": 32},
+        lambda w: zero3(w, (4,)),
+        precision="bf16-params",
+    ),
     Case(
         "gpt-baseline-sp-2x2-bf16",
         "gpt",

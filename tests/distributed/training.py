@@ -11,7 +11,6 @@ import torch
 
 import autoplan
 from autoplan.execute.step import OPTIMIZERS
-from autoplan.precision import autocast
 from autoplan.workload import Workload
 
 STEPS = 3
@@ -33,16 +32,15 @@ def reference(
     init_scale: float = 2.0**16,
 ) -> dict[str, Any]:
     """``w`` trained ``steps`` steps in this process alone: losses, first gradients, params.
-    With a mixed ``precision``, forward and loss run under ``torch.autocast`` of its dtype,
-    and fp16 with torch's ``GradScaler`` (from ``init_scale``): the steps it skipped and its
+    With a mixed ``precision``, forward and loss run in it (`Workload.loss`), and fp16 with
+    torch's ``GradScaler`` (from ``init_scale``): the steps it skipped and its
     scales are returned too."""
     model = copy.deepcopy(w.model)
     opt = OPTIMIZERS[optimizer](model.parameters(), **(options or {"lr": LR}))  # type: ignore[arg-type]
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=precision == "fp16")
     losses, grads, scales = [], {}, []
     for i in range(steps):
-        with autocast(precision, "cpu"):
-            loss = w.loss(model)
+        loss = w.loss(model, precision)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         if max_grad_norm is not None:
