@@ -1,7 +1,8 @@
 """Predicted against published throughput: each configuration of
 `benchmarks/published_configs.py` (torchtitan's Llama 3.1 runs on H100s, Megatron-Core's GPT
 table on H100s), priced as its conventional plan (`autoplan.baseline`'s, with the same
-dp/tp/pp, FSDP or distributed optimizer, sequence parallelism and recomputation, bf16 with
+dp/tp/pp, FSDP or distributed optimizer, sequence parallelism and recomputation; bf16
+parameters with every op in bf16, as FSDP2's param_dtype and Megatron's --bf16 compute, and
 float32 gradient reduction) on the cluster file of its hardware, at its full layer count.
 
 The figure is the source's: tokens/s per GPU = global batch x sequence / step / GPUs, or
@@ -62,7 +63,7 @@ PROFILED = "h100-sxm-8-profiled.json"
 SHOWN = ("config", "published", "predicted", "ratio", "ratio_profiled", "memory_gib")
 SHOWN += ("price_s", "error")
 OPTIONS = PlanOptions(
-    mixed_precision=Precision.BF16, reduce_dtype=ReduceDtype.FP32, memory_fraction=1.0
+    mixed_precision=Precision.BF16_PARAMS, reduce_dtype=ReduceDtype.FP32, memory_fraction=1.0
 )
 
 
@@ -287,7 +288,8 @@ def main() -> None:
         "configurations": "benchmarks/published_configs.py (each row's source, notes, assumed)",
         "predicted": "autoplan.baseline's plan of the same degrees on costmodels/h100-sxm-8.json"
         " (datasheet peaks x assumed efficiencies); _profiled: on h100-sxm-8-profiled.json "
-        "(one H100 measured); full layer counts, bf16 with float32 gradient reduction; "
+        "(one H100 measured); full layer counts, bf16-params (every op in bf16) with float32 "
+        "gradient reduction; "
         "priced whether or not the predicted memory fits (memory_gib; fits: within the "
         "device's memory), since the published run did",
         "torchtitan hardware": "its H100s have 96 GB HBM2e at 2.4 TB/s and 500 W: the files' "

@@ -85,6 +85,7 @@ def test_bf16_params_casts_each_parameter_once_and_computes_every_op_in_bf16(
     for cast in casts[:-1]:  # each just before its reader (after its other casts)
         after = next(n for n in nodes[nodes.index(cast) :] if n.op != CAST)
         assert cast.name in {r.name for r in after.refs}, (cast.name, after.name)
+        assert cast.module_path == after.module_path  # in its layer, for the stage cut
     computed = [n for n in graph if n.kind == NodeKind.OP and n.op not in (CAST, VIEW)]
     float32 = {n.op for n in computed if n.outputs and n.output.dtype == "float32"}
     assert float32 == {"aten.cross_entropy_loss.default"}, float32

@@ -169,10 +169,10 @@ def tie_parameters(ep: ExportedProgram) -> None:
 
 def casts_to_readers(ep: ExportedProgram) -> None:
     """Each op that reads parameters alone (bf16-params' cast of each parameter, made as the
-    step begins, `autoplan.precision.computing`) moved to just before its reader, one copy
-    for each op that reads it: the cast of a layer's weight sits with the layer, so that a
-    pipeline stage casts its own weights rather than receiving them, and a tied weight's
-    readers (an embedding and a head, stages apart) cast it each."""
+    step begins, `autoplan.precision.computing`) moved to just before its reader, in the
+    reader's module, one copy for each op that reads it: the cast of a layer's weight is in
+    the layer, so that a pipeline stage casts its own weights rather than receiving them, and
+    a tied weight's readers (an embedding and a head, stages apart) cast it each."""
     params = {
         spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.PARAMETER
     }
@@ -186,11 +186,21 @@ def casts_to_readers(ep: ExportedProgram) -> None:
             continue
         first, *others = sorted(node.users, key=order.__getitem__)
         first.prepend(node)
+        _in_module_of(node, first)
         for user in others:
             with graph.inserting_before(user):
                 copy = graph.node_copy(node)
+            _in_module_of(copy, user)
             user.replace_input_with(node, copy)
     ep.graph_module.recompile()
+
+
+def _in_module_of(node: torch.fx.Node, reader: torch.fx.Node) -> None:
+    """``node`` traced as if in ``reader``'s module (`autoplan.graph.convert.module_path`)."""
+    if "nn_module_stack" in reader.meta:
+        node.meta["nn_module_stack"] = dict(reader.meta["nn_module_stack"])
+    else:
+        node.meta.pop("nn_module_stack", None)
 
 
 def _is_check(node: torch.fx.Node) -> bool:
