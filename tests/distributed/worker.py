@@ -12,6 +12,7 @@ import json
 import operator
 import os
 import sys
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -568,7 +569,10 @@ def main() -> None:
     for case in CASES:
         if case.world == world and (only is None or case.name in only.split(",")):
             torch.manual_seed(0)
+            start = time.perf_counter()
             results[case.name] = isolated(case, c)
+            if dist.get_rank() == 0:  # in the rank's log: where a slow run spends its time
+                print(f"case {case.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if only is None:
         _other_checks(c, world, out, results)
     if dist.get_rank() == 0:
